@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Train with the debug model on CPU (or GPUs): ./run_train.sh [--section.field=value ...]
+#   NGPU=N        local processes (ranks) of this job; on CPU too (gloo). Default 1.
+#   CONFIG_FILE   TOML config. Default: the debug model's.
+#   LOG_RANK      ranks whose output is shown, comma-separated. Default 0.
+#   PYTHON        interpreter. Default: .venv/bin/python if present, else python3.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+NGPU=${NGPU:-1}
+LOG_RANK=${LOG_RANK:-0}
+CONFIG_FILE=${CONFIG_FILE:-./torchtitan/models/llama3/train_configs/debug_model.toml}
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+
+if [[ "$NGPU" == 1 ]]; then
+  exec "$PYTHON" -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@"
+fi
+exec "$PYTHON" -m torch.distributed.run --nproc_per_node="$NGPU" --local-ranks-filter "$LOG_RANK" \
+  --role rank --tee 3 --standalone \
+  -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@"

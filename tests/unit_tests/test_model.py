@@ -1,0 +1,211 @@
+"""Llama 3 model, its args, loss and the train-spec registry (tiny models, CPU)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from torchtitan.components.loss import build_cross_entropy_loss, cross_entropy_loss
+from torchtitan.config.job_config import JobConfig
+from torchtitan.models import get_train_spec, train_spec_names
+from torchtitan.models.llama3 import (
+    Transformer,
+    TransformerModelArgs,
+    llama3_configs,
+    parallelize_llama,
+)
+
+VOCAB = 258
+
+
+def tiny_args(**overrides: object) -> TransformerModelArgs:
+    args = copy.deepcopy(llama3_configs["debugmodel_small"])
+    args.max_seq_len = 32
+    for name, value in overrides.items():
+        setattr(args, name, value)
+    return args
+
+
+def build(args: TransformerModelArgs, seed: int = 0) -> Transformer:
+    model = Transformer(args)
+    torch.manual_seed(seed)
+    model.init_weights()
+    return model
+
+
+def test_forward_returns_float32_logits_of_shape_batch_seq_vocab() -> None:
+    model = build(tiny_args())
+    tokens = torch.randint(0, VOCAB, (3, 17))
+    logits = model(tokens)
+    assert logits.shape == (3, 17, VOCAB)
+    assert logits.dtype == torch.float32
+    assert torch.isfinite(logits).all()
+
+
+def test_sequence_longer_than_max_seq_len_is_rejected() -> None:
+    model = build(tiny_args(max_seq_len=8))
+    with pytest.raises(ValueError, match="max_seq_len=8"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_param_count_matches_num_flops_per_token() -> None:
+    for flavor in ("debugmodel", "debugmodel_small"):
+        args = llama3_configs[flavor]
+        with torch.device("meta"):
+            model = Transformer(args)
+        n_params, flops = args.num_flops_per_token(256)
+        assert n_params == sum(p.numel() for p in model.parameters())
+        embedding = args.vocab_size * args.dim
+        head_dim = args.dim // args.n_heads
+        attention = 12 * args.n_layers * args.n_heads * head_dim * 256
+        assert flops == 6 * (n_params - embedding) + attention
+    assert llama3_configs["debugmodel"].num_params() == 4_854_016
+
+
+def test_published_flavor_sizes() -> None:
+    # Llama 3 / 3.1 8B, 70B and 405B parameter counts, in billions.
+    expected = {"8B": 8.03, "70B": 70.55, "405B": 405.85}
+    for flavor, billions in expected.items():
+        assert llama3_configs[flavor].num_params() / 1e9 == pytest.approx(billions, abs=0.01)
+    assert llama3_configs["8B"].ffn_hidden_dim == 14336
+
+
+def test_update_from_config_sets_vocab_and_seq_len() -> None:
+    job_config = JobConfig()
+    job_config.training.seq_len = 123
+    args = tiny_args()
+    args.update_from_config(job_config, vocab_size=1000)
+    assert (args.vocab_size, args.max_seq_len) == (1000, 123)
+
+
+def test_future_tokens_do_not_change_earlier_logits() -> None:
+    model = build(tiny_args())
+    tokens = torch.randint(0, VOCAB, (2, 16))
+    changed = tokens.clone()
+    changed[:, 10:] = (changed[:, 10:] + 1) % VOCAB
+    with torch.no_grad():
+        a, b = model(tokens), model(changed)
+    torch.testing.assert_close(a[:, :10], b[:, :10])
+    assert not torch.allclose(a[:, 10:], b[:, 10:])
+
+
+def test_grouped_query_attention_has_fewer_kv_weights() -> None:
+    model = build(tiny_args(n_heads=4, n_kv_heads=1))
+    attention = model.layers["0"].attention
+    assert attention.wq.weight.shape == (64, 64)
+    assert attention.wk.weight.shape == (16, 64)
+    assert attention.wv.weight.shape == (16, 64)
+    assert model(torch.randint(0, VOCAB, (2, 8))).shape == (2, 8, VOCAB)
+
+
+def test_gqa_equals_mha_with_repeated_kv_heads() -> None:
+    gqa = build(tiny_args(n_heads=4, n_kv_heads=2))
+    mha = Transformer(tiny_args(n_heads=4, n_kv_heads=4))
+    state = gqa.state_dict()
+    for i in ("0", "1"):
+        for name in ("wk", "wv"):
+            key = f"layers.{i}.attention.{name}.weight"
+            # [kv_heads * head_dim, dim] -> every kv head serves two consecutive query heads.
+            state[key] = state[key].unflatten(0, (2, 16)).repeat_interleave(2, 0).flatten(0, 1)
+    mha.load_state_dict(state)
+    tokens = torch.randint(0, VOCAB, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(gqa(tokens), mha(tokens))
+
+
+def test_invalid_head_counts_name_the_field() -> None:
+    with pytest.raises(ValueError, match="n_kv_heads=3"):
+        Transformer(tiny_args(n_heads=4, n_kv_heads=3))
+    with pytest.raises(ValueError, match="n_heads=5"):
+        Transformer(tiny_args(n_heads=5))
+
+
+def test_meta_build_then_init_equals_cpu_build_with_same_seed() -> None:
+    args = tiny_args()
+    cpu = build(args, seed=7)
+    with torch.device("meta"):
+        meta = Transformer(args)
+    meta.to_empty(device="cpu")
+    torch.manual_seed(7)
+    meta.init_weights()
+    for (name, a), (_, b) in zip(cpu.state_dict().items(), meta.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    # The rotary tables are buffers outside the state dict; init_weights rebuilds them.
+    torch.testing.assert_close(cpu.rope_cos, meta.rope_cos, rtol=0, atol=0)
+    torch.testing.assert_close(cpu.rope_sin, meta.rope_sin, rtol=0, atol=0)
+    tokens = torch.randint(0, VOCAB, (2, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(cpu(tokens), meta(tokens), rtol=0, atol=0)
+
+
+def test_init_is_deterministic_and_depth_scaled() -> None:
+    a, b = build(tiny_args(), seed=3), build(tiny_args(), seed=3)
+    for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(x, y), name
+    assert not torch.equal(a.output.weight, build(tiny_args(), seed=4).output.weight)
+    std = [a.layers[i].attention.wo.weight.std().item() for i in ("0", "1")]
+    assert std[1] < std[0]
+
+
+def test_module_names_are_layers_by_index() -> None:
+    model = Transformer(tiny_args())
+    children = [name for name, _ in model.named_children()]
+    assert children == ["tok_embeddings", "layers", "norm", "output"]
+    names = {name for name, _ in model.named_modules()}
+    assert {"layers.0", "layers.1", "tok_embeddings", "norm", "output"} <= names
+    assert "layers.0.attention.wq.weight" in dict(model.named_parameters())
+    assert not any(key.startswith("rope") for key in model.state_dict())
+
+
+def test_tiny_model_overfits_one_batch() -> None:
+    torch.manual_seed(0)
+    model = build(tiny_args())
+    tokens = torch.randint(0, VOCAB, (4, 33))
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(30):
+        loss = cross_entropy_loss(model(inputs), labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(math.log(VOCAB), abs=0.5)
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_cross_entropy_ignores_minus_100_and_averages_over_tokens() -> None:
+    logits = torch.randn(2, 3, 5, dtype=torch.bfloat16)
+    labels = torch.tensor([[1, 2, -100], [0, -100, 4]])
+    loss = cross_entropy_loss(logits, labels)
+    keep = labels != -100
+    expected = torch.nn.functional.cross_entropy(logits[keep].float(), labels[keep])
+    assert loss.dtype == torch.float32 and loss.ndim == 0
+    torch.testing.assert_close(loss, expected)
+    assert build_cross_entropy_loss(JobConfig()) is cross_entropy_loss
+
+
+def test_activation_checkpointing_keeps_names_and_gradients() -> None:
+    tokens = torch.randint(0, VOCAB, (2, 16))
+    grads = []
+    for mode in ("none", "full"):
+        job_config = JobConfig()
+        job_config.activation_checkpoint.mode = mode
+        model = parallelize_llama(build(tiny_args()), None, job_config)
+        cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], msg=name)
+
+
+def test_train_spec_registry() -> None:
+    spec = get_train_spec("llama3")
+    assert spec.model_cls is Transformer
+    assert "debugmodel" in spec.model_args
+    assert "llama3" in train_spec_names()
+    with pytest.raises(KeyError, match="known: llama3"):
+        get_train_spec("gpt5")

@@ -1,0 +1,1 @@
+"""A PyTorch-native LLM training platform with fault-tolerant, semi-synchronous training."""

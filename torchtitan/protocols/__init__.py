@@ -1,0 +1,3 @@
+from torchtitan.protocols.train_spec import ModelArgs, TrainSpec
+
+__all__ = ["ModelArgs", "TrainSpec"]

@@ -1,0 +1,47 @@
+"""What the trainer needs to know about a model family, so that it stays model-agnostic."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from torchtitan.config.job_config import JobConfig
+
+
+class ModelArgs(Protocol):
+    """The hyper-parameters of one model size (a "flavor")."""
+
+    n_layers: int
+
+    def update_from_config(self, job_config: JobConfig, vocab_size: int) -> None:
+        """Fill in what depends on the run: vocabulary size, maximum sequence length."""
+
+    def num_flops_per_token(self, seq_len: int) -> tuple[int, float]:
+        """(parameter count, training FLOPs per token: forward + backward)."""
+
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """A model family: its module class, its flavors, and how to parallelize it.
+
+    ``model_cls(args)`` builds the model (on any device, including ``meta``);
+    ``model.init_weights()`` initialises it; ``model(tokens)`` returns logits
+    ``[batch, seq, vocab]``. ``parallelize_fn(model, dp_mesh, job_config)`` applies activation
+    checkpointing, compile and FSDP2 over ``dp_mesh`` (None: a single rank) and returns the model.
+    """
+
+    name: str
+    model_cls: type[nn.Module]
+    model_args: Mapping[str, ModelArgs]
+    parallelize_fn: Callable[[nn.Module, DeviceMesh | None, JobConfig], nn.Module]
+    build_loss_fn: Callable[[JobConfig], LossFn]

@@ -1,0 +1,356 @@
+"""The trainer: builds every component from the config and runs the training loop.
+
+Read top to bottom: ``__init__`` builds (device and ranks, fault tolerance, tokenizer, data,
+model, optimizer, schedule, checkpointer, metrics); ``train`` is the loop; ``train_step`` is one
+optimizer step. Subclasses (experiments) change behaviour through the small named extension
+points marked "Extension point" rather than by copying this file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.ft import FTManager, build_ft_manager, register_healing_state
+from torchtitan.components.lr_scheduler import build_lr_scheduler
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.optimizer import OptimizerState, build_optimizer
+from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.config.job_config import JobConfig
+from torchtitan.config.manager import write_toml
+from torchtitan.datasets.text import build_dataloader
+from torchtitan.distributed import ParallelDims, init_distributed
+from torchtitan.models import get_train_spec
+from torchtitan.tools.logging import logger
+
+
+class ModelState:
+    """Checkpoint/heal view of the model: FQN-keyed, FSDP2 shards kept as DTensors."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state_dict, options=StateDictOptions(strict=True))
+
+
+class TrainState:
+    """Counters that must survive a restart: the step and the tokens seen so far."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.tokens_seen = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = int(state_dict["step"])
+        self.tokens_seen = int(state_dict["tokens_seen"])
+
+
+@dataclass
+class StepResult:
+    """What one ``train_step`` reports: loss and gradient norm (averaged over the job's ranks),
+    and whether the step was committed (always True without fault tolerance)."""
+
+    loss: float
+    grad_norm: float
+    committed: bool = True
+
+
+class Trainer:
+    """Trains ``job_config.model`` on ``job_config.training.dataset``."""
+
+    def __init__(self, job_config: JobConfig) -> None:
+        self.job_config = job_config
+        self.dump_folder = Path(job_config.job.dump_folder)
+        training = job_config.training
+
+        if training.deterministic:
+            # cuBLAS needs a fixed workspace for deterministic matmuls.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+        if training.seed is None:
+            logger.warning("training.seed is unset: using seed 0 for the model initialisation")
+        self.seed = training.seed if training.seed is not None else 0
+
+        if training.gc_freq > 0:
+            gc.disable()  # collect on a schedule, not in the middle of a step
+        self.parallel_dims: ParallelDims = init_distributed(job_config)
+        self.device = self.parallel_dims.device
+        self.train_state = TrainState()
+
+        self.tokenizer = build_tokenizer(job_config)
+        self.dataloader = build_dataloader(
+            job_config,
+            self.tokenizer,
+            self.parallel_dims.data_rank,
+            self.parallel_dims.data_world_size,
+            split="train",
+        )
+        self.val_dataloader = None
+        if job_config.validation.enable:
+            self.val_dataloader = build_dataloader(
+                job_config,
+                self.tokenizer,
+                self.parallel_dims.data_rank,
+                self.parallel_dims.data_world_size,
+                split="validation",
+            )
+
+        self.train_spec = get_train_spec(job_config.model.name)
+        self.model_args = copy.deepcopy(self.train_spec.model_args[job_config.model.flavor])
+        self.model_args.update_from_config(job_config, self.tokenizer.vocab_size)
+        self.model = self.build_model()
+        self.loss_fn = self.train_spec.build_loss_fn(job_config)
+        n_params, self.flops_per_token = self.model_args.num_flops_per_token(training.seq_len)
+        logger.info(
+            f"Model {job_config.model.name}/{job_config.model.flavor}: {n_params:,} parameters, "
+            f"{self.flops_per_token / 1e6:.1f} MFLOPs per token, on {self.device}"
+        )
+
+        self.optimizer = self.build_optimizer(self.model)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, job_config)
+
+        # The one registry of state: checkpoints save it, fault-tolerant healing sends it.
+        self.states: dict[str, Stateful] = {
+            "model": ModelState(self.model),
+            "optimizer": OptimizerState(self.model, self.optimizer),
+            "lr_scheduler": self.lr_scheduler,
+            "dataloader": self.dataloader,
+            "train_state": self.train_state,
+        }
+        self.ft: FTManager | None = None
+        self.ft = self.build_ft_manager()
+        if self.ft is not None:
+            # The Manager's own step must survive a whole-job restart (checkpoints only: a
+            # joiner gets it from torchft itself when healing).
+            self.register_state("ft_manager", self.ft.manager, heal=False)
+        self.checkpointer = CheckpointManager(job_config, self.states)
+
+        tb_folder = None
+        if job_config.metrics.enable_tensorboard and self.parallel_dims.is_main_rank:
+            tb_folder = self.dump_folder / job_config.metrics.save_tb_folder
+            if job_config.fault_tolerance.enable:
+                tb_folder = tb_folder / f"replica_{job_config.fault_tolerance.replica_id}"
+        self.metrics = MetricsProcessor(job_config, self.device, self.flops_per_token, tb_folder)
+
+    # ---- building blocks (extension points) --------------------------------------------------
+
+    def build_model(self) -> nn.Module:
+        """Build, parallelize and initialise the model.
+
+        On CPU the full model is initialised before sharding, so every rank count starts from
+        the same weights as one process. On GPU it is built on ``meta`` and materialised shard
+        by shard, so a 70B model never exists whole on one device.
+        """
+        torch.manual_seed(self.seed)
+        dp_mesh = self.parallel_dims.dp_mesh
+        if self.device.type == "cpu":
+            model = self.train_spec.model_cls(self.model_args)
+            model.init_weights()
+            return self.train_spec.parallelize_fn(model, dp_mesh, self.job_config)
+        with torch.device("meta"):
+            model = self.train_spec.model_cls(self.model_args)
+        model = self.train_spec.parallelize_fn(model, dp_mesh, self.job_config)
+        model.to_empty(device=self.device)
+        with torch.no_grad():
+            model.init_weights(buffer_device=self.device)
+        return model
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """Extension point: the inner optimizer."""
+        return build_optimizer(model, self.job_config)
+
+    def build_ft_manager(self) -> FTManager | None:
+        """Extension point: the torchft Manager (None without ``fault_tolerance.enable``).
+
+        The default runs synchronous fault-tolerant data parallel: gradients are averaged
+        across replica groups every step.
+        """
+        return build_ft_manager(self.job_config, self.parallel_dims, self.states)
+
+    def register_state(self, name: str, state: Stateful, *, heal: bool = True) -> None:
+        """Extension point: add state that checkpoints save and (with ``heal``) that a live
+        peer sends to a joining replica group."""
+        if name in self.states:
+            raise ValueError(f"state {name!r} is already registered")
+        self.states[name] = state
+        if heal and self.ft is not None:
+            register_healing_state(self.ft.manager, name, state)
+
+    #: Before step 1, wait until every replica group is in the quorum (synchronous FT).
+    wait_for_all_groups: bool = True
+
+    def train_context(self) -> contextlib.AbstractContextManager:
+        """Extension point: a context entered around the whole training loop."""
+        return contextlib.nullcontext()
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward, loss and backward on one batch; returns the (detached) loss."""
+        logits = self.model(inputs)
+        loss = self.loss_fn(logits, labels)
+        del logits  # free the largest activation before backward allocates gradients
+        loss.backward()
+        return loss.detach()
+
+    def clip_gradients(self) -> torch.Tensor:
+        """Clip to ``training.max_norm`` (0: no clipping); returns the total gradient norm."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.job_config.training.max_norm
+        norm = torch.nn.utils.clip_grad_norm_(
+            params, max_norm if max_norm > 0 else float("inf"), foreach=True
+        )
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return norm
+
+    def train_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> StepResult:
+        """Extension point: one optimizer step on one batch.
+
+        With fault tolerance, the step starts a quorum, averages gradients across the live
+        replica groups and is applied only if every group agrees (``should_commit``); an
+        uncommitted step leaves parameters and optimizer untouched.
+        """
+        self.optimizer.zero_grad()
+        if self.ft is not None:
+            self.ft.start_step()
+        loss = self.forward_backward(inputs, labels)
+        if self.ft is not None:
+            self.ft.allreduce_gradients(self.model)
+        grad_norm = self.clip_gradients()
+        if self.ft is not None and not self.ft.should_commit():
+            return StepResult(self._mean_over_job(loss), grad_norm.item(), committed=False)
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        return StepResult(self._mean_over_job(loss), grad_norm.item())
+
+    def _mean_over_job(self, value: torch.Tensor) -> float:
+        if self.parallel_dims.world_size > 1:
+            value = value.clone()
+            dist.all_reduce(value, op=dist.ReduceOp.AVG)
+        return value.item()
+
+    # ---- validation --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        """Mean loss over ``validation.steps`` batches of the held-out split (all ranks)."""
+        assert self.val_dataloader is not None
+        self.model.eval()
+        max_batches = self.job_config.validation.steps
+        total = torch.zeros(2, device=self.device)  # sum of batch losses, batch count
+        batches = iter(self.val_dataloader)
+        while max_batches < 0 or total[1] < max_batches:
+            batch = next(batches, None)
+            # Every rank must run the same number of forwards (FSDP all-gathers in each):
+            # stop as soon as any rank runs out of validation data.
+            have = torch.tensor([0.0 if batch is None else 1.0], device=self.device)
+            if self.parallel_dims.world_size > 1:
+                dist.all_reduce(have, op=dist.ReduceOp.MIN)
+            if have.item() == 0:
+                break
+            inputs, labels = (t.to(self.device) for t in batch)
+            total[0] += self.loss_fn(self.model(inputs), labels).float()
+            total[1] += 1
+        self.model.train()
+        if self.parallel_dims.world_size > 1:
+            dist.all_reduce(total)
+        return (total[0] / total[1].clamp(min=1)).item()
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Training batches on the training device, forever (the dataloader loops epochs)."""
+        for inputs, labels in self.dataloader:
+            yield inputs.to(self.device), labels.to(self.device)
+
+    def train(self) -> None:
+        """Resume if a checkpoint exists, then train until ``training.steps``."""
+        cfg = self.job_config
+        self.checkpointer.load()
+        if self.parallel_dims.is_main_rank:
+            self.dump_folder.mkdir(parents=True, exist_ok=True)
+            write_toml(cfg, self.dump_folder / self.config_file_name())
+        total_steps = cfg.training.steps
+        tokens_per_batch = cfg.training.local_batch_size * cfg.training.seq_len
+        logger.info(
+            f"Training steps {self.train_state.step + 1}..{total_steps}, "
+            f"{tokens_per_batch} tokens per batch per rank, dump folder {self.dump_folder}"
+        )
+        batches = self.batches()
+        if self.ft is not None and self.wait_for_all_groups and self.train_state.step == 0:
+            self.ft.wait_for_full_quorum()
+        with self.train_context():
+            while self.train_state.step < total_steps:
+                inputs, labels = next(batches)
+                self.metrics.count(inputs.numel())
+                result = self.train_step(inputs, labels)
+                if not result.committed:
+                    logger.warning(
+                        f"step {self.train_state.step + 1} not committed (a replica group "
+                        "failed during it); retrying with the next batch"
+                    )
+                    continue
+                self.train_state.step += 1
+                self.train_state.tokens_seen += inputs.numel()
+                self.after_step(result)
+        self.metrics.close()
+        logger.info(f"Training finished after step {self.train_state.step}")
+
+    def after_step(self, result: StepResult) -> None:
+        """Logging, validation, checkpointing and housekeeping after a committed step."""
+        cfg = self.job_config
+        step = self.train_state.step
+        last = step == cfg.training.steps
+        if step == 1 or step % cfg.metrics.log_freq == 0 or last:
+            self.metrics.log_step(step, result.loss, result.grad_norm)
+        start = time.perf_counter()
+        if self.val_dataloader is not None and (step % cfg.validation.freq == 0 or last):
+            val_loss = self.validate()
+            logger.info(
+                f"validation: step {step}  loss: {val_loss:.4f}  "
+                f"({time.perf_counter() - start:.1f}s)"
+            )
+            self.metrics.write_scalars(step, {"validation/loss": val_loss})
+        if self.checkpointer.should_save(step, last):
+            self.checkpointer.save(step)
+        if cfg.training.gc_freq > 0 and step % cfg.training.gc_freq == 0:
+            gc.collect(1)
+        self.metrics.exclude_time(time.perf_counter() - start)
+
+    def config_file_name(self) -> str:
+        ft = self.job_config.fault_tolerance
+        return f"config_replica_{ft.replica_id}.toml" if ft.enable else "config.toml"
+
+    def close(self) -> None:
+        """Release the process groups and the torchft Manager."""
+        if self.ft is not None:
+            self.ft.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
