@@ -40,6 +40,7 @@ from torchtitan.config.manager import write_toml
 from torchtitan.datasets.text import build_dataloader
 from torchtitan.distributed import ParallelDims, init_distributed
 from torchtitan.models import get_train_spec
+from torchtitan.tools.digest import tensor_digest
 from torchtitan.tools.logging import logger
 
 
@@ -161,24 +162,17 @@ class Trainer:
     # ---- building blocks (extension points) --------------------------------------------------
 
     def build_model(self) -> nn.Module:
-        """Build, parallelize and initialise the model.
-
-        On CPU the full model is initialised before sharding, so every rank count starts from
-        the same weights as one process. On GPU it is built on ``meta`` and materialised shard
-        by shard, so a 70B model never exists whole on one device.
-        """
-        torch.manual_seed(self.seed)
-        dp_mesh = self.parallel_dims.dp_mesh
-        if self.device.type == "cpu":
-            model = self.train_spec.model_cls(self.model_args)
-            model.init_weights()
-            return self.train_spec.parallelize_fn(model, dp_mesh, self.job_config)
+        """Build the model on ``meta``, parallelize it, then materialise and initialise it
+        shard by shard: a 70B model never exists whole on one device, and the weights are the
+        same for every rank count (``init_weights`` draws full tensors and keeps its shard)."""
         with torch.device("meta"):
             model = self.train_spec.model_cls(self.model_args)
-        model = self.train_spec.parallelize_fn(model, dp_mesh, self.job_config)
+        model = self.train_spec.parallelize_fn(model, self.parallel_dims.dp_mesh, self.job_config)
         model.to_empty(device=self.device)
+        torch.manual_seed(self.seed)
         with torch.no_grad():
             model.init_weights(buffer_device=self.device)
+        model.train()
         return model
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
@@ -329,8 +323,11 @@ class Trainer:
         step = self.train_state.step
         last = step == cfg.training.steps
         if step == 1 or step % cfg.metrics.log_freq == 0 or last:
-            self.metrics.log_step(step, result.loss, result.grad_norm)
+            extra = f"  groups: {self.ft.manager.num_participants()}" if self.ft else ""
+            self.metrics.log_step(step, result.loss, result.grad_norm, extra)
         start = time.perf_counter()
+        if cfg.metrics.log_param_digest and self.ft is not None and self.wait_for_all_groups:
+            logger.info(f"param_digest step {step}: {tensor_digest(self.model.parameters())}")
         if self.val_dataloader is not None and (step % cfg.validation.freq == 0 or last):
             val_loss = self.validate()
             logger.info(

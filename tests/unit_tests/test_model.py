@@ -131,7 +131,7 @@ def test_meta_build_then_init_equals_cpu_build_with_same_seed() -> None:
     meta.to_empty(device="cpu")
     torch.manual_seed(7)
     meta.init_weights()
-    for (name, a), (_, b) in zip(cpu.state_dict().items(), meta.state_dict().items()):
+    for (name, a), (_, b) in zip(cpu.state_dict().items(), meta.state_dict().items(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
     # The rotary tables are buffers outside the state dict; init_weights rebuilds them.
     torch.testing.assert_close(cpu.rope_cos, meta.rope_cos, rtol=0, atol=0)
@@ -143,7 +143,7 @@ def test_meta_build_then_init_equals_cpu_build_with_same_seed() -> None:
 
 def test_init_is_deterministic_and_depth_scaled() -> None:
     a, b = build(tiny_args(), seed=3), build(tiny_args(), seed=3)
-    for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters()):
+    for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         assert torch.equal(x, y), name
     assert not torch.equal(a.output.weight, build(tiny_args(), seed=4).output.weight)
     std = [a.layers[i].attention.wo.weight.std().item() for i in ("0", "1")]
@@ -209,3 +209,49 @@ def test_train_spec_registry() -> None:
     assert "llama3" in train_spec_names()
     with pytest.raises(KeyError, match="known: llama3"):
         get_train_spec("gpt5")
+
+
+def _fsdp_worker(rank: int, world_size: int, port: int, reference: dict[str, torch.Tensor]) -> None:
+    """One rank of ``test_fsdp_matches_single_process``: init and train step under FSDP2."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+    try:
+        job_config = JobConfig()
+        job_config.activation_checkpoint.mode = "full"
+        with torch.device("meta"):
+            model = Transformer(tiny_args())
+        parallelize_llama(model, init_device_mesh("cpu", (world_size,)), job_config)
+        model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        model.init_weights()
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(value.full_tensor(), reference[f"init.{name}"], msg=name)
+        tokens = reference["tokens"].chunk(world_size)[rank]
+        cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(param.grad.full_tensor(), reference[f"grad.{name}"])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_matches_single_process() -> None:
+    """2 gloo ranks: sharded init equals 1-rank init, and gradients equal the full batch's."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    model = build(tiny_args())
+    tokens = torch.randint(0, VOCAB, (4, 17), generator=torch.Generator().manual_seed(1))
+    reference = {f"init.{k}": v.clone() for k, v in model.state_dict().items()}
+    cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+    reference |= {f"grad.{k}": p.grad for k, p in model.named_parameters()}
+    reference["tokens"] = tokens
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_fsdp_worker, args=(2, port, reference), nprocs=2)

@@ -148,4 +148,3 @@ class CheckpointManager:
                 "corrupt or was written by a different model/config. Move it away to start "
                 f"fresh, or set checkpoint.load_step to another step in {folder.parent}."
             ) from e
-

@@ -24,8 +24,10 @@ Failure semantics (synchronous FT; see the README for the full story):
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -174,17 +176,36 @@ def register_healing_state(manager: Any, name: str, state: Stateful) -> None:
     manager.register_state_dict_fn(name, load, save)
 
 
+def _quiet_known_torchft_noise() -> None:
+    """Drop messages torchft 0.2.0 prints on every heal or quorum that say nothing to a user:
+    a non-writable-buffer warning and a pytree deprecation inside its checkpoint transport,
+    and a flight-recorder notice that only concerns NCCL."""
+    warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+    warnings.filterwarnings("ignore", r".*isinstance\(treespec, LeafSpec\)", FutureWarning)
+
+    class _NoFlightRecorderNotice(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return "flight recorder" not in record.getMessage()
+
+    logging.getLogger("torchft.manager").addFilter(_NoFlightRecorderNotice())
+
+
 def build_ft_manager(
     job_config: JobConfig,
     parallel_dims: ParallelDims,
     states: dict[str, Stateful],
     *,
     use_async_quorum: bool = True,
+    init_sync: bool = True,
 ) -> FTManager | None:
     """The Manager of this rank, from ``[fault_tolerance]``; None when it is off."""
     ft = job_config.fault_tolerance
     if not ft.enable:
         return None
+    # torchft's Rust side logs every quorum and commit at INFO; keep its warnings only
+    # unless the user asked otherwise (RUST_LOG=info shows them again).
+    os.environ.setdefault("RUST_LOG", "warn")
+    _quiet_known_torchft_noise()
     from torchft import Manager
     from torchft.checkpointing.pg_transport import PGTransport
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
@@ -214,7 +235,7 @@ def build_ft_manager(
         replica_id=f"replica_{ft.replica_id}",
         hostname=ft.hostname,
         checkpoint_transport=transport,
-        init_sync=True,
+        init_sync=init_sync,
     )
     for name, state in states.items():
         if name not in NOT_HEALED:

@@ -339,6 +339,11 @@ class Metrics:
     disable_color_printing: bool = False
     """Plain log lines without ANSI colours."""
 
+    log_param_digest: bool = False
+    """Log a SHA-256 digest of the parameters (local shards) after every committed step, and
+    of the global parameters after every semi-sync sync: equal digests across replica groups
+    mean bit-identical weights. Costs one pass over the parameters per log."""
+
     cpu_peak_flops: float = 0.0
     """Peak FLOP/s of this CPU, for ``mfu`` on CPU. 0: measure a matmul peak once at start-up.
     Negative: report mfu as n/a."""

@@ -91,4 +91,3 @@ def init_distributed(job_config: JobConfig) -> ParallelDims:
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard",))
     logger.info(f"Process group up: {backend}, {world_size} ranks, FSDP2 over dp_shard")
     return ParallelDims(device, rank, world_size, mesh, replica_id, groups)
-

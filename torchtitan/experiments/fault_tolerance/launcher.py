@@ -115,6 +115,10 @@ class Launcher:
             TORCHFT_MANAGER_PORT=str(free_port()),
             PYTHONUNBUFFERED="1",
         )
+        # Groups on one machine share its cores: give each rank its share instead of letting
+        # every process start a thread per core and fight over them.
+        threads = max(1, (os.cpu_count() or 1) // (a.groups * a.ngpu))
+        env.setdefault("OMP_NUM_THREADS", str(threads))
         cmd = [
             str(REPO_ROOT / "run_train.sh"),
             "--fault_tolerance.enable",
@@ -234,18 +238,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--groups", type=int, default=2, help="replica groups (default 2)")
     parser.add_argument("--ngpu", type=int, default=1, help="ranks per group (NGPU; default 1)")
-    parser.add_argument("--min-replicas", type=int, default=1,
-                        help="lighthouse --min_replicas: fewest groups for a quorum (default 1)")
-    parser.add_argument("--heartbeat-timeout-ms", type=int, default=2000,
-                        help="a group silent this long is dropped from the quorum (default 2000)")
-    parser.add_argument("--join-timeout-ms", type=int, default=10000,
-                        help="how long the lighthouse waits for heartbeating stragglers")
-    parser.add_argument("--kill", type=_kill_spec, action="append", default=[],
-                        metavar="R@S", help="SIGKILL group R once it logs step S (repeatable)")
-    parser.add_argument("--kill-every", type=float, default=0.0, metavar="T",
-                        help="SIGKILL a random running group every T seconds (0: off)")
-    parser.add_argument("--restart-after", type=float, default=5.0, metavar="D",
-                        help="restart a killed group after D seconds (default 5)")
+    parser.add_argument(
+        "--min-replicas",
+        type=int,
+        default=1,
+        help="lighthouse --min_replicas: fewest groups for a quorum (default 1)",
+    )
+    parser.add_argument(
+        "--heartbeat-timeout-ms",
+        type=int,
+        default=2000,
+        help="a group silent this long is dropped from the quorum (default 2000)",
+    )
+    parser.add_argument(
+        "--join-timeout-ms",
+        type=int,
+        default=10000,
+        help="how long the lighthouse waits for heartbeating stragglers",
+    )
+    parser.add_argument(
+        "--kill",
+        type=_kill_spec,
+        action="append",
+        default=[],
+        metavar="R@S",
+        help="SIGKILL group R once it logs step S (repeatable)",
+    )
+    parser.add_argument(
+        "--kill-every",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="SIGKILL a random running group every T seconds (0: off)",
+    )
+    parser.add_argument(
+        "--restart-after",
+        type=float,
+        default=5.0,
+        metavar="D",
+        help="restart a killed group after D seconds (default 5)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of --kill-every's choices")
     parser.add_argument("--show-lighthouse", action="store_true",
                         help="also print the lighthouse's own log")  # fmt: skip

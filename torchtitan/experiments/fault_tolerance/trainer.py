@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.components.ft import FTManager, build_ft_manager
 from torchtitan.config.job_config import JobConfig
+from torchtitan.tools.digest import tensor_digest
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import StepResult, Trainer
 
@@ -194,8 +195,15 @@ class SemiSyncTrainer(Trainer):
     def build_ft_manager(self) -> FTManager | None:
         if self.method is None:
             return super().build_ft_manager()
+        # Every group initialises the model from the same seed, so the step-0 weight sync
+        # (init_sync) is not needed; with it, all but one group would throw away their first
+        # sync period.
         return build_ft_manager(
-            self.job_config, self.parallel_dims, self.states, use_async_quorum=False
+            self.job_config,
+            self.parallel_dims,
+            self.states,
+            use_async_quorum=False,
+            init_sync=False,
         )
 
     def train_context(self) -> contextlib.AbstractContextManager:
@@ -279,3 +287,16 @@ class SemiSyncTrainer(Trainer):
         if norm != "n/a":
             scalars["sync/pseudo_grad_norm"] = self._pseudo_grad_norm
         self.metrics.write_scalars(step, scalars)
+        if self.job_config.metrics.log_param_digest:
+            logger.info(f"global_digest sync {manager.current_step()}: {self.global_digest()}")
+
+    def global_digest(self) -> str:
+        """Digest of the global parameters every group should hold after a sync: DiLoCo's
+        global copies of all fragments, or LocalSGD's averaged model parameters."""
+        if self.method == "diloco":
+            return tensor_digest(
+                t
+                for fragment in self.algorithm._fragments
+                for t in fragment.original_parameters.values()
+            )
+        return tensor_digest(self.model.parameters())

@@ -7,8 +7,7 @@ fault-tolerance experiment's fragments address the model by those names.
 
 from __future__ import annotations
 
-import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -62,7 +61,13 @@ def apply_activation_checkpointing(block: nn.Module) -> None:
     Non-reentrant checkpointing works with FSDP2 (its pre-backward hook gathers the parameters
     before the recompute) and with torch.compile.
     """
-    block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    forward = block.forward
+
+    # A plain closure, not functools.partial: torch.compile skips a partial forward silently.
+    def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    block.forward = checkpointed_forward
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, job_config: JobConfig) -> None:

@@ -1,0 +1,21 @@
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration_tests.harness import FTJob
+
+
+@pytest.fixture
+def ft_job(tmp_path: Path) -> Iterator:
+    """Factory of real lighthouse + replica-group jobs; every process is killed at teardown."""
+    jobs: list[FTJob] = []
+
+    def make(**kwargs) -> FTJob:
+        job = FTJob(tmp_path, **kwargs)
+        jobs.append(job)
+        return job
+
+    yield make
+    for job in jobs:
+        job.close()
