@@ -21,6 +21,7 @@ a bad value raises :class:`ConfigError` naming the field.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -33,7 +34,7 @@ import sys
 import tomllib
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
@@ -91,19 +92,43 @@ class ConfigManager:
             config_cls = merge_configs(config_cls, self.custom_module.JobConfig)
 
         defaults = apply_toml(config_cls(), toml_data)
-        config = tyro.cli(
-            config_cls,
-            args=args,
-            default=defaults,
-            description=_class_doc(config_cls),
-            registry=_cli_registry(),
-            # Bools are parsed by our rule below (bare flag or explicit value), not as
-            # tyro's --x/--no-x pairs.
-            config=(tyro.conf.FlagConversionOff,),
-            use_underscores=True,  # --help shows the names as written in TOML
-        )
+        with _indented_docstrings_as_paragraphs():
+            config = tyro.cli(
+                config_cls,
+                prog=_PROG,
+                args=args,
+                default=defaults,
+                description=_class_doc(config_cls),
+                registry=_cli_registry(),
+                # Bools are parsed by our rule below (bare flag or explicit value), not as
+                # tyro's --x/--no-x pairs.
+                config=(tyro.conf.FlagConversionOff,),
+                use_underscores=True,  # --help shows the names as written in TOML
+            )
         validate_config(config)
         return config
+
+
+_PROG = "./run_train.sh (or python -m torchtitan.train)"
+
+
+@contextlib.contextmanager
+def _indented_docstrings_as_paragraphs() -> Iterator[None]:
+    """Make ``--help`` flow multi-line field docstrings as one paragraph.
+
+    tyro joins a docstring's lines only when a line starts with a letter, and it reads our
+    attribute docstrings before removing their indentation, so every continuation line would
+    start a new help line. Cleaning the indentation first (``inspect.cleandoc``) fixes that;
+    the patch lives only for the duration of one ``tyro.cli`` call.
+    """
+    from tyro import _strings
+
+    original = _strings.remove_single_line_breaks
+    _strings.remove_single_line_breaks = lambda text: original(inspect.cleandoc(text))
+    try:
+        yield
+    finally:
+        _strings.remove_single_line_breaks = original
 
 
 def validate_config(config: Any) -> None:
