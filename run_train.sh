@@ -4,6 +4,8 @@
 #   CONFIG_FILE   TOML config. Default: the debug model's.
 #   LOG_RANK      ranks whose output is shown, comma-separated. Default 0.
 #   PYTHON        interpreter. Default: .venv/bin/python if present, else python3.
+# With NGPU > 1 it runs torchrun (--standalone) through torchtitan.tools.loopback_torchrun, so that
+# torchrun's own stores listen on 127.0.0.1 only.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -14,9 +16,16 @@ if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
 
+for arg in "$@"; do
+  if [[ "$arg" == -h || "$arg" == --help ]]; then NGPU=1; fi  # help once, not once per rank
+done
 if [[ "$NGPU" == 1 ]]; then
   exec "$PYTHON" -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@"
 fi
-exec "$PYTHON" -m torch.distributed.run --nproc_per_node="$NGPU" --local-ranks-filter "$LOG_RANK" \
-  --role rank --tee 3 --standalone \
+# Check the config once before starting NGPU ranks: a bad value then gives one error line,
+# not one per rank followed by torchrun's failure report.
+"$PYTHON" -c 'import sys; from torchtitan.train import check_config; sys.exit(check_config())' \
+  --job.config_file "$CONFIG_FILE" "$@"
+exec "$PYTHON" -m torchtitan.tools.loopback_torchrun --nproc_per_node="$NGPU" \
+  --local-ranks-filter "$LOG_RANK" --role rank --tee 3 --standalone \
   -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@"

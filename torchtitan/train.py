@@ -3,12 +3,16 @@
 The trainer class is ``torchtitan.trainer.Trainer`` unless the custom args module
 (``--job.custom_args_module``) names another one in its module attribute ``TRAINER``, written
 ``"package.module:ClassName"``. That is how an experiment swaps in its trainer subclass.
+
+Exit status: 0 when training finished; 2 for a bad command line or config (one ``error:`` line,
+or tyro's usage box for flag syntax); 1 for a problem found while starting or training (one
+``ERROR`` log line naming it: a checkpoint that cannot be loaded, a dataset that is not there);
+130 after Ctrl-C. Anything else is a bug and shows its traceback.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 from types import ModuleType
 
@@ -24,21 +28,28 @@ def resolve_trainer_class(custom_module: ModuleType | None) -> type:
 
         return Trainer
     module_name, _, class_name = path.partition(":")
-    return getattr(importlib.import_module(module_name), class_name)
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(
+            "job.custom_args_module",
+            custom_module.__name__,
+            f"its TRAINER = {path!r} does not name a class ({e}); write 'package.module:Class'",
+        ) from e
+    return cls
 
 
-def _start_local_store() -> None:
-    """A single-process job still needs a TCP store for torchft's Manager: torchrun provides
-    one (MASTER_ADDR/MASTER_PORT); without torchrun, host one on loopback."""
-    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-        return
-    from torch.distributed import TCPStore
-
-    store = TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    _start_local_store.store = store  # type: ignore[attr-defined]  # keep it alive
+def check_config(argv: list[str] | None = None) -> int:
+    """Parse and validate the config only, as :func:`main` does before training: 0 when it is
+    good, else the exit status (2) after the same one-line error. ``run_train.sh`` runs this
+    once before it starts several ranks, so that a bad flag gives one error line rather than
+    one per rank plus torchrun's failure report."""
+    try:
+        ConfigManager().parse_args(argv)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,16 +65,22 @@ def main(argv: list[str] | None = None) -> int:
     logger.info(f"Job: {config.job.description}")
 
     from torchtitan.components.checkpoint import CheckpointError
+    from torchtitan.components.ft import FaultToleranceError, confine_to_host
 
-    if config.fault_tolerance.enable:
-        _start_local_store()
     trainer = None
     try:
+        if config.fault_tolerance.enable:
+            # torchft's Manager needs a TCP store; everything listens on fault_tolerance.hostname
+            confine_to_host(config)
         trainer = resolve_trainer_class(manager.custom_module)(config)
         trainer.train()
-    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, CheckpointError, FaultToleranceError, FileNotFoundError, ValueError) as e:
         logger.error(f"{type(e).__name__}: {e}")
         return 1
+    except KeyboardInterrupt:
+        step = trainer.train_state.step if trainer is not None else 0
+        logger.warning(f"Interrupted by the user after step {step}")
+        return 130
     finally:
         if trainer is not None:
             trainer.close()

@@ -30,9 +30,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from torchtitan.components.checkpoint import CheckpointManager
-from torchtitan.components.ft import FTManager, build_ft_manager, register_healing_state
+from torchtitan.components.ft import FTManager, build_ft_manager
 from torchtitan.components.lr_scheduler import build_lr_scheduler
-from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.metrics import MetricsProcessor, metrics_file
 from torchtitan.components.optimizer import OptimizerState, build_optimizer
 from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.config.job_config import JobConfig
@@ -157,7 +157,10 @@ class Trainer:
             tb_folder = self.dump_folder / job_config.metrics.save_tb_folder
             if job_config.fault_tolerance.enable:
                 tb_folder = tb_folder / f"replica_{job_config.fault_tolerance.replica_id}"
-        self.metrics = MetricsProcessor(job_config, self.device, self.flops_per_token, tb_folder)
+        jsonl = metrics_file(job_config) if self.parallel_dims.is_main_rank else None
+        self.metrics = MetricsProcessor(
+            job_config, self.device, self.flops_per_token, tb_folder, jsonl
+        )
 
     # ---- building blocks (extension points) --------------------------------------------------
 
@@ -194,7 +197,7 @@ class Trainer:
             raise ValueError(f"state {name!r} is already registered")
         self.states[name] = state
         if heal and self.ft is not None:
-            register_healing_state(self.ft.manager, name, state)
+            self.ft.register_state(name, state)
 
     #: Before step 1, wait until every replica group is in the quorum (synchronous FT).
     wait_for_all_groups: bool = True
@@ -288,6 +291,7 @@ class Trainer:
         """Resume if a checkpoint exists, then train until ``training.steps``."""
         cfg = self.job_config
         self.checkpointer.load()
+        self.metrics.start(self.train_state.step)
         if self.parallel_dims.is_main_rank:
             self.dump_folder.mkdir(parents=True, exist_ok=True)
             write_toml(cfg, self.dump_folder / self.config_file_name())

@@ -11,8 +11,10 @@ def ft_job(tmp_path: Path) -> Iterator:
     """Factory of real lighthouse + replica-group jobs; every process is killed at teardown."""
     jobs: list[FTJob] = []
 
-    def make(**kwargs) -> FTJob:
-        job = FTJob(tmp_path, **kwargs)
+    def make(folder: Path | None = None, **kwargs) -> FTJob:
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+        job = FTJob(folder or tmp_path, **kwargs)
         jobs.append(job)
         return job
 

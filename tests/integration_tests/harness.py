@@ -8,6 +8,7 @@ use it through the ``ft_job`` fixture (``conftest.py``) or as a context manager.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import signal
@@ -15,12 +16,22 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from torchtitan.experiments.fault_tolerance.launcher import (
+    JOB_ENV,
+    kill_tree,
+    process_tree,
+    processes_with_env,
+)
+
 REPO = Path(__file__).resolve().parents[2]
 LIGHTHOUSE = str(Path(sys.executable).parent / "torchft_lighthouse")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 STEP_LINE = re.compile(r"step:\s+(\d+)\s+loss:\s+([0-9.]+)")
+RANK_PREFIX = re.compile(r"\[rank(\d+)\]:")
 PARAM_DIGEST = re.compile(r"param_digest step (\d+): ([0-9a-f]+)")
 GLOBAL_DIGEST = re.compile(r"global_digest sync (\d+): ([0-9a-f]+)")
 SYNC_LINE = re.compile(r"\[semi-sync\] step (\d+) sync: .*?(committed|NOT committed)")
@@ -39,6 +50,9 @@ FAST_ARGS = [
     "--fault_tolerance.quorum_timeout_s=60",
     "--fault_tolerance.timeout_s=30",
 ]
+# Steps of a few hundred ms (the debug model's full flavor): slow enough to kill a group at a
+# chosen step from outside, fast enough for a test.
+PACED_ARGS = ["--model.flavor=debugmodel", "--training.seq_len=128"]
 SEMI_SYNC_MODULE = "--job.custom_args_module=torchtitan.experiments.fault_tolerance.job_config"
 
 
@@ -58,7 +72,9 @@ class GroupRun:
     started: float = field(default_factory=time.monotonic)
 
     def text(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
+        """The log so far, without ANSI colour codes (step lines are coloured)."""
+        raw = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return ANSI.sub("", raw)
 
 
 class FTJob:
@@ -70,8 +86,10 @@ class FTJob:
         ngpu: int = 1,
         heartbeat_timeout_ms: int = 2000,
         min_replicas: int = 1,
+        dump_folder: Path | None = None,
     ) -> None:
         self.folder = folder
+        self.dump_folder = dump_folder or folder / "dump"
         self.groups = groups
         self.train_args = list(train_args or [])
         self.ngpu = ngpu
@@ -81,6 +99,8 @@ class FTJob:
         self.lighthouse_addr = ""
         self.runs: dict[int, list[GroupRun]] = {}
         self._procs: list[subprocess.Popen] = []
+        # In every group's environment: finds workers that outlived their torchrun.
+        self.job_id = uuid.uuid4().hex
 
     # ---- processes -----------------------------------------------------------------------
 
@@ -128,9 +148,10 @@ class FTJob:
             OMP_NUM_THREADS="1",
             PYTHON=sys.executable,
         )
+        env[JOB_ENV] = self.job_id
         cmd = [
             str(REPO / "run_train.sh"),
-            f"--job.dump_folder={self.folder / 'dump'}",
+            f"--job.dump_folder={self.dump_folder}",
             "--fault_tolerance.enable",
             f"--fault_tolerance.replica_id={replica_id}",
             f"--fault_tolerance.group_size={self.groups}",
@@ -153,19 +174,33 @@ class FTJob:
         return self
 
     def kill(self, replica_id: int) -> None:
-        """SIGKILL the latest start of a group, with all its processes."""
+        """SIGKILL the latest start of a group, with all its processes (torchrun's workers
+        live in sessions of their own: the whole tree is killed, PID by PID)."""
         run = self.runs[replica_id][-1]
         if run.proc.poll() is None:
-            os.killpg(run.proc.pid, signal.SIGKILL)
+            kill_tree(run.proc.pid)
         run.proc.wait(timeout=30)
+
+    def pids(self) -> list[int]:
+        """Every live process of the job: lighthouse, groups, torchrun workers."""
+        found = set(processes_with_env(JOB_ENV, self.job_id))
+        for proc in self._procs:
+            if proc.poll() is None:
+                found.update(process_tree(proc.pid))
+        return sorted(found)
 
     def close(self) -> None:
         for proc in self._procs:
             if proc.poll() is None:
                 try:
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    kill_tree(proc.pid)
                 except ProcessLookupError:
                     pass
+        for pid in processes_with_env(JOB_ENV, self.job_id):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         for proc in self._procs:
             try:
                 proc.wait(timeout=30)
@@ -232,5 +267,84 @@ def digests(text: str, pattern: re.Pattern[str]) -> dict[int, str]:
     return {int(m.group(1)): m.group(2) for m in pattern.finditer(text)}
 
 
+def digests_by_rank(
+    text: str, pattern: re.Pattern[str] = PARAM_DIGEST
+) -> dict[int, dict[int, str]]:
+    """{rank: {step: digest}} from a log of a group with several ranks (lines prefixed
+    ``[rankR]:`` by torchrun); a single-process group's lines count as rank 0."""
+    found: dict[int, dict[int, str]] = {}
+    for line in text.splitlines():
+        match = pattern.search(line)
+        if match is None:
+            continue
+        rank = RANK_PREFIX.match(line)
+        found.setdefault(int(rank.group(1)) if rank else 0, {})[int(match.group(1))] = match.group(
+            2
+        )
+    return found
+
+
 def losses(text: str) -> dict[int, float]:
     return {int(m.group(1)): float(m.group(2)) for m in STEP_LINE.finditer(text)}
+
+
+def listening_sockets(pids: list[int]) -> list[tuple[int, str, int]]:
+    """(pid, local address, port) of every listening TCP socket that one of ``pids`` holds,
+    read from ``/proc/<pid>/fd`` (socket inodes) and ``/proc/net/tcp{,6}``."""
+    listening: dict[int, tuple[str, int]] = {}
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] != "0A":  # TCP_LISTEN
+                continue
+            hex_addr, hex_port = fields[1].split(":")
+            listening[int(fields[9])] = (_proc_net_address(hex_addr, width), int(hex_port, 16))
+    found = []
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inode = int(target[8:-1])
+                if inode in listening:
+                    found.append((pid, *listening[inode]))
+    return found
+
+
+def _proc_net_address(hex_addr: str, width: int) -> str:
+    """The address of a ``/proc/net/tcp{,6}`` entry (little-endian 32-bit words)."""
+    raw = bytes.fromhex(hex_addr)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    family = socket.AF_INET if width == 8 else socket.AF_INET6
+    return socket.inet_ntop(family, words)
+
+
+TORCHFT_DEFAULT_PORTS = {29510, 29512}
+
+
+def check_loopback_only(pids: list[int]) -> list[tuple[int, str, int]]:
+    """The listening sockets of ``pids``; fails if one is beyond loopback or on a torchft
+    default port."""
+    sockets = listening_sockets(pids)
+    exposed = [s for s in sockets if not ipaddress.ip_address(s[1]).is_loopback]
+    assert not exposed, f"listening beyond loopback: {exposed}"
+    on_defaults = [s for s in sockets if s[2] in TORCHFT_DEFAULT_PORTS]
+    assert not on_defaults, f"listening on torchft's default ports: {on_defaults}"
+    return sockets
+
+
+def command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return "?"

@@ -417,36 +417,48 @@ class FaultTolerance:
     from a live peer."""
 
     replica_id: int = 0
-    """This replica group's index, in ``[0, group_size)``."""
+    """This replica group's index, in ``[0, group_size)``. It also picks the group's slice of
+    the data and its checkpoint folder (``checkpoint/replica_<id>``)."""
 
     group_size: int = 0
-    """Number of replica groups in the job (not ranks per group)."""
+    """Number of replica groups in the job (not ranks per group). A new job trains its first
+    step only once all of them are in the quorum, so the first group up does not train alone."""
 
     min_replica_size: int = 1
-    """Fewest replica groups that may train; with fewer alive, survivors wait."""
+    """Fewest replica groups that may train a step once the job has started. With fewer alive,
+    the survivors commit nothing: they wait (logging that they do every so often) for up to
+    ``quorum_timeout_s``, then fail."""
 
     process_group: Literal["auto", "gloo", "nccl"] = "auto"
     """Backend of the fault-tolerant process group across replica groups. ``auto``: nccl on
     cuda, gloo on cpu."""
 
     process_group_timeout_ms: int = 10000
-    """Timeout of one collective across replica groups; a hung group is dropped after it."""
+    """Timeout of one collective across replica groups: the longest a survivor waits inside a
+    step for a group that hangs (a group that dies fails the collective at once); that step is
+    then not committed."""
 
     lighthouse: str = ""
-    """Lighthouse address, e.g. ``http://127.0.0.1:29510``. Empty: env ``TORCHFT_LIGHTHOUSE``."""
+    """Lighthouse address, ``http://HOST:PORT``. Empty: env ``TORCHFT_LIGHTHOUSE``."""
 
     quorum_timeout_s: float = 60.0
-    """How long a group waits for a quorum before failing."""
+    """How long a group waits for a quorum it can train in (all ``group_size`` groups before
+    the job's first step, ``min_replica_size`` after) before failing with an error."""
 
     connect_timeout_s: float = 10.0
-    """How long to wait when connecting to the lighthouse and to peers before failing."""
+    """How long to wait when connecting to the lighthouse and to peers before failing (no
+    lighthouse at the address: the group exits with an error naming it after this long)."""
 
     timeout_s: float = 60.0
-    """Timeout of the Manager's own operations: should_commit, fetching healing state."""
+    """Timeout of the Manager's own operations: ``should_commit`` and sending or receiving
+    the healing state."""
 
     hostname: str = "127.0.0.1"
-    """Address this group advertises to peers (and binds its manager and checkpoint server to).
-    Default loopback; set the cluster interface's address for multi-host runs."""
+    """Address this group advertises to the lighthouse and to the other groups, and the address
+    its own listeners bind to (torchft's manager server; the TCP store of a one-process group;
+    gloo, through ``GLOO_SOCKET_IFNAME``, when it is a loopback address). Default 127.0.0.1:
+    every group on this machine. Multi-host: this host's address on the network the groups
+    share (see docs/fault_tolerance.md)."""
 
     def validate(self, config: JobConfig) -> None:
         if not self.enable:

@@ -1,0 +1,112 @@
+"""Synchronous fault tolerance across replica groups, with a real lighthouse and real groups.
+
+* Two groups train in lockstep and hold bit-identical parameters after every committed step.
+* SIGKILL one group mid-run: the survivor stalls for a time bounded by the configured timeouts
+  (measured here and reported by the survivor itself), then keeps committing alone; the killed
+  group, restarted, heals from the survivor and is bit-identical to it from its first committed
+  step; the job finishes.
+* The same with two ranks per group (FSDP2 inside each group): a joiner's sharded optimizer
+  state is rebuilt from the peer's shards; and the job listens on loopback only.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+from tests.integration_tests.harness import (
+    FAST_ARGS,
+    PACED_ARGS,
+    PARAM_DIGEST,
+    STEP_LINE,
+    check_loopback_only,
+    digests,
+    digests_by_rank,
+)
+
+HEARTBEAT_TIMEOUT_MS = 2000  # the harness's lighthouse default
+PG_TIMEOUT_MS = 5000  # FAST_ARGS' fault_tolerance.process_group_timeout_ms
+GROUPS_IN_STEP = re.compile(r"step:\s+(\d+)\s.*groups: (\d+)")
+STALL = re.compile(r"\[ft\] step (\d+): committed by (\d+) group\(s\).*stall: ([0-9.]+)s")
+ALONE = re.compile(r"step:\s+(\d+)\s.*groups: 1\b")
+HEALED = re.compile(r"\[ft\] step (\d+): healed from a live peer \((.*)\) in ([0-9.]+)s")
+
+
+def test_two_groups_train_bit_identical(ft_job):
+    job = ft_job(train_args=[*FAST_ARGS, "--training.steps=30"]).start()
+    assert job.wait_exit(0, 240) == 0
+    assert job.wait_exit(1, 60) == 0
+    d0, d1 = digests(job.all_text(0), PARAM_DIGEST), digests(job.all_text(1), PARAM_DIGEST)
+    assert sorted(d0) == sorted(d1) == list(range(1, 31))
+    assert d0 == d1, "parameters differ between the groups after a committed step"
+    sizes = {int(m.group(2)) for m in GROUPS_IN_STEP.finditer(job.all_text(0))}
+    assert sizes == {2}, f"every step should be averaged over both groups, saw {sizes}"
+    print(f"\n[ft test] 30 steps, 2 groups, identical digests; last {d0[30]}")
+
+
+def _kill_restart_heal(ft_job, ngpu: int, steps: int) -> None:
+    job = ft_job(ngpu=ngpu, train_args=[*FAST_ARGS, *PACED_ARGS, f"--training.steps={steps}"])
+    job.start()
+    job.wait_for(1, r"step:\s+10\s", timeout=240)
+    if ngpu > 1:  # torchrun's stores and in-group gloo too (test_ft_exposure: one rank)
+        sockets = check_loopback_only(job.pids())
+        print(f"\n[ft test] ngpu={ngpu}: {len(sockets)} listening sockets, all on loopback")
+    killed_at = time.monotonic()
+    job.kill(1)
+    steps_at_kill = max(int(m.group(1)) for m in STEP_LINE.finditer(job.latest(0).text()))
+
+    # The survivor goes on alone; its first commit after the failure reports the stall.
+    stall_match = job.wait_for(0, STALL, timeout=60)[0]
+    measured_stall = time.monotonic() - killed_at
+    reported_stall = float(stall_match.group(3))
+    bound = (HEARTBEAT_TIMEOUT_MS + PG_TIMEOUT_MS) / 1000 + 3.0
+    print(
+        f"\n[ft test] ngpu={ngpu}: group 1 SIGKILLed at survivor step {steps_at_kill}; survivor "
+        f"committed step {stall_match.group(1)} alone {measured_stall:.2f}s after the kill "
+        f"(its own report: stall {reported_stall:.2f}s since its previous commit; bound "
+        f"{bound:.1f}s = heartbeat {HEARTBEAT_TIMEOUT_MS} ms + process group "
+        f"{PG_TIMEOUT_MS} ms + 3 s)"
+    )
+    assert stall_match.group(2) == "1"
+    assert measured_stall < bound and reported_stall < bound
+
+    # Restart at once: the survivor trains alone while the group starts up (seconds).
+    restarted_at = time.monotonic()
+    joiner = job.start_group(1)
+    first = int(job.wait_for(1, STEP_LINE, timeout=180)[0].group(1))
+    rejoin_seconds = time.monotonic() - restarted_at
+    healed = job.wait_for(1, HEALED, timeout=10)[0]
+    print(
+        f"[ft test] ngpu={ngpu}: restarted group 1 healed at step {healed.group(1)} "
+        f"({healed.group(2)}) in {float(healed.group(3)):.2f}s (quorum + transfer); first "
+        f"committed step {first}, {rejoin_seconds:.1f}s after the restart (incl. start-up)"
+    )
+    assert "model" in healed.group(2) and "optimizer" in healed.group(2)
+    assert "lr_scheduler" in healed.group(2) and "train_state" in healed.group(2)
+    assert "dataloader" not in healed.group(2)
+
+    assert job.wait_exit(0, 300) == 0
+    assert job.wait_exit(1, 60) == 0
+    alone = sorted({int(m.group(1)) for m in ALONE.finditer(job.all_text(0))})
+    assert alone and alone[0] > steps_at_kill and alone[-1] < first
+    print(f"[ft test] ngpu={ngpu}: the survivor committed steps {alone[0]}..{alone[-1]} alone")
+    survivor = digests_by_rank(job.all_text(0))
+    rejoined = digests_by_rank(joiner.text())
+    assert sorted(survivor) == sorted(rejoined) == list(range(ngpu))
+    for rank in range(ngpu):
+        assert min(rejoined[rank]) == first
+        for step, digest in rejoined[rank].items():
+            assert survivor[rank][step] == digest, f"rank {rank} differs at step {step}"
+        assert max(rejoined[rank]) == max(survivor[rank]) == steps
+    print(
+        f"[ft test] ngpu={ngpu}: joiner bit-identical to the survivor from its first committed "
+        f"step {first} to step {steps}"
+    )
+
+
+def test_killed_group_heals_bit_identical(ft_job):
+    _kill_restart_heal(ft_job, ngpu=1, steps=40)
+
+
+def test_killed_fsdp_group_heals_bit_identical(ft_job):
+    _kill_restart_heal(ft_job, ngpu=2, steps=50)

@@ -1,0 +1,229 @@
+"""FTManager's per-step protocol against a scripted stand-in for torchft's Manager: which
+quorums it trains in, how it waits (bounded, and visibly), and what it reports after a stall."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from torchtitan.components.ft import FaultToleranceError, FTManager, _Watchdog
+from torchtitan.config import JobConfig
+from torchtitan.tools.logging import logger
+
+
+class ScriptedManager:
+    """Quorums come from a script of (groups in the quorum, step after the quorum); the last
+    entry repeats. ``should_commit`` fails after ``report_error``, else commits."""
+
+    def __init__(self, quorums: list[tuple[int, int]], step: int = 0) -> None:
+        self.script = list(quorums)
+        self.step = step
+        self.size = 0
+        self.calls: list[str] = []
+        self.error: Exception | None = None
+
+    def start_quorum(self, timeout: object = None) -> None:
+        self.calls.append("quorum")
+        self.size, self.step = self.script.pop(0) if len(self.script) > 1 else self.script[0]
+        self.error = None
+
+    def wait_quorum(self) -> None:
+        pass
+
+    def num_participants(self) -> int:
+        return self.size
+
+    def current_step(self) -> int:
+        return self.step
+
+    def report_error(self, e: Exception) -> None:
+        self.error = e
+
+    def should_commit(self) -> bool:
+        self.calls.append("commit" if self.error is None else "skip")
+        if self.error is None:
+            self.step += 1
+        return self.error is None
+
+    def shutdown(self, wait: bool = True) -> None:
+        pass
+
+
+def make_ft(
+    manager: ScriptedManager,
+    groups: int = 2,
+    min_replica_size: int = 1,
+    quorum_timeout_s: float = 30,
+) -> FTManager:
+    config = JobConfig()
+    ft = config.fault_tolerance
+    ft.enable, ft.group_size, ft.replica_id = True, groups, 0
+    ft.min_replica_size, ft.quorum_timeout_s = min_replica_size, quorum_timeout_s
+    ft.lighthouse = "http://127.0.0.1:1"
+    return FTManager(manager, config, poll_s=0.01)
+
+
+@pytest.fixture
+def records() -> Iterator[list[str]]:
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    handler = Keep()
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    yield messages
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def test_new_job_skips_quorums_until_every_group_is_in():
+    manager = ScriptedManager([(1, 0), (1, 0), (2, 0)])
+    ft = make_ft(manager)
+    ft.wait_for_full_quorum()
+    # Two quorums of one group were closed without training; the third is kept for step 1.
+    assert manager.calls == ["quorum", "skip", "quorum", "skip", "quorum"]
+    ft.start_step()
+    assert manager.calls[-1] == "quorum"  # no new quorum: the held one is used
+    ft.shutdown()
+
+
+def test_running_job_trains_with_min_replica_size_groups():
+    manager = ScriptedManager([(1, 7)], step=7)
+    ft = make_ft(manager)
+    ft.start_step()
+    assert manager.calls == ["quorum"]
+    assert ft.should_commit()
+    ft.shutdown()
+
+
+def test_a_joiner_healed_to_a_running_step_goes_on_at_once():
+    # A fresh group (step 0) whose quorum healed it to step 12 is in a running job.
+    manager = ScriptedManager([(1, 12)], step=0)
+    ft = make_ft(manager)
+    ft.wait_for_full_quorum()
+    assert manager.calls == ["quorum"]
+    ft.shutdown()
+
+
+def test_too_few_groups_wait_then_fail_clearly():
+    manager = ScriptedManager([(1, 5)], step=5)
+    ft = make_ft(manager, min_replica_size=2, quorum_timeout_s=0.3)
+    start = time.monotonic()
+    with pytest.raises(FaultToleranceError, match=r"quorum_timeout_s.*min_replica_size"):
+        ft.start_step()
+    assert time.monotonic() - start < 5
+    assert "commit" not in manager.calls  # never trained alone
+    ft.shutdown()
+
+
+def test_new_job_timeout_names_group_size():
+    manager = ScriptedManager([(1, 0)])
+    ft = make_ft(manager, quorum_timeout_s=0.2)
+    with pytest.raises(FaultToleranceError, match="group_size"):
+        ft.wait_for_full_quorum()
+    ft.shutdown()
+
+
+def test_quorum_error_names_the_lighthouse():
+    class Broken(ScriptedManager):
+        def start_quorum(self, timeout: object = None) -> None:
+            raise TimeoutError("quorum timed out")
+
+    ft = make_ft(Broken([(1, 0)]))
+    with pytest.raises(FaultToleranceError, match=r"http://127\.0\.0\.1:1.*quorum_timeout_s"):
+        ft.start_step()
+    ft.shutdown()
+
+
+def test_first_commit_after_a_failure_reports_the_stall(records):
+    manager = ScriptedManager([(2, 3), (2, 3), (1, 4)], step=3)
+    ft = make_ft(manager)
+    ft.start_step()
+    assert ft.should_commit()
+    ft.start_step()
+    manager.report_error(RuntimeError("peer died"))
+    assert not ft.should_commit()
+    ft.start_step()
+    assert ft.should_commit()
+    stalls = [m for m in records if "stall:" in m]
+    assert len(stalls) == 1
+    assert "committed by 1 group(s) (was 2) after 1 uncommitted step(s)" in stalls[0]
+    ft.shutdown()
+
+
+def test_watchdog_reports_a_long_wait_rarely(monkeypatch):
+    monkeypatch.setattr(_Watchdog, "FIRST_REPORT_S", 0.1)
+    monkeypatch.setattr(_Watchdog, "MAX_INTERVAL_S", 0.2)
+    seen: list[float] = []
+    watchdog = _Watchdog(lambda waited: (seen.append(waited), "waiting")[1], tick_s=0.01)
+    watchdog.begin()
+    time.sleep(0.75)
+    assert watchdog.end() >= 0.75
+    time.sleep(0.1)
+    watchdog.stop()
+    # Reports at ~0.1, 0.2, 0.4, 0.6 s: doubling intervals capped at MAX_INTERVAL_S, none
+    # after the wait ended.
+    assert 3 <= len(seen) <= 5, seen
+    assert all(b - a >= 0.09 for a, b in zip(seen, seen[1:], strict=False))
+    assert seen[0] >= 0.1
+
+
+def test_watchdog_is_silent_for_short_waits():
+    seen: list[float] = []
+    watchdog = _Watchdog(lambda waited: (seen.append(waited), "waiting")[1], tick_s=0.01)
+    for _ in range(5):
+        watchdog.begin()
+        time.sleep(0.02)
+        watchdog.end()
+    watchdog.stop()
+    assert seen == []
+
+
+class Counter:
+    """A subclass's extra state, as a trainer would register it."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, int]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.value = state["value"]
+
+
+class Registry(ScriptedManager):
+    def __init__(self) -> None:
+        super().__init__([(1, 0)])
+        self.fns: dict[str, tuple] = {}
+
+    def register_state_dict_fn(self, name: str, load: object, save: object) -> None:
+        self.fns[name] = (load, save)
+
+
+def test_trainer_sends_subclass_state_to_joiners():
+    from types import SimpleNamespace
+
+    from torchtitan.trainer import Trainer
+
+    peer, joiner = make_ft(Registry()), make_ft(Registry())
+    peer_trainer = SimpleNamespace(states={}, ft=peer)
+    joiner_trainer = SimpleNamespace(states={}, ft=joiner)
+    Trainer.register_state(peer_trainer, "extra", Counter(41))
+    Trainer.register_state(peer_trainer, "local_only", Counter(1), heal=False)
+    Trainer.register_state(joiner_trainer, "extra", Counter(0))
+    assert set(peer_trainer.states) == {"extra", "local_only"}  # checkpoints save both
+    assert set(peer.manager.fns) == {"extra"}  # healing sends only the first
+    load = joiner.manager.fns["extra"][0]
+    load(peer.manager.fns["extra"][1]())
+    assert joiner_trainer.states["extra"].value == 41
+    assert joiner._healed == ["extra"]  # reported in the "[ft] ... healed" line
+    peer.shutdown()
+    joiner.shutdown()
