@@ -468,3 +468,277 @@ def test_to_toml_writes_special_floats_and_keys() -> None:
         JobConfig(), metrics=dataclasses.replace(JobConfig().metrics, cpu_peak_flops=float("inf"))
     )
     assert tomllib.loads(to_toml(config))["metrics"]["cpu_peak_flops"] == float("inf")
+
+
+# =============================================================================================
+# The semi-sync experiment's custom args module (torchtitan.experiments.fault_tolerance)
+# =============================================================================================
+
+SEMI_SYNC = "torchtitan.experiments.fault_tolerance.job_config"
+FT_ON = ("--fault_tolerance.enable", "--fault_tolerance.group_size=2")
+
+
+def parse_semi_sync(*argv: str) -> JobConfig:
+    return parse("--job.custom_args_module", SEMI_SYNC, *argv)
+
+
+def test_semi_sync_fields_from_toml_and_cli(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        f'[job]\ncustom_args_module = "{SEMI_SYNC}"\n'
+        '[model]\nflavor = "debugmodel_small"\n'
+        "[fault_tolerance]\nenable = true\ngroup_size = 2\n"
+        'semi_sync_method = "diloco"\nsync_steps = 6\nouter_lr = 0.5\n'
+        'module_fqns_per_model_fragment = [["tok_embeddings", "layers.0"], ["layers.1"]]\n'
+        "fragment_sync_delay = 2\nfragment_update_alpha = 0.25\n",
+    )
+    ft = parse("--job.config_file", path, "--fault_tolerance.outer_momentum=0.5").fault_tolerance
+    assert (ft.semi_sync_method, ft.sync_steps, ft.outer_lr, ft.outer_momentum) == (
+        "diloco",
+        6,
+        0.5,
+        0.5,
+    )
+    assert ft.module_fqns_per_model_fragment == [["tok_embeddings", "layers.0"], ["layers.1"]]
+    assert (ft.fragment_sync_delay, ft.fragment_update_alpha) == (2, 0.25)
+    assert ft.fragment_count() == 2  # type: ignore[attr-defined]
+    cli = parse_semi_sync(
+        *FT_ON,
+        "--fault_tolerance.semi_sync_method=diloco",
+        "--fault_tolerance.sync_steps=4",
+        "--fault_tolerance.num_fragments=2",
+        "--fault_tolerance.fragment_sync_delay=1",
+        "--fault_tolerance.fragment_update_alpha=0.5",
+        "--fault_tolerance.outer_nesterov=false",
+    ).fault_tolerance
+    assert (cli.num_fragments, cli.fragment_sync_delay, cli.fragment_update_alpha) == (2, 1, 0.5)
+    assert cli.outer_nesterov is False
+
+
+def test_semi_sync_module_selects_its_trainer_and_keeps_the_core_without_a_method() -> None:
+    from torchtitan.experiments.fault_tolerance.trainer import SemiSyncTrainer
+    from torchtitan.train import resolve_trainer_class
+
+    manager = ConfigManager()
+    config = manager.parse_args(["--job.custom_args_module", SEMI_SYNC])
+    assert resolve_trainer_class(manager.custom_module) is SemiSyncTrainer
+    assert config.fault_tolerance.semi_sync_method is None  # type: ignore[attr-defined]
+    assert config.fault_tolerance.method is None  # type: ignore[attr-defined]  # synchronous
+
+
+def test_semi_sync_help_lists_every_field_with_its_docstring(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torchtitan.experiments.fault_tolerance import job_config as semi_sync
+
+    monkeypatch.setenv("COLUMNS", "400")
+    with pytest.raises(SystemExit) as info:
+        parse("--job.custom_args_module", SEMI_SYNC, "--help")
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for f in dataclasses.fields(semi_sync.FaultTolerance):
+        assert f"--fault_tolerance.{f.name}" in out
+    assert "Inner steps between two syncs (DiLoCo's H)." in out
+    assert "Streaming DiLoCo: mix of local and global parameters after a sync" in out
+
+
+@pytest.mark.parametrize("alias", ["localsgd", "local_sgd"])
+def test_local_sgd_is_an_alias(alias: str) -> None:
+    ft = parse_semi_sync(*FT_ON, f"--fault_tolerance.semi_sync_method={alias}").fault_tolerance
+    assert ft.method == "localsgd"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("argv", "field"),
+    [
+        (
+            ["--fault_tolerance.semi_sync_method=diloco"],  # fault tolerance off
+            "fault_tolerance.semi_sync_method",
+        ),
+        ([*FT_ON, "--fault_tolerance.semi_sync_method=adam"], "fault_tolerance.semi_sync_method"),
+        (
+            [*FT_ON, "--fault_tolerance.semi_sync_method=diloco", "--fault_tolerance.sync_steps=0"],
+            "fault_tolerance.sync_steps",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=diloco",
+                "--fault_tolerance.sync_steps=5",
+                "--fault_tolerance.num_fragments=2",
+            ],
+            "fault_tolerance.sync_steps",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=diloco",
+                "--fault_tolerance.sync_steps=4",
+                "--fault_tolerance.num_fragments=2",
+                "--fault_tolerance.fragment_sync_delay=2",
+            ],
+            "fault_tolerance.fragment_sync_delay",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=diloco",
+                "--fault_tolerance.fragment_sync_delay=-1",
+            ],
+            "fault_tolerance.fragment_sync_delay",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=diloco",
+                "--fault_tolerance.fragment_update_alpha=1.5",
+            ],
+            "fault_tolerance.fragment_update_alpha",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=diloco",
+                "--fault_tolerance.fragment_update_alpha=-0.1",
+            ],
+            "fault_tolerance.fragment_update_alpha",
+        ),
+        (
+            [
+                *FT_ON,
+                "--model.flavor=debugmodel_small",  # 2 transformer blocks
+                "--fault_tolerance.semi_sync_method=diloco",
+                "--fault_tolerance.sync_steps=6",
+                "--fault_tolerance.num_fragments=3",
+            ],
+            "fault_tolerance.num_fragments",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=diloco",
+                "--fault_tolerance.num_fragments=0",
+            ],
+            "fault_tolerance.num_fragments",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=diloco",
+                "--fault_tolerance.sync_steps=4",
+                "--fault_tolerance.module_fqns_per_model_fragment",
+                "tok_embeddings,layers.0",
+                "layers.7",
+            ],
+            "fault_tolerance.module_fqns_per_model_fragment",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=diloco",
+                "--fault_tolerance.sync_steps=4",
+                "--fault_tolerance.module_fqns_per_model_fragment",
+                "layers",
+                "layers.1",
+            ],
+            "fault_tolerance.module_fqns_per_model_fragment",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=diloco",
+                "--fault_tolerance.sync_steps=4",
+                "--fault_tolerance.module_fqns_per_model_fragment",
+                "layers.0",
+                "",
+            ],
+            "fault_tolerance.module_fqns_per_model_fragment",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=diloco",
+                "--fault_tolerance.num_fragments=2",
+                "--fault_tolerance.module_fqns_per_model_fragment",
+                "layers.0",
+                "layers.1",
+            ],
+            "fault_tolerance.num_fragments",
+        ),
+        (
+            [*FT_ON, "--fault_tolerance.semi_sync_method=diloco", "--fault_tolerance.outer_lr=0"],
+            "fault_tolerance.outer_lr",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=diloco",
+                "--fault_tolerance.outer_momentum=1",
+            ],
+            "fault_tolerance.outer_momentum",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=localsgd",
+                "--fault_tolerance.num_fragments=2",
+            ],
+            "fault_tolerance.num_fragments",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=localsgd",
+                "--fault_tolerance.fragment_update_alpha=0.5",
+            ],
+            "fault_tolerance.fragment_update_alpha",
+        ),
+    ],
+)
+def test_semi_sync_bad_value_names_the_field(argv: list[str], field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_semi_sync(*argv)
+    assert info.value.field == field
+    assert str(info.value).startswith(f"{field}: ") and "is not allowed; " in str(info.value)
+
+
+def test_should_quantize_needs_cuda_and_triton() -> None:
+    import importlib.util
+
+    import torch
+
+    if torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
+        pytest.skip("this machine can quantize")
+    with pytest.raises(ConfigError) as info:
+        parse_semi_sync(
+            *FT_ON,
+            "--fault_tolerance.semi_sync_method=diloco",
+            "--fault_tolerance.should_quantize",
+        )
+    assert info.value.field == "fault_tolerance.should_quantize"
+
+
+def test_semi_sync_edge_values_pass() -> None:
+    ft = parse_semi_sync(
+        *FT_ON,
+        "--model.flavor=debugmodel_small",
+        "--fault_tolerance.semi_sync_method=diloco",
+        "--fault_tolerance.sync_steps=6",
+        "--fault_tolerance.num_fragments=2",  # = number of blocks
+        "--fault_tolerance.fragment_sync_delay=2",  # = sync_steps / fragments - 1
+        "--fault_tolerance.fragment_update_alpha=1",
+        "--fault_tolerance.outer_momentum=0",
+    ).fault_tolerance
+    assert (ft.num_fragments, ft.fragment_sync_delay, ft.fragment_update_alpha) == (2, 2, 1.0)
+    # A single FQN list, or one naming a part of a block, is fine (the rest joins the last).
+    ft = parse_semi_sync(
+        *FT_ON,
+        "--fault_tolerance.semi_sync_method=diloco",
+        "--fault_tolerance.sync_steps=4",
+        "--fault_tolerance.module_fqns_per_model_fragment",
+        "layers.0.attention",
+        "layers.1,norm",
+    ).fault_tolerance
+    assert ft.fragment_count() == 2  # type: ignore[attr-defined]
+    # Fields of the method not chosen are left alone while semi-sync is off.
+    assert parse_semi_sync("--fault_tolerance.sync_steps=0").fault_tolerance.sync_steps == 0

@@ -1,0 +1,395 @@
+"""Semi-synchronous training (LocalSGD, DiLoCo, Streaming DiLoCo) with real replica groups.
+
+Each test runs a real ``torchft_lighthouse`` and two replica groups (``run_train.sh``) on
+127.0.0.1 with the tiny debug model, and reads what the groups log: the per-step loss, one
+``[semi-sync] ... sync:`` line per sync and, after every committed sync, a digest of the global
+parameters (``global_digest sync K``; DiLoCo: the global copies of all fragments, LocalSGD: the
+averaged model). Groups that took part in sync K must log the same digest for K.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.integration_tests.harness import (
+    FAST_ARGS,
+    GLOBAL_DIGEST,
+    SEMI_SYNC_MODULE,
+    FTJob,
+    losses,
+    tail,
+)
+from tests.integration_tests.semi_sync_faults import PAUSED, STALL_AFTER_STEP, STALL_IN_SYNC
+
+FAULTS_MODULE = "--job.custom_args_module=tests.integration_tests.semi_sync_faults"
+SYNC_STEPS = 4
+
+METHODS = {
+    "localsgd": ["--fault_tolerance.semi_sync_method=localsgd"],
+    "diloco": ["--fault_tolerance.semi_sync_method=diloco"],
+    "streaming": [
+        "--fault_tolerance.semi_sync_method=diloco",
+        "--fault_tolerance.num_fragments=2",
+        "--fault_tolerance.fragment_sync_delay=1",
+        "--fault_tolerance.fragment_update_alpha=0.5",
+    ],
+}
+
+SYNC = re.compile(
+    r"\[semi-sync\] step (\d+) sync: (\w+) fragment (\d+)/(\d+)\s+(committed|NOT committed)\s+"
+    r"time (\d+) ms\s+sent ([0-9.]+) MiB\s+groups (\d+)\s+quorum (-?\d+)\s+"
+    r"pseudo_grad_norm (\S+)\s+sync #(\d+)"
+)
+
+
+@dataclass
+class Sync:
+    step: int
+    fragment: int
+    committed: bool
+    groups: int
+    pseudo_grad_norm: float | None
+    number: int  # the Manager's step after the sync
+
+
+def syncs(text: str) -> list[Sync]:
+    return [
+        Sync(
+            step=int(m.group(1)),
+            fragment=int(m.group(3)),
+            committed=m.group(5) == "committed",
+            groups=int(m.group(8)),
+            pseudo_grad_norm=None if m.group(10) == "n/a" else float(m.group(10)),
+            number=int(m.group(11)),
+        )
+        for m in SYNC.finditer(text)
+    ]
+
+
+def global_digests(text: str) -> dict[int, str]:
+    """{sync number: digest}; a sync number logged twice with different digests fails."""
+    found: dict[int, str] = {}
+    for m in GLOBAL_DIGEST.finditer(text):
+        number, digest = int(m.group(1)), m.group(2)
+        assert found.setdefault(number, digest) == digest, f"sync {number} logged twice"
+    return found
+
+
+def assert_same_global_params(job: FTJob, groups: int = 2) -> dict[int, str]:
+    """Every sync number logged by more than one group has one digest; returns them all."""
+    merged: dict[int, str] = {}
+    for r in range(groups):
+        for number, digest in global_digests(job.all_text(r)).items():
+            assert merged.setdefault(number, digest) == digest, (
+                f"sync {number}: group {r} holds different global parameters than a peer "
+                f"({digest} vs {merged[number]})"
+            )
+    return merged
+
+
+def assert_loss_falls(text: str) -> tuple[float, float]:
+    values = [loss for _, loss in sorted(losses(text).items())]
+    first, last = sum(values[:3]) / 3, sum(values[-3:]) / 3
+    assert last < first - 0.2, f"loss did not fall: {first:.3f} -> {last:.3f}"
+    return first, last
+
+
+def args(module: str, method: str, *extra: str) -> list[str]:
+    return [
+        *FAST_ARGS,
+        module,
+        f"--fault_tolerance.sync_steps={SYNC_STEPS}",
+        *METHODS[method],
+        *extra,
+    ]
+
+
+# ---- clean runs ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["localsgd", "streaming"])
+def test_clean_run_syncs_identical_global_params(
+    ft_job: Callable[..., FTJob], tmp_path: Path, method: str
+) -> None:
+    """Two groups, 12 steps: every sync is made by both groups and committed, fragments take
+    turns, both groups log the same global digest at every sync, the loss falls, and the
+    TensorBoard scalars match the log lines. (Plain DiLoCo's clean run is the reference run of
+    the whole-job restart test below.)"""
+    steps = 12
+    job = ft_job(
+        groups=2,
+        train_args=args(
+            SEMI_SYNC_MODULE, method, f"--training.steps={steps}", "--metrics.enable_tensorboard"
+        ),
+    ).start()
+    for r in range(2):
+        assert job.wait_exit(r, timeout=240) == 0, tail(job.latest(r).text())
+    per_group = [syncs(job.latest(r).text()) for r in range(2)]
+    fragments = 2 if method == "streaming" else 1
+    expected = steps // (SYNC_STEPS // fragments)
+    for found in per_group:
+        assert [s.number for s in found] == list(range(1, expected + 1)), found
+        assert all(s.committed and s.groups == 2 for s in found), found
+        assert [s.fragment for s in found] == [i % fragments for i in range(expected)]
+        if method == "streaming":  # averaged pseudo-gradients: measured also with a delay
+            assert all(s.pseudo_grad_norm is not None and s.pseudo_grad_norm > 0 for s in found)
+        else:
+            assert all(s.pseudo_grad_norm is None for s in found)
+    # The averaged pseudo-gradient is the same number in every group.
+    norms = [[s.pseudo_grad_norm for s in found] for found in per_group]
+    assert norms[0] == norms[1]
+    digests = assert_same_global_params(job)
+    assert sorted(digests) == list(range(1, expected + 1))
+    for r in range(2):
+        assert sorted(global_digests(job.latest(r).text())) == sorted(digests)
+    first, last = assert_loss_falls(job.latest(0).text())
+    print(f"{method}: {expected} syncs, identical digests; loss {first:.3f} -> {last:.3f}")
+    _check_tensorboard(tmp_path / "dump" / "tb" / "replica_0", per_group[0], method)
+
+
+def _check_tensorboard(folder: Path, logged: list[Sync], method: str) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for tag in ("sync/seconds", "sync/bytes_sent", "sync/groups", "sync/committed"):
+        assert tag in tags, tags
+        assert [e.step for e in events.Scalars(tag)] == [s.step for s in logged]
+    assert [e.value for e in events.Scalars("sync/groups")] == [2.0] * len(logged)
+    if method == "streaming":
+        norms = [e.value for e in events.Scalars("sync/pseudo_grad_norm")]
+        assert norms == pytest.approx([s.pseudo_grad_norm for s in logged], rel=1e-3)
+    else:
+        assert "sync/pseudo_grad_norm" not in tags
+
+
+# ---- faults ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["localsgd", "diloco", "streaming"])
+def test_kill_mid_inner_steps_and_during_sync_then_heal(
+    ft_job: Callable[..., FTJob], tmp_path: Path, method: str
+) -> None:
+    """Group 1 is killed twice, each time restarted without a checkpoint (healing only):
+    first between two inner steps, then inside a sync whose all-reduce group 0 waits on. Group 0
+    goes on alone each time; the restarted group heals from it; at the next common sync both
+    hold the same global parameters; both finish.
+
+    Steps take milliseconds and a restart takes seconds, so while group 1 restarts, group 0 is
+    held between two steps (alive and heartbeating) by a pause file, and let go once the new
+    group 1 trains: it must not run out of steps before its peer is back."""
+    pause = tmp_path / "pause_group0"
+    job = ft_job(groups=2, train_args=args(FAULTS_MODULE, method, "--training.steps=100"))
+    job.start_lighthouse()
+    job.start_group(0, [f"--fault_injection.pause_file={pause}"])
+    job.start_group(1, ["--fault_injection.stall_after_step=6"])
+
+    # 1) Between inner steps (step 6: mid-period for sync_steps 4; nothing in flight).
+    job.wait_for(1, re.escape(STALL_AFTER_STEP), timeout=180)
+    job.kill(1)
+    alone_1 = _wait_alone(job, after=0)
+    _restart_while_paused(job, pause, ["--fault_injection.stall_after_quorum=2"])
+    healed_1 = _wait_heal(job)
+
+    # 2) Inside a sync: the new group 1 healed in its 1st quorum; its 2nd is a joint sync in
+    #    which it stalls before its all-reduce, and dies there.
+    job.wait_for(1, re.escape(STALL_IN_SYNC) + r" \(quorum 2, 2 groups\)", timeout=180)
+    before = len(syncs(job.latest(0).text()))
+    job.kill(1)
+    alone_2 = _wait_alone(job, after=before)
+    failed = [s for s in syncs(job.latest(0).text())[before:] if not s.committed]
+    assert failed and failed[0].groups == 2, "group 0's sync with the dying group must fail"
+    _restart_while_paused(job, pause, [])
+    healed_2 = _wait_heal(job)
+
+    for r in range(2):
+        assert job.wait_exit(r, timeout=300) == 0, tail(job.latest(r).text())
+    digests = assert_same_global_params(job)
+    for start, healed in ((1, healed_1), (2, healed_2)):
+        restarted = global_digests(job.runs[1][start].text())
+        first = min(restarted)
+        assert first == healed.number and restarted[first] == digests[first]
+    survivor = syncs(job.latest(0).text())
+    assert survivor[-1].committed and survivor[-1].groups == 2
+    assert global_digests(job.latest(1).text())[survivor[-1].number] == digests[survivor[-1].number]
+    first_loss, last_loss = assert_loss_falls(job.latest(0).text())
+    print(
+        f"{method}: kill 1 (step 6) -> group 0 alone from sync #{alone_1.number}, group 1 "
+        f"healed at sync #{healed_1.number}; kill 2 (in sync #{failed[0].number}, groups "
+        f"{failed[0].groups}, NOT committed) -> group 0 alone from sync #{alone_2.number}, "
+        f"group 1 healed at sync #{healed_2.number}; last sync #{survivor[-1].number} "
+        f"groups {survivor[-1].groups}; {len(digests)} digests, identical where shared; "
+        f"loss {first_loss:.3f} -> {last_loss:.3f}"
+    )
+
+
+def _wait_alone(job: FTJob, after: int) -> Sync:
+    """Group 0's first sync committed alone among its sync lines from index ``after`` on."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        alone = [s for s in syncs(job.latest(0).text())[after:] if s.committed and s.groups == 1]
+        if alone:
+            return alone[0]
+        assert job.latest(0).proc.poll() is None, tail(job.latest(0).text())
+        time.sleep(0.2)
+    raise AssertionError(f"group 0 did not go on alone:\n{tail(job.latest(0).text())}")
+
+
+def _restart_while_paused(job: FTJob, pause: Path, extra: list[str]) -> None:
+    """Hold group 0 between two steps, restart group 1, and let group 0 go once group 1 waits
+    for its first quorum at the lighthouse (after its first period): group 0's next sync is
+    then the joint one in which group 1 heals, whatever the speed of either."""
+    paused = job.latest(0).text().count(PAUSED)
+    pause.touch()
+    job.wait_for(0, re.escape(PAUSED), timeout=60, count=paused + 1)
+    job.start_group(1, extra)
+    _wait_quorum_request(job)
+    pause.unlink()
+
+
+LIGHTHOUSE_WAITING = re.compile(r"\[(\d+)/\d+ participants healthy\]")
+
+
+def _wait_quorum_request(job: FTJob, timeout: float = 240) -> None:
+    """Until a replica group waits for a quorum at the lighthouse (its status page)."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with opener.open(f"{job.lighthouse_addr}/status", timeout=5) as response:
+            match = LIGHTHOUSE_WAITING.search(response.read().decode())
+        if match and int(match.group(1)) > 0:
+            return
+        assert job.latest(1).proc.poll() is None, tail(job.latest(1).text())
+        time.sleep(0.2)
+    raise AssertionError(f"group 1 never asked for a quorum:\n{tail(job.latest(1).text())}")
+
+
+def _wait_heal(job: FTJob) -> Sync:
+    """Wait until the latest start of group 1 healed and then committed a sync; return it."""
+    job.wait_for(1, r"\[semi-sync\] healed from a live peer", timeout=180)
+    job.wait_for(1, GLOBAL_DIGEST, timeout=120)
+    committed = [s for s in syncs(job.latest(1).text()) if s.committed]
+    assert committed[0].groups == 2, committed[0]
+    return committed[0]
+
+
+# ---- whole-job restart -----------------------------------------------------------------------
+
+
+def test_diloco_whole_job_restart_reproduces_global_params(tmp_path: Path) -> None:
+    """Both groups crash after step 7 (checkpoint at step 6, two inner steps into a sync
+    period) and restart from their checkpoints: the global parameters at the next syncs equal
+    those of the same job run without interruption, bit for bit. The checkpoint carries the
+    model, inner optimizer, LR schedule, data position and step (core), the Manager's step
+    (``ft_manager``) and ``semi_sync``: DiLoCo's global parameters, outer momentum and the
+    inner-step position."""
+    train_args = args(
+        FAULTS_MODULE,
+        "diloco",
+        "--training.steps=12",
+        "--checkpoint.enable",
+        "--checkpoint.interval=6",
+    )
+    with FTJob(_folder(tmp_path / "uninterrupted"), groups=2, train_args=train_args) as reference:
+        reference.start()
+        for r in range(2):
+            assert reference.wait_exit(r, timeout=240) == 0, tail(reference.latest(r).text())
+        expected = assert_same_global_params(reference)
+        assert sorted(expected) == [1, 2, 3]
+        for r in range(2):
+            assert all(s.groups == 2 for s in syncs(reference.latest(r).text()))
+
+    with FTJob(_folder(tmp_path / "crashed"), groups=2, train_args=train_args) as job:
+        job.start_lighthouse()
+        for r in range(2):
+            job.start_group(r, ["--fault_injection.stall_after_step=7"])
+        for r in range(2):
+            job.wait_for(r, re.escape(STALL_AFTER_STEP) + " 7", timeout=180)
+        for r in range(2):
+            job.kill(r)
+        # Let the lighthouse see both dead (heartbeat timeout), as after a real crash: the
+        # restarted groups then wait for each other before their first sync.
+        time.sleep(job.heartbeat_timeout_ms / 1000 + 0.5)
+        for r in range(2):
+            job.start_group(r)
+        for r in range(2):
+            assert job.wait_exit(r, timeout=240) == 0, tail(job.latest(r).text())
+        resumed = {r: job.latest(r).text() for r in range(2)}
+        for r in range(2):
+            assert "(step 6)" in resumed[r] and "Resumed from checkpoint" in resumed[r]
+            found = syncs(resumed[r])
+            # Two inner steps were left in the period: the first sync is at step 8.
+            assert [(s.step, s.number, s.groups) for s in found] == [(8, 2, 2), (12, 3, 2)]
+            got = global_digests(resumed[r])
+            assert got == {2: expected[2], 3: expected[3]}, (r, got, expected)
+        assert global_digests(job.runs[0][0].text())[1] == expected[1]
+        resumed_losses = losses(resumed[0])
+        reference_losses = losses(reference.latest(0).text())
+        assert {s: resumed_losses[s] for s in range(7, 13)} == {
+            s: reference_losses[s] for s in range(7, 13)
+        }
+    print(f"diloco resume from step 6: syncs #2, #3 identical to the uninterrupted run {expected}")
+
+
+def _folder(path: Path) -> Path:
+    path.mkdir(parents=True)
+    return path
+
+
+# ---- FSDP2 inside the groups -----------------------------------------------------------------
+
+
+RANK_LINE = re.compile(r"^\[rank(\d+)\]:(.*)$", re.MULTILINE)
+
+
+def by_rank(text: str) -> dict[int, str]:
+    lines: dict[int, list[str]] = {}
+    for m in RANK_LINE.finditer(text):
+        lines.setdefault(int(m.group(1)), []).append(m.group(2))
+    return {rank: "\n".join(found) for rank, found in lines.items()}
+
+
+def test_diloco_with_fsdp2_inside_each_group(ft_job: Callable[..., FTJob], tmp_path: Path) -> None:
+    """2 groups x 2 ranks (FSDP2, DTensor parameters; 4 processes): DiLoCo syncs each rank's
+    shard with the same rank of the other group. Group 1 is killed between inner steps and
+    restarted: every rank heals its shard from its peer rank, and afterwards rank r of both
+    groups holds the same global shard."""
+    pause = tmp_path / "pause_group0"
+    job = ft_job(groups=2, ngpu=2, train_args=args(FAULTS_MODULE, "diloco", "--training.steps=40"))
+    job.start_lighthouse()
+    job.start_group(0, [f"--fault_injection.pause_file={pause}"])
+    job.start_group(1, ["--fault_injection.stall_after_step=6"])
+    job.wait_for(1, re.escape(STALL_AFTER_STEP), timeout=300, count=2)  # both ranks
+    job.kill(1)
+    _wait_alone(job, after=0)
+    _restart_while_paused(job, pause, [])
+    job.wait_for(1, r"\[semi-sync\] healed from a live peer", timeout=300, count=2)
+    for r in range(2):
+        assert job.wait_exit(r, timeout=300) == 0, tail(job.latest(r).text())
+
+    shards = {r: by_rank(job.all_text(r)) for r in range(2)}
+    common = {}
+    for rank in (0, 1):
+        digests = [global_digests(shards[r][rank]) for r in range(2)]
+        common[rank] = sorted(set(digests[0]) & set(digests[1]))
+        assert common[rank], f"rank {rank}: no sync logged by both groups"
+        for number in common[rank]:
+            assert digests[0][number] == digests[1][number], (rank, number)
+        last = syncs(shards[0][rank])[-1]
+        assert last.committed and last.groups == 2
+    # The shards differ between ranks (the parameters really are sharded).
+    rank0, rank1 = (global_digests(shards[0][rank]) for rank in (0, 1))
+    assert all(rank0[n] != rank1[n] for n in common[0])
+    healed = syncs(by_rank(job.latest(1).text())[0])[0]
+    print(
+        f"fsdp2 2x2 diloco: group 1 healed at sync #{healed.number}; per-rank shards identical "
+        f"at syncs {common[0][0]}..{common[0][-1]} (common: {len(common[0])})"
+    )
