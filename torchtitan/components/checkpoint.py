@@ -2,9 +2,10 @@
 
 Layout: ``<dump_folder>/<checkpoint.folder>[/replica_<R>]/step-<N>/``. A save is complete when
 DCP has written its ``.metadata`` file (written last, after every rank's shards); a step folder
-without it is a save that died part-way and is skipped with a warning. Anything else that cannot
-be loaded (garbage, a different model) is an error: a run never starts fresh silently when a
-checkpoint exists.
+without it is a save that died part-way and is skipped with a warning (and deleted by the next
+purge of ``keep_latest_k``). Anything else that cannot be loaded (garbage, a different model) is
+a :class:`CheckpointError` naming the folder and the cause: a run never starts fresh silently
+when a checkpoint exists, and never half-loads one.
 
 What is saved is the trainer's state registry (``Trainer.states``): model, optimizer, LR
 scheduler, dataloader, train state, and whatever a subclass registers. The same registry feeds
@@ -13,17 +14,23 @@ torchft's healing, so there is one list of state, not two.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
 import shutil
 import time
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.stateful import Stateful
 
-from torchtitan.config.job_config import JobConfig
+from torchtitan.config.job_config import ConfigError, JobConfig
 from torchtitan.tools.logging import logger
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -42,20 +49,63 @@ def checkpoint_folder(job_config: JobConfig) -> Path:
     return folder
 
 
+def scan_steps(folder: Path) -> tuple[list[int], list[int]]:
+    """(complete, incomplete) checkpoint steps in ``folder``, each oldest first."""
+    complete, incomplete = [], []
+    if folder.is_dir():
+        for entry in folder.iterdir():
+            match = _STEP_DIR.match(entry.name)
+            if match is None or not entry.is_dir():
+                continue
+            done = (entry / ".metadata").is_file()
+            (complete if done else incomplete).append(int(match.group(1)))
+    return sorted(complete), sorted(incomplete)
+
+
 def complete_steps(folder: Path) -> list[int]:
-    """Steps with a complete checkpoint in ``folder``, oldest first."""
-    if not folder.is_dir():
-        return []
-    steps = []
-    for entry in folder.iterdir():
-        match = _STEP_DIR.match(entry.name)
-        if match is None or not entry.is_dir():
-            continue
-        if (entry / ".metadata").is_file():
-            steps.append(int(match.group(1)))
-        else:
-            logger.warning(f"Skipping {entry}: incomplete checkpoint (no .metadata)")
-    return sorted(steps)
+    """Steps with a complete checkpoint in ``folder``, oldest first; warns about each step
+    folder without ``.metadata`` (a save that died part-way), which is skipped."""
+    complete, incomplete = scan_steps(folder)
+    for step in incomplete:
+        logger.warning(f"Skipping {folder / f'step-{step}'}: incomplete checkpoint (no .metadata)")
+    return complete
+
+
+@contextlib.contextmanager
+def _quiet_dcp() -> Iterator[list[logging.LogRecord]]:
+    """Hold back DCP's own chatter for the length of one save or load.
+
+    DCP logs on the root logger, with full tracebacks, before it raises (we raise one clear
+    error instead), and warns on every call in a process without torch.distributed. The
+    records it logs are collected in the yielded list instead of printed.
+    """
+    root = logging.getLogger()
+    held: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        held.append(record)
+        return False
+
+    root.addFilter(hold)  # a logger's filter sees only records logged on it: DCP's, not ours
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            yield held
+    finally:
+        root.removeFilter(hold)
+
+
+def _release(held: list[logging.LogRecord]) -> None:
+    for record in held:  # one line each, without DCP's tracebacks
+        logger.log(record.levelno, f"DCP: {record.getMessage()}")
+
+
+def _cause(error: BaseException) -> str:
+    """One line: the exception that went wrong first (DCP wraps each rank's in its own)."""
+    if isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 class CheckpointManager:
@@ -75,7 +125,11 @@ class CheckpointManager:
         return self.enabled and (last_step or step % self.config.interval == 0)
 
     def save(self, step: int) -> None:
-        """Write a checkpoint of every registered state at ``step`` (all ranks call this)."""
+        """Write a checkpoint of every registered state at ``step`` (all ranks call this).
+
+        A step that already has a complete checkpoint is not written again. A failed write
+        raises :class:`CheckpointError`; the partial folder it leaves is skipped on resume.
+        """
         target = self.step_folder(step)
         if (target / ".metadata").is_file():
             return
@@ -84,17 +138,28 @@ class CheckpointManager:
             shutil.rmtree(target)  # a partial save of this step from an earlier crash
         if dist.is_initialized():
             dist.barrier()
-        dcp.save(dict(self.states), checkpoint_id=str(target))
+        try:
+            with _quiet_dcp() as held:
+                dcp.save(dict(self.states), checkpoint_id=str(target))
+        except (Exception, CheckpointException) as e:
+            raise CheckpointError(
+                f"Saving checkpoint step {step} to {target} failed ({_cause(e)})"
+            ) from e
+        _release(held)
         logger.info(
             f"Saved checkpoint step {step} to {target} in {time.perf_counter() - start:.2f}s"
         )
         self._purge()
 
     def _purge(self) -> None:
+        """Keep the newest ``keep_latest_k`` complete checkpoints; delete older ones and any
+        partial save older than the newest complete one (it can no longer be finished)."""
         keep = self.config.keep_latest_k
         if keep <= 0 or not self.is_main:
             return
-        for old in complete_steps(self.folder)[:-keep]:
+        complete, incomplete = scan_steps(self.folder)
+        newest = complete[-1] if complete else -1
+        for old in complete[:-keep] + [s for s in incomplete if s < newest]:
             shutil.rmtree(self.step_folder(old), ignore_errors=True)
 
     def load(self) -> int | None:
@@ -119,6 +184,14 @@ class CheckpointManager:
         else:
             self._load_initial()
             return None
+        unknown = [k for k in self.config.exclude_from_loading if k not in self.states]
+        if unknown:
+            raise ConfigError(
+                "checkpoint.exclude_from_loading",
+                self.config.exclude_from_loading,
+                f"{', '.join(map(repr, unknown))} is no state of this run; its states are: "
+                f"{', '.join(self.states)}",
+            )
         keys = [k for k in self.states if k not in self.config.exclude_from_loading]
         self._load(self.step_folder(step), keys)
         logger.info(f"Resumed from checkpoint {self.step_folder(step)} (step {step})")
@@ -138,13 +211,35 @@ class CheckpointManager:
         logger.info(f"Loaded initial weights ({', '.join(keys)}) from {path}")
 
     def _load(self, folder: Path, keys: list[str]) -> None:
+        """Load ``keys`` of the registry from ``folder``; CheckpointError naming the cause."""
+        advice = (
+            f"Move it away to start fresh, or set checkpoint.load_step to another step in "
+            f"{folder.parent}."
+        )
+        try:
+            # DCP's own error for unreadable metadata is a wall of text about rank-local
+            # fallbacks; this is the common case of a damaged checkpoint, so say it plainly.
+            metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+        except Exception as e:
+            raise CheckpointError(
+                f"Checkpoint {folder} cannot be loaded: its .metadata file is unreadable "
+                f"({_cause(e)}). {advice}"
+            ) from e
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(
+                f"Checkpoint {folder} cannot be loaded: its .metadata file holds a "
+                f"{type(metadata).__name__}, not DCP metadata. {advice}"
+            )
         wanted: dict[str, Any] = {k: self.states[k] for k in keys}
         try:
-            dcp.load(wanted, checkpoint_id=str(folder))
-        except Exception as e:  # DCP raises many types; the user needs the folder and cause
-            cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            with _quiet_dcp() as held:
+                dcp.load(wanted, checkpoint_id=str(folder))
+        # DCP raises many types, and CheckpointException is not even an Exception: the user
+        # needs the folder and the first cause.
+        except (Exception, CheckpointException) as e:
             raise CheckpointError(
-                f"Checkpoint {folder} cannot be loaded ({type(e).__name__}: {cause}). It is "
-                "corrupt or was written by a different model/config. Move it away to start "
-                f"fresh, or set checkpoint.load_step to another step in {folder.parent}."
+                f"Checkpoint {folder} cannot be loaded ({_cause(e)}). It is corrupt, or was "
+                "written by a different model or config (a state missing from it can be "
+                f"skipped with checkpoint.exclude_from_loading). {advice}"
             ) from e
+        _release(held)

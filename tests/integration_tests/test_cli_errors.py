@@ -1,0 +1,123 @@
+"""Bad inputs as a new user would type them into ``./run_train.sh``: each run exits non-zero
+with one error line that names the problem (tyro's usage box for command-line syntax), and no
+Python traceback."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.integration_tests.train_runs import SMALL, run_train, train_env
+
+ERROR_LINE = re.compile(r"^(error: |\S+ ERROR )", re.MULTILINE)
+
+
+def _fails_clearly(args: list[str], expected: list[str], env: dict[str, str] | None = None) -> str:
+    result = run_train([*SMALL, "--training.steps=2", *args], env=env)
+    out = result.stdout
+    assert result.returncode != 0, out
+    assert "Traceback" not in out, out
+    for text in expected:
+        assert text in out, (text, out)
+    return out
+
+
+def _one_error_line(out: str) -> str:
+    lines = [line for line in out.splitlines() if ERROR_LINE.match(line)]
+    assert len(lines) == 1, out
+    return lines[0]
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    out = _fails_clearly(
+        [f"--job.dump_folder={tmp_path}"],
+        ["job.config_file", "nope.toml"],
+        env=train_env(CONFIG_FILE="nope.toml"),
+    )
+    assert "no such file" in _one_error_line(out)
+
+
+def test_unknown_field(tmp_path: Path) -> None:
+    out = _fails_clearly(
+        [f"--job.dump_folder={tmp_path}", "--training.nope=1"], ["--training.nope"]
+    )
+    assert "Unrecognized options" in out
+
+
+def test_wrong_type_on_the_command_line(tmp_path: Path) -> None:
+    out = _fails_clearly(
+        [f"--job.dump_folder={tmp_path}", "--training.steps=abc"], ["--training.steps", "abc"]
+    )
+    assert "Error parsing" in out
+
+
+def test_zero_steps(tmp_path: Path) -> None:
+    out = _fails_clearly([f"--job.dump_folder={tmp_path}", "--training.steps=0"], [])
+    assert "training.steps: 0 is not allowed; must be >= 1" in _one_error_line(out)
+
+
+def test_dataset_path_that_does_not_exist(tmp_path: Path) -> None:
+    missing = "data/no_such_corpus.txt"  # relative, as typed; run_train.sh runs in the repo
+    out = _fails_clearly(
+        [
+            f"--job.dump_folder={tmp_path}",
+            "--training.dataset=local",
+            f"--training.dataset_path={missing}",
+        ],
+        [],
+    )
+    line = _one_error_line(out)
+    assert "training.dataset_path" in line and missing in line and "no such file" in line
+
+
+def _garbage_checkpoint(dump: Path, step: int = 10) -> Path:
+    folder = dump / "checkpoint" / f"step-{step}"
+    folder.mkdir(parents=True)
+    (folder / ".metadata").write_bytes(b"this is not a checkpoint\n" * 4)
+    (folder / "__0_0.distcp").write_bytes(bytes(range(256)) * 8)
+    return folder
+
+
+def test_checkpoint_folder_with_garbage(tmp_path: Path) -> None:
+    folder = _garbage_checkpoint(tmp_path)
+    out = _fails_clearly([f"--job.dump_folder={tmp_path}", "--checkpoint.enable"], [])
+    line = _one_error_line(out)
+    assert "CheckpointError" in line and str(folder) in line and ".metadata" in line
+    assert "checkpoint.load_step" in line  # says how to get past it
+
+
+def test_checkpoint_with_garbage_shards(tmp_path: Path) -> None:
+    """A real checkpoint whose data files were overwritten: the metadata reads, the load fails."""
+    dump = tmp_path / "run"
+    args = [f"--job.dump_folder={dump}", "--checkpoint.enable", "--validation.enable=false"]
+    first = run_train([*SMALL, "--training.steps=2", *args])
+    assert first.returncode == 0, first.stdout
+    folder = dump / "checkpoint" / "step-2"
+    shards = list(folder.glob("*.distcp"))
+    assert shards
+    for shard in shards:
+        shard.write_bytes(b"\0garbage" * 64)
+    result = run_train([*SMALL, "--training.steps=4", *args])
+    assert result.returncode != 0 and "Traceback" not in result.stdout, result.stdout
+    line = _one_error_line(result.stdout)
+    assert "CheckpointError" in line and str(folder) in line, line
+
+
+@pytest.mark.parametrize(
+    ("toml", "expected"),
+    [
+        ('[training]\nsteps = "abc"\n', "training.steps: 'abc' is not allowed; expected int"),
+        ("[training]\nnope = 1\n", "training.nope: 1 is not allowed; unknown key"),
+        ("[training\nsteps = 1\n", "not valid TOML"),
+    ],
+    ids=["wrong-type", "unknown-key", "syntax"],
+)
+def test_bad_toml_file(tmp_path: Path, toml: str, expected: str) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text(toml)
+    out = _fails_clearly(
+        [f"--job.dump_folder={tmp_path}"], [], env=train_env(CONFIG_FILE=str(config))
+    )
+    assert expected in _one_error_line(out)

@@ -1,0 +1,110 @@
+"""Stop a run right after its checkpoint of step N, resume it: steps N+1.. give bit for bit the
+losses of the same run left uninterrupted (``--training.deterministic`` and a seed, on CPU).
+
+The stop is a SIGKILL sent as soon as the run logs its step-N save: no clean shutdown. The
+losses compared are the unrounded ones of ``<dump_folder>/metrics.jsonl`` (the printed step
+line has 4 decimals, too coarse for a bitwise claim).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+from tests.integration_tests.train_runs import (
+    REPO,
+    RUN_TRAIN,
+    SMALL,
+    TIMEOUT_S,
+    run_train,
+    step_losses,
+    train_env,
+)
+from torchtitan.components.checkpoint import scan_steps
+from torchtitan.components.metrics import read_metrics
+
+N = 5  # checkpoint interval and the step the run is killed after
+STEPS = 2 * N
+
+
+def _args(dump: Path) -> list[str]:
+    return [
+        *SMALL,
+        f"--job.dump_folder={dump}",
+        f"--training.steps={STEPS}",
+        "--training.seed=7",
+        "--training.deterministic",
+        "--checkpoint.enable",
+        f"--checkpoint.interval={N}",
+        "--checkpoint.keep_latest_k=0",
+        "--validation.enable",
+        f"--validation.freq={N}",
+        "--validation.steps=2",
+        "--validation.local_batch_size=4",
+    ]
+
+
+def _run_until_saved(args: list[str], step: int) -> str:
+    """Start a run and SIGKILL it (its whole process group) once it logs the save of ``step``;
+    returns its output so far."""
+    proc = subprocess.Popen(
+        [RUN_TRAIN, *args],
+        cwd=REPO,
+        env=train_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if f"Saved checkpoint step {step} " in line:
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=TIMEOUT_S)
+    output = "".join(lines)
+    assert f"Saved checkpoint step {step} " in output, output
+    return output
+
+
+def test_resume_after_kill_gives_bitwise_equal_losses(tmp_path: Path) -> None:
+    full_dir, stopped_dir = tmp_path / "full", tmp_path / "stopped"
+    full = run_train(_args(full_dir))
+    assert full.returncode == 0, full.stdout
+    reference = read_metrics(full_dir / "metrics.jsonl")
+    assert sorted(reference) == list(range(1, STEPS + 1))
+
+    _run_until_saved(_args(stopped_dir), N)
+    # The kill may land a little after the save: drop what the run wrote after step N (a
+    # later save, complete or not), so that the resume point is N whatever the timing.
+    checkpoints = stopped_dir / "checkpoint"
+    complete, incomplete = scan_steps(checkpoints)
+    assert N in complete
+    for later in [s for s in complete + incomplete if s > N]:
+        shutil.rmtree(checkpoints / f"step-{later}")
+
+    resumed = run_train(_args(stopped_dir))
+    assert resumed.returncode == 0, resumed.stdout
+    assert f"Resumed from checkpoint {checkpoints / f'step-{N}'} (step {N})" in resumed.stdout
+    assert sorted(step_losses(resumed.stdout)) == list(range(N + 1, STEPS + 1))
+
+    # One record per step and kind, steps 1..N from the stopped run, N+1.. from the resumed one.
+    lines = (stopped_dir / "metrics.jsonl").read_text().splitlines()
+    train_lines = [line for line in lines if '"train/loss"' in line]
+    assert len(train_lines) == STEPS, lines
+    history = read_metrics(stopped_dir / "metrics.jsonl")
+    assert sorted(history) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert history[step]["train/loss"] == reference[step]["train/loss"], step
+        assert history[step]["train/grad_norm"] == reference[step]["train/grad_norm"], step
+    for step in (N, STEPS):  # validation of the stopped run's last and the resumed run's step
+        assert history[step]["validation/loss"] == reference[step]["validation/loss"], step

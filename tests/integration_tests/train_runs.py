@@ -1,0 +1,59 @@
+"""Helpers to run ``./run_train.sh`` as a user would, in a subprocess, for integration tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+RUN_TRAIN = str(REPO / "run_train.sh")
+STEP_LINE = re.compile(r"step:\s+(\d+)\s+loss:\s+([0-9.]+)")
+
+# The debug model's smallest flavor on short sequences: seconds per run, even on 2 busy cores.
+SMALL = [
+    "--model.flavor=debugmodel_small",
+    "--training.seq_len=64",
+    "--training.local_batch_size=4",
+    "--lr_scheduler.warmup_steps=2",
+    "--metrics.log_freq=1",
+    "--metrics.disable_color_printing",
+    "--metrics.cpu_peak_flops=-1",  # mfu n/a: skips the start-up matmul measurement
+]
+
+# Generous: CI runs these alone, but a shared 2-core machine can be ten times slower.
+TIMEOUT_S = 600
+
+
+def train_env(**extra: str) -> dict[str, str]:
+    """The environment of a run: this interpreter, no inherited torchrun/rank variables."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env["PYTHON"] = sys.executable
+    env.update(extra)
+    return env
+
+
+def run_train(
+    args: list[str], env: dict[str, str] | None = None, timeout: float = TIMEOUT_S
+) -> subprocess.CompletedProcess[str]:
+    """``./run_train.sh ARGS`` to completion; stdout and stderr together in ``.stdout``."""
+    return subprocess.run(
+        [RUN_TRAIN, *args],
+        cwd=REPO,
+        env=env or train_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def step_losses(output: str) -> dict[int, float]:
+    """``{step: loss}`` of the printed step lines (4 decimals)."""
+    return {int(m.group(1)): float(m.group(2)) for m in STEP_LINE.finditer(output)}

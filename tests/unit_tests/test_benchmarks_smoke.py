@@ -1,0 +1,35 @@
+"""Smoke run of ``benchmarks/throughput.py --smoke``: a real trainer subprocess on the smallest
+model for a few steps must write a JSON with every figure. The numbers are only checked for
+sanity: CI machines are noisy."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_throughput_smoke_writes_its_figures(tmp_path: Path) -> None:
+    output = tmp_path / "throughput.json"
+    result = subprocess.run(
+        [sys.executable, "benchmarks/throughput.py", "--smoke", "--output", str(output)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,  # seconds when idle; generous for a busy 2-core machine
+    )
+    assert result.returncode == 0, result.stdout
+    assert "tokens/s:" in result.stdout and "MFU:" in result.stdout, result.stdout
+    figures = json.loads(output.read_text())
+    assert figures["mode"] == "smoke"
+    assert figures["measured_steps"] == figures["steps"] - figures["warmup_steps"] > 0
+    assert figures["tokens_per_s"] > 0
+    assert 0 < figures["peak_rss_gib"] < 16
+    assert figures["matmul_peak_flops"] > 1e8
+    assert figures["flops_per_token"] > 0
+    assert 0 < figures["mfu_pct"] < 100
+    assert figures["trainer_matmul_peak_flops"] > 1e8

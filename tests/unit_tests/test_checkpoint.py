@@ -1,0 +1,299 @@
+"""CheckpointManager in one process: round trip, incomplete and garbage checkpoints, purge,
+load_step, exclude_from_loading."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from torchtitan.components.checkpoint import CheckpointError, CheckpointManager, complete_steps
+from torchtitan.components.lr_scheduler import build_lr_scheduler
+from torchtitan.components.optimizer import OptimizerState
+from torchtitan.config.job_config import ConfigError, JobConfig
+from torchtitan.tools.logging import logger
+from torchtitan.trainer import ModelState, TrainState
+
+
+class Position:
+    """A dataloader-like Stateful: a position and a list of leftover tokens."""
+
+    def __init__(self) -> None:
+        self.position = 0
+        self.leftover: list[int] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position, "leftover": list(self.leftover)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = state["position"]
+        self.leftover = list(state["leftover"])
+
+
+class Run:
+    """A tiny model, its AdamW, LR schedule, data position and train state, registered as the
+    trainer registers them."""
+
+    def __init__(self, config: JobConfig, seed: int = 0, outputs: int = 2) -> None:
+        torch.manual_seed(seed)
+        self.model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, outputs))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.1)
+        self.scheduler = build_lr_scheduler(self.optimizer, config)
+        self.data = Position()
+        self.train_state = TrainState()
+        self.states = {
+            "model": ModelState(self.model),
+            "optimizer": OptimizerState(self.model, self.optimizer),
+            "lr_scheduler": self.scheduler,
+            "dataloader": self.data,
+            "train_state": self.train_state,
+        }
+        self.checkpointer = CheckpointManager(config, self.states)
+
+    def train(self, steps: int) -> None:
+        for _ in range(steps):
+            self.optimizer.zero_grad()
+            self.model(torch.randn(3, 4)).square().mean().backward()
+            self.optimizer.step()
+            self.scheduler.step()
+            self.data.position += 3
+            self.data.leftover = list(range(self.data.position % 5))
+            self.train_state.step += 1
+            self.train_state.tokens_seen += 12
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "params": [p.detach().clone() for p in self.model.parameters()],
+            "exp_avg": [
+                self.optimizer.state[p]["exp_avg"].clone()
+                for p in self.model.parameters()
+                if p in self.optimizer.state
+            ],
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "scheduler_epoch": self.scheduler.last_epoch,
+            "data": self.data.state_dict(),
+            "train_state": self.train_state.state_dict(),
+        }
+
+
+def _config(tmp_path: Path, **checkpoint: Any) -> JobConfig:
+    config = JobConfig()
+    config.job.dump_folder = str(tmp_path)
+    config.training.steps = 20
+    config.lr_scheduler.warmup_steps = 2
+    config.checkpoint.enable = True
+    for name, value in checkpoint.items():
+        setattr(config.checkpoint, name, value)
+    return config
+
+
+def _assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    for x, y in zip(a["params"], b["params"], strict=True):
+        assert torch.equal(x, y)
+    for x, y in zip(a["exp_avg"], b["exp_avg"], strict=True):
+        assert torch.equal(x, y)
+    for key in ("lr", "scheduler_epoch", "data", "train_state"):
+        assert a[key] == b[key], key
+
+
+@pytest.fixture
+def warnings_logged(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """caplog for the project logger (which may not propagate to the root logger)."""
+    logger.addHandler(caplog.handler)
+    caplog.handler.setLevel(logging.WARNING)
+    try:
+        yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)
+
+
+def test_round_trip_restores_every_state(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    run = Run(config)
+    run.train(3)
+    run.checkpointer.save(3)
+    saved = run.snapshot()
+    assert complete_steps(tmp_path / "checkpoint") == [3]
+
+    fresh = Run(config, seed=1)  # other weights, no optimizer state yet
+    assert fresh.checkpointer.load() == 3
+    _assert_same(fresh.snapshot(), saved)
+
+    # Both go on identically from there.
+    torch.manual_seed(5)
+    run.train(2)
+    torch.manual_seed(5)
+    fresh.train(2)
+    _assert_same(fresh.snapshot(), run.snapshot())
+
+
+def test_nothing_to_resume_from(tmp_path: Path) -> None:
+    run = Run(_config(tmp_path))
+    before = run.snapshot()
+    assert run.checkpointer.load() is None
+    _assert_same(run.snapshot(), before)
+
+
+def test_disabled_checkpointing_loads_nothing(tmp_path: Path) -> None:
+    run = Run(_config(tmp_path))
+    run.train(1)
+    run.checkpointer.save(1)
+    assert Run(_config(tmp_path, enable=False)).checkpointer.load() is None
+
+
+def test_incomplete_step_folder_is_skipped_with_a_warning(
+    tmp_path: Path, warnings_logged: pytest.LogCaptureFixture
+) -> None:
+    config = _config(tmp_path)
+    run = Run(config)
+    run.train(2)
+    run.checkpointer.save(2)
+    saved = run.snapshot()
+    partial = tmp_path / "checkpoint" / "step-4"  # a save that died before its .metadata
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"half written")
+
+    fresh = Run(config, seed=1)
+    assert fresh.checkpointer.load() == 2
+    _assert_same(fresh.snapshot(), saved)
+    assert any(
+        "step-4" in r.getMessage() and "incomplete" in r.getMessage()
+        for r in warnings_logged.records
+    )
+
+
+def test_saving_a_step_again_replaces_its_partial_folder(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    run = Run(config)
+    run.train(2)
+    partial = tmp_path / "checkpoint" / "step-2"
+    partial.mkdir(parents=True)
+    (partial / "junk").write_bytes(b"x")
+    run.checkpointer.save(2)
+    assert not (partial / "junk").exists()
+    assert Run(config, seed=1).checkpointer.load() == 2
+
+
+def test_keep_latest_k_purges_old_and_dead_partial_saves(tmp_path: Path) -> None:
+    config = _config(tmp_path, keep_latest_k=2)
+    run = Run(config)
+    folder = tmp_path / "checkpoint"
+    (folder / "step-1").mkdir(parents=True)  # a partial save, older than the newest complete
+    for step in (2, 3, 4, 5):
+        run.train(1)
+        run.checkpointer.save(step)
+    assert sorted(p.name for p in folder.iterdir()) == ["step-4", "step-5"]
+
+
+def test_keep_latest_k_zero_keeps_all(tmp_path: Path) -> None:
+    run = Run(_config(tmp_path, keep_latest_k=0))
+    for step in (1, 2, 3):
+        run.train(1)
+        run.checkpointer.save(step)
+    assert complete_steps(tmp_path / "checkpoint") == [1, 2, 3]
+
+
+def test_load_step_picks_an_older_checkpoint(tmp_path: Path) -> None:
+    run = Run(_config(tmp_path, keep_latest_k=0))
+    run.train(2)
+    run.checkpointer.save(2)
+    at_two = run.snapshot()
+    run.train(2)
+    run.checkpointer.save(4)
+
+    fresh = Run(_config(tmp_path, load_step=2), seed=1)
+    assert fresh.checkpointer.load() == 2
+    _assert_same(fresh.snapshot(), at_two)
+
+
+def test_load_step_without_a_checkpoint_is_an_error(tmp_path: Path) -> None:
+    run = Run(_config(tmp_path))
+    run.train(2)
+    run.checkpointer.save(2)
+    with pytest.raises(CheckpointError, match=r"checkpoint.load_step: 3 .*complete steps: \[2\]"):
+        Run(_config(tmp_path, load_step=3)).checkpointer.load()
+
+
+def test_garbage_metadata_is_a_checkpoint_error(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "checkpoint" / "step-10"
+    folder.mkdir(parents=True)
+    (folder / ".metadata").write_bytes(b"not a pickle at all")
+    (folder / "__0_0.distcp").write_bytes(bytes(range(256)))
+    with pytest.raises(CheckpointError, match=r"step-10 cannot be loaded: its \.metadata file"):
+        Run(_config(tmp_path)).checkpointer.load()
+    assert "Traceback" not in capfd.readouterr().err  # DCP's own tracebacks are held back
+
+
+def test_garbage_shards_are_a_checkpoint_error(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    config = _config(tmp_path)
+    run = Run(config)
+    run.train(1)
+    run.checkpointer.save(1)
+    for shard in (tmp_path / "checkpoint" / "step-1").glob("*.distcp"):
+        shard.write_bytes(b"\0garbage" * 32)
+    with pytest.raises(CheckpointError, match=r"step-1 cannot be loaded \("):
+        Run(config, seed=1).checkpointer.load()
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_checkpoint_of_another_model_is_a_checkpoint_error(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    run = Run(config)
+    run.train(1)
+    run.checkpointer.save(1)
+    other = Run(config, outputs=3)
+    with pytest.raises(CheckpointError, match="[Ss]ize mismatch"):
+        other.checkpointer.load()
+
+
+def test_exclude_from_loading_leaves_those_states_alone(tmp_path: Path) -> None:
+    run = Run(_config(tmp_path))
+    run.train(3)
+    run.checkpointer.save(3)
+    saved = run.snapshot()
+
+    fresh = Run(_config(tmp_path, exclude_from_loading=["dataloader", "optimizer"]), seed=1)
+    fresh_data = fresh.data.state_dict()
+    assert fresh.checkpointer.load() == 3
+    restored = fresh.snapshot()
+    for x, y in zip(restored["params"], saved["params"], strict=True):
+        assert torch.equal(x, y)
+    assert restored["train_state"] == saved["train_state"]
+    assert restored["data"] == fresh_data  # not restored
+    assert not fresh.optimizer.state  # no optimizer state loaded
+
+
+def test_exclude_from_loading_an_unknown_state_is_a_config_error(tmp_path: Path) -> None:
+    run = Run(_config(tmp_path))
+    run.train(1)
+    run.checkpointer.save(1)
+    with pytest.raises(ConfigError, match="checkpoint.exclude_from_loading.*'dataloadr'"):
+        Run(_config(tmp_path, exclude_from_loading=["dataloadr"])).checkpointer.load()
+
+
+def test_initial_load_path_loads_the_model_only(tmp_path: Path) -> None:
+    source = Run(_config(tmp_path / "pretrained"))
+    source.train(2)
+    source.checkpointer.save(2)
+    weights = source.snapshot()["params"]
+
+    run = Run(
+        _config(
+            tmp_path / "finetune",
+            initial_load_path=str(tmp_path / "pretrained" / "checkpoint" / "step-2"),
+        ),
+        seed=1,
+    )
+    assert run.checkpointer.load() is None  # training starts at step 1
+    for x, y in zip(run.snapshot()["params"], weights, strict=True):
+        assert torch.equal(x, y)
+    assert run.train_state.step == 0 and not run.optimizer.state
