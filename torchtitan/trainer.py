@@ -327,7 +327,9 @@ class Trainer:
         step = self.train_state.step
         last = step == cfg.training.steps
         if step == 1 or step % cfg.metrics.log_freq == 0 or last:
-            extra = f"  groups: {self.ft.manager.num_participants()}" if self.ft else ""
+            # Groups in the last quorum (semi-sync: the last sync; none before the first).
+            groups = self.ft.manager.num_participants() if self.ft else 0
+            extra = f"  groups: {groups}" if groups else ""
             self.metrics.log_step(step, result.loss, result.grad_norm, extra)
         start = time.perf_counter()
         if cfg.metrics.log_param_digest and self.ft is not None and self.wait_for_all_groups:
