@@ -1,0 +1,257 @@
+"""Convergence at equal tokens: held-out loss of one group, synchronous DP, LocalSGD, DiLoCo and
+Streaming DiLoCo on the embedded corpus.
+
+    .venv/bin/python benchmarks/convergence.py             # the README's figures (~35 min)
+    .venv/bin/python benchmarks/convergence.py --smoke     # seconds; checks the plumbing only
+
+Setup (defaults): the debug Llama (4.85M parameters), sequences of 128 tokens, batches of 8 per
+group, AdamW lr 2e-3 with 20 warmup steps and linear decay (the debug TOML), seed per run
+(``--seeds``; model init and data order, the same in both groups).
+
+* ``single_group``: one process without FT (1 thread), ``2 x --steps`` steps (so it sees as
+  many tokens as two groups do in ``--steps``);
+* ``sync_dp``: 2 groups, synchronous fault-tolerant DP (gradients averaged every step);
+* ``localsgd``, ``diloco`` (outer SGD lr 0.7, Nesterov momentum 0.9), ``streaming_diloco``
+  (2 fragments, ``fragment_sync_delay=1``): 2 groups, H = ``--sync-steps``.
+
+Evaluation is the trainer's own validation on the held-out split (``--validation.*``), at
+every sync of the two-group runs (and at the same token counts for the single group). The
+validation stream gives sample j to group j % 2: group 0's first K batches and group 1's first
+K batches together are exactly the single group's first 2K batches, so the mean of the two
+groups' losses (K batches each) and the single group's loss (2K batches) are over the same
+held-out tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import ft_common as common  # noqa: E402
+
+CONFIGS = ["single_group", "sync_dp", "localsgd", "diloco", "streaming_diloco"]
+BASE_METHOD = {"sync_dp": "sync_ft", "localsgd": "localsgd", "diloco": "diloco",
+               "streaming_diloco": "streaming_diloco"}  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny model and steps (CI)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--steps", type=int, default=200, help="steps of each group (2-group runs)")
+    p.add_argument("--sync-steps", type=int, default=20, help="H")
+    p.add_argument("--eval-batches", type=int, default=10, help="K, per group")
+    p.add_argument("--flavor", default="debugmodel")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
+    p.add_argument("--out", type=Path, default=common.RESULTS / "convergence.json")
+    p.add_argument("--png", type=Path, default=common.RESULTS / "convergence.png")
+    p.add_argument("--reuse", action="store_true",
+                   help="keep the runs in --out (same settings); run the rest")  # fmt: skip
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.seeds, args.steps, args.sync_steps, args.eval_batches = [0], 8, 4, 2
+        args.flavor, args.seq_len, args.batch = "debugmodel_small", 32, 2
+    return args
+
+
+def train_args(args: argparse.Namespace, seed: int, single: bool) -> list[str]:
+    factor = 2 if single else 1
+    return [
+        f"--model.flavor={args.flavor}",
+        f"--training.seq_len={args.seq_len}",
+        f"--training.local_batch_size={args.batch}",
+        f"--training.steps={factor * args.steps}",
+        f"--training.seed={seed}",
+        "--validation.enable",
+        f"--validation.freq={factor * args.sync_steps}",
+        f"--validation.steps={factor * args.eval_batches}",
+        f"--validation.local_batch_size={args.batch}",
+        f"--metrics.log_freq={factor * args.sync_steps}",
+        "--metrics.cpu_peak_flops=-1",
+    ]
+
+
+def run_all(
+    args: argparse.Namespace, tmp: Path, curves: dict[str, dict[int, dict[int, float]]], save
+) -> None:
+    """Fill ``curves`` ({config: {seed: {tokens: eval loss}}}) seed by seed, skipping the runs
+    it already holds (``--reuse``); ``save(curves)`` after each run."""
+    tokens_per_group_step = args.batch * args.seq_len
+    for seed in args.seeds:
+        for config in args.configs:
+            if seed in curves.setdefault(config, {}):
+                print(f"[convergence] {config} seed {seed}: reused", flush=True)
+                continue
+            if config == "single_group":
+                # One process, one thread (like each group of the others), twice the steps.
+                with common.Job(tmp / f"single_seed{seed}") as job:
+                    proc = job.start_trainer(
+                        f"single_seed{seed}", train_args(args, seed, single=True), threads=1
+                    )
+                    if proc.wait(7200) != 0:
+                        raise RuntimeError(f"{proc.name} failed:\n{proc.tail()}")
+                losses = common.validation_losses(proc.text())
+                curves[config][seed] = {
+                    step * tokens_per_group_step: loss for step, loss in losses.items()
+                }
+            else:
+                procs = common.run_method(
+                    tmp / f"{config}_seed{seed}",
+                    BASE_METHOD[config],
+                    train_args(args, seed, single=False),
+                    semi_sync_args=[f"--fault_tolerance.sync_steps={args.sync_steps}"],
+                    timeout=7200,
+                )
+                per_group = [common.validation_losses(p.text()) for p in procs]
+                steps = sorted(set(per_group[0]) & set(per_group[1]))
+                losses = {s: (per_group[0][s] + per_group[1][s]) / 2 for s in steps}
+                curves[config][seed] = {
+                    step * 2 * tokens_per_group_step: loss for step, loss in losses.items()
+                }
+            print(f"[convergence] {config} seed {seed}: {_last(losses)}", flush=True)
+            save(curves)
+
+
+def _last(losses: dict[int, float]) -> str:
+    if not losses:
+        return "no validation line"
+    step = max(losses)
+    return f"step {step} eval loss {losses[step]:.4f}"
+
+
+def summarize(curves: dict[str, dict[int, dict[int, float]]]) -> dict[str, dict]:
+    table = {}
+    for config, by_seed in curves.items():
+        finals = {seed: curve[max(curve)] for seed, curve in by_seed.items() if curve}
+        table[config] = {
+            "final_tokens": max(max(c) for c in by_seed.values()),
+            "final_eval_loss_per_seed": {str(s): round(v, 4) for s, v in finals.items()},
+            "final_eval_loss_mean": round(sum(finals.values()) / len(finals), 4),
+        }
+    if "sync_dp" in table:
+        base = table["sync_dp"]["final_eval_loss_mean"]
+        for row in table.values():
+            row["ratio_to_sync_dp"] = round(row["final_eval_loss_mean"] / base, 4)
+    return table
+
+
+def plot(curves: dict[str, dict[int, dict[int, float]]], path: Path, title: str) -> str:
+    """Eval loss vs tokens, one line per config (mean over seeds; seeds faint)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install -e '.[bench]'): no PNG written"
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    for config, by_seed in curves.items():
+        tokens = sorted(set.intersection(*(set(c) for c in by_seed.values())))
+        mean = [sum(c[t] for c in by_seed.values()) / len(by_seed) for t in tokens]
+        (line,) = ax.plot([t / 1e6 for t in tokens], mean, marker="o", ms=3, label=config)
+        if len(by_seed) > 1:
+            for curve in by_seed.values():
+                xs = sorted(curve)
+                ax.plot([x / 1e6 for x in xs], [curve[x] for x in xs], color=line.get_color(),
+                        alpha=0.25, lw=0.8)  # fmt: skip
+    ax.set_xlabel("tokens seen by all groups together (millions)")
+    ax.set_ylabel("held-out loss (nats/token)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    finals = [v for by_seed in curves.values() for c in by_seed.values() for v in c.values()]
+    if finals:
+        ax.set_ylim(min(finals) - 0.05, min(max(finals), min(finals) + 1.5))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return str(path)
+
+
+def settings(args: argparse.Namespace) -> dict:
+    return {
+        "flavor": args.flavor,
+        "seq_len": args.seq_len,
+        "local_batch_size": args.batch,
+        "steps_per_group_two_group_runs": args.steps,
+        "steps_single_group": 2 * args.steps,
+        "sync_steps_H": args.sync_steps,
+        "eval": f"{args.eval_batches} batches of {args.batch} per group (single group: "
+        f"{2 * args.eval_batches}), every {args.sync_steps} steps",
+        "lr": "AdamW 2e-3, warmup 20, linear decay (debug_model.toml)",
+        "outer_optimizer": "SGD lr 0.7, momentum 0.9, Nesterov (DiLoCo defaults)",
+        "streaming": "2 fragments, fragment_sync_delay=1",
+        "threads": "1 per process; 2-group runs: group i on core i; single group unpinned",
+    }
+
+
+def load_reusable(args: argparse.Namespace) -> dict[str, dict[int, dict[int, float]]]:
+    """Curves of an earlier run with the same settings in ``--out`` (for ``--reuse``)."""
+    if not args.reuse or not args.out.exists():
+        return {}
+    old = json.loads(args.out.read_text())
+    if {k: v for k, v in old.get("settings", {}).items() if k in settings(args)} != settings(args):
+        print("[convergence] --reuse: settings differ from the saved run; starting afresh")
+        return {}
+    return {
+        config: {int(seed): {int(t): v for t, v in c.items()} for seed, c in by_seed.items()}
+        for config, by_seed in old.get("curves", {}).items()
+        if config in args.configs
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    load = common.load_average()
+    curves = load_reusable(args)
+
+    def save(curves: dict[str, dict[int, dict[int, float]]]) -> dict:
+        done = {c: by_seed for c, by_seed in curves.items() if by_seed}
+        result = {
+            "benchmark": "convergence",
+            "command": "benchmarks/convergence.py" + (" --smoke" if args.smoke else ""),
+            "machine": common.machine(),
+            "settings": {**settings(args), "load_avg_1min_at_start": round(load, 2)},
+            "seeds": sorted({s for by_seed in done.values() for s in by_seed}),
+            "summary": summarize(done),
+            "target": {"diloco ratio_to_sync_dp": "<= 1.01"},
+            "curves": {
+                config: {
+                    str(seed): {str(t): v for t, v in sorted(c.items())}
+                    for seed, c in by_seed.items()
+                }
+                for config, by_seed in done.items()
+            },
+        }
+        common.write_json(args.out, result)
+        return result
+
+    with tempfile.TemporaryDirectory(prefix="convergence_") as tmp:
+        run_all(args, Path(tmp), curves, save)
+    result = save(curves)
+    title = (
+        f"{args.flavor}, seq {args.seq_len}, batch {args.batch}/group, 2 groups x "
+        f"{args.steps} steps, H={args.sync_steps}, seeds {result['seeds']}"
+    )
+    result["png"] = plot({c: curves[c] for c in args.configs if curves.get(c)}, args.png, title)
+    common.write_json(args.out, result)
+    for config, row in result["summary"].items():
+        print(
+            f"[convergence] {config:17s} final eval loss {row['final_eval_loss_mean']:.4f}"
+            f"  ratio to sync_dp {row.get('ratio_to_sync_dp', float('nan')):.4f}"
+        )
+    print(f"[convergence] wrote {args.out} and {result['png']}")
+    return 0
+
+
+if __name__ == "__main__":
+    common.stop_cleanly_on_sigterm()
+    sys.exit(main())

@@ -1,0 +1,504 @@
+"""Recovery and soak of DiLoCo across 2 replica groups, with SIGKILLed groups.
+
+    .venv/bin/python benchmarks/recovery.py                # the README's figures (~13 min)
+    .venv/bin/python benchmarks/recovery.py --minutes 3    # shorter soak
+    .venv/bin/python benchmarks/recovery.py --smoke        # ~1 min; checks the plumbing
+
+Method: DiLoCo (1 fragment, H = ``--sync-steps``), the semi-synchronous method this project is
+about; groups meet only at syncs, so a kill costs at most the work since the last sync.
+Lighthouse and groups run on 127.0.0.1 (free ports), group i pinned to core i, heartbeat
+timeout ``--heartbeat-timeout-ms``. Each group is one process of ``benchmarks/timed_entry.py``
+(monotonic ``[timing]`` lines per step, received healing bytes).
+
+Part 1, recovery (``--kills`` times, alternating groups): once both groups have committed syncs,
+SIGKILL one group (its whole process group) and measure
+
+* kill -> the survivor's next inner step and next committed sync (and that sync's duration);
+* restart (``--restart-after`` s later) -> the restarted group's heal: bytes received and
+  seconds in torchft's checkpoint transport, and the time from its start to its first committed
+  sync (process start-up included).
+
+Part 2, soak (``--minutes``): a fresh job; every ``--kill-every`` s (uniform in [0.5, 1.5] of
+it, seeded by ``--seed``) SIGKILL a random group and restart it after ``--restart-after`` s. A
+kill is postponed while the other group has not yet committed a sync since its own (re)start:
+killing the only group that holds the job's state would restart the job from scratch. Reports
+
+* committed ÷ attempted inner steps: attempted = every inner step any process computed (up to
+  its last sync attempt; the unfinished period at the end is left out); committed = the steps of
+  periods that ended in a committed sync, except a restarted group's first period, which the
+  heal overwrites;
+* committed ÷ attempted syncs;
+* divergence: syncs whose ``global_digest`` differs between the groups (both took part);
+* crashes: processes that exited without being killed by the benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import ft_common as common  # noqa: E402
+
+TIMED_ENTRY = Path(__file__).resolve().parent / "timed_entry.py"
+TIMING_LINE = re.compile(r"\[timing\] step (\d+) compute_s ([0-9.]+) t ([0-9.]+)")
+SYNC_LINE = re.compile(
+    r"\[semi-sync\] step (\d+) sync: .*?(NOT committed|committed)\s+time (\d+) ms.*?groups (\d+)"
+)
+DIGEST_LINE = re.compile(r"global_digest sync (\d+): ([0-9a-f]+)")
+HEALED_LINE = re.compile(r"\[semi-sync\] healed from a live peer")
+HEAL_BYTES = re.compile(r"\[timing\] heal recv_bytes (\d+) seconds ([0-9.]+)")
+EVENT = re.compile(
+    r"\[timing\] step \d+ compute_s [0-9.]+ t [0-9.]+|"
+    r"\[semi-sync\] step \d+ sync: .*|\[semi-sync\] healed from a live peer.*"
+)
+
+
+@dataclass
+class TimedJob(common.Job):
+    """``ft_common.Job`` running ``timed_entry.py``, with its own lighthouse settings."""
+
+    def _start(self, name: str, cmd: list[str], env: dict[str, str]) -> common.Proc:
+        cmd = [str(TIMED_ENTRY) if c == str(common.TRAIN_ENTRY) else c for c in cmd]
+        return super()._start(name, cmd, env)
+
+    def start_lighthouse_with(self, heartbeat_timeout_ms: int, join_timeout_ms: int) -> str:
+        port = common.free_port()
+        cmd = [
+            str(common.LIGHTHOUSE), "--min_replicas", "1", "--quorum_tick_ms", "100",
+            "--join_timeout_ms", str(join_timeout_ms),
+            "--heartbeat_timeout_ms", str(heartbeat_timeout_ms), "--bind", f"127.0.0.1:{port}",
+        ]  # fmt: skip
+        proc = self._start("lighthouse", cmd, dict(os.environ))
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if "listening on" in proc.text():
+                self.lighthouse_addr = f"http://127.0.0.1:{port}"
+                return self.lighthouse_addr
+            time.sleep(0.1)
+        raise RuntimeError(f"torchft_lighthouse did not start:\n{proc.tail()}")
+
+
+@dataclass
+class Start:
+    """One start of one replica group."""
+
+    group: int
+    proc: common.Proc
+    started: float  # time.monotonic()
+    killed_at: float | None = None
+
+    def timings(self) -> list[tuple[int, float]]:
+        return [(int(m.group(1)), float(m.group(3))) for m in TIMING_LINE.finditer(self.text())]
+
+    def text(self) -> str:
+        return self.proc.text()
+
+    def committed_syncs(self) -> int:
+        return sum(1 for m in SYNC_LINE.finditer(self.text()) if m.group(2) == "committed")
+
+
+@dataclass
+class Cluster:
+    job: TimedJob
+    train_args: list[str]
+    groups: int = 2
+    starts: list[Start] = field(default_factory=list)
+
+    def start(self, group: int) -> Start:
+        k = sum(1 for s in self.starts if s.group == group)
+        proc = self.job.start_trainer(
+            f"g{group}_start{k}",
+            self.train_args,
+            replica_id=group,
+            groups=self.groups,
+            cpus=str(group % (os.cpu_count() or 1)),
+        )
+        start = Start(group, proc, time.monotonic())
+        self.starts.append(start)
+        return start
+
+    def latest(self, group: int) -> Start:
+        return [s for s in self.starts if s.group == group][-1]
+
+    def kill(self, group: int) -> Start:
+        start = self.latest(group)
+        start.killed_at = time.monotonic()
+        try:
+            os.killpg(start.proc.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        start.proc.wait(30)
+        return start
+
+    def crashed(self) -> list[Start]:
+        """Starts that exited without being killed by us."""
+        return [s for s in self.starts if s.killed_at is None and s.proc.popen.poll() is not None]
+
+    def check_alive(self) -> None:
+        for s in self.crashed():
+            raise RuntimeError(
+                f"group {s.group} ({s.proc.name}) exited with {s.proc.popen.returncode} "
+                f"without being killed:\n{s.proc.tail()}"
+            )
+
+
+def wait_until(predicate, timeout: float, what: str, cluster: Cluster) -> float:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return time.monotonic()
+        cluster.check_alive()
+        time.sleep(0.1)
+    raise TimeoutError(f"no {what} within {timeout:.0f}s")
+
+
+def first_after(rows: list[tuple[int, float]], t: float) -> tuple[int, float] | None:
+    later = [r for r in rows if r[1] > t]
+    return later[0] if later else None
+
+
+def sync_events(text: str) -> list[tuple[str, re.Match[str]]]:
+    """The timing, sync and healed lines of a log, in order, as (kind, match)."""
+    events = []
+    for m in EVENT.finditer(text):
+        line = m.group(0)
+        if line.startswith("[timing]"):
+            events.append(("step", TIMING_LINE.match(line)))
+        elif "healed" in line:
+            events.append(("healed", m))
+        else:
+            events.append(("sync", SYNC_LINE.search(line)))
+    return [(k, m) for k, m in events if m is not None]
+
+
+def step_accounting(text: str, finished_by_us: bool) -> dict[str, int]:
+    """attempted / committed inner steps and syncs of one process's log (see module doc)."""
+    attempted = committed = since = syncs = committed_syncs = 0
+    healed = False
+    for kind, m in sync_events(text):
+        if kind == "step":
+            since += 1
+        elif kind == "healed":
+            healed = True
+        else:
+            period = since + 1  # the sync step's own [timing] line comes right after
+            attempted += period
+            syncs += 1
+            if m.group(2) == "committed":
+                committed_syncs += 1
+                if not healed:
+                    committed += period
+            healed = False
+            since = -1
+    if not finished_by_us:  # killed mid-period: those steps were attempted and lost
+        attempted += max(since, 0)
+    return {
+        "attempted_steps": attempted,
+        "committed_steps": committed,
+        "attempted_syncs": syncs,
+        "committed_syncs": committed_syncs,
+        "unfinished_period_steps": max(since, 0) if finished_by_us else 0,
+    }
+
+
+def divergence(starts: list[Start]) -> dict[str, object]:
+    """Compare every ``global_digest sync K`` logged by more than one group."""
+    by_group: dict[int, dict[int, set[str]]] = {}
+    for s in starts:
+        for m in DIGEST_LINE.finditer(s.text()):
+            by_group.setdefault(s.group, {}).setdefault(int(m.group(1)), set()).add(m.group(2))
+    syncs = sorted({k for d in by_group.values() for k in d})
+    compared, mismatched = 0, []
+    for k in syncs:
+        seen = [d[k] for d in by_group.values() if k in d]
+        if len(seen) < 2 and all(len(x) == 1 for x in seen):
+            continue
+        compared += 1
+        if len(set().union(*seen)) != 1:
+            mismatched.append(k)
+    return {"syncs_logged": len(syncs), "syncs_compared": compared, "mismatched": mismatched}
+
+
+# ---- part 1 --------------------------------------------------------------------------------
+
+
+def recovery_part(folder: Path, args: argparse.Namespace, train_args: list[str]) -> list[dict]:
+    samples: list[dict] = []
+    with TimedJob(folder) as job:
+        job.start_lighthouse_with(args.heartbeat_timeout_ms, args.join_timeout_ms)
+        cluster = Cluster(job, train_args)
+        for g in range(2):
+            cluster.start(g)
+        for i in range(args.kills):
+            victim = 1 - (i % 2)  # group 1 first, then group 0, ...
+            survivor = 1 - victim
+            base = {g: cluster.latest(g).committed_syncs() for g in range(2)}
+            wait_until(
+                lambda b=base: all(cluster.latest(g).committed_syncs() >= b[g] + 2 for g in (0, 1)),
+                args.timeout, "2 committed syncs in both groups", cluster,
+            )  # fmt: skip
+            # Kill at a random point of the sync period (not right at a sync).
+            time.sleep(random.Random(args.seed + i).uniform(0.0, 1.5))
+            killed = cluster.kill(victim)
+            t_kill = killed.killed_at
+            assert t_kill is not None
+            surv = cluster.latest(survivor)
+
+            def next_committed_sync(s: Start = surv, t: float = t_kill) -> tuple | None:
+                return committed_sync_after(s, t)
+
+            wait_until(lambda: next_committed_sync() is not None, args.timeout,
+                       "committed sync of the survivor", cluster)  # fmt: skip
+            step_row = first_after(surv.timings(), t_kill)
+            sync_step, sync_t, sync_ms, sync_groups = next_committed_sync()  # type: ignore[misc]
+            time.sleep(max(0.0, t_kill + args.restart_after - time.monotonic()))
+            restarted = cluster.start(victim)
+            # (the step's [timing] line follows its sync line: wait for both)
+            wait_until(lambda r=restarted: committed_sync_after(r, 0.0) is not None, args.timeout,
+                       "first committed sync of the restarted group", cluster)  # fmt: skip
+            text = restarted.text()
+            heal = HEAL_BYTES.search(text)
+            first = committed_sync_after(restarted, 0.0)
+            first_step = (restarted.timings() or [(0, 0.0)])[0]
+            sample = {
+                "killed_group": victim,
+                "survivor_next_inner_step_after_kill_s": (
+                    round(step_row[1] - t_kill, 3) if step_row else None
+                ),
+                "survivor_next_committed_sync_after_kill_s": round(sync_t - t_kill, 3),
+                "survivor_that_sync_ms": sync_ms,
+                "survivor_that_sync_groups": sync_groups,
+                "restart_after_s": args.restart_after,
+                "restarted_first_step_after_start_s": round(first_step[1] - restarted.started, 3),
+                "heal_bytes": int(heal.group(1)) if heal else None,
+                "heal_transfer_s": float(heal.group(2)) if heal else None,
+                "healed_line": bool(HEALED_LINE.search(text)),
+                "restarted_first_committed_sync_after_start_s": (
+                    round(first[1] - restarted.started, 3) if first else None
+                ),
+                "kill_to_restarted_group_in_sync_s": (
+                    round(first[1] - t_kill, 3) if first else None
+                ),
+            }
+            samples.append(sample)
+            print(f"[recovery] kill {i}: {sample}", flush=True)
+        if cluster.crashed():
+            raise RuntimeError("a survivor crashed during part 1")
+    return samples
+
+
+def committed_sync_after(start: Start, t: float) -> tuple[int, float, int, int] | None:
+    """(step, monotonic time, sync ms, groups) of the first committed sync of ``start`` whose
+    step ended after ``t``."""
+    times = dict(start.timings())
+    for m in SYNC_LINE.finditer(start.text()):
+        step = int(m.group(1))
+        if m.group(2) == "committed" and step in times and times[step] > t:
+            return step, times[step], int(m.group(3)), int(m.group(4))
+    return None
+
+
+# ---- part 2 --------------------------------------------------------------------------------
+
+
+def soak_part(folder: Path, args: argparse.Namespace, train_args: list[str]) -> dict:
+    rng = random.Random(args.seed)
+    kills: list[dict] = []
+    with TimedJob(folder) as job:
+        job.start_lighthouse_with(args.heartbeat_timeout_ms, args.join_timeout_ms)
+        cluster = Cluster(job, train_args)
+        for g in range(2):
+            cluster.start(g)
+        wait_until(lambda: all(cluster.latest(g).committed_syncs() >= 1 for g in (0, 1)),
+                   args.timeout, "a first committed sync in both groups", cluster)  # fmt: skip
+        t_begin = time.monotonic()
+        t_end = t_begin + args.minutes * 60
+        next_kill = t_begin + rng.uniform(0.5, 1.5) * args.kill_every
+        pending_restart: dict[int, float] = {}
+        postponed = 0
+        while time.monotonic() < t_end:
+            now = time.monotonic()
+            cluster.check_alive()
+            for g, at in list(pending_restart.items()):
+                if now >= at:
+                    cluster.start(g)
+                    del pending_restart[g]
+            if now >= next_kill:
+                victim = rng.randrange(2)
+                other = cluster.latest(1 - victim)
+                other_ready = (
+                    1 - victim not in pending_restart
+                    and other.proc.popen.poll() is None
+                    and other.committed_syncs() >= 1
+                )
+                if victim in pending_restart or not other_ready:
+                    postponed += 1
+                    next_kill = now + 1.0
+                else:
+                    killed = cluster.kill(victim)
+                    kills.append({"group": victim, "t": round(killed.killed_at - t_begin, 2)})  # type: ignore[operator]
+                    pending_restart[victim] = now + args.restart_after
+                    print(f"[soak] {now - t_begin:6.1f}s SIGKILL group {victim}", flush=True)
+                    next_kill = now + rng.uniform(0.5, 1.5) * args.kill_every
+            time.sleep(0.1)
+        crashed = [
+            {"group": s.group, "name": s.proc.name, "code": s.proc.popen.returncode}
+            for s in cluster.crashed()
+        ]
+        live = [s for s in cluster.starts if s.proc.popen.poll() is None]
+        for s in live:  # the end of the soak: stop them (their unfinished period is left out)
+            os.killpg(s.proc.popen.pid, signal.SIGKILL)
+            s.proc.wait(30)
+        per_start = []
+        for s in cluster.starts:
+            acc = step_accounting(s.text(), finished_by_us=s in live)
+            acc.update(group=s.group, name=s.proc.name, healed=bool(HEALED_LINE.search(s.text())))
+            per_start.append(acc)
+        totals = {
+            k: sum(a[k] for a in per_start)
+            for k in ("attempted_steps", "committed_steps", "attempted_syncs", "committed_syncs")
+        }
+        # Stall of the survivor after each kill: kill -> its next committed sync.
+        stalls = []
+        for k in kills:
+            t_kill = t_begin + k["t"]
+            candidates = [
+                committed_sync_after(s, t_kill)
+                for s in cluster.starts
+                if s.group != k["group"] and s.started < t_kill
+            ]
+            found = [c for c in candidates if c is not None]
+            if found:
+                stalls.append(round(min(c[1] for c in found) - t_kill, 3))
+        div = divergence(cluster.starts)
+    return {
+        "minutes": args.minutes,
+        "kills": kills,
+        "kills_postponed_checks": postponed,
+        "restarts": len(cluster.starts) - 2,
+        "totals": totals,
+        "committed_over_attempted_steps": round(
+            totals["committed_steps"] / max(1, totals["attempted_steps"]), 4
+        ),
+        "committed_over_attempted_syncs": round(
+            totals["committed_syncs"] / max(1, totals["attempted_syncs"]), 4
+        ),
+        "survivor_kill_to_next_committed_sync_s": stalls,
+        "divergence": div,
+        "crashes": crashed,
+        "per_start": per_start,
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny model, short soak (CI)")
+    p.add_argument("--minutes", type=float, default=10.0, help="soak length (default 10)")
+    p.add_argument("--kill-every", type=float, default=30.0, help="mean seconds between kills")
+    p.add_argument("--restart-after", type=float, default=5.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kills", type=int, default=2, help="kills measured in part 1")
+    p.add_argument("--sync-steps", type=int, default=5, help="DiLoCo H")
+    p.add_argument("--flavor", default="debugmodel")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--heartbeat-timeout-ms", type=int, default=2000)
+    p.add_argument("--join-timeout-ms", type=int, default=10000)
+    p.add_argument("--skip-recovery", action="store_true", help="soak only")
+    p.add_argument("--skip-soak", action="store_true", help="part 1 only")
+    p.add_argument("--timeout", type=float, default=240, help="seconds for any one wait")
+    p.add_argument("--max-load", type=float, default=1.5)
+    p.add_argument("--out", type=Path, default=common.RESULTS / "recovery.json")
+    p.add_argument("--logs", type=Path, default=None,
+                   help="keep the logs in this folder (default: a temporary one)")  # fmt: skip
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.flavor, args.seq_len, args.batch, args.sync_steps = "debugmodel_small", 32, 2, 4
+        args.kills, args.minutes, args.kill_every, args.restart_after = 1, 0.5, 12.0, 2.0
+        args.max_load = float("inf")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    train_args = [
+        common.SEMI_SYNC_MODULE,
+        "--fault_tolerance.semi_sync_method=diloco",
+        f"--fault_tolerance.sync_steps={args.sync_steps}",
+        f"--model.flavor={args.flavor}",
+        f"--training.seq_len={args.seq_len}",
+        f"--training.local_batch_size={args.batch}",
+        "--training.steps=1000000",
+        "--metrics.log_freq=50",
+        "--metrics.log_param_digest",
+        "--validation.enable=false",
+        "--metrics.cpu_peak_flops=-1",
+    ]
+    result: dict[str, object] = {
+        "benchmark": "recovery",
+        "command": "benchmarks/recovery.py" + (" --smoke" if args.smoke else ""),
+        "machine": common.machine(),
+        "settings": {
+            "method": f"DiLoCo, 1 fragment, H={args.sync_steps}",
+            "groups": 2,
+            "flavor": args.flavor,
+            "seq_len": args.seq_len,
+            "local_batch_size": args.batch,
+            "network": "127.0.0.1 (no shaping)",
+            "lighthouse": f"min_replicas 1, heartbeat_timeout_ms {args.heartbeat_timeout_ms}, "
+            f"join_timeout_ms {args.join_timeout_ms}",
+            "restart_after_s": args.restart_after,
+            "kill_every_s": f"uniform in [{0.5 * args.kill_every:g}, {1.5 * args.kill_every:g}]",
+            "seed": args.seed,
+            "ft_args": common.FT_ARGS,
+        },
+        "targets": {
+            "committed_over_attempted_steps": ">= 0.80",
+            "divergence": "none",
+            "survivor_crashes": 0,
+        },
+    }
+    with tempfile.TemporaryDirectory(prefix="recovery_") as tmp_dir:
+        tmp = str(args.logs) if args.logs else tmp_dir
+        if not args.skip_recovery:
+            load = common.wait_for_quiet_machine(args.max_load, 120)
+            result["recovery"] = {
+                "load_avg_1min_before": round(load, 2),
+                "samples": recovery_part(Path(tmp) / "recovery", args, train_args),
+                "load_avg_1min_after": round(common.load_average(), 2),
+            }
+            common.write_json(args.out, result)
+        if not args.skip_soak:
+            load = common.wait_for_quiet_machine(args.max_load, 120)
+            soak = soak_part(Path(tmp) / "soak", args, train_args)
+            soak["load_avg_1min_before"] = round(load, 2)
+            soak["load_avg_1min_after"] = round(common.load_average(), 2)
+            soak["targets_met"] = {
+                "committed_over_attempted_steps": soak["committed_over_attempted_steps"] >= 0.8,
+                "no_divergence": not soak["divergence"]["mismatched"],  # type: ignore[index]
+                "no_crash": not soak["crashes"],
+            }
+            result["soak"] = soak
+            print(
+                f"[soak] committed/attempted steps {soak['committed_over_attempted_steps']:.3f} "
+                f"syncs {soak['committed_over_attempted_syncs']:.3f}  kills {len(soak['kills'])}  "
+                f"divergence {soak['divergence']}  crashes {soak['crashes']}",
+                flush=True,
+            )
+    path = common.write_json(args.out, result)
+    print(f"[recovery] wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

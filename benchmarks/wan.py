@@ -1,0 +1,375 @@
+"""Compute utilisation over an emulated WAN: synchronous FT vs DiLoCo vs Streaming DiLoCo.
+
+    sudo .venv/bin/python benchmarks/wan.py            # the README's figures (~10 min)
+    sudo .venv/bin/python benchmarks/wan.py --smoke    # tens of seconds; checks the plumbing
+
+Each replica group runs in its own network namespace, joined to the lighthouse's namespace by a
+veth pair and a bridge; each group's link is shaped with ``tc tbf`` to ``--rates`` Mbit/s in
+both directions (``benchmarks/netns.py``). This kernel has no ``netem``: no latency is added,
+only bandwidth is limited. Groups bind and advertise their namespace address
+(``--fault_tolerance.hostname=10.123.0.1x``, ``GLOO_SOCKET_IFNAME=wan0``). Group i is pinned to
+core i (``taskset``), one thread each.
+
+Compute utilisation = time in forward/backward, gradient clipping and the inner optimizer
+update ÷ wall time, per group, over the steps after the first ``--warmup`` ones (the
+``[timing]`` lines of ``benchmarks/timed_entry.py``). Bytes per group per step: the payload
+(sync FT: the fp32 gradients of every parameter each step; semi-sync: the ``sent X MiB`` of
+each sync line, summed, ÷ steps) and what the group's interface actually sent (its ``tx_bytes``
+over the run ÷ steps, IP headers and lighthouse traffic included). ``no_ft`` (one group alone,
+no torchft) is the ceiling of the metric on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import ft_common as common  # noqa: E402
+import netns  # noqa: E402
+
+TIMED_ENTRY = Path(__file__).resolve().parent / "timed_entry.py"
+TIMING_LINE = re.compile(r"\[timing\] step (\d+) compute_s ([0-9.]+) t ([0-9.]+)")
+SENT_LINE = re.compile(
+    r"\[semi-sync\] step (\d+) sync: .*?(NOT committed|committed)\s+time (\d+) ms\s+"
+    r"sent ([0-9.]+) MiB"
+)
+PARAMS_LINE = re.compile(r"Model \S+: ([0-9,]+) parameters")
+LIGHTHOUSE_PORT = 19610  # inside the hub namespace only (a fresh network stack: always free)
+ORDER = ["no_ft", "sync_ft", "diloco", "streaming_diloco"]
+TARGETS = {"streaming_diloco": 0.95, "diloco": 0.80}
+
+
+@dataclass
+class NetnsJob(common.Job):
+    """``ft_common.Job`` whose processes run in network namespaces, with the timing entry."""
+
+    namespace_of: dict[str, str] = field(default_factory=dict)
+    env_of: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def _start(self, name: str, cmd: list[str], env: dict[str, str]) -> common.Proc:
+        cmd = [str(TIMED_ENTRY) if c == str(common.TRAIN_ENTRY) else c for c in cmd]
+        env.update(self.env_of.get(name, {}))
+        if name in self.namespace_of:
+            cmd = ["ip", "netns", "exec", self.namespace_of[name], *cmd]
+        return super()._start(name, cmd, env)
+
+    def start_lighthouse_in(self, namespace: str, min_replicas: int) -> str:
+        bind = f"{netns.HUB_IP}:{LIGHTHOUSE_PORT}"
+        cmd = [
+            str(common.LIGHTHOUSE), "--min_replicas", str(min_replicas), "--quorum_tick_ms",
+            "100", "--join_timeout_ms", "10000", "--heartbeat_timeout_ms", "5000", "--bind", bind,
+        ]  # fmt: skip
+        self.namespace_of["lighthouse"] = namespace
+        proc = self._start("lighthouse", cmd, dict(os.environ))
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if "listening on" in proc.text():
+                self.lighthouse_addr = f"http://{bind}"
+                return self.lighthouse_addr
+            if proc.popen.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise RuntimeError(f"torchft_lighthouse did not start in {namespace}:\n{proc.tail()}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny model and steps (CI)")
+    p.add_argument("--rates", type=float, nargs="+", default=[100.0, 1000.0],
+                   help="link rates to emulate, Mbit/s (default 100 1000)")  # fmt: skip
+    p.add_argument("--methods", nargs="+", default=ORDER, choices=ORDER)
+    p.add_argument("--flavor", default="debugmodel")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--sync-steps", type=int, default=20, help="H of DiLoCo and Streaming DiLoCo")
+    p.add_argument("--fragments", type=int, default=2, help="Streaming DiLoCo fragments")
+    p.add_argument("--delay", type=int, default=2, help="Streaming DiLoCo fragment_sync_delay")
+    p.add_argument("--periods", type=int, default=3, help="semi-sync run length, in H")
+    p.add_argument("--sync-ft-steps", type=int, default=20)
+    p.add_argument("--sync-ft-warmup", type=int, default=5)
+    p.add_argument("--max-load", type=float, default=1.5,
+                   help="before each run wait (<= 2 min) for load below this")  # fmt: skip
+    p.add_argument("--out", type=Path, default=common.RESULTS / "wan.json")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per run")
+    p.add_argument("--png", type=Path, default=common.RESULTS / "wan.png")
+    p.add_argument("--summarize-only", action="store_true",
+                   help="recompute the summary of the JSON at --out, run nothing")  # fmt: skip
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.flavor, args.seq_len, args.batch = "debugmodel_small", 32, 2
+        args.sync_steps, args.fragments, args.delay, args.periods = 4, 2, 1, 2
+        args.sync_ft_steps, args.sync_ft_warmup = 4, 2
+        args.rates = args.rates if argv and "--rates" in argv else [100.0]
+        args.max_load = float("inf")
+    return args
+
+
+def method_args(method: str, args: argparse.Namespace) -> tuple[list[str], int, int]:
+    """(trainer flags, steps, warm-up steps) of one method."""
+    if method in ("no_ft", "sync_ft"):
+        return [], args.sync_ft_steps, args.sync_ft_warmup
+    flags = [
+        common.SEMI_SYNC_MODULE,
+        "--fault_tolerance.semi_sync_method=diloco",
+        f"--fault_tolerance.sync_steps={args.sync_steps}",
+    ]
+    if method == "streaming_diloco":
+        flags += [
+            f"--fault_tolerance.num_fragments={args.fragments}",
+            f"--fault_tolerance.fragment_sync_delay={args.delay}",
+        ]
+    return flags, args.periods * args.sync_steps, args.sync_steps
+
+
+def utilisation(text: str, warmup: int) -> dict[str, float]:
+    """Compute utilisation over the steps after ``warmup`` from a group's ``[timing]`` lines."""
+    rows = {int(m.group(1)): (float(m.group(2)), float(m.group(3))) for m in
+            TIMING_LINE.finditer(text)}  # fmt: skip
+    if warmup not in rows or len(rows) < 2:
+        raise ValueError(f"no [timing] line for step {warmup} (have {sorted(rows)[:5]}...)")
+    last = max(rows)
+    (c0, t0), (c1, t1) = rows[warmup], rows[last]
+    return {
+        "compute_utilisation": (c1 - c0) / (t1 - t0),
+        "compute_s": c1 - c0,
+        "wall_s": t1 - t0,
+        "steps": last - warmup,
+        "compute_s_per_step": (c1 - c0) / (last - warmup),
+        "wall_s_per_step": (t1 - t0) / (last - warmup),
+    }
+
+
+def run_one(
+    folder: Path, method: str, rate: float | None, args: argparse.Namespace
+) -> dict[str, object]:
+    flags, steps, warmup = method_args(method, args)
+    train = [
+        f"--model.flavor={args.flavor}",
+        f"--training.seq_len={args.seq_len}",
+        f"--training.local_batch_size={args.batch}",
+        f"--training.steps={steps}",
+        "--metrics.log_freq=10",
+        "--validation.enable=false",
+        "--metrics.cpu_peak_flops=-1",
+        *flags,
+    ]
+    groups = 1 if method == "no_ft" else 2
+    with netns.Wan(groups, rate) as wan, NetnsJob(folder) as job:
+        if method != "no_ft":
+            job.start_lighthouse_in(wan.hub, min_replicas=groups)
+        procs = []
+        for i in range(groups):
+            name = f"{method}_g{i}"
+            job.namespace_of[name] = wan.group_ns(i)
+            job.env_of[name] = {"GLOO_SOCKET_IFNAME": netns.GROUP_IFACE}
+            extra = [f"--fault_tolerance.hostname={netns.group_ip(i)}"] if groups > 1 else []
+            procs.append(
+                job.start_trainer(
+                    name,
+                    [*train, *extra],
+                    replica_id=i if method != "no_ft" else None,
+                    groups=groups,
+                    cpus=str(i % (os.cpu_count() or 1)),
+                )
+            )
+        deadline = time.monotonic() + args.timeout
+        for proc in procs:
+            code = proc.wait(max(1.0, deadline - time.monotonic()))
+            if code != 0:
+                raise RuntimeError(f"{proc.name} exited with {code}:\n{proc.tail()}")
+        tx = [wan.tx_bytes(i) for i in range(groups)]
+        qdisc = wan.qdisc(0) if rate is not None else ""
+    per_group = []
+    for i, proc in enumerate(procs):
+        text = proc.text()
+        row: dict[str, object] = utilisation(text, warmup)
+        params = PARAMS_LINE.search(text)
+        n_params = int(params.group(1).replace(",", "")) if params else 0
+        syncs = [
+            {"step": int(m.group(1)), "committed": m.group(2) == "committed",
+             "ms": int(m.group(3)), "mib": float(m.group(4))}
+            for m in SENT_LINE.finditer(text)
+        ]  # fmt: skip
+        if method == "sync_ft":
+            payload_per_step = n_params * 4.0  # one fp32 gradient all-reduce per step
+        elif method == "no_ft":
+            payload_per_step = 0.0
+        else:
+            payload_per_step = sum(s["mib"] for s in syncs) * 2**20 / steps
+        row.update(
+            parameters=n_params,
+            payload_bytes_per_step=payload_per_step,
+            wire_tx_bytes_per_step=tx[i] / steps,
+            syncs=syncs,
+        )
+        per_group.append(row)
+    mean = sum(g["compute_utilisation"] for g in per_group) / len(per_group)  # type: ignore[misc]
+    return {
+        "method": method,
+        "rate_mbit": rate,
+        "steps": steps,
+        "measured_steps": f"{warmup + 1}..{steps}",
+        "compute_utilisation": round(mean, 4),
+        "payload_mib_per_group_per_step": round(
+            sum(g["payload_bytes_per_step"] for g in per_group) / len(per_group) / 2**20,
+            3,  # type: ignore[misc]
+        ),
+        "wire_tx_mib_per_group_per_step": round(
+            sum(g["wire_tx_bytes_per_step"] for g in per_group) / len(per_group) / 2**20,
+            3,  # type: ignore[misc]
+        ),
+        "qdisc": qdisc,
+        "groups": per_group,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.summarize_only:  # recompute the summary of an existing JSON
+        data = json.loads(args.out.read_text())
+        data["summary"] = summarize(data["runs"])
+        data["png"] = plot(data["runs"], args.png)
+        common.write_json(args.out, data)
+        return 0
+    why = netns.unavailable()
+    if why is not None:
+        print(f"[wan] cannot emulate a WAN here: {why}", file=sys.stderr)
+        return 2
+    runs: list[dict[str, object]] = []
+    result: dict[str, object] = {
+        "benchmark": "wan",
+        "command": "benchmarks/wan.py" + (" --smoke" if args.smoke else ""),
+        "machine": common.machine(),
+        "settings": {
+            "groups": 2,
+            "topology": "each group in its own network namespace, veth to a bridge in the "
+            "lighthouse's namespace; tc tbf on both ends of each veth (upload and download)",
+            "latency": "none added: this kernel has tbf/htb but no netem, so only bandwidth "
+            "is emulated (no RTT); real inter-continental links add 50-150 ms per round trip",
+            "pinning": "group i on core i (taskset -c i), OMP_NUM_THREADS=1",
+            "flavor": args.flavor,
+            "seq_len": args.seq_len,
+            "local_batch_size": args.batch,
+            "sync_steps_H": args.sync_steps,
+            "streaming": f"{args.fragments} fragments, fragment_sync_delay={args.delay}",
+            "sync_ft_steps": args.sync_ft_steps,
+            "semi_sync_steps": args.periods * args.sync_steps,
+            "compute": "forward+backward, gradient clipping, inner optimizer update "
+            "(benchmarks/timed_entry.py)",
+        },
+        "targets": {"streaming_diloco": ">= 0.95", "diloco": ">= 0.80"},
+        "runs": runs,
+    }
+    with tempfile.TemporaryDirectory(prefix="wan_") as tmp:
+        for rate in args.rates:
+            for method in args.methods:
+                if method == "no_ft" and rate != args.rates[0]:
+                    continue  # no network traffic: once is enough
+                load = common.wait_for_quiet_machine(args.max_load, 120)
+                run = run_one(Path(tmp) / f"{method}_{rate:g}", method, rate, args)
+                run["load_avg_1min_before"] = round(load, 2)
+                run["load_avg_1min_after"] = round(common.load_average(), 2)
+                runs.append(run)
+                print(
+                    f"[wan] {rate:6g} Mbit/s {method:17s} compute utilisation "
+                    f"{run['compute_utilisation']:.3f}  payload "
+                    f"{run['payload_mib_per_group_per_step']:.2f} MiB/step  wire "
+                    f"{run['wire_tx_mib_per_group_per_step']:.2f} MiB/step  (load {load:.2f})",
+                    flush=True,
+                )
+                result["summary"] = summarize(runs)
+                common.write_json(args.out, result)  # after every run: partial results survive
+    result["png"] = plot(runs, args.png)
+    path = common.write_json(args.out, result)
+    print(f"[wan] wrote {path} and {result['png']}")
+    return 0
+
+
+def plot(runs: list[dict[str, object]], path: Path) -> str:
+    """Bar chart of compute utilisation per method and link rate; the PNG's path, or why none
+    was written (matplotlib is the optional ``bench`` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install -e '.[bench]'): no PNG written"
+    rates = sorted({float(r["rate_mbit"]) for r in runs if r["method"] != "no_ft"})  # type: ignore[arg-type]
+    methods = [m for m in ORDER if m != "no_ft" and any(r["method"] == m for r in runs)]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / max(1, len(rates))
+    for j, rate in enumerate(rates):
+        values = [
+            next((r["compute_utilisation"] for r in runs
+                  if r["method"] == m and r["rate_mbit"] == rate), 0.0)
+            for m in methods
+        ]  # fmt: skip
+        xs = [i + (j - (len(rates) - 1) / 2) * width for i in range(len(methods))]
+        bars = ax.bar(xs, values, width, label=f"{rate:g} Mbit/s")  # type: ignore[arg-type]
+        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+    for m, target in TARGETS.items():
+        if m in methods:
+            i = methods.index(m)
+            ax.hlines(target, i - 0.45, i + 0.45, colors="k", linestyles="dashed", linewidth=1)
+    ax.set_xticks(range(len(methods)), methods)
+    ax.set_ylim(0, 1.1)
+    ax.set_ylabel("compute utilisation")
+    ax.set_title("2 replica groups over tc-tbf links (no latency); dashed: targets")
+    ax.legend(loc="lower right")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)
+
+
+def summarize(runs: list[dict[str, object]]) -> dict[str, dict[str, object]]:
+    """Per method and rate: the measured utilisation, bytes, and the target. Where a ``no_ft``
+    run exists, also ``utilisation_at_no_ft_compute_speed``: the utilisation had each step's
+    compute taken as long as in ``no_ft`` while the non-compute time per step stayed as
+    measured, i.e. ``c0 / (c0 + (wall - compute) per step)`` (other load on the machine slows
+    compute and so flatters the measured figure; this estimate corrects for that)."""
+    summary: dict[str, dict[str, object]] = {}
+    base = [r for r in runs if r["method"] == "no_ft"]
+    c0 = None
+    if base:
+        groups = base[0]["groups"]
+        c0 = sum(g["compute_s_per_step"] for g in groups) / len(groups)  # type: ignore[misc,union-attr,arg-type]
+    for run in runs:
+        key = f"{run['method']}@{run['rate_mbit']:g}mbit"
+        target = TARGETS.get(str(run["method"]))
+        groups = run["groups"]
+        other = sum(g["wall_s_per_step"] - g["compute_s_per_step"] for g in groups) / len(groups)  # type: ignore[misc,union-attr,arg-type]
+        summary[key] = {
+            "compute_utilisation": run["compute_utilisation"],
+            "compute_s_per_step": round(
+                sum(g["compute_s_per_step"] for g in groups) / len(groups),
+                4,  # type: ignore[misc,union-attr,arg-type]
+            ),
+            "non_compute_s_per_step": round(other, 4),
+            "utilisation_at_no_ft_compute_speed": (
+                None if c0 is None else round(c0 / (c0 + max(other, 0.0)), 4)
+            ),
+            "payload_mib_per_group_per_step": run["payload_mib_per_group_per_step"],
+            "wire_tx_mib_per_group_per_step": run["wire_tx_mib_per_group_per_step"],
+            "target": target,
+            "target_met": None if target is None else run["compute_utilisation"] >= target,  # type: ignore[operator]
+            "target_met_at_no_ft_compute_speed": (
+                None if target is None or c0 is None else c0 / (c0 + max(other, 0.0)) >= target
+            ),
+        }
+    return summary
+
+
+if __name__ == "__main__":
+    sys.exit(main())
