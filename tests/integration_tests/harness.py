@@ -329,6 +329,8 @@ def _proc_net_address(hex_addr: str, width: int) -> str:
     return socket.inet_ntop(family, words)
 
 
+# Never used to listen or connect: the exposure tests assert that no socket of a job is on
+# torchft's defaults (another run on the machine could otherwise join our quorum).
 TORCHFT_DEFAULT_PORTS = {29510, 29512}
 
 
