@@ -44,7 +44,7 @@ class FaultTolerance(CoreFaultTolerance):
     """Outer optimizer momentum."""
 
     outer_nesterov: bool = True
-    """Nesterov momentum in the outer optimizer."""
+    """Nesterov momentum in the outer optimizer (with outer_momentum 0 both are plain SGD)."""
 
     num_fragments: int = 1
     """Streaming DiLoCo: split the model into this many fragments of consecutive transformer

@@ -249,7 +249,8 @@ class SemiSyncTrainer(Trainer):
                     fragment.parameters(),
                     lr=ft.outer_lr,
                     momentum=ft.outer_momentum,
-                    nesterov=ft.outer_nesterov,
+                    # torch refuses Nesterov without momentum; with 0 it is plain SGD anyway.
+                    nesterov=ft.outer_nesterov and ft.outer_momentum > 0,
                 )
                 for fragment in self.fragments
             ]
@@ -413,6 +414,10 @@ class SemiSyncTrainer(Trainer):
             self._sync_seconds = 0.0
             self._pseudo_grad_norm = None
         if prepares or performs:
+            # The inner step is done and the next step starts from zero_grad: free the inner
+            # gradients now, so that torchft's pseudo-gradients and the local parameter copy
+            # it makes for the sync take their place instead of adding to them.
+            self.optimizer.zero_grad(set_to_none=True)
             self._hook_start = time.perf_counter()
 
     @torch.no_grad()
