@@ -3,6 +3,8 @@ Streaming DiLoCo on the embedded corpus.
 
     .venv/bin/python benchmarks/convergence.py             # the README's figures (~35 min)
     .venv/bin/python benchmarks/convergence.py --smoke     # seconds; checks the plumbing only
+    .venv/bin/python benchmarks/convergence.py --sweep-outer-lr 0.5 1.0 \
+        --sweep-outer-momentum 0.5 0.9                     # DiLoCo only, one run per pair
 
 Setup (defaults): the debug Llama (4.85M parameters), sequences of 128 tokens, batches of 8 per
 group, AdamW lr 2e-3 with 20 warmup steps and linear decay (the debug TOML), seed per run
@@ -11,8 +13,12 @@ group, AdamW lr 2e-3 with 20 warmup steps and linear decay (the debug TOML), see
 * ``single_group``: one process without FT (1 thread), ``2 x --steps`` steps (so it sees as
   many tokens as two groups do in ``--steps``);
 * ``sync_dp``: 2 groups, synchronous fault-tolerant DP (gradients averaged every step);
-* ``localsgd``, ``diloco`` (outer SGD lr 0.7, Nesterov momentum 0.9), ``streaming_diloco``
-  (2 fragments, ``fragment_sync_delay=1``): 2 groups, H = ``--sync-steps``.
+* ``localsgd``, ``diloco`` (outer Nesterov SGD, ``--outer-lr`` and ``--outer-momentum``),
+  ``streaming_diloco`` (the same outer optimizer, 2 fragments, ``fragment_sync_delay=1``):
+  2 groups, H = ``--sync-steps``.
+
+``--sweep-outer-lr`` / ``--sweep-outer-momentum`` run DiLoCo alone for every pair of values
+(seeds ``--seeds``) and write ``--sweep-out``: how the outer optimizer was chosen.
 
 Evaluation is the trainer's own validation on the held-out split (``--validation.*``), at
 every sync of the two-group runs (and at the same token counts for the single group). The
@@ -50,11 +56,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
+    p.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer SGD lr")
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="its Nesterov momentum")
+    p.add_argument("--sweep-outer-lr", type=float, nargs="+", help="sweep: DiLoCo only")
+    p.add_argument("--sweep-outer-momentum", type=float, nargs="+", help="sweep: DiLoCo only")
+    p.add_argument("--sweep-out", type=Path, default=common.RESULTS / "convergence_sweep.json")
     p.add_argument("--out", type=Path, default=common.RESULTS / "convergence.json")
     p.add_argument("--png", type=Path, default=common.RESULTS / "convergence.png")
     p.add_argument("--reuse", action="store_true",
                    help="keep the runs in --out (same settings); run the rest")  # fmt: skip
     args = p.parse_args(argv)
+    args.argv = argv
     if args.smoke:
         args.seeds, args.steps, args.sync_steps, args.eval_batches = [0], 8, 4, 2
         args.flavor, args.seq_len, args.batch = "debugmodel_small", 32, 2
@@ -106,7 +118,7 @@ def run_all(
                     tmp / f"{config}_seed{seed}",
                     BASE_METHOD[config],
                     train_args(args, seed, single=False),
-                    semi_sync_args=[f"--fault_tolerance.sync_steps={args.sync_steps}"],
+                    semi_sync_args=semi_sync_args(args),
                     timeout=7200,
                 )
                 per_group = [common.validation_losses(p.text()) for p in procs]
@@ -117,6 +129,15 @@ def run_all(
                 }
             print(f"[convergence] {config} seed {seed}: {_last(losses)}", flush=True)
             save(curves)
+
+
+def semi_sync_args(args: argparse.Namespace) -> list[str]:
+    """Flags of the semi-sync runs (the outer optimizer's only matter to DiLoCo)."""
+    return [
+        f"--fault_tolerance.sync_steps={args.sync_steps}",
+        f"--fault_tolerance.outer_lr={args.outer_lr}",
+        f"--fault_tolerance.outer_momentum={args.outer_momentum}",
+    ]
 
 
 def _last(losses: dict[int, float]) -> str:
@@ -187,10 +208,16 @@ def settings(args: argparse.Namespace) -> dict:
         "eval": f"{args.eval_batches} batches of {args.batch} per group (single group: "
         f"{2 * args.eval_batches}), every {args.sync_steps} steps",
         "lr": "AdamW 2e-3, warmup 20, linear decay (debug_model.toml)",
-        "outer_optimizer": "SGD lr 0.7, momentum 0.9, Nesterov (DiLoCo defaults)",
+        "outer_optimizer": f"SGD lr {args.outer_lr}, momentum {args.outer_momentum}, Nesterov",
         "streaming": "2 fragments, fragment_sync_delay=1",
         "threads": "1 per process; 2-group runs: group i on core i; single group unpinned",
     }
+
+
+def same_run_settings(saved: dict, args: argparse.Namespace) -> bool:
+    """Whether a saved result was run with these settings (the outer optimizer aside)."""
+    old = saved.get("settings", {})
+    return all(old.get(k) == v for k, v in settings(args).items() if k != "outer_optimizer")
 
 
 def load_reusable(args: argparse.Namespace) -> dict[str, dict[int, dict[int, float]]]:
@@ -198,18 +225,86 @@ def load_reusable(args: argparse.Namespace) -> dict[str, dict[int, dict[int, flo
     if not args.reuse or not args.out.exists():
         return {}
     old = json.loads(args.out.read_text())
-    if {k: v for k, v in old.get("settings", {}).items() if k in settings(args)} != settings(args):
+    if not same_run_settings(old, args):
         print("[convergence] --reuse: settings differ from the saved run; starting afresh")
         return {}
+    # The outer optimizer only matters to the DiLoCo runs.
+    same_outer = old["settings"].get("outer_optimizer") == settings(args)["outer_optimizer"]
     return {
         config: {int(seed): {int(t): v for t, v in c.items()} for seed, c in by_seed.items()}
         for config, by_seed in old.get("curves", {}).items()
-        if config in args.configs
+        if config in args.configs and (same_outer or config not in ("diloco", "streaming_diloco"))
     }
+
+
+def sweep(args: argparse.Namespace) -> int:
+    """DiLoCo's final held-out loss for every (outer lr, outer momentum) pair, against the
+    synchronous-DP figure of ``--out`` when it has the same settings (else ratio is n/a)."""
+    load = common.load_average()
+    base = None
+    if args.out.exists():
+        saved = json.loads(args.out.read_text())
+        if same_run_settings(saved, args) and "sync_dp" in saved.get("summary", {}):
+            per_seed = saved["summary"]["sync_dp"]["final_eval_loss_per_seed"]
+            if all(str(s) in per_seed for s in args.seeds):
+                base = sum(per_seed[str(s)] for s in args.seeds) / len(args.seeds)
+    # Rows of an earlier sweep with the same settings and seeds are kept: a sweep can be extended.
+    rows, commands = [], []
+    if args.sweep_out.exists():
+        old = json.loads(args.sweep_out.read_text())
+        if same_run_settings(old, args) and old.get("seeds") == args.seeds:
+            rows, commands = old["rows"], old.get("commands") or [old["command"]]
+    commands.append(common.command_line(__file__, args.argv))
+    args.configs = ["diloco"]
+    for momentum in args.sweep_outer_momentum or [args.outer_momentum]:
+        for lr in args.sweep_outer_lr or [args.outer_lr]:
+            args.outer_lr, args.outer_momentum = lr, momentum
+            curves: dict[str, dict[int, dict[int, float]]] = {}
+            with tempfile.TemporaryDirectory(prefix="convergence_sweep_") as tmp:
+                run_all(args, Path(tmp), curves, lambda c: None)
+            finals = [c[max(c)] for c in curves["diloco"].values()]
+            final = sum(finals) / len(finals)
+            row = {
+                "outer_lr": lr,
+                "outer_momentum": momentum,
+                "final_eval_loss_per_seed": {
+                    str(s): round(c[max(c)], 4) for s, c in curves["diloco"].items()
+                },
+                "final_eval_loss_mean": round(final, 4),
+                "ratio_to_sync_dp": None if base is None else round(final / base, 4),
+            }
+            rows = [r for r in rows if (r["outer_lr"], r["outer_momentum"]) != (lr, momentum)] + [
+                row
+            ]
+            print(
+                f"[convergence] sweep outer lr {lr} momentum {momentum}: final eval loss "
+                f"{final:.4f}  ratio to sync_dp {row['ratio_to_sync_dp']}",
+                flush=True,
+            )
+            common.write_json(
+                args.sweep_out,
+                {
+                    "benchmark": "convergence_outer_optimizer_sweep",
+                    "commands": commands,
+                    "machine": common.machine(),
+                    "settings": {
+                        **settings(args),
+                        "outer_optimizer": "swept (rows)",
+                        "load_avg_1min_at_start": round(load, 2),
+                    },
+                    "seeds": args.seeds,
+                    "sync_dp_final_eval_loss_mean": base,
+                    "rows": rows,
+                },
+            )
+    print(f"[convergence] wrote {args.sweep_out}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.sweep_outer_lr or args.sweep_outer_momentum:
+        return sweep(args)
     load = common.load_average()
     curves = load_reusable(args)
 
@@ -217,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         done = {c: by_seed for c, by_seed in curves.items() if by_seed}
         result = {
             "benchmark": "convergence",
-            "command": "benchmarks/convergence.py" + (" --smoke" if args.smoke else ""),
+            "command": common.command_line(__file__, argv),
             "machine": common.machine(),
             "settings": {**settings(args), "load_avg_1min_at_start": round(load, 2)},
             "seeds": sorted({s for by_seed in done.values() for s in by_seed}),

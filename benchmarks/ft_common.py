@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import signal
 import socket
 import statistics
@@ -60,6 +61,12 @@ METHODS: dict[str, list[str]] = {
         "--fault_tolerance.fragment_sync_delay=1",
     ],
 }
+
+
+def command_line(script: str, argv: list[str] | None) -> str:
+    """How a benchmark was run, for its JSON: the script and its arguments."""
+    args = sys.argv[1:] if argv is None else argv
+    return " ".join([f"benchmarks/{Path(script).name}", *map(shlex.quote, args)])
 
 
 def stop_cleanly_on_sigterm() -> None:
@@ -124,6 +131,7 @@ class Job:
     folder: Path
     procs: list[Proc] = field(default_factory=list)
     lighthouse_addr: str = ""
+    ft_args: list[str] = field(default_factory=lambda: list(FT_ARGS))
 
     def __enter__(self) -> Job:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -175,7 +183,7 @@ class Job:
                 "--fault_tolerance.enable",
                 f"--fault_tolerance.replica_id={replica_id}",
                 f"--fault_tolerance.group_size={groups}",
-                *FT_ARGS,
+                *self.ft_args,
             ]
         cmd += args
         if cpus is not None:

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(runs, args.methods)
     result = {
         "benchmark": "ft_overhead",
-        "command": "benchmarks/ft_overhead.py" + (" --smoke" if args.smoke else ""),
+        "command": common.command_line(__file__, argv),
         "machine": common.machine(),
         "settings": {
             "groups": 2,

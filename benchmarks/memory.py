@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         small["param_mib"] = round(small_mib, 1)
     result = {
         "benchmark": "memory",
-        "command": "benchmarks/memory.py" + (" --smoke" if args.smoke else ""),
+        "command": common.command_line(__file__, argv),
         "machine": common.machine(),
         "settings": {
             "flavor": args.flavor,

@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     result = {
         "benchmark": "peer_throughput",
-        "command": "benchmarks/peer_throughput.py" + (" --smoke" if args.smoke else ""),
+        "command": common.command_line(__file__, argv),
         "machine": common.machine(),
         "settings": {
             "model": MODEL,

@@ -7,7 +7,9 @@
 Method: DiLoCo (1 fragment, H = ``--sync-steps``), the semi-synchronous method this project is
 about; groups meet only at syncs, so a kill costs at most the work since the last sync.
 Lighthouse and groups run on 127.0.0.1 (free ports), group i pinned to core i, heartbeat
-timeout ``--heartbeat-timeout-ms``. Each group is one process of ``benchmarks/timed_entry.py``
+timeout ``--heartbeat-timeout-ms``, process-group timeout ``--process-group-timeout-ms`` (the
+trainer's default, 10 s: it bounds a survivor's wait in a collective with a peer that died after
+joining its quorum). Each group is one process of ``benchmarks/timed_entry.py``
 (monotonic ``[timing]`` lines per step, received healing bytes).
 
 Part 1, recovery (``--kills`` times, alternating groups): once both groups have committed syncs,
@@ -234,7 +236,7 @@ def divergence(starts: list[Start]) -> dict[str, object]:
 
 def recovery_part(folder: Path, args: argparse.Namespace, train_args: list[str]) -> list[dict]:
     samples: list[dict] = []
-    with TimedJob(folder) as job:
+    with TimedJob(folder, ft_args=ft_args(args)) as job:
         job.start_lighthouse_with(args.heartbeat_timeout_ms, args.join_timeout_ms)
         cluster = Cluster(job, train_args)
         for g in range(2):
@@ -314,7 +316,7 @@ def committed_sync_after(start: Start, t: float) -> tuple[int, float, int, int] 
 def soak_part(folder: Path, args: argparse.Namespace, train_args: list[str]) -> dict:
     rng = random.Random(args.seed)
     kills: list[dict] = []
-    with TimedJob(folder) as job:
+    with TimedJob(folder, ft_args=ft_args(args)) as job:
         job.start_lighthouse_with(args.heartbeat_timeout_ms, args.join_timeout_ms)
         cluster = Cluster(job, train_args)
         for g in range(2):
@@ -414,6 +416,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--heartbeat-timeout-ms", type=int, default=2000)
     p.add_argument("--join-timeout-ms", type=int, default=10000)
+    p.add_argument("--process-group-timeout-ms", type=int, default=10000,
+                   help="the trainer's default; the other benchmarks use 60000")  # fmt: skip
     p.add_argument("--skip-recovery", action="store_true", help="soak only")
     p.add_argument("--skip-soak", action="store_true", help="part 1 only")
     p.add_argument("--timeout", type=float, default=240, help="seconds for any one wait")
@@ -427,6 +431,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.kills, args.minutes, args.kill_every, args.restart_after = 1, 0.5, 12.0, 2.0
         args.max_load = float("inf")
     return args
+
+
+def ft_args(args: argparse.Namespace) -> list[str]:
+    """The benchmarks' FT settings, with this run's process-group timeout: it bounds how long a
+    survivor can wait inside a collective for a peer that died after joining its quorum."""
+    flag = "--fault_tolerance.process_group_timeout_ms="
+    return [a for a in common.FT_ARGS if not a.startswith(flag)] + [
+        f"{flag}{args.process_group_timeout_ms}"
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -446,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     result: dict[str, object] = {
         "benchmark": "recovery",
-        "command": "benchmarks/recovery.py" + (" --smoke" if args.smoke else ""),
+        "command": common.command_line(__file__, argv),
         "machine": common.machine(),
         "settings": {
             "method": f"DiLoCo, 1 fragment, H={args.sync_steps}",
@@ -460,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
             "restart_after_s": args.restart_after,
             "kill_every_s": f"uniform in [{0.5 * args.kill_every:g}, {1.5 * args.kill_every:g}]",
             "seed": args.seed,
-            "ft_args": common.FT_ARGS,
+            "ft_args": ft_args(args),
         },
         "targets": {
             "committed_over_attempted_steps": ">= 0.80",

@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict[str, object]] = []
     result: dict[str, object] = {
         "benchmark": "wan",
-        "command": "benchmarks/wan.py" + (" --smoke" if args.smoke else ""),
+        "command": common.command_line(__file__, argv),
         "machine": common.machine(),
         "settings": {
             "groups": 2,

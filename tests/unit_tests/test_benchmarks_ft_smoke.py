@@ -115,3 +115,16 @@ def test_convergence_smoke_writes_curves_and_png(tmp_path: Path) -> None:
     assert data["summary"]["sync_dp"]["ratio_to_sync_dp"] == 1.0
     if data["png"].endswith(".png"):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_convergence_sweep_rates_each_outer_lr_against_sync_dp(tmp_path: Path) -> None:
+    out, sweep_out = tmp_path / "conv.json", tmp_path / "sweep.json"
+    conv = _module("convergence")
+    assert conv.main(["--smoke", "--configs", "sync_dp", "--out", str(out)]) == 0
+    sweep = ["--sweep-outer-lr", "0.5", "1.0", "--sweep-outer-momentum", "0.0"]
+    assert conv.main(["--smoke", *sweep, "--out", str(out), "--sweep-out", str(sweep_out)]) == 0
+    rows = _read(sweep_out)["rows"]
+    assert [(r["outer_lr"], r["outer_momentum"]) for r in rows] == [(0.5, 0.0), (1.0, 0.0)]
+    base = _read(out)["summary"]["sync_dp"]["final_eval_loss_mean"]
+    for row in rows:
+        assert row["ratio_to_sync_dp"] == pytest.approx(row["final_eval_loss_mean"] / base, 1e-3)
