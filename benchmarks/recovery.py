@@ -348,7 +348,17 @@ def soak_part(folder: Path, args: argparse.Namespace, train_args: list[str]) -> 
                     next_kill = now + 1.0
                 else:
                     killed = cluster.kill(victim)
-                    kills.append({"group": victim, "t": round(killed.killed_at - t_begin, 2)})  # type: ignore[operator]
+                    kills.append(
+                        {
+                            "group": victim,
+                            "t": round(killed.killed_at - t_begin, 2),  # type: ignore[operator]
+                            # Where the victim was: a restarted group killed before its first
+                            # committed sync may have been in a quorum with the survivor.
+                            "victim_steps_since_start": len(killed.timings()),
+                            "victim_committed_syncs_since_start": killed.committed_syncs(),
+                            "victim_is_a_restart": killed is not cluster.starts[victim],
+                        }
+                    )
                     pending_restart[victim] = now + args.restart_after
                     print(f"[soak] {now - t_begin:6.1f}s SIGKILL group {victim}", flush=True)
                     next_kill = now + rng.uniform(0.5, 1.5) * args.kill_every
@@ -381,7 +391,8 @@ def soak_part(folder: Path, args: argparse.Namespace, train_args: list[str]) -> 
             ]
             found = [c for c in candidates if c is not None]
             if found:
-                stalls.append(round(min(c[1] for c in found) - t_kill, 3))
+                k["survivor_next_committed_sync_s"] = round(min(c[1] for c in found) - t_kill, 3)
+                stalls.append(k["survivor_next_committed_sync_s"])
         div = divergence(cluster.starts)
     return {
         "minutes": args.minutes,

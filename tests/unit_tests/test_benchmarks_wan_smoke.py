@@ -134,5 +134,7 @@ def test_recovery_smoke_heals_and_soaks_without_divergence(tmp_path: Path) -> No
     assert sample["survivor_next_committed_sync_after_kill_s"] > 0
     soak = data["soak"]
     assert soak["kills"], "the soak killed no group"
+    assert all(k["victim_steps_since_start"] >= 0 for k in soak["kills"])
+    assert "--fault_tolerance.process_group_timeout_ms=10000" in data["settings"]["ft_args"]
     assert soak["divergence"]["mismatched"] == [] and soak["crashes"] == []
     assert 0 < soak["committed_over_attempted_steps"] <= 1
