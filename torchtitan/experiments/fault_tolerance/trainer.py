@@ -424,11 +424,15 @@ class SemiSyncTrainer(Trainer):
     def _measure_pseudo_gradient(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         """Outer-optimizer pre-hook: the fragment's gradients are now the pseudo-gradients
         averaged over the groups (the same in every group), whatever the delay."""
+        grads = [
+            _local(p.grad)
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    squares += _local(p.grad).double().pow(2).sum()
+        if grads:  # one fused norm (its time counts in the sync's): not a loop of reductions
+            squares += torch.nn.utils.get_total_norm(grads).double().square()
         if self.parallel_dims.world_size > 1:  # shards of one group: sum over its ranks
             dist.all_reduce(squares)
         self._pseudo_grad_norm = squares.sqrt().item()
