@@ -248,12 +248,16 @@ def sweep(args: argparse.Namespace) -> int:
             per_seed = saved["summary"]["sync_dp"]["final_eval_loss_per_seed"]
             if all(str(s) in per_seed for s in args.seeds):
                 base = sum(per_seed[str(s)] for s in args.seeds) / len(args.seeds)
-    # Rows of an earlier sweep with the same settings and seeds are kept: a sweep can be extended.
+    # A sweep extends the one in --sweep-out (same settings and seeds), never overwrites another.
     rows, commands = [], []
     if args.sweep_out.exists():
         old = json.loads(args.sweep_out.read_text())
-        if same_run_settings(old, args) and old.get("seeds") == args.seeds:
-            rows, commands = old["rows"], old.get("commands") or [old["command"]]
+        if not (same_run_settings(old, args) and old.get("seeds") == args.seeds):
+            raise SystemExit(
+                f"{args.sweep_out} holds a sweep with other settings or seeds: "
+                "pass another --sweep-out (or delete it)"
+            )
+        rows, commands = old["rows"], old.get("commands") or [old["command"]]
     commands.append(common.command_line(__file__, args.argv))
     args.configs = ["diloco"]
     for momentum in args.sweep_outer_momentum or [args.outer_momentum]:
@@ -334,7 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     result = save(curves)
     title = (
         f"{args.flavor}, seq {args.seq_len}, batch {args.batch}/group, 2 groups x "
-        f"{args.steps} steps, H={args.sync_steps}, seeds {result['seeds']}"
+        f"{args.steps} steps, H={args.sync_steps}, seeds {result['seeds']}\n"
+        f"DiLoCo outer SGD lr {args.outer_lr}, momentum {args.outer_momentum}"
+        + (" (Nesterov)" if args.outer_momentum > 0 else "")
     )
     result["png"] = plot({c: curves[c] for c in args.configs if curves.get(c)}, args.png, title)
     common.write_json(args.out, result)
