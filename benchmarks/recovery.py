@@ -20,6 +20,11 @@ SIGKILL one group (its whole process group) and measure
   seconds in torchft's checkpoint transport, and the time from its start to its first committed
   sync (process start-up included).
 
+Then (``--joiner-kills`` times) restart group 1 and kill it again around its first sync:
+alternately right after its heal line, and at a random point 0-0.6 s after its last inner step
+before that sync (in its quorum, process-group rebuild or heal). Measures the survivor's kill
+-> next committed sync: the worst case is bounded by ``--process-group-timeout-ms``.
+
 Part 2, soak (``--minutes``): a fresh job; every ``--kill-every`` s (uniform in [0.5, 1.5] of
 it, seeded by ``--seed``) SIGKILL a random group and restart it after ``--restart-after`` s. A
 kill is postponed while the other group has not yet committed a sync since its own (re)start:
@@ -154,13 +159,19 @@ class Cluster:
             )
 
 
-def wait_until(predicate, timeout: float, what: str, cluster: Cluster) -> float:  # noqa: ANN001
+def wait_until(
+    predicate,  # noqa: ANN001
+    timeout: float,
+    what: str,
+    cluster: Cluster,
+    poll_s: float = 0.1,
+) -> float:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return time.monotonic()
         cluster.check_alive()
-        time.sleep(0.1)
+        time.sleep(poll_s)
     raise TimeoutError(f"no {what} within {timeout:.0f}s")
 
 
@@ -294,9 +305,69 @@ def recovery_part(folder: Path, args: argparse.Namespace, train_args: list[str])
             }
             samples.append(sample)
             print(f"[recovery] kill {i}: {sample}", flush=True)
+        rng = random.Random(args.seed)
+        for j in range(args.joiner_kills):
+            # Alternate: right after the heal, then a random point around the first sync.
+            delay = -1.0 if j % 2 == 0 else rng.uniform(0.0, 0.6)
+            sample = kill_a_joiner_at_its_first_sync(cluster, args, delay)
+            samples.append(sample)
+            print(f"[recovery] joiner kill {j}: {sample}", flush=True)
         if cluster.crashed():
             raise RuntimeError("a survivor crashed during part 1")
     return samples
+
+
+def kill_a_joiner_at_its_first_sync(
+    cluster: Cluster, args: argparse.Namespace, delay_s: float
+) -> dict:
+    """The worst moments for a survivor: a restarted group dies around its first sync, where
+    it joins the survivor's quorum, the process group is rebuilt with it and the survivor
+    sends it the state. ``delay_s`` < 0: kill right after its heal line; else ``delay_s``
+    after its last inner step before that sync. Measures the survivor's kill -> next
+    committed sync (bounded by the process-group timeout where the survivor waits in a
+    collective for the dead peer)."""
+    victim, survivor = 1, 0
+    base = {g: cluster.latest(g).committed_syncs() for g in range(2)}
+    wait_until(lambda: all(cluster.latest(g).committed_syncs() >= base[g] + 2 for g in (0, 1)),
+               args.timeout, "2 committed syncs in both groups", cluster)  # fmt: skip
+    cluster.kill(victim)
+    time.sleep(args.restart_after)
+    joiner = cluster.start(victim)
+    if delay_s < 0:
+        wait_until(lambda: HEALED_LINE.search(joiner.text()) is not None, args.timeout,
+                   "the restarted group's heal", cluster, poll_s=0.02)  # fmt: skip
+    else:
+        before_sync = args.sync_steps - 1
+        wait_until(lambda: len(joiner.timings()) >= before_sync, args.timeout,
+                   f"the restarted group's step {before_sync}", cluster, poll_s=0.02)  # fmt: skip
+        time.sleep(delay_s)
+    healed_before_kill = HEALED_LINE.search(joiner.text()) is not None
+    cluster.kill(victim)
+    t_kill = joiner.killed_at
+    assert t_kill is not None
+    surv = cluster.latest(survivor)
+    wait_until(lambda: committed_sync_after(surv, t_kill) is not None, args.timeout,
+               "committed sync of the survivor", cluster)  # fmt: skip
+    _, sync_t, sync_ms, sync_groups = committed_sync_after(surv, t_kill)  # type: ignore[misc]
+    failed = [m for m in SYNC_LINE.finditer(surv.text()) if m.group(2) == "NOT committed"]
+    # Leave a healthy pair behind for what follows.
+    time.sleep(args.restart_after)
+    restarted = cluster.start(victim)
+    wait_until(lambda: committed_sync_after(restarted, 0.0) is not None, args.timeout,
+               "first committed sync of the restarted group", cluster)  # fmt: skip
+    return {
+        "killed_group": victim,
+        "kill_point": "right after its heal line"
+        if delay_s < 0
+        else f"{delay_s:.2f} s after its step {args.sync_steps - 1}",
+        "joiner_had_healed": healed_before_kill,
+        "joiner_killed_after_start_s": round(t_kill - joiner.started, 3),
+        "survivor_next_committed_sync_after_kill_s": round(sync_t - t_kill, 3),
+        "survivor_that_sync_ms": sync_ms,
+        "survivor_that_sync_groups": sync_groups,
+        "survivor_failed_syncs_so_far": len(failed),
+        "process_group_timeout_ms": args.process_group_timeout_ms,
+    }
 
 
 def committed_sync_after(start: Start, t: float) -> tuple[int, float, int, int] | None:
@@ -421,6 +492,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--restart-after", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kills", type=int, default=2, help="kills measured in part 1")
+    p.add_argument("--joiner-kills", type=int, default=2,
+                   help="part 1: kills of a restarted group around its first sync")  # fmt: skip
     p.add_argument("--sync-steps", type=int, default=5, help="DiLoCo H")
     p.add_argument("--flavor", default="debugmodel")
     p.add_argument("--seq-len", type=int, default=128)
@@ -440,6 +513,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.smoke:
         args.flavor, args.seq_len, args.batch, args.sync_steps = "debugmodel_small", 32, 2, 4
         args.kills, args.minutes, args.kill_every, args.restart_after = 1, 0.5, 12.0, 2.0
+        args.joiner_kills = 1
         args.max_load = float("inf")
     return args
 

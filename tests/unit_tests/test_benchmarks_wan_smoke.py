@@ -129,9 +129,11 @@ def test_recovery_smoke_heals_and_soaks_without_divergence(tmp_path: Path) -> No
     args = ["--smoke", "--minutes", "0.3", "--kill-every", "8", "--out", str(out)]
     assert _module("recovery").main(args) == 0
     data = json.loads(out.read_text())
-    (sample,) = data["recovery"]["samples"]
+    sample, joiner = data["recovery"]["samples"]
     assert sample["healed_line"] and sample["heal_bytes"] > 0
     assert sample["survivor_next_committed_sync_after_kill_s"] > 0
+    # A restarted group killed right after its heal: the survivor still commits a sync.
+    assert joiner["joiner_had_healed"] and joiner["survivor_next_committed_sync_after_kill_s"] > 0
     soak = data["soak"]
     assert soak["kills"], "the soak killed no group"
     assert all(k["victim_steps_since_start"] >= 0 for k in soak["kills"])

@@ -435,8 +435,9 @@ class FaultTolerance:
 
     process_group_timeout_ms: int = 10000
     """Timeout of one collective across replica groups: the longest a survivor waits inside a
-    step for a group that hangs (a group that dies fails the collective at once); that step is
-    then not committed."""
+    step for a group that hangs (a group that dies fails the collective at once), or for a
+    group that died between joining a quorum and joining the rebuilt process group; that step
+    is then not committed."""
 
     lighthouse: str = ""
     """Lighthouse address, ``http://HOST:PORT``. Empty: env ``TORCHFT_LIGHTHOUSE``."""
