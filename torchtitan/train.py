@@ -12,6 +12,7 @@ or tyro's usage box for flag syntax); 1 for a problem found while starting or tr
 
 from __future__ import annotations
 
+import gc
 import importlib
 import sys
 from types import ModuleType
@@ -84,6 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if trainer is not None:
             trainer.close()
+            # Free the model (and, through its device mesh, the process groups) while the
+            # interpreter is whole: a gloo worker thread that still holds a reference into
+            # Python when the interpreter finalizes aborts the process (SIGABRT) after a run
+            # that succeeded.
+            trainer = None
+            gc.collect()
     return 0
 
 
