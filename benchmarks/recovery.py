@@ -245,6 +245,13 @@ def divergence(starts: list[Start]) -> dict[str, object]:
 # ---- part 1 --------------------------------------------------------------------------------
 
 
+def wait_for_two_more_syncs(cluster: Cluster, args: argparse.Namespace) -> None:
+    """Wait until both groups have committed 2 more syncs: a steady pair to kill from."""
+    base = {g: cluster.latest(g).committed_syncs() for g in range(2)}
+    wait_until(lambda: all(cluster.latest(g).committed_syncs() >= base[g] + 2 for g in (0, 1)),
+               args.timeout, "2 committed syncs in both groups", cluster)  # fmt: skip
+
+
 def recovery_part(folder: Path, args: argparse.Namespace, train_args: list[str]) -> list[dict]:
     samples: list[dict] = []
     with TimedJob(folder, ft_args=ft_args(args)) as job:
@@ -255,11 +262,7 @@ def recovery_part(folder: Path, args: argparse.Namespace, train_args: list[str])
         for i in range(args.kills):
             victim = 1 - (i % 2)  # group 1 first, then group 0, ...
             survivor = 1 - victim
-            base = {g: cluster.latest(g).committed_syncs() for g in range(2)}
-            wait_until(
-                lambda b=base: all(cluster.latest(g).committed_syncs() >= b[g] + 2 for g in (0, 1)),
-                args.timeout, "2 committed syncs in both groups", cluster,
-            )  # fmt: skip
+            wait_for_two_more_syncs(cluster, args)
             # Kill at a random point of the sync period (not right at a sync).
             time.sleep(random.Random(args.seed + i).uniform(0.0, 1.5))
             killed = cluster.kill(victim)
@@ -327,9 +330,7 @@ def kill_a_joiner_at_its_first_sync(
     committed sync (bounded by the process-group timeout where the survivor waits in a
     collective for the dead peer)."""
     victim, survivor = 1, 0
-    base = {g: cluster.latest(g).committed_syncs() for g in range(2)}
-    wait_until(lambda: all(cluster.latest(g).committed_syncs() >= base[g] + 2 for g in (0, 1)),
-               args.timeout, "2 committed syncs in both groups", cluster)  # fmt: skip
+    wait_for_two_more_syncs(cluster, args)
     cluster.kill(victim)
     time.sleep(args.restart_after)
     joiner = cluster.start(victim)
