@@ -149,7 +149,7 @@ class Trainer:
         if self.ft is not None:
             # The Manager's own step must survive a whole-job restart (checkpoints only: a
             # joiner gets it from torchft itself when healing).
-            self.register_state("ft_manager", self.ft.manager, heal=False)
+            self.register_state("ft_manager", self.ft, heal=False)
         self.checkpointer = CheckpointManager(job_config, self.states)
 
         tb_folder = None
@@ -199,8 +199,19 @@ class Trainer:
         if heal and self.ft is not None:
             self.ft.register_state(name, state)
 
-    #: Before step 1, wait until every replica group is in the quorum (synchronous FT).
-    wait_for_all_groups: bool = True
+    #: Whether every replica group holds the same parameters after each committed step
+    #: (synchronous FT), so that ``metrics.log_param_digest`` logs a digest per step.
+    params_agree_every_step: bool = True
+
+    def join_replica_groups(self) -> None:
+        """Extension point: with fault tolerance, after the checkpoint is loaded and before the
+        loop. Starts the torchft Manager only now (a group becomes visible to the lighthouse
+        when it is ready to train) and, for a new job, waits until every replica group is in
+        the quorum so that the first group up does not train alone."""
+        assert self.ft is not None
+        self.ft.start()
+        if self.train_state.step == 0:
+            self.ft.wait_for_full_quorum()
 
     def train_context(self) -> contextlib.AbstractContextManager:
         """Extension point: a context entered around the whole training loop."""
@@ -302,8 +313,8 @@ class Trainer:
             f"{tokens_per_batch} tokens per batch per rank, dump folder {self.dump_folder}"
         )
         batches = self.batches()
-        if self.ft is not None and self.wait_for_all_groups and self.train_state.step == 0:
-            self.ft.wait_for_full_quorum()
+        if self.ft is not None:
+            self.join_replica_groups()
         with self.train_context():
             while self.train_state.step < total_steps:
                 inputs, labels = next(batches)
@@ -319,6 +330,8 @@ class Trainer:
                 self.train_state.tokens_seen += inputs.numel()
                 self.after_step(result)
         self.metrics.close()
+        if self.ft is not None:
+            self.ft.check_progress()
         logger.info(f"Training finished after step {self.train_state.step}")
 
     def after_step(self, result: StepResult) -> None:
@@ -332,7 +345,7 @@ class Trainer:
             extra = f"  groups: {groups}" if groups else ""
             self.metrics.log_step(step, result.loss, result.grad_norm, extra)
         start = time.perf_counter()
-        if cfg.metrics.log_param_digest and self.ft is not None and self.wait_for_all_groups:
+        if cfg.metrics.log_param_digest and self.ft is not None and self.params_agree_every_step:
             logger.info(f"param_digest step {step}: {tensor_digest(self.model.parameters())}")
         if self.val_dataloader is not None and (step % cfg.validation.freq == 0 or last):
             val_loss = self.validate()

@@ -95,3 +95,21 @@ def test_confine_to_host_for_a_one_process_group(monkeypatch):
     assert my_listeners(int(os.environ["MASTER_PORT"])) == ["127.0.0.1"]
     assert os.environ["GLOO_SOCKET_IFNAME"].startswith("lo")
     assert os.environ["NCCL_SOCKET_IFNAME"] == os.environ["GLOO_SOCKET_IFNAME"]
+
+
+def test_every_process_group_rebuild_gets_fresh_rendezvous_keys():
+    """Two members rebuilding twice under the same quorum id (a restarted lighthouse numbers
+    its quorums from 1 again) meet on a new prefix each time, and agree on it."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from torchtitan.components.ft import fresh_rendezvous_address
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    address = f"127.0.0.1:{server.port}/torchft/1/0"
+    timeout = timedelta(seconds=10)
+    first = [fresh_rendezvous_address(address, 2, timeout) for _ in range(2)]
+    second = [fresh_rendezvous_address(address, 2, timeout) for _ in range(2)]
+    assert first == [f"{address}/rebuild_0"] * 2
+    assert second == [f"{address}/rebuild_1"] * 2

@@ -184,16 +184,7 @@ class CheckpointManager:
         else:
             self._load_initial()
             return None
-        unknown = [k for k in self.config.exclude_from_loading if k not in self.states]
-        if unknown:
-            raise ConfigError(
-                "checkpoint.exclude_from_loading",
-                self.config.exclude_from_loading,
-                f"{', '.join(map(repr, unknown))} is no state of this run; its states are: "
-                f"{', '.join(self.states)}",
-            )
-        keys = [k for k in self.states if k not in self.config.exclude_from_loading]
-        self._load(self.step_folder(step), keys)
+        self._load(self.step_folder(step), self._keys_to_load())
         logger.info(f"Resumed from checkpoint {self.step_folder(step)} (step {step})")
         return step
 
@@ -206,9 +197,21 @@ class CheckpointManager:
                 f"checkpoint.initial_load_path: {path!r} is not a DCP checkpoint folder "
                 "(no .metadata file in it)"
             )
-        keys = ["model"] if self.config.initial_load_model_only else list(self.states)
+        keys = ["model"] if self.config.initial_load_model_only else self._keys_to_load()
         self._load(Path(path), keys)
         logger.info(f"Loaded initial weights ({', '.join(keys)}) from {path}")
+
+    def _keys_to_load(self) -> list[str]:
+        """Every registered state but those in ``checkpoint.exclude_from_loading``."""
+        unknown = [k for k in self.config.exclude_from_loading if k not in self.states]
+        if unknown:
+            raise ConfigError(
+                "checkpoint.exclude_from_loading",
+                self.config.exclude_from_loading,
+                f"{', '.join(map(repr, unknown))} is no state of this run; its states are: "
+                f"{', '.join(self.states)}",
+            )
+        return [k for k in self.states if k not in self.config.exclude_from_loading]
 
     def _load(self, folder: Path, keys: list[str]) -> None:
         """Load ``keys`` of the registry from ``folder``; CheckpointError naming the cause."""

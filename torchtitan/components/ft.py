@@ -2,30 +2,18 @@
 
 Each rank of each replica group (one ``torchrun``, or one process) owns one ``torchft.Manager``.
 The managers of rank r in every group form the fault-tolerant replicate dimension: a process
-group that torchft rebuilds at every quorum from the groups alive at that moment. The full story,
-with the multi-host recipe, is in ``docs/fault_tolerance.md``.
+group that torchft rebuilds at every quorum from the groups alive at that moment.
 
-Failure semantics (synchronous FT):
+The failure semantics (what a step, a dead group, a restarted group, a lighthouse restart and
+too few groups do; which timeout governs what) are written once, in
+``docs/fault_tolerance.md``. In one line each, for the reader of this file:
 
-* A step is all-or-nothing. ``start_step`` joins the quorum of the step; gradients are averaged
-  across the groups in it; ``should_commit`` is True only if no group failed during the step. A
-  step that is not committed changes nothing (no optimizer step, no LR step, no step count);
-  the trainer moves on to the next batch (the batch of the failed step is not retried).
-* A group that dies (SIGKILL, crash) stops heartbeating. A survivor's collective with it fails
-  at once (connection reset) or after ``process_group_timeout_ms`` (a hung peer); the survivor's
-  next quorum forms without the dead group once the lighthouse's ``heartbeat_timeout_ms`` has
-  passed. That is the stall survivors see; the first commit after it says how long it was.
-* Groups train only in a quorum of at least ``min_replica_size`` groups (before the job's first
-  committed step: all ``group_size`` groups, so the first group up does not train alone). With
-  fewer, they wait, say so every so often, and fail after ``quorum_timeout_s``.
-* A group that (re)joins heals in the quorum it joins, before its forward pass: a live peer
-  sends it every state in the trainer's registry except the dataloader (model, optimizer, LR
-  schedule, train step, and state registered by subclasses), so it computes its first step on
-  the same parameters as its peers and its first committed step leaves it bit-identical to them.
-  Its data position stays its own (each group reads its own shard; a restarted group resumes it
-  from its own checkpoint, else from the shard's start). With ``use_async_quorum=True`` torchft
-  applies the received state in ``should_commit`` instead, and the joiner's gradient of that
-  step is zeros; the parameters are bit-identical after it all the same.
+* ``should_commit`` is decided per group (every rank of the group finished without error); a
+  group that did not commit a step its peers committed is behind and heals at the next quorum.
+* A (re)starting group builds its Manager (and so becomes visible to the lighthouse) only in
+  ``FTManager.start``, once its model, data and checkpoint are ready.
+* Quorum waits are bounded (``join_quorum``) and end in one error line naming the field to
+  raise; a lighthouse that restarts on the same address is found again within that time.
 
 Network exposure: everything this module starts listens on ``fault_tolerance.hostname``
 (default 127.0.0.1) only; torchft's manager server would bind every interface, so its
@@ -37,10 +25,12 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import logging
+import math
 import os
 import socket
 import threading
 import time
+import urllib.parse
 import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -296,24 +286,38 @@ class _Watchdog:
 
 
 class FTManager:
-    """This rank's torchft Manager, and what the trainer does with it each step."""
+    """This rank's torchft Manager, and what the trainer does with it each step.
+
+    The torchft Manager is built by :meth:`start`, not here: its server starts heartbeating to
+    the lighthouse the moment it exists, and the lighthouse counts a heartbeating group that
+    has not asked for a quorum against the others (a quorum needs more than half of the
+    heartbeating groups). So a (re)starting group becomes visible only once its model, data
+    and checkpoint are ready and it can ask for its first quorum at once. Until then, state
+    registered for healing is kept here and the Manager's step (``state_dict``; checkpointed
+    as ``ft_manager``) is held for it.
+    """
 
     def __init__(
         self,
-        manager: Any,
         job_config: JobConfig,
+        build_manager: Callable[[], Any],
         mesh: DeviceMesh | None = None,
         poll_s: float = 1.0,
     ) -> None:
         ft = job_config.fault_tolerance
-        self.manager = manager
+        self._build_manager = build_manager
+        self._manager: Any = None
         self.group_size = ft.group_size
         self.replica_id = ft.replica_id
         self.min_replica_size = ft.min_replica_size
         self.quorum_timeout_s = ft.quorum_timeout_s
+        self.timeout_s = ft.timeout_s
+        self.max_consecutive_failures = ft.max_consecutive_failures
         self.lighthouse = lighthouse_address(job_config)
         self.mesh = mesh
         self.poll_s = poll_s
+        self._pending: list[tuple[str, Callable[[Any], None], Callable[[], Any]]] = []
+        self._pending_step: dict[str, int] | None = None
         self._quorum_ready = False
         self._last_quorum_size = 0
         self._needed = ft.group_size
@@ -321,13 +325,66 @@ class FTManager:
         self._last_commit: float | None = None
         self._last_participants = 0
         self._uncommitted = 0
+        #: Commits and commit attempts (steps or syncs) of this process.
+        self.commits = 0
+        self.attempts = 0
+        #: What the current wait is for, and what it needs, in the watchdog's lines ("step 12",
+        #: "sync #3"; default: the groups join_quorum needs).
+        self.waiting_for = ""
+        self.waiting_needs = ""
         self.watchdog = _Watchdog(self._describe_wait)
+
+    # ---- life cycle --------------------------------------------------------------------------
+
+    @property
+    def started(self) -> bool:
+        return self._manager is not None
+
+    @property
+    def manager(self) -> Any:
+        """The torchft Manager (after :meth:`start`)."""
+        if self._manager is None:
+            raise RuntimeError("FTManager.start() has not been called: no torchft Manager yet")
+        return self._manager
+
+    def start(self) -> None:
+        """Build the torchft Manager (heartbeats to the lighthouse start now), give it the
+        state registered so far and the step loaded from a checkpoint."""
+        if self._manager is not None:
+            return
+        self._manager = self._build_manager()
+        if self._pending_step is not None:
+            self._manager.load_state_dict(self._pending_step)
+        for key, load, save in self._pending:
+            self._manager.register_state_dict_fn(key, load, save)
+        self._pending.clear()
 
     # ---- state -----------------------------------------------------------------------------
 
     def register_state(self, name: str, state: Stateful) -> None:
         """Send ``state`` to joining groups and load it from a peer when this group heals."""
-        register_healing_state(self.manager, name, state, self.mesh, self._healed.append)
+        register_healing_state(self, name, state, self.mesh, self._healed.append)
+
+    def register_state_dict_fn(
+        self, key: str, load: Callable[[Any], None], save: Callable[[], Any]
+    ) -> None:
+        """torchft's ``Manager.register_state_dict_fn``, also before :meth:`start`."""
+        if self._manager is None:
+            self._pending.append((key, load, save))
+        else:
+            self._manager.register_state_dict_fn(key, load, save)
+
+    def state_dict(self) -> dict[str, int]:
+        """The Manager's step and committed-batch count (for checkpoints)."""
+        if self._manager is not None:
+            return self._manager.state_dict()
+        return dict(self._pending_step or {"step": 0, "batches_committed": 0})
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if self._manager is not None:
+            self._manager.load_state_dict(state)
+        else:
+            self._pending_step = {k: int(v) for k, v in state.items()}
 
     # ---- quorum ----------------------------------------------------------------------------
 
@@ -338,26 +395,44 @@ class FTManager:
         return self.group_size if self.manager.current_step() == 0 else self.min_replica_size
 
     def _describe_wait(self, waited: float) -> str:
-        step = self.manager.current_step() + 1
-        if self._needed >= self.group_size and self.manager.current_step() == 0:
+        what = self.waiting_for or f"step {self.manager.current_step() + 1}"
+        if self.waiting_needs:
+            need = self.waiting_needs
+        elif self._needed >= self.group_size and self.manager.current_step() <= 0:
             need = f"all {self.group_size} replica groups needed before step 1"
         else:
             need = f"min_replica_size={self._needed} groups needed"
+        reach = "" if lighthouse_reachable(self.lighthouse) else " (UNREACHABLE)"
         return (
-            f"[ft] step {step}: waiting for a quorum for {waited:.0f}s; {need}, "
-            f"{self._last_quorum_size} in the last quorum (lighthouse {self.lighthouse}; "
-            f"gives up after fault_tolerance.quorum_timeout_s={self.quorum_timeout_s:g}s)"
+            f"[ft] {what}: waiting for a quorum for {waited:.0f}s; {need}, "
+            f"{self._last_quorum_size} in the last quorum (lighthouse {self.lighthouse}"
+            f"{reach}; gives up after {self._timeout_field}={self._timeout_s:g}s)"
         )
 
-    def _join_quorum(self) -> None:
-        """Join a quorum with enough groups to train this step (see the module docstring).
+    _timeout_field = "fault_tolerance.quorum_timeout_s"
+    _timeout_s = 0.0
 
-        A quorum that is too small is skipped by all its members alike: no collective is
-        started in it, and it is closed with a failed ``should_commit`` (which also applies any
-        state a joiner received in it). Waiting is bounded by ``quorum_timeout_s``.
+    def join_quorum(
+        self,
+        needed: int | None = None,
+        timeout_s: float | None = None,
+        timeout_field: str = "fault_tolerance.quorum_timeout_s",
+        accept: Callable[[], bool] | None = None,
+    ) -> float:
+        """Join a quorum with at least ``needed`` groups (default: all groups before the
+        job's first commit, ``min_replica_size`` after) for which ``accept()`` (a check every
+        member makes alike, e.g. after exchanging a few numbers) holds; return the wait.
+
+        A quorum that is too small or not accepted is skipped by all its members alike: no
+        collective is started in it, and it is closed with a failed ``should_commit`` (which
+        also applies any state a joiner received in it). Waiting is bounded by ``timeout_s``
+        (``timeout_field``, named in the error): a lighthouse that is down is retried within
+        that time (torchft's quorum retries), so a restarted lighthouse is picked up again.
         """
+        self._timeout_s = self.quorum_timeout_s if timeout_s is None else timeout_s
+        self._timeout_field = timeout_field
         start = time.monotonic()
-        deadline = start + self.quorum_timeout_s
+        deadline = start + self._timeout_s
         self._healed.clear()
         self.watchdog.begin()
         while True:
@@ -365,45 +440,68 @@ class FTManager:
                 remaining = max(deadline - time.monotonic(), 1.0)
                 self.manager.start_quorum(timeout=timedelta(seconds=remaining))
                 self.manager.wait_quorum()
+            except FaultToleranceError:  # a check of the healed state failed: say that
+                self.watchdog.end()
+                raise
             except Exception as e:
                 self.watchdog.end()
-                raise FaultToleranceError(
-                    f"no quorum from the lighthouse at {self.lighthouse} (replica group "
-                    f"{self.replica_id}, step {self.manager.current_step() + 1}): "
-                    f"{type(e).__name__}: {e}. Governed by fault_tolerance.quorum_timeout_s="
-                    f"{self.quorum_timeout_s:g} and connect_timeout_s."
-                ) from e
+                raise FaultToleranceError(self._quorum_failure(e)) from e
             size = self.manager.num_participants()
             self._last_quorum_size = size
-            self._needed = self._groups_needed()
-            if size >= self._needed:
-                break
-            self.manager.report_error(RuntimeError(f"quorum of {size} < {self._needed} groups"))
+            self._needed = self._groups_needed() if needed is None else needed
+            try:
+                if size >= self._needed and (accept is None or accept()):
+                    break
+            except BaseException:
+                self.watchdog.end()
+                raise
+            self.manager.report_error(RuntimeError(f"quorum of {size} not used"))
             self.manager.should_commit()
             if time.monotonic() >= deadline:
                 self.watchdog.end()
-                fix = (
-                    "a new job starts only with all fault_tolerance.group_size groups: start the "
-                    "missing ones, or lower group_size"
-                    if self.manager.current_step() == 0
-                    else "start the missing groups, or lower fault_tolerance.min_replica_size"
-                )
-                raise FaultToleranceError(
-                    f"replica group {self.replica_id}: waited {self.quorum_timeout_s:g}s "
-                    f"(fault_tolerance.quorum_timeout_s) for a quorum of {self._needed} groups; "
-                    f"the last one had {size}: {fix}."
-                )
+                raise FaultToleranceError(self._too_few_groups(size))
             time.sleep(self.poll_s)
         waited = self.watchdog.end()
-        step = self.manager.current_step() + 1
+        what = self.waiting_for or f"step {self.manager.current_step() + 1}"
         if waited >= _Watchdog.FIRST_REPORT_S:
-            logger.info(f"[ft] step {step}: quorum of {size} group(s) after waiting {waited:.1f}s")
+            logger.info(f"[ft] {what}: quorum of {size} group(s) after waiting {waited:.1f}s")
         if self._healed:
             logger.info(
-                f"[ft] step {step}: healed from a live peer "
+                f"[ft] {what}: healed from a live peer "
                 f"({', '.join(dict.fromkeys(self._healed))}) in "
                 f"{time.monotonic() - start:.2f}s (quorum + transfer)"
             )
+        return waited
+
+    def _quorum_failure(self, error: Exception) -> str:
+        what = self.waiting_for or f"step {self.manager.current_step() + 1}"
+        if not lighthouse_reachable(self.lighthouse):
+            return (
+                f"the torchft lighthouse at {self.lighthouse} is unreachable: replica group "
+                f"{self.replica_id} got no quorum for {what} within {self._timeout_field}="
+                f"{self._timeout_s:g}s. Restart torchft_lighthouse there (groups pick up a "
+                "restarted lighthouse by themselves while they wait)."
+            )
+        return (
+            f"no quorum from the lighthouse at {self.lighthouse} (replica group "
+            f"{self.replica_id}, {what}) within {self._timeout_field}={self._timeout_s:g}s: "
+            f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}. "
+            f"A slower replica group or a longer period needs a larger {self._timeout_field}."
+        )
+
+    def _too_few_groups(self, size: int) -> str:
+        if self.manager.current_step() <= 0 and self._needed >= self.group_size:
+            fix = (
+                "a new job starts only with all fault_tolerance.group_size groups: start the "
+                "missing ones, or lower group_size"
+            )
+        else:
+            fix = "start the missing groups, or lower fault_tolerance.min_replica_size"
+        return (
+            f"replica group {self.replica_id}: waited {self._timeout_s:g}s "
+            f"({self._timeout_field}) for a quorum of {self._needed} groups; the last one had "
+            f"{size}: {fix}."
+        )
 
     def start_step(self) -> None:
         """Join the quorum of this step (heal if behind), unless ``wait_for_full_quorum``
@@ -411,14 +509,14 @@ class FTManager:
         if self._quorum_ready:
             self._quorum_ready = False
             return
-        self._join_quorum()
+        self.join_quorum()
 
     def wait_for_full_quorum(self) -> None:
         """Before the loop: join the first quorum now (all ``group_size`` groups for a new
         job, ``min_replica_size`` for one that already committed steps) and keep it for the
         first ``start_step``."""
         start = time.perf_counter()
-        self._join_quorum()
+        self.join_quorum()
         self._quorum_ready = True
         logger.info(
             f"[ft] first quorum: {self.manager.num_participants()} group(s), manager step "
@@ -447,20 +545,41 @@ class FTManager:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
 
-    def should_commit(self) -> bool:
-        """True when every group in the quorum finished this step without error. The first
-        commit after a failure or a change of the quorum's size logs how long commits stalled."""
-        committed = self.manager.should_commit()
+    def should_commit(self, unit: str = "step") -> bool:
+        """True when every rank of this group finished this step (or sync) without error.
+        (torchft decides per group: another group may decide otherwise; it then heals at the
+        next quorum.) The first commit after a failure or a change of the quorum's size logs
+        how long commits stalled. ``fault_tolerance.max_consecutive_failures`` failures in a
+        row stop the run with the cause torchft recorded."""
+        self.attempts += 1
+        try:
+            committed = self.manager.should_commit()
+        except TimeoutError as e:  # the ranks of this group did not all answer in time
+            raise FaultToleranceError(
+                f"replica group {self.replica_id}: should_commit of this {unit} timed out "
+                f"(fault_tolerance.timeout_s={self.timeout_s:g}s): a rank of this group is "
+                f"stuck or slower than that ({str(e).splitlines()[0] if str(e) else 'timeout'})"
+            ) from e
         now = time.monotonic()
         if not committed:
             self._uncommitted += 1
+            limit = self.max_consecutive_failures
+            if limit and self._uncommitted >= limit:
+                raise FaultToleranceError(
+                    f"replica group {self.replica_id}: {self._uncommitted} {unit}s in a row "
+                    f"were not committed (fault_tolerance.max_consecutive_failures={limit}); "
+                    f"the last cause: {self.last_error()}"
+                )
             return False
+        self.commits += 1
         size = self.manager.num_participants()
         changed = self._last_participants and size != self._last_participants
         if self._last_commit is not None and (self._uncommitted or changed):
+            number = self.manager.current_step()
+            what = f"sync #{number}" if unit == "sync" else f"step {number}"
             logger.info(
-                f"[ft] step {self.manager.current_step()}: committed by {size} group(s) (was "
-                f"{self._last_participants}) after {self._uncommitted} uncommitted step(s); "
+                f"[ft] {what}: committed by {size} group(s) (was "
+                f"{self._last_participants}) after {self._uncommitted} uncommitted {unit}(s); "
                 f"stall: {now - self._last_commit:.2f}s since the previous commit"
             )
         self._last_commit = now
@@ -468,9 +587,37 @@ class FTManager:
         self._uncommitted = 0
         return True
 
+    def last_error(self) -> str:
+        """One line: the error torchft recorded in the current quorum (or why none is known)."""
+        error = self.manager.errored()
+        if error is None:
+            return "none recorded (a peer group failed, or this group healed)"
+        error = getattr(error, "original_exception", error)
+        text = str(error).strip().splitlines()
+        return f"{type(error).__name__}: {text[0] if text else ''}"
+
+    def check_progress(self) -> None:
+        """At the end of training: a run that tried to commit and committed nothing failed."""
+        if self.attempts and not self.commits:
+            raise FaultToleranceError(
+                f"replica group {self.replica_id} committed none of its {self.attempts} "
+                f"attempts (the last cause: {self.last_error()}); nothing it trained counts"
+            )
+
     def shutdown(self) -> None:
         self.watchdog.stop()
-        self.manager.shutdown(wait=False)
+        if self._manager is not None:
+            self._manager.shutdown(wait=False)
+
+
+def lighthouse_reachable(address: str, timeout_s: float = 1.0) -> bool:
+    """Whether something accepts TCP connections at the lighthouse's address."""
+    parsed = urllib.parse.urlsplit(address if "://" in address else f"http://{address}")
+    try:
+        with socket.create_connection((parsed.hostname, parsed.port or 80), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def _quiet_known_torchft_noise() -> None:
@@ -487,6 +634,46 @@ def _quiet_known_torchft_noise() -> None:
     logging.getLogger("torchft.manager").addFilter(_NoFlightRecorderNotice())
 
 
+def fresh_rendezvous_address(store_addr: str, world_size: int, timeout: timedelta) -> str:
+    """``store_addr`` (torchft's ``host:port/torchft/<quorum id>/<rank>``) with one more prefix
+    level that no earlier rendezvous of the same quorum id used.
+
+    torchft keys the process-group rendezvous of a quorum by the lighthouse's quorum id, and a
+    restarted lighthouse numbers its quorums from 1 again: a survivor's store may then still
+    hold the keys of the old quorum of that number, and a member that reads a stale peer
+    address fails the rebuild. Each member adds 1 to a counter under the prefix; the members of
+    one rebuild together add ``world_size``, so ``(count - 1) // world_size`` is the same for all
+    of them and new for every rebuild. (A rebuild that a member died in leaves the counter out
+    of step; the next one then fails, is not committed, and gets a new quorum id.)"""
+    from torchft.process_group import create_store_client
+
+    store = create_store_client(store_addr, timeout=timeout)
+    rebuild = (store.add("rebuilds", 1) - 1) // world_size
+    return f"{store_addr}/rebuild_{rebuild}"
+
+
+def _process_group(backend: str, timeout: timedelta) -> Any:
+    """torchft's reconfigurable process group for ``backend``, rebuilt on fresh rendezvous keys
+    (:func:`fresh_rendezvous_address`)."""
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+    base = ProcessGroupNCCL if backend == "nccl" else ProcessGroupGloo
+
+    class FreshRendezvous(base):  # type: ignore[valid-type,misc]  # a class chosen at run time
+        def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
+                      *args: Any, **kwargs: Any) -> None:  # fmt: skip
+            address = fresh_rendezvous_address(store_addr, world_size, timeout)
+            super().configure(address, replica_id, rank, world_size, *args, **kwargs)
+
+    return FreshRendezvous(timeout=timeout)
+
+
+#: How often a group re-sends a quorum request that the lighthouse failed to answer (it died,
+#: or is restarting): torchft spreads its retries over the quorum timeout, so their number is
+#: the timeout divided by this.
+QUORUM_RETRY_INTERVAL_S = 1.0
+
+
 def build_ft_manager(
     job_config: JobConfig,
     parallel_dims: ParallelDims,
@@ -494,13 +681,18 @@ def build_ft_manager(
     *,
     use_async_quorum: bool = False,
     init_sync: bool = True,
+    quorum_timeout_s: float | None = None,
 ) -> FTManager | None:
-    """The Manager of this rank, from ``[fault_tolerance]``; None when it is off.
+    """This rank's FTManager, from ``[fault_tolerance]``; None when it is off. The torchft
+    Manager itself is built by ``FTManager.start()``.
 
     The quorum is synchronous by default: ``start_step`` waits for it anyway (to skip a quorum
     that is too small), and healing then happens before the forward pass, on the main thread,
     so a joiner trains in its first step instead of sending zeros, and no state is read by
     torchft's quorum thread while the model runs (FSDP swaps parameters during forward).
+    ``quorum_timeout_s``: the longest quorum wait the trainer will ask for (default
+    ``fault_tolerance.quorum_timeout_s``), the Manager's default timeout for the quorums that
+    torchft's own algorithms start.
     """
     ft = job_config.fault_tolerance
     if not ft.enable:
@@ -509,55 +701,62 @@ def build_ft_manager(
     # unless the user asked otherwise (RUST_LOG=info shows them again).
     os.environ.setdefault("RUST_LOG", "warn")
     _quiet_known_torchft_noise()
-    from torchft import Manager
-    from torchft.checkpointing.pg_transport import PGTransport
-    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
-
-    backend = ft.process_group
-    if backend == "auto":
-        backend = "nccl" if parallel_dims.device.type == "cuda" else "gloo"
-    pg_timeout = timedelta(milliseconds=ft.process_group_timeout_ms)
-    pg = ProcessGroupNCCL(timeout=pg_timeout) if backend == "nccl" else ProcessGroupGloo(pg_timeout)
-    # Healing goes over the replicate process group itself (no extra HTTP server listening on
-    # every interface and serving the whole model unauthenticated).
-    transport = PGTransport(
-        pg, timeout=timedelta(seconds=ft.timeout_s), device=parallel_dims.device
-    )
     address = lighthouse_address(job_config)
-    try:
-        with _manager_server_bound_to(bind_ip(ft.hostname)):
-            manager = Manager(
-                pg=pg,
-                load_state_dict=None,
-                state_dict=None,
-                min_replica_size=ft.min_replica_size,
-                use_async_quorum=use_async_quorum,
-                timeout=timedelta(seconds=ft.timeout_s),
-                quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
-                connect_timeout=timedelta(seconds=ft.connect_timeout_s),
-                rank=parallel_dims.rank,
-                world_size=parallel_dims.world_size,
-                lighthouse_addr=address,
-                replica_id=f"replica_{ft.replica_id}",
-                hostname=ft.hostname,
-                checkpoint_transport=transport,
-                init_sync=init_sync,
-            )
-    except RuntimeError as e:
-        if "failed to connect" not in str(e):
-            raise
-        raise FaultToleranceError(
-            f"cannot reach the torchft lighthouse at {address} within "
-            f"fault_tolerance.connect_timeout_s={ft.connect_timeout_s:g}s. Is "
-            "torchft_lighthouse running there, and is fault_tolerance.lighthouse (or env "
-            f"TORCHFT_LIGHTHOUSE) right? ({str(e).splitlines()[0]})"
-        ) from e
-    ft_manager = FTManager(manager, job_config, parallel_dims.dp_mesh)
+    longest_quorum_s = max(ft.quorum_timeout_s, quorum_timeout_s or 0.0)
+
+    def build_manager() -> Any:
+        from torchft import Manager
+        from torchft.checkpointing.pg_transport import PGTransport
+
+        backend = ft.process_group
+        if backend == "auto":
+            backend = "nccl" if parallel_dims.device.type == "cuda" else "gloo"
+        pg = _process_group(backend, timedelta(milliseconds=ft.process_group_timeout_ms))
+        # Healing goes over the replicate process group itself (no extra HTTP server listening
+        # on every interface and serving the whole model unauthenticated).
+        transport = PGTransport(
+            pg, timeout=timedelta(seconds=ft.timeout_s), device=parallel_dims.device
+        )
+        try:
+            with _manager_server_bound_to(bind_ip(ft.hostname)):
+                manager = Manager(
+                    pg=pg,
+                    load_state_dict=None,
+                    state_dict=None,
+                    min_replica_size=ft.min_replica_size,
+                    use_async_quorum=use_async_quorum,
+                    timeout=timedelta(seconds=ft.timeout_s),
+                    quorum_timeout=timedelta(seconds=quorum_timeout_s or ft.quorum_timeout_s),
+                    connect_timeout=timedelta(seconds=ft.connect_timeout_s),
+                    rank=parallel_dims.rank,
+                    world_size=parallel_dims.world_size,
+                    lighthouse_addr=address,
+                    replica_id=f"replica_{ft.replica_id}",
+                    hostname=ft.hostname,
+                    checkpoint_transport=transport,
+                    init_sync=init_sync,
+                    # A quorum request that the lighthouse cannot answer (it died or restarts)
+                    # is re-sent about every QUORUM_RETRY_INTERVAL_S until the timeout, so a
+                    # lighthouse restarted on the same address is found again.
+                    quorum_retries=math.ceil(longest_quorum_s / QUORUM_RETRY_INTERVAL_S),
+                )
+        except RuntimeError as e:
+            if "failed to connect" not in str(e):
+                raise
+            raise FaultToleranceError(
+                f"cannot reach the torchft lighthouse at {address} within "
+                f"fault_tolerance.connect_timeout_s={ft.connect_timeout_s:g}s. Is "
+                "torchft_lighthouse running there, and is fault_tolerance.lighthouse (or env "
+                f"TORCHFT_LIGHTHOUSE) right? ({str(e).splitlines()[0]})"
+            ) from e
+        logger.info(
+            f"[ft] replica group {ft.replica_id} of {ft.group_size}, {backend}, lighthouse "
+            f"{address}, min_replica_size {ft.min_replica_size}, listening on {ft.hostname}"
+        )
+        return manager
+
+    ft_manager = FTManager(job_config, build_manager, parallel_dims.dp_mesh)
     for name, state in states.items():
         if name not in NOT_HEALED:
             ft_manager.register_state(name, state)
-    logger.info(
-        f"[ft] replica group {ft.replica_id} of {ft.group_size}, {backend}, lighthouse "
-        f"{address}, min_replica_size {ft.min_replica_size}, listening on {ft.hostname}"
-    )
     return ft_manager

@@ -302,10 +302,13 @@ class Checkpoint:
     """Checkpoint folder to start from when the run folder has none (e.g. pretrained weights)."""
 
     initial_load_model_only: bool = True
-    """Load only the model from ``initial_load_path`` (not optimizer, step or data position)."""
+    """Load only the model from ``initial_load_path`` (not optimizer, step or data position).
+    With false, every state but those in ``exclude_from_loading``."""
 
     exclude_from_loading: list[str] = field(default_factory=list)
-    """State keys not restored on resume, e.g. ``["optimizer", "dataloader"]``."""
+    """State keys not restored on resume (or from ``initial_load_path``), e.g.
+    ``optimizer,dataloader``. A checkpoint of another kind of run lacks some: a plain run's
+    has no ``ft_manager`` or ``semi_sync``."""
 
     def validate(self, config: JobConfig) -> None:
         _require(self.interval >= 1, "checkpoint.interval", self.interval, "must be >= 1")
@@ -396,15 +399,16 @@ class Comm:
     """Collective timeouts inside one replica group."""
 
     init_timeout_seconds: int = 300
-    """Timeout of the first collective (process group start-up) inside a job."""
-
-    train_timeout_seconds: int = 100
-    """Timeout of collectives inside a job once training runs."""
+    """Timeout of the collectives inside one job (FSDP2, and its process group start-up),
+    for as long as it runs."""
 
     def validate(self, config: JobConfig) -> None:
-        for name in ("init_timeout_seconds", "train_timeout_seconds"):
-            value = getattr(self, name)
-            _require(value > 0, f"comm.{name}", value, "must be > 0")
+        _require(
+            self.init_timeout_seconds > 0,
+            "comm.init_timeout_seconds",
+            self.init_timeout_seconds,
+            "must be > 0",
+        )
 
 
 @dataclass
@@ -454,6 +458,12 @@ class FaultTolerance:
     """Timeout of the Manager's own operations: ``should_commit`` and sending or receiving
     the healing state."""
 
+    max_consecutive_failures: int = 10
+    """Stop the run with an error (naming the last cause torchft recorded, e.g. a healing
+    transfer that exceeded ``timeout_s``) after this many uncommitted steps in a row (or syncs,
+    with semi-synchronous training). Waiting for a quorum with too few groups does not count
+    (``quorum_timeout_s`` bounds it). 0: no limit."""
+
     hostname: str = "127.0.0.1"
     """Address this group advertises to the lighthouse and to the other groups, and the address
     its own listeners bind to (torchft's manager server; the TCP store of a one-process group;
@@ -488,6 +498,12 @@ class FaultTolerance:
             "fault_tolerance.process_group",
             self.process_group,
             "nccl needs CUDA, which torch does not see here; use 'gloo' or 'auto'",
+        )
+        _require(
+            self.max_consecutive_failures >= 0,
+            "fault_tolerance.max_consecutive_failures",
+            self.max_consecutive_failures,
+            "must be >= 0 (0: no limit)",
         )
         for name in (
             "process_group_timeout_ms",
