@@ -1,8 +1,9 @@
 """Entry point: ``python -m torchtitan.train [--section.field=value ...]`` (or ``run_train.sh``).
 
 The trainer class is ``torchtitan.trainer.Trainer`` unless the custom args module
-(``--job.custom_args_module``) names another one in its module attribute ``TRAINER``, written
-``"package.module:ClassName"``. That is how an experiment swaps in its trainer subclass.
+(``--job.custom_args_module``) names another one: its function ``trainer_for(config)`` (or its
+module attribute ``TRAINER``) returns ``"package.module:ClassName"``. That is how an
+experiment swaps in its trainer subclass, chosen by the config.
 
 Exit status: 0 when training finished; 2 for a bad command line or config (one ``error:`` line,
 or tyro's usage box for flag syntax); 1 for a problem found while starting or training (one
@@ -16,14 +17,20 @@ import gc
 import importlib
 import sys
 from types import ModuleType
+from typing import Any
 
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.tools.logging import init_logger, logger
 
 
-def resolve_trainer_class(custom_module: ModuleType | None) -> type:
-    """The trainer class to run: the custom module's ``TRAINER``, else the core Trainer."""
-    path = getattr(custom_module, "TRAINER", None) if custom_module else None
+def resolve_trainer_class(custom_module: ModuleType | None, config: Any) -> type:
+    """The trainer class to run: what the custom module's ``trainer_for(config)`` returns, or
+    its ``TRAINER``, else the core Trainer."""
+    path = None
+    if custom_module is not None and hasattr(custom_module, "trainer_for"):
+        path = custom_module.trainer_for(config)
+    elif custom_module is not None:
+        path = getattr(custom_module, "TRAINER", None)
     if path is None:
         from torchtitan.trainer import Trainer
 
@@ -73,9 +80,16 @@ def main(argv: list[str] | None = None) -> int:
         if config.fault_tolerance.enable:
             # torchft's Manager needs a TCP store; everything listens on fault_tolerance.hostname
             confine_to_host(config)
-        trainer = resolve_trainer_class(manager.custom_module)(config)
+        trainer = resolve_trainer_class(manager.custom_module, config)(config)
         trainer.train()
-    except (ConfigError, CheckpointError, FaultToleranceError, FileNotFoundError, ValueError) as e:
+    except (
+        ConfigError,
+        CheckpointError,
+        FaultToleranceError,
+        FileNotFoundError,
+        ConnectionError,  # a dataset host that cannot be reached (the message names the field)
+        ValueError,
+    ) as e:
         logger.error(f"{type(e).__name__}: {e}")
         return 1
     except KeyboardInterrupt:

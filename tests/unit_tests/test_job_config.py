@@ -515,15 +515,19 @@ def test_semi_sync_fields_from_toml_and_cli(tmp_path: Path) -> None:
     assert cli.outer_nesterov is False
 
 
-def test_semi_sync_module_selects_its_trainer_and_keeps_the_core_without_a_method() -> None:
+def test_semi_sync_module_picks_the_trainer_by_the_method() -> None:
     from torchtitan.experiments.fault_tolerance.trainer import SemiSyncTrainer
     from torchtitan.train import resolve_trainer_class
+    from torchtitan.trainer import Trainer
 
     manager = ConfigManager()
     config = manager.parse_args(["--job.custom_args_module", SEMI_SYNC])
-    assert resolve_trainer_class(manager.custom_module) is SemiSyncTrainer
-    assert config.fault_tolerance.semi_sync_method is None  # type: ignore[attr-defined]
     assert config.fault_tolerance.method is None  # type: ignore[attr-defined]  # synchronous
+    assert resolve_trainer_class(manager.custom_module, config) is Trainer
+    config = manager.parse_args(
+        ["--job.custom_args_module", SEMI_SYNC, *FT_ON, "--fault_tolerance.semi_sync_method=diloco"]
+    )
+    assert resolve_trainer_class(manager.custom_module, config) is SemiSyncTrainer
 
 
 def test_semi_sync_help_lists_every_field_with_its_docstring(
@@ -693,6 +697,63 @@ def test_local_sgd_is_an_alias(alias: str) -> None:
             ],
             "fault_tolerance.fragment_update_alpha",
         ),
+        # Fields that would do nothing: semi-sync fields without a method, the outer
+        # optimizer's and quantization with LocalSGD.
+        ([*FT_ON, "--fault_tolerance.sync_steps=20"], "fault_tolerance.sync_steps"),
+        (["--fault_tolerance.outer_lr=0.5"], "fault_tolerance.outer_lr"),
+        ([*FT_ON, "--fault_tolerance.num_fragments=2"], "fault_tolerance.num_fragments"),
+        (
+            [*FT_ON, "--fault_tolerance.sync_quorum_timeout_s=60"],
+            "fault_tolerance.sync_quorum_timeout_s",
+        ),
+        (
+            [*FT_ON, "--fault_tolerance.semi_sync_method=localsgd", "--fault_tolerance.outer_lr=1"],
+            "fault_tolerance.outer_lr",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=localsgd",
+                "--fault_tolerance.outer_momentum=0",
+            ],
+            "fault_tolerance.outer_momentum",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=localsgd",
+                "--fault_tolerance.outer_nesterov=false",
+            ],
+            "fault_tolerance.outer_nesterov",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=localsgd",
+                "--fault_tolerance.should_quantize",
+            ],
+            "fault_tolerance.should_quantize",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=diloco",
+                "--fault_tolerance.sync_quorum_timeout_s=0",
+            ],
+            "fault_tolerance.sync_quorum_timeout_s",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=diloco",
+                "--fault_tolerance.agreement_check_every=-1",
+            ],
+            "fault_tolerance.agreement_check_every",
+        ),
+        (
+            [*FT_ON, "--fault_tolerance.max_consecutive_failures=-1"],
+            "fault_tolerance.max_consecutive_failures",
+        ),
     ],
 )
 def test_semi_sync_bad_value_names_the_field(argv: list[str], field: str) -> None:
@@ -740,5 +801,30 @@ def test_semi_sync_edge_values_pass() -> None:
         "layers.1,norm",
     ).fault_tolerance
     assert ft.fragment_count() == 2  # type: ignore[attr-defined]
-    # Fields of the method not chosen are left alone while semi-sync is off.
-    assert parse_semi_sync("--fault_tolerance.sync_steps=0").fault_tolerance.sync_steps == 0
+    # Semi-sync fields at their defaults are fine without a method.
+    assert parse_semi_sync(*FT_ON).fault_tolerance.semi_sync_method is None
+
+
+def test_the_short_semi_sync_command_says_how_to_run_it() -> None:
+    """The command line a user types first, without fault tolerance: the error gives the
+    command of one replica group (flags and TORCHFT_LIGHTHOUSE) and the launcher's."""
+    with pytest.raises(ConfigError) as info:
+        parse_semi_sync("--fault_tolerance.semi_sync_method=localsgd")
+    message = str(info.value)
+    assert info.value.field == "fault_tolerance.semi_sync_method"
+    assert "\n" not in message
+    assert (
+        "python -m torchtitan.experiments.fault_tolerance.launcher --groups 2 -- "
+        f"--job.custom_args_module={SEMI_SYNC} --fault_tolerance.semi_sync_method=localsgd"
+    ) in message
+    assert "TORCHFT_LIGHTHOUSE=http://127.0.0.1:29610 ./run_train.sh" in message
+    for flag in ("--fault_tolerance.enable", "--fault_tolerance.group_size=2",
+                 "--fault_tolerance.replica_id=0"):  # fmt: skip
+        assert flag in message
+
+
+def test_list_fields_take_comma_separated_items() -> None:
+    config = parse("--checkpoint.exclude_from_loading", "optimizer,lr_scheduler", "dataloader")
+    assert config.checkpoint.exclude_from_loading == ["optimizer", "lr_scheduler", "dataloader"]
+    config = parse("--checkpoint.exclude_from_loading=optimizer,lr_scheduler")
+    assert config.checkpoint.exclude_from_loading == ["optimizer", "lr_scheduler"]

@@ -1,11 +1,9 @@
 """Pieces of the semi-sync trainer that need no replica groups: model fragments, the state a
-checkpoint carries, the heal check, the pseudo-gradient norm and the lighthouse status."""
+checkpoint carries, healing positions, the digest exchange and the pseudo-gradient norm."""
 
 from __future__ import annotations
 
-import socket
-import time
-from datetime import timedelta
+from dataclasses import astuple
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -15,14 +13,23 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from torchtitan.components.ft import FaultToleranceError
 from torchtitan.config import ConfigManager
+from torchtitan.experiments.fault_tolerance.sync_quorum import (
+    FRESH,
+    RESUMED,
+    RUNNING,
+    Member,
+    compare_digests,
+    exchange,
+)
 from torchtitan.experiments.fault_tolerance.trainer import (
     SemiSyncState,
     SemiSyncTrainer,
     build_model_fragments,
-    lighthouse_status,
 )
 from torchtitan.models import get_train_spec
+from torchtitan.tools.digest import device_digest
 
 SEMI_SYNC = "torchtitan.experiments.fault_tolerance.job_config"
 
@@ -207,38 +214,98 @@ def test_healing_state_is_read_when_sent_not_at_start_up() -> None:
     assert not all(torch.equal(before[k], after[k]) for k in live)
 
 
-# ---- heal check and pseudo-gradient norm -----------------------------------------------------
+# ---- healing positions, digests and the exchange ----------------------------------------------
 
 
-def _stub(local_step: int) -> SimpleNamespace:
+def _stub(local_step: int, starting: bool = False) -> SimpleNamespace:
     return SimpleNamespace(
         algorithm=SimpleNamespace(_local_step=local_step),
         ft=SimpleNamespace(manager=SimpleNamespace(current_step=lambda: 7)),
         train_state=SimpleNamespace(step=30),
         period=4,
+        starting=starting,
+        _peer=None,
+        _localsgd_digest=123,
     )
 
 
-def test_heal_at_the_peer_s_position_is_accepted_and_logged(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def peer(local_step: int, replica_id: int = 0, at_sync: int = 1, starting: int = 0) -> dict:
+    return {
+        "local_step": local_step,
+        "at_sync": at_sync,
+        "starting": starting,
+        "replica_id": replica_id,
+    }
+
+
+def test_a_running_group_heals_at_its_peer_s_position(caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
     logger = logging.getLogger("torchtitan")
     logger.addHandler(caplog.handler)
     caplog.set_level(logging.INFO, logger="torchtitan")
+    stub = _stub(4)
     try:
-        SemiSyncTrainer._check_heal(_stub(4), {"local_step": 4, "replica_id": 0})  # type: ignore[arg-type]
+        SemiSyncTrainer._load_peer(stub, peer(4))  # type: ignore[arg-type]
     finally:
         logger.removeHandler(caplog.handler)
     assert "healed from a live peer (replica group 0) at sync #8, train step 31" in caplog.text
+    assert stub._localsgd_digest is None  # the digest of parameters it no longer holds
 
 
-def test_heal_at_another_position_of_the_period_stops() -> None:
-    with pytest.raises(
-        RuntimeError, match="inner step 3 of its sync period, but this group is at 4"
-    ):
-        SemiSyncTrainer._check_heal(_stub(4), {"local_step": 3, "replica_id": 1})  # type: ignore[arg-type]
+def test_a_running_group_healed_at_another_position_stops() -> None:
+    with pytest.raises(FaultToleranceError, match="inner step 3 of its sync period"):
+        SemiSyncTrainer._load_peer(_stub(4), peer(3, replica_id=1))  # type: ignore[arg-type]
+    with pytest.raises(FaultToleranceError, match="starting up"):
+        SemiSyncTrainer._load_peer(_stub(4), peer(4, starting=1))  # type: ignore[arg-type]
+
+
+def test_a_starting_group_takes_its_peer_s_position() -> None:
+    stub = _stub(0, starting=True)
+    SemiSyncTrainer._load_peer(stub, peer(3, replica_id=1))  # type: ignore[arg-type]
+    assert stub._peer == peer(3, replica_id=1)
+
+
+def test_digests_agree_or_name_a_majority() -> None:
+    same = [Member(RUNNING, has_digest=1, digest=5) for _ in range(3)]
+    assert compare_digests(same).agree
+    odd = [*same[:2], Member(RUNNING, has_digest=1, digest=-9)]
+    verdict = compare_digests(odd)
+    assert not verdict.agree and verdict.majority == 5
+    two = [Member(RUNNING, has_digest=1, digest=5), Member(FRESH, has_digest=1, digest=6)]
+    assert compare_digests(two).majority is None  # two groups: nobody to believe
+    # Members without a digest are not compared.
+    assert compare_digests([Member(RUNNING), *two[:1]]).agree
+
+
+class SummingManager:
+    """One member's view of a SUM all-reduce with other members whose rows are known."""
+
+    def __init__(self, rank: int, others: dict[int, Member]) -> None:
+        self.rank, self.others = rank, others
+
+    def num_participants(self) -> int:
+        return len(self.others) + 1
+
+    def participating_rank(self) -> int:
+        return self.rank
+
+    def allreduce(self, buffer: torch.Tensor, reduce_op: Any = None) -> Any:
+        width = buffer.numel() // self.num_participants()
+        for rank, member in self.others.items():
+            row = torch.tensor(astuple(member), dtype=torch.int64)
+            buffer[rank * width : (rank + 1) * width] += row
+        return SimpleNamespace(wait=lambda: None)
+
+    def errored(self) -> None:
+        return None
+
+
+def test_exchange_gathers_every_member_in_quorum_order() -> None:
+    others = {0: Member(RUNNING, has_digest=1, digest=-(2**63)), 2: Member(RESUMED, 1, 7)}
+    mine = Member(FRESH, joined=1, attempts=3, has_digest=1, digest=2**63 - 1)
+    got = exchange(SummingManager(1, others), mine, torch.device("cpu"))
+    assert got == [others[0], mine, others[2]]
 
 
 def test_pseudo_gradient_norm_is_the_norm_of_the_outer_gradients() -> None:
@@ -249,41 +316,12 @@ def test_pseudo_gradient_norm_is_the_norm_of_the_outer_gradients() -> None:
     assert stub._pseudo_grad_norm == pytest.approx(5.0)
 
 
-# ---- lighthouse status -----------------------------------------------------------------------
-
-
-def test_lighthouse_status_counts_live_groups_and_sees_a_running_job() -> None:
-    from torchft.coordination import LighthouseClient, LighthouseServer
-
-    server = LighthouseServer(
-        bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=1500
-    )
-    try:
-        address = server.address().replace(socket.gethostname(), "127.0.0.1")
-        client = LighthouseClient(address, timedelta(seconds=5))
-        assert lighthouse_status(address) == (0, False)
-        client.heartbeat("replica_0:a")
-        assert lighthouse_status(address) == (1, False)  # up, but no quorum yet: not running
-        client.quorum(
-            replica_id="replica_0:a",
-            timeout=timedelta(seconds=5),
-            address="x",
-            store_address="y",
-            step=3,
-            world_size=1,
-            shrink_only=False,
-        )
-        client.heartbeat("replica_1:b")
-        assert lighthouse_status(address) == (2, True)  # replica_0 is in the last quorum
-        time.sleep(2)  # replica_0 stops heartbeating: the job of that quorum is gone
-        client.heartbeat("replica_1:b")
-        assert lighthouse_status(address) == (1, False)
-    finally:
-        server.shutdown()
-
-
-def test_lighthouse_status_of_nothing_is_none() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    assert lighthouse_status(f"http://127.0.0.1:{port}", timeout_s=1) is None
+def test_device_digest_sees_one_changed_element_and_not_the_device_order() -> None:
+    tensors = [torch.randn(3000), torch.randn(5, 7).bfloat16(), torch.randn(2**20 + 5)]
+    digest = device_digest(tensors)
+    assert -(2**63) <= digest < 2**63
+    assert device_digest([t.clone() for t in tensors]) == digest
+    changed = [t.clone() for t in tensors]
+    changed[2][2**20 + 1] += 1e-3  # in the second chunk of the big tensor
+    assert device_digest(changed) != digest
+    assert device_digest(tensors[::-1]) != digest  # order matters

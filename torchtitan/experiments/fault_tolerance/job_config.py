@@ -2,21 +2,29 @@
 
 Load it with ``--job.custom_args_module=torchtitan.experiments.fault_tolerance.job_config``: its
 ``JobConfig`` adds the fields below to ``[fault_tolerance]`` (TOML, CLI and ``--help``), and its
-``TRAINER`` makes ``torchtitan.train`` run ``SemiSyncTrainer`` instead of the core trainer.
+``trainer_for`` makes ``torchtitan.train`` run ``SemiSyncTrainer`` when
+``fault_tolerance.semi_sync_method`` is set (the core trainer otherwise).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
 
 from torchtitan.config.job_config import ConfigError
 from torchtitan.config.job_config import FaultTolerance as CoreFaultTolerance
 from torchtitan.config.job_config import JobConfig as CoreJobConfig
 
-TRAINER = "torchtitan.experiments.fault_tolerance.trainer:SemiSyncTrainer"
+SEMI_SYNC_TRAINER = "torchtitan.experiments.fault_tolerance.trainer:SemiSyncTrainer"
+CORE_TRAINER = "torchtitan.trainer:Trainer"
+MODULE = "torchtitan.experiments.fault_tolerance.job_config"
 
 SEMI_SYNC_METHODS = {"localsgd": "localsgd", "local_sgd": "localsgd", "diloco": "diloco"}
+
+
+def trainer_for(config: CoreJobConfig) -> str:
+    """The trainer class this config runs: semi-sync with a method, else the core trainer."""
+    return SEMI_SYNC_TRAINER if config.fault_tolerance.semi_sync_method else CORE_TRAINER
 
 
 @dataclass
@@ -34,17 +42,32 @@ class FaultTolerance(CoreFaultTolerance):
     """Inner steps between two syncs (DiLoCo's H). With fragments, each fragment syncs once
     every ``sync_steps`` steps, fragment syncs spread evenly across them."""
 
-    outer_optimizer: Literal["sgd"] = "sgd"
-    """DiLoCo's outer optimizer, applied to the averaged pseudo-gradient at each sync."""
+    sync_quorum_timeout_s: float = 3600.0
+    """How long a group waits for the quorum of a sync (the slowest group's arrival at the sync
+    point) before it stops with an error naming this field. A group that (re)starts into a
+    running job waits up to one sync period for the others' next sync (at most the larger of
+    this and ``quorum_timeout_s``), so keep this above the period: with steps of seconds and
+    ``sync_steps`` of tens, periods last minutes (torchft advises an hour or more). The
+    per-step ``quorum_timeout_s`` does not apply to syncs."""
+
+    agreement_check_every: int = 1
+    """Every this many syncs (and whenever the quorum changes: a group joins, rejoins or
+    leaves), the groups of a sync's quorum compare a 64-bit digest of the global parameters
+    of the previous sync, computed on the device (one pass over the parameters, one tiny
+    all-reduce). On a mismatch a strict majority wins: the sync is dropped and the other groups
+    heal from a majority group at the next one; without a majority (e.g. two groups) the run
+    stops with an error naming the digests. 0: only when the quorum changes."""
 
     outer_lr: float = 0.7
-    """Outer learning rate. Its best value depends on the number of groups and sync_steps."""
+    """DiLoCo's outer learning rate: the outer optimizer (SGD) applies the averaged
+    pseudo-gradient with it. Its best value depends on the number of groups and sync_steps."""
 
     outer_momentum: float = 0.9
-    """Outer optimizer momentum."""
+    """DiLoCo's outer optimizer momentum."""
 
     outer_nesterov: bool = True
-    """Nesterov momentum in the outer optimizer (with outer_momentum 0 both are plain SGD)."""
+    """Nesterov momentum in DiLoCo's outer optimizer (with outer_momentum 0 both are plain
+    SGD)."""
 
     num_fragments: int = 1
     """Streaming DiLoCo: split the model into this many fragments of consecutive transformer
@@ -65,7 +88,9 @@ class FaultTolerance(CoreFaultTolerance):
     new = (1 - alpha) * global + alpha * local. 0: take the global parameters."""
 
     should_quantize: bool = False
-    """Quantize pseudo-gradients to fp8 for the all-reduce (torchft; needs CUDA and Triton)."""
+    """DiLoCo: quantize pseudo-gradients to fp8 for the all-reduce (torchft's Triton kernels:
+    needs CUDA, the nccl process group and an importable triton; refused elsewhere, where
+    torchft would silently send full precision)."""
 
     @property
     def method(self) -> str | None:
@@ -79,18 +104,31 @@ class FaultTolerance(CoreFaultTolerance):
         super().validate(config)
         method = self.semi_sync_method
         if method is None:
+            for name in self._changed(SEMI_SYNC_FIELDS):
+                raise ConfigError(
+                    f"fault_tolerance.{name}",
+                    getattr(self, name),
+                    "only applies to semi-synchronous training: set "
+                    "fault_tolerance.semi_sync_method=localsgd or diloco, or drop this field",
+                )
             return
         choices = ", ".join(SEMI_SYNC_METHODS)
         if method not in SEMI_SYNC_METHODS:
             raise ConfigError("fault_tolerance.semi_sync_method", method, f"choose {choices}")
         if not self.enable:
-            raise ConfigError(
-                "fault_tolerance.semi_sync_method",
-                method,
-                "semi-sync training needs fault_tolerance.enable (a lighthouse and replica groups)",
-            )
+            raise ConfigError("fault_tolerance.semi_sync_method", method, _how_to_run(method))
         if self.sync_steps < 1:
             raise ConfigError("fault_tolerance.sync_steps", self.sync_steps, "must be >= 1")
+        if self.sync_quorum_timeout_s <= 0:
+            raise ConfigError(
+                "fault_tolerance.sync_quorum_timeout_s", self.sync_quorum_timeout_s, "must be > 0"
+            )
+        if self.agreement_check_every < 0:
+            raise ConfigError(
+                "fault_tolerance.agreement_check_every",
+                self.agreement_check_every,
+                "must be >= 0 (0: only when the quorum changes)",
+            )
         streaming = {
             "num_fragments": self.num_fragments != 1,
             "module_fqns_per_model_fragment": bool(self.module_fqns_per_model_fragment),
@@ -105,6 +143,13 @@ class FaultTolerance(CoreFaultTolerance):
                         getattr(self, name),
                         "only applies to semi_sync_method=diloco (LocalSGD has no fragments)",
                     )
+            for name in self._changed(OUTER_FIELDS):
+                raise ConfigError(
+                    f"fault_tolerance.{name}",
+                    getattr(self, name),
+                    "only applies to semi_sync_method=diloco (LocalSGD averages parameters; "
+                    "it has no outer optimizer and sends no pseudo-gradients)",
+                )
         self._validate_fragments(config)
         if self.outer_lr <= 0:
             raise ConfigError("fault_tolerance.outer_lr", self.outer_lr, "must be > 0")
@@ -112,13 +157,26 @@ class FaultTolerance(CoreFaultTolerance):
             raise ConfigError(
                 "fault_tolerance.outer_momentum", self.outer_momentum, "must be in [0, 1)"
             )
-        if self.should_quantize and not _can_quantize():
-            raise ConfigError(
-                "fault_tolerance.should_quantize",
-                True,
-                "torchft quantizes on CUDA with Triton only; this machine has no CUDA device or "
-                "no triton, and a silent full-precision fallback would misreport the traffic",
-            )
+        if self.should_quantize:
+            missing = _missing_for_quantization(self, config)
+            if missing:
+                raise ConfigError(
+                    "fault_tolerance.should_quantize",
+                    True,
+                    f"torchft's fp8 all-reduce needs CUDA, the nccl process group and triton; "
+                    f"{missing}, and torchft would silently send full precision instead",
+                )
+
+    def _changed(self, names: tuple[str, ...]) -> list[str]:
+        """The fields among ``names`` whose value is not their default."""
+        defaults = {f.name: f for f in dataclasses.fields(self)}
+        changed = []
+        for name in names:
+            spec = defaults[name]
+            default = spec.default_factory() if callable(spec.default_factory) else spec.default
+            if getattr(self, name) != default:
+                changed.append(name)
+        return changed
 
     def _validate_fragments(self, config: CoreJobConfig) -> None:
         if self.num_fragments < 1:
@@ -197,12 +255,50 @@ def _meta_model(config: CoreJobConfig):  # noqa: ANN202  (a model of any family)
         return spec.model_cls(spec.model_args[config.model.flavor])
 
 
-def _can_quantize() -> bool:
-    import importlib.util
+#: Fields that mean something only with a semi_sync_method, and only with DiLoCo.
+OUTER_FIELDS = ("outer_lr", "outer_momentum", "outer_nesterov", "should_quantize")
+SEMI_SYNC_FIELDS = (
+    "sync_steps",
+    "sync_quorum_timeout_s",
+    "agreement_check_every",
+    *OUTER_FIELDS,
+    "num_fragments",
+    "module_fqns_per_model_fragment",
+    "fragment_sync_delay",
+    "fragment_update_alpha",
+)
 
+
+def _missing_for_quantization(ft: FaultTolerance, config: CoreJobConfig) -> str:
+    """What this machine and config lack for torchft's fp8 all-reduce ('' when nothing)."""
     import torch
 
-    return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+    if not torch.cuda.is_available() or config.training.device == "cpu":
+        return "this run has no CUDA device"
+    if ft.process_group == "gloo":
+        return "fault_tolerance.process_group is gloo"
+    from torchtitan.experiments.fault_tolerance.torchft_adapter import quantization_available
+
+    if not quantization_available():
+        return "torchft's Triton kernels cannot be imported (pip install triton)"
+    return ""
+
+
+def _how_to_run(method: str) -> str:
+    """The error for a semi-sync method without fault tolerance: the commands that do run."""
+    flags = f"--job.custom_args_module={MODULE} --fault_tolerance.semi_sync_method={method}"
+    group = (
+        "TORCHFT_LIGHTHOUSE=http://127.0.0.1:29610 ./run_train.sh "
+        f"{flags} --fault_tolerance.enable --fault_tolerance.group_size=2 "
+        "--fault_tolerance.replica_id=0"
+    )
+    launcher = f"python -m torchtitan.experiments.fault_tolerance.launcher --groups 2 -- {flags}"
+    return (
+        "semi-synchronous training runs across replica groups and needs "
+        "fault_tolerance.enable. Everything on this machine in one command: "
+        f"{launcher}  |  or one group per terminal, after `torchft_lighthouse --min_replicas 1 "
+        f"--bind 127.0.0.1:29610`: {group} (and replica_id=1 in a second terminal)"
+    )
 
 
 @dataclass

@@ -1,44 +1,41 @@
 """Semi-synchronous training across replica groups: torchft's LocalSGD and (Streaming) DiLoCo.
 
-``SemiSyncTrainer`` is the core ``Trainer`` with these differences:
+``SemiSyncTrainer`` is the core ``Trainer`` for runs with ``fault_tolerance.semi_sync_method``
+(``job_config.trainer_for`` picks it). What differs, through the core's extension points:
 
-* its torchft Manager uses a synchronous quorum (DiLoCo requires it): groups meet only at
-  syncs, not at every step;
-* ``train_step`` is a plain local step; the sync runs inside ``optimizer.step()``, from the
-  optimizer hooks that torchft's ``LocalSGD``/``DiLoCo`` install while ``train_context`` is
-  entered;
-* before step 1 it waits until every replica group is up (heartbeating at the lighthouse), so
-  that the first sync of a new or resumed job is not made by the fastest group alone;
-* the algorithm's state (DiLoCo: global parameters and outer optimizer of every fragment; both:
-  the inner-step position in the sync period) is registered with the checkpointer;
-* every sync is reported (log line, TensorBoard/JSONL scalars, optional digest of the global
-  parameters), and a group that heals checks that it is at its peer's point of the period.
+* ``train_step`` is a plain local step: the sync runs inside ``optimizer.step()``, from the
+  optimizer hooks of torchft's ``LocalSGD``/``DiLoCo``, entered in ``train_context``. Their
+  Manager is a :class:`~.sync_quorum.SyncManager`: a sync's quorum needs ``min_replica_size``
+  groups and has its own timeout (``sync_quorum_timeout_s``).
+* ``join_replica_groups``: a group starts its torchft Manager (and so becomes visible to the
+  lighthouse) only when it is ready to train, and asks for its first quorum at once.
+* Every quorum starts with a small exchange among its members (roles, and every
+  ``agreement_check_every`` syncs a digest of the global parameters): the run proves that the
+  groups agree, instead of trusting it.
+* The last step leaves every group with the global parameters (the final model is the job's).
 
-Failure semantics (torchft's, stated here because users rely on them):
+Failure semantics are in docs/fault_tolerance.md ("Semi-synchronous training"); in short:
 
-* A sync commits only if every group in its quorum finished the all-reduce (``should_commit``).
-  A failed DiLoCo sync restores the fragment's last global parameters (the local progress of
-  that fragment in that period is dropped) and the same fragment is retried at the next sync;
-  a failed LocalSGD sync keeps each group's local parameters.
-* A group that dies is dropped at the next quorum (after the lighthouse's heartbeat timeout);
-  survivors keep doing inner steps meanwhile, and sync among themselves.
-* A restarted group trains its first period alone, then asks for a quorum at its own sync
-  point; the lighthouse answers when the survivors reach theirs. The restarted group is behind
-  (its Manager step is lower), so it heals in that quorum: a live peer sends the model, inner
-  optimizer, LR schedule, step and (DiLoCo) global parameters plus outer optimizer state, all as
-  they are at that moment (read when sent, never a copy from start-up). Both groups are then at
-  the same point of the sync period (checked), average identical pseudo-gradients (or
-  parameters), and afterwards hold the same global parameters. Its own first period is thrown
-  away. The lighthouse never lets it sync alone while a peer is alive: a quorum needs more than
-  half of the heartbeating groups.
+* A sync commits in a group when every rank of that group finished its all-reduce
+  (``should_commit`` is decided per group; a group that did not commit while a peer did is
+  behind afterwards and heals from it at the next sync). A failed DiLoCo sync restores the
+  fragment's global parameters (its local progress of that period is dropped) and the same
+  fragment is retried at the next sync; a failed LocalSGD sync keeps the local parameters.
+* A group that dies is left out of the next quorum once the lighthouse misses its heartbeat;
+  the others go on (with at least ``min_replica_size`` groups; fewer wait).
+* A (re)started group asks for a quorum as soon as it is built. In a running job the quorum
+  forms at the running groups' next sync: the starting group heals there (model, inner
+  optimizer, LR schedule, step, global parameters and outer optimizer, all as the running
+  groups hold them at that moment) and takes part in that same sync, so the running groups
+  wait only for its start-up and the transfer, never for a period of its own. In a new or
+  restarted job the groups meet before step 1.
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
+import math
 import time
-import urllib.request
 from typing import Any
 
 import torch
@@ -46,9 +43,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtitan.components.ft import FTManager, build_ft_manager, lighthouse_address
+from torchtitan.components.ft import FaultToleranceError, FTManager, build_ft_manager
 from torchtitan.config.job_config import JobConfig
-from torchtitan.tools.digest import tensor_digest
+from torchtitan.experiments.fault_tolerance import torchft_adapter as tft
+from torchtitan.experiments.fault_tolerance.sync_quorum import (
+    FRESH,
+    RESUMED,
+    RUNNING,
+    Member,
+    SyncManager,
+    compare_digests,
+    exchange,
+)
+from torchtitan.tools.digest import device_digest, tensor_digest
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import StepResult, Trainer
 
@@ -128,32 +135,34 @@ class SemiSyncState:
 
     Together with the Manager's step (``ft_manager``) and the core state (model, inner
     optimizer, LR schedule, data position, step), a whole-job restart resumes exactly where the
-    job was. Healing does not use this: torchft sends DiLoCo's own copy of it, and a joiner
-    always heals at the same point of the period as its peers.
+    job was. ``loaded`` tells whether a checkpoint supplied it: if not, the trainer makes the
+    loaded model the global parameters. Healing does not use this: torchft sends DiLoCo's own
+    copy of it, and the inner-step position travels with ``semi_sync_position``.
     """
 
     def __init__(self, trainer: SemiSyncTrainer) -> None:
         self.trainer = trainer
+        self.loaded = False
 
     def _fragments(self) -> list[Any]:
-        return list(getattr(self.trainer.algorithm, "_fragments", []))
+        return tft.fragments(self.trainer.algorithm)
 
     def state_dict(self) -> dict[str, Any]:
         algo = self.trainer.algorithm
-        in_flight = [i for i, f in enumerate(self._fragments()) if f._allreduce_work]
+        in_flight = [i for i, f in enumerate(self._fragments()) if tft.in_flight(f)]
         state: dict[str, Any] = {
-            "local_step": algo._local_step,
+            "local_step": tft.local_step(algo),
             "in_flight_fragment": in_flight[0] if in_flight else -1,
         }
         for i, fragment in enumerate(self._fragments()):
-            outer = fragment._outer_optimizer
-            params = dict(fragment._model_fragment.named_parameters())
+            outer = tft.outer_optimizer(fragment)
+            params = tft.fragment_parameters(fragment)
             momentum = {
                 name: outer.state.get(p, {}).get("momentum_buffer") for name, p in params.items()
             }
             state[f"fragment_{i}"] = {
                 "global_parameters": {
-                    name: _as_like(p, fragment.original_parameters[name])
+                    name: _as_like(p, tft.global_parameters(fragment)[name])
                     for name, p in params.items()
                 },
                 "has_momentum": all(m is not None for m in momentum.values()),
@@ -168,16 +177,16 @@ class SemiSyncState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         algo = self.trainer.algorithm
-        algo._local_step = int(state["local_step"])
+        tft.set_local_step(algo, int(state["local_step"]))
         fragments = self._fragments()
         for i, fragment in enumerate(fragments):
             saved = state[f"fragment_{i}"]
             for name, value in saved["global_parameters"].items():
-                fragment.original_parameters[name].copy_(_local(value))
-            outer = fragment._outer_optimizer
+                tft.global_parameters(fragment)[name].copy_(_local(value))
+            outer = tft.outer_optimizer(fragment)
             outer.state.clear()
             if saved["has_momentum"]:
-                params = dict(fragment._model_fragment.named_parameters())
+                params = tft.fragment_parameters(fragment)
                 for name, value in saved["outer_momentum"].items():
                     outer.state[params[name]]["momentum_buffer"] = value.detach().clone()
         in_flight = int(state.get("in_flight_fragment", -1))
@@ -185,98 +194,58 @@ class SemiSyncState:
             # Saved while a fragment's all-reduce was in flight (fragment_sync_delay > 0): its
             # result is lost. Do what torchft does for a failed sync: put the fragment back to
             # its global parameters and start the period again; the fragment is retried.
-            fragments[in_flight].restore_parameters()
-            algo._local_step = 0
+            tft.restore_global_copies(fragments[in_flight])
+            tft.set_local_step(algo, 0)
             logger.warning(
                 f"[semi-sync] the checkpoint was taken while fragment {in_flight}'s sync was in "
                 "flight; that sync is dropped and the fragment restarts from its global "
                 "parameters"
             )
+        self.loaded = True
 
 
 # ---- the trainer ---------------------------------------------------------------------------
 
 
-_HEARTBEATING = re.compile(r"\[(\d+) heartbeating\]")
-_QUORUM_MEMBER = re.compile(r"<b>([^<\s]+)</b>")
-_HEARTBEAT = re.compile(r'<li class="heartbeat\s*(old)?\s*">\s*([^\s<]+): seen')
-
-
-def lighthouse_status(address: str, timeout_s: float = 5.0) -> tuple[int, bool] | None:
-    """(replica groups alive, whether a group of the last quorum is alive, i.e. a job is
-    running), read from the lighthouse's status page: torchft 0.2.0 has no RPC for either.
-    None when the page cannot be read or parsed."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
-    try:
-        with opener.open(f"{address.rstrip('/')}/status", timeout=timeout_s) as response:
-            page = response.read().decode("utf-8", "replace")
-    except OSError:
-        return None
-    alive = _HEARTBEATING.search(page)
-    if alive is None:
-        return None
-    _, _, last_quorum = page.partition("Previous Quorum")
-    last_quorum, _, heartbeats = last_quorum.partition("Heartbeats")
-    members = set(_QUORUM_MEMBER.findall(last_quorum))
-    fresh = {replica for old, replica in _HEARTBEAT.findall(heartbeats) if not old}
-    return int(alive.group(1)), bool(members & fresh)
-
-
 class SemiSyncTrainer(Trainer):
-    """Runs ``fault_tolerance.semi_sync_method``; without one, exactly the core trainer."""
+    """Trains with ``fault_tolerance.semi_sync_method`` (LocalSGD or DiLoCo) across groups."""
+
+    params_agree_every_step = False  # they agree after each sync: see global_digest
 
     def __init__(self, job_config: JobConfig) -> None:
-        self.method = job_config.fault_tolerance.method
-        super().__init__(job_config)
-        if self.method is None:
-            return
+        tft.check_version()
         ft = job_config.fault_tolerance
+        self.method: str = ft.method  # type: ignore[attr-defined]  # the experiment's field
+        super().__init__(job_config)
         assert self.ft is not None
-        manager = self.ft.manager
+        self.sync = SyncManager(
+            self.ft, ft.min_replica_size, ft.sync_quorum_timeout_s, self._on_quorum
+        )
         self.fragments: list[nn.Module]
         if self.method == "localsgd":
             from torchft.local_sgd import LocalSGD
 
-            self.algorithm: Any = LocalSGD(manager, self.model, self.optimizer, ft.sync_steps)
+            self.algorithm: Any = LocalSGD(self.sync, self.model, self.optimizer, ft.sync_steps)
             self.fragments = [self.model]
             self.period, self.delay = ft.sync_steps, 0
         else:
-            from torchft.local_sgd import DiLoCo
-
-            self.fragments = build_model_fragments(self.model, job_config)
-            outer = [
-                torch.optim.SGD(
-                    fragment.parameters(),
-                    lr=ft.outer_lr,
-                    momentum=ft.outer_momentum,
-                    # torch refuses Nesterov without momentum; with 0 it is plain SGD anyway.
-                    nesterov=ft.outer_nesterov and ft.outer_momentum > 0,
-                )
-                for fragment in self.fragments
-            ]
-            # torchft registers each fragment's global parameters and outer optimizer for
-            # healing itself (under fixed keys: build it once per Manager).
-            self.algorithm = DiLoCo(
-                manager,
-                self.fragments,
-                self.optimizer,
-                outer,
-                sync_every=ft.sync_steps,
-                backup_device=self.device,
-                should_quantize=ft.should_quantize,
-                fragment_sync_delay=ft.fragment_sync_delay,
-                fragment_update_alpha=ft.fragment_update_alpha,
-            )
-            self.period = ft.sync_steps // len(self.fragments)
-            self.delay = ft.fragment_sync_delay
-            for optimizer in outer:
-                optimizer.register_step_pre_hook(self._measure_pseudo_gradient)
-        self.register_state("semi_sync", SemiSyncState(self), heal=False)
-        # Not a checkpointed state: only what a joiner needs to check that it heals at the
-        # same point of the sync period as the peer that sends it the state.
-        manager.register_state_dict_fn("semi_sync_position", self._check_heal, self._position_now)
+            self.algorithm = self._build_diloco()
+        self.state = SemiSyncState(self)
+        self.register_state("semi_sync", self.state, heal=False)
+        # Not a checkpointed state: where in the sync period the sending group is, so that a
+        # group healing from it continues from the same point (and joins its sync if it is
+        # at one).
+        self.ft.register_state_dict_fn("semi_sync_position", self._load_peer, self._position)
+        self.starting = False
+        self._start_role = FRESH
+        self._start_attempts = 0
+        self._peer: dict[str, int] | None = None
+        self._checked_quorum = -2
+        self._localsgd_digest: int | None = None
         self._sync_seconds = 0.0
         self._hook_start = 0.0
+        self._period_start: float | None = None
+        self._warned_period = False
         self._pseudo_grad_norm: float | None = None
         logger.info(
             f"[semi-sync] {self.method}: sync every {ft.sync_steps} inner steps, "
@@ -288,6 +257,7 @@ class SemiSyncTrainer(Trainer):
                 if self.method == "diloco"
                 else ""
             )
+            + f"; sync quorum timeout {ft.sync_quorum_timeout_s:g}s"
         )
         if len(self.fragments) > 1:
             for i, fragment in enumerate(self.fragments):
@@ -295,36 +265,81 @@ class SemiSyncTrainer(Trainer):
                 logger.info(
                     f"[semi-sync] fragment {i}: {len(names)} tensors, {names[0]} .. {names[-1]}"
                 )
+        if job_config.training.steps % ft.sync_steps:
+            logger.warning(
+                f"[semi-sync] training.steps={job_config.training.steps} is not a multiple of "
+                f"fault_tolerance.sync_steps={ft.sync_steps}: the local progress after the last "
+                "sync is not part of the final model (every group ends with the global one)"
+            )
+
+    def _build_diloco(self) -> Any:
+        from torchft.local_sgd import DiLoCo
+
+        ft = self.job_config.fault_tolerance
+        self.fragments = build_model_fragments(self.model, self.job_config)
+        outer = [
+            torch.optim.SGD(
+                fragment.parameters(),
+                lr=ft.outer_lr,
+                momentum=ft.outer_momentum,
+                # torch refuses Nesterov without momentum; with 0 it is plain SGD anyway.
+                nesterov=ft.outer_nesterov and ft.outer_momentum > 0,
+            )
+            for fragment in self.fragments
+        ]
+        # torchft registers each fragment's global parameters and outer optimizer for healing
+        # itself (under fixed keys: build it once per Manager).
+        algorithm = DiLoCo(
+            self.sync,
+            self.fragments,
+            self.optimizer,
+            outer,
+            sync_every=ft.sync_steps,
+            backup_device=self.device,
+            should_quantize=ft.should_quantize,
+            fragment_sync_delay=ft.fragment_sync_delay,
+            fragment_update_alpha=ft.fragment_update_alpha,
+        )
+        self.period = ft.sync_steps // len(self.fragments)
+        self.delay = ft.fragment_sync_delay
+        for optimizer in outer:
+            optimizer.register_step_pre_hook(self._measure_pseudo_gradient)
+        return algorithm
 
     # ---- extension points of the core trainer ------------------------------------------------
 
-    # The core's pre-step-1 barrier is a quorum. Semi-sync groups must meet only at sync points
-    # (a restarted group that took a quorum at start-up would heal mid-sync and fall out of
-    # step with its peers), so ``train_context`` waits on heartbeats instead.
-    @property
-    def wait_for_all_groups(self) -> bool:  # type: ignore[override]
-        return self.method is None
-
     def build_ft_manager(self) -> FTManager | None:
-        if self.method is None:
-            return super().build_ft_manager()
         # Every group initialises the model from the same seed, so the step-0 weight sync
-        # (init_sync) is not needed; with it, all but one group would throw away their first
-        # sync period.
+        # (init_sync) is not needed; the first quorum's digest exchange checks it.
         return build_ft_manager(
             self.job_config,
             self.parallel_dims,
             self.states,
             use_async_quorum=False,
             init_sync=False,
+            quorum_timeout_s=self.job_config.fault_tolerance.sync_quorum_timeout_s,
         )
 
+    def join_replica_groups(self) -> None:
+        """After the checkpoint is loaded: make sure DiLoCo's global parameters are the
+        loaded ones, start the Manager and join the job (see :meth:`_start`)."""
+        if not self.state.loaded and self.method == "diloco":
+            # DiLoCo copied the global parameters when it was built, before any checkpoint was
+            # loaded: take them again from the model as loaded, with fresh outer momentum.
+            tft.take_global_copies(self.algorithm)
+            for fragment in tft.fragments(self.algorithm):
+                tft.outer_optimizer(fragment).state.clear()
+            cfg = self.job_config.checkpoint
+            if self.train_state.step > 0 or (cfg.enable and cfg.initial_load_path):
+                logger.info(
+                    "[semi-sync] no DiLoCo state was loaded: the global parameters start as "
+                    "the loaded model, the outer momentum at zero"
+                )
+        assert self.ft is not None
+        self.ft.start()
+        self._start()
+
     def train_context(self) -> contextlib.AbstractContextManager:
-        if self.method is None:
-            return super().train_context()
-        start = time.perf_counter()
-        self.wait_for_groups_up()
-        self.metrics.exclude_time(time.perf_counter() - start)  # not training time
         stack = contextlib.ExitStack()
         # Post-hooks run in registration order: ours before torchft's starts the clock of a
         # sync, ours after it reports the result.
@@ -334,66 +349,265 @@ class SemiSyncTrainer(Trainer):
         return stack
 
     def train_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> StepResult:
-        if self.method is None:
-            return super().train_step(inputs, labels)
         self.optimizer.zero_grad()
         loss = self.forward_backward(inputs, labels)
         grad_norm = self.clip_gradients()
         self.optimizer.step()  # torchft's hook syncs here at the end of each sync period
         self.lr_scheduler.step()
+        if self.train_state.step + 1 == self.job_config.training.steps:
+            self._finish()
         return StepResult(self._mean_over_job(loss), grad_norm.item())
 
-    # ---- start-up ----------------------------------------------------------------------------
+    # ---- joining the job ---------------------------------------------------------------------
 
-    def wait_for_groups_up(self, poll_s: float = 0.5) -> None:
-        """Before step 1 of a new or resumed job, wait (at most ``quorum_timeout_s``) until all
-        ``group_size`` replica groups heartbeat at the lighthouse. From then on the lighthouse
-        holds a first quorum open for every group that is up (``join_timeout_ms``), so the
-        first sync is made by all groups, not by the fastest alone. A group that (re)joins a
-        running job (a group of the last quorum is alive) does not wait."""
+    def _start(self) -> None:
+        """Ask for the first quorum right away, and act on what it is.
+
+        Until it is in, a starting group announces a Manager step one below its own (-1 when
+        it starts with no checkpoint): torchft heals a group whose step is below the
+        quorum's highest, so a starting group always heals from a running group, even one of
+        the same step (its checkpoint was taken in the current period) or of step 0 (a
+        group killed before the job's first sync). Starting groups alone keep their order,
+        so a whole-job restart heals only those behind the newest checkpoint. Afterwards:
+
+        * healed from a running group at its sync point: take part in that sync;
+        * healed from a starting group: continue from that group's position;
+        * not healed (all starting, this one the newest): continue from its own position.
+        """
+        assert self.ft is not None
         ft = self.job_config.fault_tolerance
-        address = lighthouse_address(self.job_config)
-        start = last_report = time.perf_counter()
-        while True:
-            status = lighthouse_status(address)
-            if status is None:
-                logger.warning(
-                    f"[semi-sync] cannot read the lighthouse's status page at {address}; "
-                    "not waiting for the other replica groups"
+        manager = self.ft.manager
+        true_step = manager.current_step()
+        self._start_role = RESUMED if (true_step > 0 or self.train_state.step > 0) else FRESH
+        if self.method == "localsgd" and tft.local_step(self.algorithm) == 0:
+            # At a period's start the model is the global parameters (the last average).
+            self._localsgd_digest = device_digest(self.model.parameters())
+        self._announce(true_step - 1)
+        self.starting = True
+        self._start_attempts = 0
+        self._peer = None
+        self.ft.waiting_for = "start-up"
+        self.ft.waiting_needs = (
+            f"all {ft.group_size} replica groups of a new job, or the running groups' next sync"
+        )
+        logger.info(
+            "[semi-sync] asking for a quorum: a new or restarted job meets all its groups, a "
+            "running job is joined at its next sync"
+        )
+        # Up to a period for a running job's next sync, or the others' start-up for a new one.
+        timeout_s, timeout_field = max(
+            (ft.sync_quorum_timeout_s, "fault_tolerance.sync_quorum_timeout_s"),
+            (ft.quorum_timeout_s, "fault_tolerance.quorum_timeout_s"),
+        )
+        start = time.perf_counter()
+        try:
+            while True:
+                self.ft.join_quorum(
+                    needed=ft.min_replica_size,
+                    timeout_s=timeout_s,
+                    timeout_field=timeout_field,
+                    accept=self._on_quorum,
                 )
-                return
-            alive, running = status
-            now = time.perf_counter()
-            if running or alive >= ft.group_size:
-                if now - start > 1:
-                    logger.info(f"[semi-sync] {alive}/{ft.group_size} replica groups up")
-                return
-            if now - start > ft.quorum_timeout_s:
+                if manager.errored() is None:
+                    break
+                # The quorum failed on purpose (a disagreement) or a member died: go again.
+                manager.should_commit()
+        finally:
+            self.starting = False
+            self.ft.waiting_for = self.ft.waiting_needs = ""
+        peer = self._peer
+        if peer is not None and peer["at_sync"]:
+            self._join_sync(time.perf_counter() - start)
+            return
+        self._announce(manager.current_step() + 1)
+        if peer is not None:  # healed from a starting group, whose step was announced low
+            tft.set_local_step(self.algorithm, peer["local_step"])
+            logger.info(
+                f"[semi-sync] healed from a live peer (replica group {peer['replica_id']}) at "
+                f"sync #{manager.current_step() + 1}, train step {self.train_state.step + 1}, "
+                f"inner step {peer['local_step']}/{self.period}: a restarted group with a newer "
+                "checkpoint"
+            )
+        logger.info(
+            f"[semi-sync] in the job with {manager.num_participants()} group(s): sync "
+            f"#{manager.current_step() + 1} next, train step {self.train_state.step + 1}, inner "
+            f"step {tft.local_step(self.algorithm)}/{self.period}"
+        )
+
+    def _announce(self, step: int) -> None:
+        manager = self.ft.manager  # type: ignore[union-attr]
+        manager.load_state_dict({"step": step, "batches_committed": manager.batches_committed()})
+
+    def _join_sync(self, waited: float) -> None:
+        """Healed from a running group inside its sync quorum: do that sync's part of this
+        group now (the running groups are all-reducing with it), then go on from there."""
+        assert self._peer is not None
+        tft.set_local_step(self.algorithm, self._peer["local_step"])
+        logger.info(
+            f"[semi-sync] healed from a live peer (replica group {self._peer['replica_id']}) at "
+            f"sync #{self.ft.manager.current_step() + 1}, train step "  # type: ignore[union-attr]
+            f"{self.train_state.step + 1}, inner step {self._peer['local_step']}/{self.period}: "
+            f"joined the running job at its sync point {waited:.1f}s after asking; taking "
+            "part in this sync"
+        )
+        self._sync_seconds = 0.0
+        self._pseudo_grad_norm = None
+        self.sync.last_wait = waited  # this group's wait for the others' sync point
+        start = time.perf_counter()
+        if self.method == "localsgd":
+            tft.localsgd_average(self.algorithm)
+            tft.set_local_step(self.algorithm, 0)
+            performed = True
+        else:
+            fragment = tft.fragments(self.algorithm)[tft.current_fragment(self.algorithm)]
+            tft.prepare_sync(fragment)
+            performed = self.delay == 0
+            if performed:
+                tft.perform_sync(fragment)
+                tft.set_local_step(self.algorithm, 0)
+        self._sync_seconds = time.perf_counter() - start
+        # The running groups are inside this step's optimizer.step(); finish it as they will.
+        self.lr_scheduler.step()
+        self.train_state.step += 1
+        if performed:
+            self._report_sync(self.train_state.step)
+        if self.checkpointer.should_save(self.train_state.step, False):
+            self.checkpointer.save(self.train_state.step)
+
+    # ---- the exchange at every quorum --------------------------------------------------------
+
+    def _on_quorum(self) -> bool:
+        """Run by every member of a quorum with enough groups: exchange roles and digests, and
+        decide alike whether to use the quorum (a starting group waits for all groups of a new
+        job) and whether the groups agree."""
+        manager = self.ft.manager  # type: ignore[union-attr]
+        ft = self.job_config.fault_tolerance
+        if self.starting:
+            self._start_attempts += 1
+            joined = int(self._peer is not None and not self._peer["starting"])
+            mine = Member(self._start_role, joined, self._start_attempts)
+        else:
+            mine = Member(RUNNING)
+        digest = self._digest_if_due()
+        if digest is not None:
+            mine.has_digest, mine.digest = 1, digest
+        members = exchange(manager, mine, self.device)
+        verdict = compare_digests(members or [])
+        own = mine.digest if mine.has_digest else None
+        flags = [
+            members is None,  # a member failed: this quorum's sync fails anyway
+            not verdict.agree,
+            not verdict.agree and verdict.majority is None,
+            not verdict.agree and own is not None and own != verdict.majority,
+        ]
+        if self.parallel_dims.world_size > 1:
+            # Each rank exchanged with the same rank of the other groups (and compared its own
+            # shard): the group acts on what any of its ranks found.
+            found = torch.tensor(flags, dtype=torch.int64, device=self.device)
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+            flags = [bool(v) for v in found.tolist()]
+        failed, disagree, no_majority, minority = flags
+        if failed:
+            return True
+        assert members is not None
+        running = any(m.role == RUNNING for m in members)
+        if not running and len(members) < ft.group_size:
+            # Only starting groups, not all of them: a new job waits for all; a restarted one
+            # goes on without a missing group after quorum_timeout_s.
+            resumed = any(m.role == RESUMED for m in members)
+            grace = math.ceil(ft.quorum_timeout_s / self.ft.poll_s)  # type: ignore[union-attr]
+            if not resumed or max(m.attempts for m in members) < grace:
+                return False
+        if running and any(m.role != RUNNING and not m.joined for m in members):
+            # A starting group that did not heal from the running ones holds a checkpoint at
+            # or beyond their step: it cannot take part in their sync. Nobody commits this
+            # one; it heals at the next (its step goes below theirs).
+            manager.report_error(RuntimeError("a starting group is ahead of the running job"))
+            if self.starting and not mine.joined:
                 logger.warning(
-                    f"[semi-sync] only {alive}/{ft.group_size} replica groups up after "
-                    f"{ft.quorum_timeout_s:.0f}s; starting anyway"
+                    "[semi-sync] this group's checkpoint is at or beyond the running groups' "
+                    "step: it is dropped; this group heals from them at their next sync"
                 )
-                return
-            if now - last_report > 5:
-                logger.info(f"[semi-sync] waiting for replica groups: {alive}/{ft.group_size} up")
-                last_report = now
-            time.sleep(poll_s)
+                self._announce(manager.current_step() - 1)
+        if disagree:
+            self._act_on_disagreement(verdict.digests, no_majority, minority)
+        return True
 
-    # ---- healing ---------------------------------------------------------------------------
+    def _digest_if_due(self) -> int | None:
+        """A digest of the global parameters of the last sync, every ``agreement_check_every``
+        syncs, whenever the quorum changed (a group (re)joined or left), and at start-up."""
+        manager = self.ft.manager  # type: ignore[union-attr]
+        every = self.job_config.fault_tolerance.agreement_check_every
+        quorum = tft.quorum_id(manager)
+        due = (
+            self.starting
+            or quorum != self._checked_quorum
+            or (every > 0 and manager.current_step() % every == 0)
+        )
+        if not due:
+            return None
+        self._checked_quorum = quorum
+        if self.method == "localsgd":
+            return self._localsgd_digest
+        return device_digest(
+            t
+            for fragment in tft.fragments(self.algorithm)
+            for t in tft.global_parameters(fragment).values()
+        )
 
-    def _position_now(self) -> dict[str, int]:
-        replica_id = self.job_config.fault_tolerance.replica_id
-        return {"local_step": self.algorithm._local_step, "replica_id": replica_id}
+    def _act_on_disagreement(self, digests: list[int], no_majority: bool, minority: bool) -> None:
+        manager = self.ft.manager  # type: ignore[union-attr]
+        shown = ", ".join(f"{d & (2**64 - 1):016x}" for d in sorted(set(digests)))
+        sync = manager.current_step() + 1
+        if no_majority:
+            raise FaultToleranceError(
+                f"[semi-sync] replica groups disagree on the global parameters before sync "
+                f"#{sync} (digests {shown}; no majority): stopping rather than training on "
+                "diverged copies. Restart the job from the last checkpoint."
+            )
+        # Nobody commits this sync; the groups that differ from the majority step back one
+        # sync, so that torchft heals them from a majority group at the next one.
+        manager.report_error(RuntimeError("global parameters disagree"))
+        if minority:
+            logger.error(
+                f"[semi-sync] this group's global parameters differ from the majority's before "
+                f"sync #{sync} (digests {shown}): healing from a majority group at the next sync"
+            )
+            self._announce(manager.current_step() - 1)
+        else:
+            logger.warning(
+                f"[semi-sync] a group's global parameters differ from the majority's before "
+                f"sync #{sync} (digests {shown}): this sync is dropped, that group heals at the "
+                "next one"
+            )
 
-    def _check_heal(self, peer: dict[str, int]) -> None:
-        """Runs on a joiner after torchft loaded the peer's state (inside the quorum of a
-        sync). Both must be at the same inner step of the period, or the sync that follows
-        would pair different operations (a hang, or a wrong average): stop loudly instead."""
-        mine = self.algorithm._local_step
-        if peer["local_step"] != mine:
-            raise RuntimeError(
+    # ---- healing -----------------------------------------------------------------------------
+
+    def _position(self) -> dict[str, int]:
+        """Sent to a group that heals from this one: where this group is."""
+        return {
+            "local_step": tft.local_step(self.algorithm),
+            "at_sync": int(self.sync.in_quorum and not self.starting),
+            "starting": int(self.starting),
+            "replica_id": self.job_config.fault_tolerance.replica_id,
+        }
+
+    def _load_peer(self, peer: dict[str, int]) -> None:
+        """On the group that heals, after torchft loaded the peer's state (in the quorum). A
+        starting group takes the peer's position (:meth:`_start`). A running group must be at
+        the same inner step as its peer, or the sync that follows would pair different
+        operations (a hang, or a wrong average): stop loudly instead."""
+        self._localsgd_digest = None  # a digest of parameters this group no longer holds
+        if self.starting:
+            self._peer = dict(peer)
+            return
+        mine = tft.local_step(self.algorithm)
+        if peer["starting"] or peer["local_step"] != mine:
+            raise FaultToleranceError(
                 f"[semi-sync] healed from replica group {peer['replica_id']} at inner step "
-                f"{peer['local_step']} of its sync period, but this group is at {mine}"
+                f"{peer['local_step']} of its sync period"
+                + (" (a group that is starting up)" if peer["starting"] else "")
+                + f", but this group is at {mine}: their syncs would not pair up"
             )
         logger.info(
             f"[semi-sync] healed from a live peer (replica group {peer['replica_id']}) at sync "
@@ -401,15 +615,48 @@ class SemiSyncTrainer(Trainer):
             f"{self.train_state.step + 1}, inner step {mine}/{self.period}"
         )
 
+    # ---- the end -----------------------------------------------------------------------------
+
+    def _finish(self) -> None:
+        """After the last step: every group ends with the global parameters (before the last
+        checkpoint and validation). DiLoCo puts every fragment's global copy back into the
+        model (a started all-reduce is let finish and dropped, alike in every group); LocalSGD
+        runs a closing sync if the last step was not one."""
+        steps_since = tft.local_step(self.algorithm)
+        manager = self.ft.manager  # type: ignore[union-attr]
+        if self.method == "localsgd":
+            if steps_since:
+                self._sync_seconds, start = 0.0, time.perf_counter()
+                self.algorithm.sync()
+                self._sync_seconds = time.perf_counter() - start
+                self._report_sync(self.train_state.step + 1)
+            note = f"after a closing sync of the last {steps_since} steps" if steps_since else ""
+        else:
+            for fragment in tft.fragments(self.algorithm):
+                if tft.in_flight(fragment):
+                    tft.wait_in_flight(fragment)
+                tft.restore_global_copies(fragment)
+            note = (
+                f"the local progress of the last {steps_since} inner step(s) is dropped"
+                if steps_since or self.delay
+                else ""
+            )
+        logger.info(
+            f"[semi-sync] final model: the global parameters of sync #{manager.current_step()}"
+            + (f" ({note})" if note else "")
+        )
+        if self.job_config.metrics.log_param_digest:
+            logger.info(f"final_digest: {tensor_digest(self.model.parameters())}")
+
     # ---- sync visibility ---------------------------------------------------------------------
 
-    def _position(self) -> tuple[bool, bool]:
+    def _position_in_period(self) -> tuple[bool, bool]:
         """(prepares, performs): what torchft's hook, which runs next, does at this step."""
-        local_step = self.algorithm._local_step + 1
+        local_step = tft.local_step(self.algorithm) + 1
         return local_step == self.period - self.delay, local_step == self.period
 
     def _before_torchft(self, *_: Any) -> None:
-        prepares, performs = self._position()
+        prepares, performs = self._position_in_period()
         if prepares:
             self._sync_seconds = 0.0
             self._pseudo_grad_norm = None
@@ -438,22 +685,21 @@ class SemiSyncTrainer(Trainer):
         self._pseudo_grad_norm = squares.sqrt().item()
 
     def _after_torchft(self, *_: Any) -> None:
-        local_step = self.algorithm._local_step
+        local_step = tft.local_step(self.algorithm)
         prepared = local_step == self.period - self.delay  # only reachable when delay > 0
         performed = local_step == 0  # torchft resets the position after a sync
         if not (prepared or performed):
             return
         self._sync_seconds += time.perf_counter() - self._hook_start
         if performed:
-            self._report_sync()
+            self._report_sync(self.train_state.step + 1)  # inside the step's optimizer.step()
 
-    def _report_sync(self) -> None:
+    def _report_sync(self, step: int) -> None:
         manager = self.ft.manager  # type: ignore[union-attr]
-        # torchft 0.2.0 has no public accessor for these two: the failure count is reset to 0
-        # by a commit and raised by a failed one, so right after should_commit it is the
-        # verdict of this sync.
-        committed = getattr(manager, "_commit_failures", 0) == 0
-        quorum_id = getattr(manager, "_quorum_id", -1)
+        # The failure count is reset to 0 by a commit and raised by a failed one, so right
+        # after should_commit it is the verdict of this sync.
+        committed = tft.commit_failures(manager) == 0
+        quorum_id = tft.quorum_id(manager)
         # The number of this sync: the Manager's step it makes (a failed one is retried
         # under the same number).
         sync_number = manager.current_step() + (0 if committed else 1)
@@ -461,17 +707,19 @@ class SemiSyncTrainer(Trainer):
         fragment = self.fragments[fragment_index]
         payload = sum(_local(p).numel() * p.element_size() for p in fragment.parameters())
         groups = manager.num_participants()
-        step = self.train_state.step + 1
         norm = self._pseudo_grad_norm if committed else None
+        wait = self.sync.last_wait
         logger.info(
             f"[semi-sync] step {step} sync: {self.method} fragment {fragment_index}/"
             f"{len(self.fragments)}  {'committed' if committed else 'NOT committed'}  "
             f"time {self._sync_seconds * 1000:.0f} ms  sent {payload / 2**20:.2f} MiB  "
             f"groups {groups}  quorum {quorum_id}  "
-            f"pseudo_grad_norm {'n/a' if norm is None else f'{norm:.4f}'}  sync #{sync_number}"
+            f"pseudo_grad_norm {'n/a' if norm is None else f'{norm:.4f}'}  sync #{sync_number}  "
+            f"quorum_wait {wait:.2f}s"
         )
         scalars = {
             "sync/seconds": self._sync_seconds,
+            "sync/quorum_wait_seconds": wait,
             "sync/bytes_sent": float(payload),
             "sync/groups": float(groups),
             "sync/committed": float(committed),
@@ -481,8 +729,26 @@ class SemiSyncTrainer(Trainer):
         if norm is not None:
             scalars["sync/pseudo_grad_norm"] = norm
         self.metrics.write_scalars(step, scalars)
+        if committed and self.method == "localsgd":
+            self._localsgd_digest = device_digest(self.model.parameters())
         if committed and self.job_config.metrics.log_param_digest:
             logger.info(f"global_digest sync {sync_number}: {self.global_digest()}")
+        self._check_period_length()
+
+    def _check_period_length(self) -> None:
+        """Warn once when a period comes close to the sync quorum timeout: a restarted group
+        waits up to one period for the running groups' next sync."""
+        now = time.monotonic()
+        last, self._period_start = self._period_start, now
+        timeout = self.job_config.fault_tolerance.sync_quorum_timeout_s
+        if last is None or self._warned_period or (now - last) * len(self.fragments) < timeout / 2:
+            return
+        self._warned_period = True
+        logger.warning(
+            f"[semi-sync] a sync period takes {(now - last) * len(self.fragments):.0f}s, more "
+            f"than half of fault_tolerance.sync_quorum_timeout_s={timeout:g}s: a restarted "
+            "group waits up to one period for the others' next sync; raise the timeout"
+        )
 
     def global_digest(self) -> str:
         """Digest of the global parameters every group holds after a sync: DiLoCo's global
@@ -490,7 +756,7 @@ class SemiSyncTrainer(Trainer):
         if self.method == "diloco":
             return tensor_digest(
                 t
-                for fragment in self.algorithm._fragments
-                for t in fragment.original_parameters.values()
+                for fragment in tft.fragments(self.algorithm)
+                for t in tft.global_parameters(fragment).values()
             )
         return tensor_digest(self.model.parameters())

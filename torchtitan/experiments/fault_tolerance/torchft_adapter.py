@@ -1,0 +1,145 @@
+"""The one place where the semi-sync experiment touches torchft's internals.
+
+torchft's ``LocalSGD`` and ``DiLoCo`` are used as they are, through their public constructors
+and context managers. What they do not expose, and the experiment needs, is read or driven
+here, for torchft 0.2.0 (the version ``pyproject.toml`` pins; lighthouse and groups must run
+the same one): the inner-step position in the sync period, DiLoCo's per-fragment global copies,
+outer optimizer and in-flight all-reduce, the two steps of a fragment sync (so that a group that
+joins at a peer's sync point can take part in that sync), and the Manager's quorum id and commit
+failure count for the sync report. :func:`check_version` fails with a clear message on another
+torchft version, before anything is built.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Any
+
+import torch
+
+from torchtitan.components.ft import FaultToleranceError
+
+#: The torchft release these accessors were written against.
+TORCHFT_VERSION = "0.2.0"
+
+
+class TorchftVersionError(FaultToleranceError):
+    """The installed torchft is not the one this adapter was written for."""
+
+
+def check_version() -> None:
+    try:
+        found = importlib.metadata.version("torchft")
+    except importlib.metadata.PackageNotFoundError:
+        raise TorchftVersionError("torchft is not installed: pip install torchft==0.2.0") from None
+    if found != TORCHFT_VERSION:
+        raise TorchftVersionError(
+            f"torchft {found} is installed, but the semi-sync experiment uses internals of "
+            f"torchft {TORCHFT_VERSION} (torchtitan/experiments/fault_tolerance/"
+            f"torchft_adapter.py): install torchft=={TORCHFT_VERSION}, or update the adapter"
+        )
+
+
+def quantization_available() -> bool:
+    """Whether torchft's fp8 all-reduce path (Triton) is importable: without it torchft
+    silently sends full precision."""
+    import torchft.manager
+
+    return bool(torchft.manager.IS_TRITON_AVAILABLE)
+
+
+# ---- the inner-step position ---------------------------------------------------------------
+
+
+def local_step(algorithm: Any) -> int:
+    """Inner steps since the last sync (LocalSGD), or since the last fragment sync (DiLoCo)."""
+    return int(algorithm._local_step)
+
+
+def set_local_step(algorithm: Any, step: int) -> None:
+    algorithm._local_step = step
+
+
+# ---- DiLoCo's fragments --------------------------------------------------------------------
+
+
+def fragments(algorithm: Any) -> list[Any]:
+    """DiLoCo's per-fragment sync state (empty for LocalSGD)."""
+    return list(getattr(algorithm, "_fragments", []))
+
+
+def current_fragment(algorithm: Any) -> int:
+    """The fragment DiLoCo syncs next (chosen from the Manager's step, alike in every group)."""
+    return int(algorithm._current_fragment())
+
+
+def fragment_parameters(fragment: Any) -> dict[str, torch.nn.Parameter]:
+    """The model parameters of a fragment (the model's own objects), by fragment name."""
+    return dict(fragment._model_fragment.named_parameters())
+
+
+def global_parameters(fragment: Any) -> dict[str, torch.Tensor]:
+    """A fragment's global copy: the parameters every group held after its last sync."""
+    return fragment.original_parameters
+
+
+def outer_optimizer(fragment: Any) -> torch.optim.Optimizer:
+    return fragment._outer_optimizer
+
+
+def in_flight(fragment: Any) -> bool:
+    """Whether the fragment's pseudo-gradient all-reduce has been started and not applied."""
+    return bool(fragment._allreduce_work)
+
+
+def wait_in_flight(fragment: Any) -> None:
+    """Let a started all-reduce finish (every group started it) and drop its result."""
+    for work in fragment._allreduce_work:
+        work.wait()
+    fragment._allreduce_work = []
+    fragment._grads.clear()
+
+
+def prepare_sync(fragment: Any) -> None:
+    """First half of a fragment sync: compute the pseudo-gradients and start their
+    all-reduce (what DiLoCo's hook does ``fragment_sync_delay`` steps before the sync)."""
+    fragment.prepare_sync()
+
+
+def perform_sync(fragment: Any) -> bool:
+    """Second half: wait for the all-reduce, ask ``should_commit``, apply the outer step (or
+    restore the global copy when not committed). Returns the verdict."""
+    return bool(fragment.perform_sync())
+
+
+def take_global_copies(algorithm: Any) -> None:
+    """Make the model's current parameters every fragment's global copy (as DiLoCo does when
+    it is built), e.g. after weights were loaded into the model."""
+    algorithm._save_parameters()
+
+
+def restore_global_copies(fragment: Any) -> None:
+    """Put a fragment's global copy back into the model."""
+    fragment.restore_parameters()
+
+
+# ---- LocalSGD ------------------------------------------------------------------------------
+
+
+def localsgd_average(algorithm: Any) -> None:
+    """LocalSGD's sync after its quorum: all-reduce the parameters and apply the average if
+    committed."""
+    algorithm._perform_sync()
+
+
+# ---- the Manager ---------------------------------------------------------------------------
+
+
+def commit_failures(manager: Any) -> int:
+    """Consecutive failed ``should_commit`` calls (0 right after a commit)."""
+    return int(getattr(manager, "_commit_failures", 0))
+
+
+def quorum_id(manager: Any) -> int:
+    """The id of the quorum the Manager is configured for (the lighthouse's; -1: none yet)."""
+    return int(getattr(manager, "_quorum_id", -1))
