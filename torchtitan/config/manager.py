@@ -5,8 +5,8 @@ Command-line syntax (tyro; ``_`` and ``-`` are interchangeable in flag names)::
     --section.field=value   or   --section.field value
     bools     --checkpoint.enable            (bare flag: true)
               --checkpoint.enable=false      (also true/false/True/False as a separate token)
-    lists     --checkpoint.exclude_from_loading optimizer dataloader   (space-separated;
-              the flag alone gives an empty list)
+    lists     --checkpoint.exclude_from_loading optimizer,dataloader   (comma- or
+              space-separated items; the flag alone gives an empty list)
     list[list[str]]
               --x.groups a,b c               -> [["a", "b"], ["c"]]  (one token per inner list,
                                                 items split on commas)
@@ -491,6 +491,30 @@ def _nested_list_rule(info: PrimitiveTypeInfo) -> PrimitiveConstructorSpec | Non
     )
 
 
+def _flat_list_rule(info: PrimitiveTypeInfo) -> PrimitiveConstructorSpec | None:
+    # list[X] takes space-separated tokens, and each token may hold several items separated by
+    # commas, as torchtitan writes them: `--checkpoint.exclude_from_loading optimizer,dataloader`.
+    args = get_args(info.type) if info.type_origin is list else ()
+    if len(args) != 1 or args[0] not in (str, int, float):
+        return None
+    item_type = args[0]
+    name = item_type.__name__.upper()
+    return PrimitiveConstructorSpec(
+        nargs="*",
+        metavar=f"{name}[,{name}...] [{name} ...]",
+        instance_from_str=lambda tokens: parse_flat_list(tokens, item_type),
+        is_instance=lambda value: (
+            isinstance(value, list) and not any(isinstance(v, list) for v in value)
+        ),
+        str_from_instance=lambda value: [str(v) for v in value],
+    )
+
+
+def parse_flat_list(tokens: Sequence[str], item_type: type = str) -> list[Any]:
+    """Command-line tokens to a list: ``["a,b", "c"]`` gives ``["a", "b", "c"]``."""
+    return [item_type(item) for token in tokens for item in token.split(",") if item]
+
+
 def parse_nested_list(tokens: Sequence[str], item_type: type = str) -> list[list[Any]]:
     """Command-line tokens to a list of lists: ``["a,b", "c"]`` or ``['[["a","b"],["c"]]']``
     (one JSON token) both give ``[["a", "b"], ["c"]]``; an empty token is an empty inner list."""
@@ -515,4 +539,5 @@ def _cli_registry() -> ConstructorRegistry:
     registry = ConstructorRegistry()
     registry.primitive_rule(_bool_rule)
     registry.primitive_rule(_nested_list_rule)
+    registry.primitive_rule(_flat_list_rule)
     return registry

@@ -17,6 +17,7 @@ validation and skipped in training.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -231,6 +232,11 @@ def _hub_source(
 
     spec = KNOWN_HUB_DATASETS.get(dataset, HubDataset(dataset, None, "text", None))
     where = local_copy or spec.path
+    # The Hub client logs a warning for every retry of every request (it retries for ~30 s on
+    # an offline machine); the one error below says what matters.
+    hub_logger = logging.getLogger("huggingface_hub")
+    level = hub_logger.level
+    hub_logger.setLevel(logging.ERROR)
     try:
         validation_split = spec.validation_split
         if dataset not in KNOWN_HUB_DATASETS:
@@ -250,6 +256,8 @@ def _hub_source(
             f"{field}.dataset={dataset!r}: not found on the Hugging Face Hub or at "
             f"{field}.dataset_path ({e}); known names: {', '.join(KNOWN_HUB_DATASETS)}"
         ) from e
+    finally:
+        hub_logger.setLevel(level)
     # Without a held-out split on the Hub, hold out documents by position (as local files do).
     hash_split: Split | None = None if validation_split or whole else split
 
