@@ -1,16 +1,23 @@
-"""A custom args module for the semi-sync fault tests: the experiment's config and trainer, plus
-fault-injection knobs, so that a test can SIGKILL a group at a chosen point.
+"""A custom args module for fault tests: the semi-sync experiment's config, plus fault-injection
+knobs, and trainers with them (the semi-sync trainer with a ``semi_sync_method``, the core trainer
+without), so that a test can SIGKILL a group at a chosen point.
 
 Steps and syncs of a tiny model last milliseconds, too short to hit with a signal from outside.
 With ``--fault_injection.stall_after_quorum=N`` the group stops for ``stall_seconds`` right after
-its N-th quorum: it is then in the replica process group with its peers, whose all-reduce of
+its N-th sync quorum: it is then in the replica process group with its peers, whose all-reduce of
 that sync waits for its contribution; killing it there is a death in the middle of a sync. With
 ``--fault_injection.stall_after_step=S`` it stops after step S (between two inner steps).
 ``--fault_injection.pause_file=PATH`` holds the group between two steps while PATH exists (it
 stays alive and heartbeating), so a test can keep a survivor from running out of steps while a
-killed peer restarts.
+killed peer restarts. ``--fault_injection.hold_before_sync_file=PATH`` holds it at each sync
+point, before it asks for the sync's quorum, while PATH exists. ``--fault_injection.step_sleep_s``
+stretches every step (periods of seconds instead of milliseconds), and
+``--fault_injection.corrupt_global_after_sync=K`` changes one number of this group's DiLoCo global
+copy after its sync K (the agreement check must catch it).
 
-Use with ``--job.custom_args_module=tests.integration_tests.semi_sync_faults``.
+The step-level knobs (``stall_after_step``, ``pause_file``, ``step_sleep_s``) work with both
+trainers; the sync-level ones with the semi-sync trainer only. Use with
+``--job.custom_args_module=tests.integration_tests.faults``.
 """
 
 from __future__ import annotations
@@ -21,14 +28,25 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan.config.job_config import JobConfig as CoreJobConfig
+from torchtitan.experiments.fault_tolerance import torchft_adapter as tft
 from torchtitan.experiments.fault_tolerance.job_config import JobConfig as SemiSyncJobConfig
 from torchtitan.experiments.fault_tolerance.trainer import SemiSyncTrainer
 from torchtitan.tools.logging import logger
+from torchtitan.trainer import Trainer
 
-TRAINER = "tests.integration_tests.semi_sync_faults:StallingTrainer"
+STALLING_TRAINER = "tests.integration_tests.faults:StallingTrainer"
+FAULTY_CORE_TRAINER = "tests.integration_tests.faults:FaultyTrainer"
+
+
+def trainer_for(config: CoreJobConfig) -> str:
+    return STALLING_TRAINER if config.fault_tolerance.semi_sync_method else FAULTY_CORE_TRAINER
+
+
 STALL_IN_SYNC = "[fault-injection] stalling inside sync"
 STALL_AFTER_STEP = "[fault-injection] stalling after step"
 PAUSED = "[fault-injection] paused after step"
+HELD_BEFORE_SYNC = "[fault-injection] holding before sync"
+CORRUPTED = "[fault-injection] corrupted the global copy"
 
 
 @dataclass
@@ -48,38 +66,35 @@ class FaultInjection:
     pause_file: str = ""
     """While this file exists, wait after each step. Empty: never."""
 
+    hold_before_sync_file: str = ""
+    """While this file exists, wait at each sync point before asking for its quorum."""
+
+    step_sleep_s: float = 0.0
+    """Sleep this long after every step (a longer period)."""
+
+    corrupt_global_after_sync: int = 0
+    """After this group's sync K, add 1e-3 to one element of its DiLoCo global copy. 0: never."""
+
+    fail_syncs_from: int = 0
+    """From sync K on, this group fails every sync after its all-reduce (its commit says no).
+    0: never."""
+
 
 @dataclass
 class JobConfig(SemiSyncJobConfig):
     fault_injection: FaultInjection = field(default_factory=FaultInjection)
 
 
-class StallingTrainer(SemiSyncTrainer):
-    def __init__(self, job_config: CoreJobConfig) -> None:
-        super().__init__(job_config)
-        self.faults: FaultInjection = job_config.fault_injection  # type: ignore[attr-defined]
-        faults = self.faults
-        if faults.stall_after_quorum <= 0 or self.ft is None:
-            return
-        manager = self.ft.manager
-        start_quorum = manager.start_quorum
-        quorums = 0
+class StepFaults:
+    """The step-level knobs, for any trainer (mixed in before it)."""
 
-        def start_quorum_then_stall(*args: Any, **kwargs: Any) -> None:
-            nonlocal quorums
-            start_quorum(*args, **kwargs)
-            quorums += 1
-            if quorums == faults.stall_after_quorum:
-                logger.info(
-                    f"{STALL_IN_SYNC} (quorum {quorums}, {manager.num_participants()} groups) "
-                    f"for {faults.stall_seconds:.0f}s"
-                )
-                time.sleep(faults.stall_seconds)
-
-        manager.start_quorum = start_quorum_then_stall
+    faults: FaultInjection
+    train_state: Any
 
     def after_step(self, result: Any) -> None:
         super().after_step(result)
+        if self.faults.step_sleep_s > 0:
+            time.sleep(self.faults.step_sleep_s)
         if self.train_state.step == self.faults.stall_after_step:
             logger.info(f"{STALL_AFTER_STEP} {self.train_state.step}")
             time.sleep(self.faults.stall_seconds)
@@ -89,3 +104,62 @@ class StallingTrainer(SemiSyncTrainer):
             while pause.exists():
                 time.sleep(0.1)
             logger.info("[fault-injection] resumed")
+
+
+class FaultyTrainer(StepFaults, Trainer):
+    """The core trainer (synchronous FT) with the step-level knobs."""
+
+    def __init__(self, job_config: CoreJobConfig) -> None:
+        super().__init__(job_config)
+        self.faults = job_config.fault_injection  # type: ignore[attr-defined]
+
+
+class StallingTrainer(StepFaults, SemiSyncTrainer):
+    def __init__(self, job_config: CoreJobConfig) -> None:
+        super().__init__(job_config)
+        self.faults: FaultInjection = job_config.fault_injection  # type: ignore[attr-defined]
+        start_quorum = self.sync.start_quorum
+        quorums = 0
+
+        def start_quorum_with_faults(*args: Any, **kwargs: Any) -> None:
+            nonlocal quorums
+            hold = (
+                Path(self.faults.hold_before_sync_file)
+                if self.faults.hold_before_sync_file
+                else None
+            )
+            if hold is not None and hold.exists():
+                logger.info(f"{HELD_BEFORE_SYNC} #{self.ft.manager.current_step() + 1}")  # type: ignore[union-attr]
+                while hold.exists():
+                    time.sleep(0.1)
+                logger.info("[fault-injection] released")
+            start_quorum(*args, **kwargs)
+            quorums += 1
+            if quorums == self.faults.stall_after_quorum:
+                logger.info(
+                    f"{STALL_IN_SYNC} (quorum {quorums}, "
+                    f"{self.ft.manager.num_participants()} groups) "  # type: ignore[union-attr]
+                    f"for {self.faults.stall_seconds:.0f}s"
+                )
+                time.sleep(self.faults.stall_seconds)
+
+        self.sync.start_quorum = start_quorum_with_faults  # type: ignore[method-assign]
+        should_commit = self.sync.should_commit
+
+        def should_commit_with_faults(*args: Any, **kwargs: Any) -> bool:
+            manager = self.ft.manager  # type: ignore[union-attr]
+            first = self.faults.fail_syncs_from
+            if first and manager.current_step() + 1 >= first:
+                manager.report_error(RuntimeError("injected sync failure"))
+            return should_commit(*args, **kwargs)
+
+        self.sync.should_commit = should_commit_with_faults  # type: ignore[method-assign]
+
+    def _report_sync(self, step: int) -> None:
+        super()._report_sync(step)
+        sync = self.ft.manager.current_step()  # type: ignore[union-attr]
+        if sync == self.faults.corrupt_global_after_sync and self.method == "diloco":
+            globals_ = next(iter(tft.fragments(self.algorithm)))
+            first = next(iter(tft.global_parameters(globals_).values()))
+            first.view(-1)[0] += 1e-3
+            logger.info(f"{CORRUPTED} after sync #{sync}")

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ STEP_LINE = re.compile(r"step:\s+(\d+)\s+loss:\s+([0-9.]+)")
 RANK_PREFIX = re.compile(r"\[rank(\d+)\]:")
 PARAM_DIGEST = re.compile(r"param_digest step (\d+): ([0-9a-f]+)")
 GLOBAL_DIGEST = re.compile(r"global_digest sync (\d+): ([0-9a-f]+)")
+LIGHTHOUSE_WAITING = re.compile(r"\[(\d+)/\d+ participants healthy\]")
 SYNC_LINE = re.compile(r"\[semi-sync\] step (\d+) sync: .*?(committed|NOT committed)")
 
 # A small, fast job: the debug model's smallest flavor on the embedded corpus.
@@ -54,6 +56,8 @@ FAST_ARGS = [
 # chosen step from outside, fast enough for a test.
 PACED_ARGS = ["--model.flavor=debugmodel", "--training.seq_len=128"]
 SEMI_SYNC_MODULE = "--job.custom_args_module=torchtitan.experiments.fault_tolerance.job_config"
+# The experiment's config plus test-only fault knobs (tests/integration_tests/faults.py).
+FAULTS_MODULE = "--job.custom_args_module=tests.integration_tests.faults"
 
 
 def free_port() -> int:
@@ -104,9 +108,10 @@ class FTJob:
 
     # ---- processes -----------------------------------------------------------------------
 
-    def start_lighthouse(self) -> str:
-        port = free_port()
-        log = open(self.folder / "lighthouse.log", "w")
+    def start_lighthouse(self, port: int | None = None) -> str:
+        """Start the lighthouse on ``port`` (default: a free one); return its address."""
+        port = port or free_port()
+        log = open(self.folder / "lighthouse.log", "a")
         self.lighthouse = subprocess.Popen(
             [
                 LIGHTHOUSE,
@@ -172,6 +177,13 @@ class FTJob:
         for r in range(self.groups):
             self.start_group(r)
         return self
+
+    def kill_lighthouse(self) -> int:
+        """SIGKILL the lighthouse; return its port (to start a new one on the same address)."""
+        assert self.lighthouse is not None
+        self.lighthouse.kill()
+        self.lighthouse.wait(timeout=30)
+        return int(self.lighthouse_addr.rsplit(":", 1)[1])
 
     def kill(self, replica_id: int) -> None:
         """SIGKILL the latest start of a group, with all its processes (torchrun's workers
@@ -253,6 +265,21 @@ class FTJob:
             raise AssertionError(
                 f"group {replica_id} still running after {timeout:.0f}s:\n{tail(run.text())}"
             ) from None
+
+    def wait_quorum_request(self, replica_id: int, timeout: float = 240) -> None:
+        """Until a replica group waits for a quorum at the lighthouse (read from its status
+        page); fails if the latest start of ``replica_id`` exits first."""
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with opener.open(f"{self.lighthouse_addr}/status", timeout=5) as response:
+                match = LIGHTHOUSE_WAITING.search(response.read().decode())
+            if match and int(match.group(1)) > 0:
+                return
+            run = self.latest(replica_id)
+            assert run.proc.poll() is None, tail(run.text())
+            time.sleep(0.2)
+        raise AssertionError(f"nobody asked for a quorum:\n{tail(self.latest(replica_id).text())}")
 
     def all_text(self, replica_id: int) -> str:
         return "".join(run.text() for run in self.runs.get(replica_id, []))

@@ -121,3 +121,44 @@ def test_bad_toml_file(tmp_path: Path, toml: str, expected: str) -> None:
         [f"--job.dump_folder={tmp_path}"], [], env=train_env(CONFIG_FILE=str(config))
     )
     assert expected in _one_error_line(out)
+
+
+SEMI_SYNC = "--job.custom_args_module=torchtitan.experiments.fault_tolerance.job_config"
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        # The short command line of the semi-sync experiment, as a user types it first.
+        ([SEMI_SYNC, "--fault_tolerance.semi_sync_method=localsgd"],
+         "fault_tolerance.semi_sync_method"),
+        # A field that would do nothing: the outer optimizer's, with LocalSGD.
+        ([SEMI_SYNC, "--fault_tolerance.enable", "--fault_tolerance.group_size=2",
+          "--fault_tolerance.semi_sync_method=localsgd", "--fault_tolerance.outer_lr=0.5"],
+         "fault_tolerance.outer_lr"),
+    ],
+    ids=["short-semi-sync-command", "outer-lr-with-localsgd"],
+)  # fmt: skip
+def test_semi_sync_combinations_that_cannot_work(
+    tmp_path: Path, args: list[str], field: str
+) -> None:
+    result = run_train([*SMALL, f"--job.dump_folder={tmp_path}", *args])
+    assert result.returncode == 2, result.stdout
+    assert "Traceback" not in result.stdout
+    line = _one_error_line(result.stdout)
+    assert line.startswith(f"error: {field}: "), line
+    if "short" in field or "semi_sync_method" in field:
+        assert "python -m torchtitan.experiments.fault_tolerance.launcher --groups 2" in line
+        assert "TORCHFT_LIGHTHOUSE=" in line and "--fault_tolerance.replica_id=0" in line
+
+
+def test_hub_dataset_that_cannot_be_reached(tmp_path: Path) -> None:
+    """No network to the Hugging Face Hub (forced offline here): one line, exit 1."""
+    out = _fails_clearly(
+        [f"--job.dump_folder={tmp_path}", "--training.dataset=allenai/c4"],
+        [],
+        env=train_env(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1"),
+    )
+    line = _one_error_line(out)
+    assert "training.dataset='allenai/c4'" in line, line
+    assert len(out.strip().splitlines()) <= 3, out  # the job line, the model line, the error

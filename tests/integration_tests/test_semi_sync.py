@@ -11,24 +11,23 @@ from __future__ import annotations
 
 import re
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from tests.integration_tests.faults import PAUSED, STALL_AFTER_STEP, STALL_IN_SYNC
 from tests.integration_tests.harness import (
     FAST_ARGS,
+    FAULTS_MODULE,
     GLOBAL_DIGEST,
     SEMI_SYNC_MODULE,
     FTJob,
     losses,
     tail,
 )
-from tests.integration_tests.semi_sync_faults import PAUSED, STALL_AFTER_STEP, STALL_IN_SYNC
 
-FAULTS_MODULE = "--job.custom_args_module=tests.integration_tests.semi_sync_faults"
 SYNC_STEPS = 4
 
 METHODS = {
@@ -45,7 +44,7 @@ METHODS = {
 SYNC = re.compile(
     r"\[semi-sync\] step (\d+) sync: (\w+) fragment (\d+)/(\d+)\s+(committed|NOT committed)\s+"
     r"time (\d+) ms\s+sent ([0-9.]+) MiB\s+groups (\d+)\s+quorum (-?\d+)\s+"
-    r"pseudo_grad_norm (\S+)\s+sync #(\d+)"
+    r"pseudo_grad_norm (\S+)\s+sync #(\d+)\s+quorum_wait ([0-9.]+)s"
 )
 
 
@@ -57,6 +56,7 @@ class Sync:
     groups: int
     pseudo_grad_norm: float | None
     number: int  # the Manager's step after the sync
+    quorum_wait: float  # seconds in the sync's quorum (waiting for the others, healing)
 
 
 def syncs(text: str) -> list[Sync]:
@@ -68,6 +68,7 @@ def syncs(text: str) -> list[Sync]:
             groups=int(m.group(8)),
             pseudo_grad_norm=None if m.group(10) == "n/a" else float(m.group(10)),
             number=int(m.group(11)),
+            quorum_wait=float(m.group(12)),
         )
         for m in SYNC.finditer(text)
     ]
@@ -245,31 +246,14 @@ def _wait_alone(job: FTJob, after: int) -> Sync:
 
 def _restart_while_paused(job: FTJob, pause: Path, extra: list[str]) -> None:
     """Hold group 0 between two steps, restart group 1, and let group 0 go once group 1 waits
-    for its first quorum at the lighthouse (after its first period): group 0's next sync is
-    then the joint one in which group 1 heals, whatever the speed of either."""
+    for its first quorum at the lighthouse: group 0's next sync is then the joint one in which
+    group 1 heals, whatever the speed of either."""
     paused = job.latest(0).text().count(PAUSED)
     pause.touch()
     job.wait_for(0, re.escape(PAUSED), timeout=60, count=paused + 1)
     job.start_group(1, extra)
-    _wait_quorum_request(job)
+    job.wait_quorum_request(1)
     pause.unlink()
-
-
-LIGHTHOUSE_WAITING = re.compile(r"\[(\d+)/\d+ participants healthy\]")
-
-
-def _wait_quorum_request(job: FTJob, timeout: float = 240) -> None:
-    """Until a replica group waits for a quorum at the lighthouse (its status page)."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with opener.open(f"{job.lighthouse_addr}/status", timeout=5) as response:
-            match = LIGHTHOUSE_WAITING.search(response.read().decode())
-        if match and int(match.group(1)) > 0:
-            return
-        assert job.latest(1).proc.poll() is None, tail(job.latest(1).text())
-        time.sleep(0.2)
-    raise AssertionError(f"group 1 never asked for a quorum:\n{tail(job.latest(1).text())}")
 
 
 def _wait_heal(job: FTJob) -> Sync:

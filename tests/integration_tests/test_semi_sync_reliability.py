@@ -1,0 +1,348 @@
+"""Semi-sync at the period lengths people run, with real lighthouses and replica groups.
+
+Periods here are stretched on purpose (``--fault_injection.step_sleep_s``) or held at a sync
+point (``--fault_injection.hold_before_sync_file``), so that what depends on a period's length
+is tested at a length where waiting for a period would show (longer than the sync quorum
+timeout). Nothing asserts that this machine is fast: bounds are the timeouts the run itself was
+given, and the figures are printed.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tests.integration_tests.faults import CORRUPTED, HELD_BEFORE_SYNC
+from tests.integration_tests.harness import (
+    ANSI,
+    FAST_ARGS,
+    FAULTS_MODULE,
+    PACED_ARGS,
+    FTJob,
+    losses,
+    tail,
+)
+from tests.integration_tests.test_semi_sync import (
+    args,
+    assert_same_global_params,
+    global_digests,
+    syncs,
+)
+
+ASKING = re.escape("[semi-sync] asking for a quorum")
+HEALED = re.compile(r"\[semi-sync\] healed from a live peer .*?at sync #(\d+)")
+ERROR_LINE = re.compile(r"^.*\bERROR\b.*$", re.MULTILINE)
+
+
+def _wait_both_committed(job: FTJob, number: int, timeout: float = 240) -> None:
+    for r in range(2):
+        job.wait_for(r, rf"global_digest sync {number}:", timeout=timeout)
+
+
+def test_rejoin_with_a_period_longer_than_the_sync_timeout(
+    ft_job: Callable[..., FTJob], tmp_path: Path
+) -> None:
+    """Periods of ~5 s, sync quorum timeout 3 s. Group 0 is held at a sync point (alive,
+    not asking) while group 1 is killed and restarted without a checkpoint. The restarted
+    group asks for its first quorum as soon as it is built; group 0, let go, finds it waiting:
+    it heals at group 0's sync and takes part in it. Group 0's wait in that quorum is bounded
+    by the transfer, not by the period (waiting for a period of the joiner's would exceed the
+    timeout and kill group 0). Both finish; every common sync has one digest."""
+    hold = tmp_path / "hold_group0"
+    job = ft_job(
+        groups=2,
+        train_args=args(
+            FAULTS_MODULE,
+            "diloco",
+            "--training.steps=36",
+            "--fault_tolerance.sync_steps=6",
+            "--fault_injection.step_sleep_s=0.8",
+            "--fault_tolerance.sync_quorum_timeout_s=3",
+        ),
+    )
+    job.start_lighthouse()
+    job.start_group(0, [f"--fault_injection.hold_before_sync_file={hold}"])
+    job.start_group(1)
+    _wait_both_committed(job, 1)
+    hold.touch()
+    held = job.wait_for(0, re.escape(HELD_BEFORE_SYNC) + r" #(\d+)", timeout=120)
+    rejoin_sync = int(held[0].group(1))
+    job.kill(1)
+    killed_at = time.monotonic()
+    job.start_group(1)
+    job.wait_for(1, ASKING, timeout=180)
+    asked_after = time.monotonic() - killed_at
+    time.sleep(0.5)  # its request reaches the lighthouse
+    hold.unlink()
+    for r in range(2):
+        assert job.wait_exit(r, timeout=300) == 0, tail(job.latest(r).text())
+
+    healed = HEALED.search(job.latest(1).text())
+    assert healed and int(healed.group(1)) == rejoin_sync, tail(job.latest(1).text())
+    at_rejoin = [s for s in syncs(job.latest(0).text()) if s.number == rejoin_sync]
+    assert at_rejoin and at_rejoin[0].committed and at_rejoin[0].groups == 2, at_rejoin
+    wait = at_rejoin[0].quorum_wait
+    assert wait < 3, f"group 0 waited {wait}s in the rejoin quorum (timeout 3 s)"
+    digests = assert_same_global_params(job)
+    joiner = global_digests(job.latest(1).text())
+    assert min(joiner) == rejoin_sync and joiner[rejoin_sync] == digests[rejoin_sync]
+    final = [re.findall(r"final_digest: (\w+)", job.latest(r).text()) for r in range(2)]
+    assert final[0] and final[0] == final[1]
+    periods = [s for s in syncs(job.latest(0).text())]
+    print(
+        f"rejoin at sync #{rejoin_sync}: joiner asked {asked_after:.1f}s after the kill; "
+        f"group 0's quorum wait at the rejoin sync {wait:.2f}s (sync quorum timeout 3 s, "
+        f"period ~{6 * 0.8:.1f}s+); {len(periods)} syncs, {len(digests)} digests identical"
+    )
+
+
+def _lighthouse_restart_args(method: str) -> list[str]:
+    if method == "sync":
+        return [*FAST_ARGS, *PACED_ARGS, "--training.steps=60"]
+    return args(
+        FAULTS_MODULE, "diloco", "--training.steps=60", "--fault_injection.step_sleep_s=0.2"
+    )
+
+
+def test_lighthouse_restart_is_survived(ft_job: Callable[..., FTJob]) -> None:
+    """DiLoCo: the lighthouse is killed mid-run and started again on the same address 4 s
+    later. Both groups carry on (the quorum request in flight is sent again to the new
+    lighthouse), sync together again with identical global parameters, and finish."""
+    job = ft_job(groups=2, train_args=_lighthouse_restart_args("diloco")).start()
+    _wait_both_committed(job, 3)
+    port = job.kill_lighthouse()
+    down = time.monotonic()
+    before = max(s.number for s in syncs(job.latest(0).text()))
+    time.sleep(4)
+    job.start_lighthouse(port)
+    up = time.monotonic() - down
+    for r in range(2):
+        assert job.wait_exit(r, timeout=300) == 0, tail(job.latest(r).text())
+    digests = assert_same_global_params(job)
+    after = [s for s in syncs(job.latest(0).text()) if s.number > before]
+    together = [s for s in after if s.committed and s.groups == 2]
+    assert together, after
+    for r in range(2):
+        assert "Traceback" not in job.latest(r).text()
+    gap = min((s.quorum_wait for s in after), default=0.0)
+    print(
+        f"lighthouse down {up:.1f}s after sync #{before}: {len(together)} later syncs committed "
+        f"by both groups; {len(digests)} digests identical; first wait after: "
+        f"{after[0].quorum_wait:.1f}s (min {gap:.2f}s)"
+    )
+
+
+def test_lighthouse_restart_is_survived_by_synchronous_ft(ft_job: Callable[..., FTJob]) -> None:
+    """The same for synchronous FT: every step's quorum waits for the lighthouse to return."""
+    job = ft_job(groups=2, train_args=_lighthouse_restart_args("sync")).start()
+    for r in range(2):
+        job.wait_for(r, r"param_digest step 10:", timeout=240)
+    port = job.kill_lighthouse()
+    time.sleep(4)
+    job.start_lighthouse(port)
+    for r in range(2):
+        assert job.wait_exit(r, timeout=300) == 0, tail(job.latest(r).text())
+    steps = [losses(job.latest(r).text()) for r in range(2)]
+    assert max(steps[0]) == max(steps[1]) == 60
+    digests = [dict(re.findall(r"param_digest step (\d+): (\w+)", job.latest(r).text()))
+               for r in range(2)]  # fmt: skip
+    assert digests[0]["60"] == digests[1]["60"]
+
+
+def test_a_lighthouse_that_never_returns_gives_one_error_line(
+    ft_job: Callable[..., FTJob],
+) -> None:
+    """The lighthouse dies for good: each group stops within its sync quorum timeout (plus a
+    period) with exit status 1 and one error line that names the lighthouse's address."""
+    job = ft_job(
+        groups=2,
+        train_args=args(
+            FAULTS_MODULE,
+            "diloco",
+            "--training.steps=400",
+            "--fault_injection.step_sleep_s=0.1",
+            "--fault_tolerance.sync_quorum_timeout_s=8",
+        ),
+    ).start()
+    _wait_both_committed(job, 2)
+    job.kill_lighthouse()
+    start = time.monotonic()
+    for r in range(2):
+        assert job.wait_exit(r, timeout=120) == 1
+    took = time.monotonic() - start
+    for r in range(2):
+        text = job.latest(r).text()
+        errors = ERROR_LINE.findall(text)
+        assert len(errors) == 1, errors
+        assert job.lighthouse_addr in errors[0] and "unreachable" in errors[0], errors[0]
+        assert "fault_tolerance.sync_quorum_timeout_s=8" in errors[0]
+        assert "Traceback" not in text
+    print(f"lighthouse gone: both groups stopped {took:.1f}s later: {errors[0]}")
+
+
+def test_agreement_check_catches_a_corrupted_group(ft_job: Callable[..., FTJob]) -> None:
+    """Group 1's DiLoCo global copy is changed by one number after sync #2. The digests the
+    groups exchange at the next quorum differ; with two groups there is no majority, so both
+    stop before sync #3 is made, naming both digests."""
+    job = ft_job(
+        groups=2,
+        train_args=args(
+            FAULTS_MODULE,
+            "diloco",
+            "--training.steps=40",
+            "--fault_tolerance.agreement_check_every=1",
+        ),
+    )
+    job.start_lighthouse()
+    job.start_group(0)
+    job.start_group(1, ["--fault_injection.corrupt_global_after_sync=2"])
+    for r in range(2):
+        assert job.wait_exit(r, timeout=240) == 1, tail(job.latest(r).text())
+    assert CORRUPTED in job.latest(1).text()
+    for r in range(2):
+        text = job.latest(r).text()
+        errors = ERROR_LINE.findall(text)
+        assert len(errors) == 1 and "disagree on the global parameters before sync #3" in errors[0]
+        assert len(re.findall(r"\b[0-9a-f]{16}\b", errors[0].split("digests", 1)[1])) == 2
+        assert sorted(global_digests(text)) == [1, 2]  # sync #3 was never made
+    print(f"caught at the next quorum: {errors[0]}")
+
+
+def test_min_replica_size_holds_in_semi_sync(ft_job: Callable[..., FTJob], tmp_path: Path) -> None:
+    """min_replica_size=2: with group 1 dead, group 0 waits at its next sync (and says so)
+    instead of syncing alone; it goes on once group 1 is back."""
+    job = ft_job(
+        groups=2,
+        train_args=args(
+            FAULTS_MODULE,
+            "diloco",
+            "--training.steps=40",
+            "--fault_tolerance.min_replica_size=2",
+            "--fault_injection.step_sleep_s=0.05",
+        ),
+    )
+    job.start_lighthouse()
+    job.start_group(0)
+    job.start_group(1, ["--fault_injection.stall_after_step=10"])
+    job.wait_for(1, r"stalling after step 10", timeout=180)
+    job.kill(1)
+    job.wait_for(0, r"waiting for a quorum for \d+s; min_replica_size=2", timeout=120)
+    job.start_group(1)
+    for r in range(2):
+        assert job.wait_exit(r, timeout=300) == 0, tail(job.latest(r).text())
+    survivor = syncs(job.latest(0).text())
+    assert all(s.groups == 2 for s in survivor if s.committed), survivor
+    assert_same_global_params(job)
+    waited = re.findall(r"quorum of 2 group\(s\) after waiting ([0-9.]+)s", job.latest(0).text())
+    print(f"min_replica_size=2: group 0 never synced alone; waited {waited}s for group 1")
+
+
+def test_consecutive_failed_syncs_stop_the_run(ft_job: Callable[..., FTJob]) -> None:
+    """A group whose every sync fails stops after max_consecutive_failures of them, naming the
+    cause; its peer goes on and finishes."""
+    job = ft_job(
+        groups=2,
+        train_args=args(FAULTS_MODULE, "diloco", "--training.steps=40"),
+    )
+    job.start_lighthouse()
+    job.start_group(0)
+    job.start_group(
+        1, ["--fault_injection.fail_syncs_from=2", "--fault_tolerance.max_consecutive_failures=3"]
+    )
+    assert job.wait_exit(1, timeout=240) == 1, tail(job.latest(1).text())
+    errors = ERROR_LINE.findall(job.latest(1).text())
+    assert len(errors) == 1, errors
+    assert "3 syncs in a row were not committed" in errors[0]
+    assert "max_consecutive_failures=3" in errors[0] and "injected sync failure" in errors[0]
+    assert job.wait_exit(0, timeout=240) == 0, tail(job.latest(0).text())
+    print(errors[0])
+
+
+def test_diloco_starts_from_a_plain_checkpoint(
+    ft_job: Callable[..., FTJob], tmp_path: Path
+) -> None:
+    """A plain run (no fault tolerance) trains 30 steps and saves a checkpoint; DiLoCo starts
+    from its model and optimizer (checkpoint.initial_load_path). The global copies are the
+    loaded weights,
+    so the first sync's pseudo-gradient is of the size of the later ones (not random init minus
+    pretrained) and the loss does not jump after it."""
+    import subprocess
+    import sys
+
+    from tests.integration_tests.harness import REPO
+
+    plain = tmp_path / "plain"
+    plain_args = [a for a in FAST_ARGS if "fault_tolerance" not in a]
+    run = subprocess.run(
+        [str(REPO / "run_train.sh"), f"--job.dump_folder={plain}", *plain_args,
+         "--training.steps=30", "--checkpoint.enable", "--checkpoint.interval=30"],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+        env={**__import__("os").environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    plain_losses = losses(ANSI.sub("", run.stdout + run.stderr))
+    job = ft_job(
+        groups=2,
+        train_args=args(
+            FAULTS_MODULE,
+            "diloco",
+            "--training.steps=24",
+            "--checkpoint.enable",
+            f"--checkpoint.initial_load_path={plain / 'checkpoint' / 'step-30'}",
+            # Model and inner optimizer (warm Adam moments): the period after the load is then
+            # like any other, and the first pseudo-gradient shows only what the global copies
+            # started from. The plain run's schedule, data position and step are its own.
+            "--checkpoint.initial_load_model_only=false",
+            "--checkpoint.exclude_from_loading",
+            "lr_scheduler,dataloader,train_state,ft_manager,semi_sync",
+        ),
+    ).start()
+    for r in range(2):
+        assert job.wait_exit(r, timeout=300) == 0, tail(job.latest(r).text())
+    text = job.latest(0).text()
+    assert "the global parameters start as the loaded model" in text
+    norms = [s.pseudo_grad_norm for s in syncs(text)]
+    assert len(norms) == 6 and all(n is not None for n in norms), norms
+    later = sorted(norms[1:6])  # type: ignore[type-var]
+    median = later[2]
+    assert norms[0] <= 3 * median, (norms[0], median)  # type: ignore[operator]
+    diloco = losses(text)
+    last_plain = [plain_losses[s] for s in range(21, 31)]
+    noise = max(abs(a - b) for a, b in zip(last_plain, last_plain[1:], strict=False))
+    before, after = diloco[4], diloco[5]  # the first sync is at the end of step 4
+    assert after <= before + noise, (before, after, noise)
+    assert diloco[1] <= max(last_plain) + noise  # started from the trained model
+    assert_same_global_params(job)
+    print(
+        f"first pseudo-gradient norm {norms[0]:.4f}, median of the next five {median:.4f}; "
+        f"loss {diloco[1]:.3f} at step 1 (plain run ended at {plain_losses[30]:.3f}), "
+        f"{before:.3f} -> {after:.3f} across the first sync (noise {noise:.3f})"
+    )
+
+
+def test_the_final_model_is_the_global_model(ft_job: Callable[..., FTJob], tmp_path: Path) -> None:
+    """training.steps=10 is not a multiple of sync_steps=4 (warned at start-up). LocalSGD runs a
+    closing sync at step 10; Streaming DiLoCo (2 fragments, a delay and a local/global mix)
+    ends with every fragment's global copy. Either way both groups end with the same model."""
+    for method in ("localsgd", "streaming"):
+        job = ft_job(
+            folder=tmp_path / method,
+            groups=2,
+            train_args=args(FAULTS_MODULE, method, "--training.steps=10"),
+        ).start()
+        for r in range(2):
+            assert job.wait_exit(r, timeout=240) == 0, tail(job.latest(r).text())
+        texts = [job.latest(r).text() for r in range(2)]
+        for text in texts:
+            assert "is not a multiple of fault_tolerance.sync_steps=4" in text
+            assert "[semi-sync] final model: the global parameters of sync #" in text
+        if method == "localsgd":
+            assert [s.step for s in syncs(texts[0])] == [4, 8, 10]  # the closing sync
+            assert "after a closing sync of the last 2 steps" in texts[0]
+        else:
+            assert "local progress of the last" in texts[0]
+        final = [re.findall(r"final_digest: (\w+)", text) for text in texts]
+        assert len(final[0]) == 1 and final[0] == final[1], final
+        print(f"{method}: both groups end with the same model {final[0][0]}")
