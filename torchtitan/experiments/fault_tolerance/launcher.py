@@ -6,7 +6,8 @@ starts ``torchft_lighthouse`` on 127.0.0.1 (a free port), then N replica groups,
 ``run_train.sh`` (``--ngpu`` ranks) with its own manager port and ``--fault_tolerance.replica_id``.
 Every output line is prefixed with its group. Ctrl-C stops everything; the launcher exits 0 when
 every group finished, 1 when a group failed for good (exited non-zero without being killed by the
-launcher), 130 after Ctrl-C. Faults can be injected: SIGKILL a group at a step (``--kill R@S``)
+launcher: the other groups go on without it, and the launcher reports it when they are done),
+130 after Ctrl-C. Faults can be injected: SIGKILL a group at a step (``--kill R@S``)
 or a random group every T seconds (``--kill-every T --seed X``), each restarted after
 ``--restart-after D`` seconds. A kill takes the group's whole process tree (torchrun starts its
 workers in sessions of their own, so killing the process group alone would leave them running).
@@ -271,10 +272,9 @@ class Launcher:
             with self.lock:
                 for group in self.groups:
                     self._check(group, now)
-                if any(g.failed for g in self.groups):
-                    _print("[launcher]", "a group failed for good: stopping the job")
-                    break
-                live = [g for g in self.groups if not g.done]
+                # A group that failed on its own is reported at the end; the others are fault
+                # tolerant and go on without it (one slow or broken group never takes the job).
+                live = [g for g in self.groups if not g.done and not g.failed]
                 if not live:
                     break
                 if next_random_kill is not None and now >= next_random_kill:
@@ -322,6 +322,8 @@ class Launcher:
         else:
             group.failed = True
             _print("[launcher]", f"group {group.replica_id} exited with code {code}")
+            if any(not g.done and not g.failed for g in self.groups):
+                _print("[launcher]", f"the other groups go on without group {group.replica_id}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
