@@ -146,7 +146,10 @@ def write_peer_inputs(folder: Path) -> tuple[Path, Path]:
 
 def matmul_peaks(threads: int) -> dict[str, float]:
     """Best GFLOP/s of square ``torch.mm`` in fp32 and bf16 with ``threads`` threads, over
-    sizes 512, 1024 and 2048 (each timed many times for at least 1.5 s; the best time counts)."""
+    sizes 512, 1024 and 2048 (each timed many times for at least 0.5 s; the best time counts).
+    A dtype this CPU computes slowly (bf16 without bf16 instructions: about 1 GFLOP/s on an
+    AVX2-only EPYC, where one 2048 product takes 13 s) stops at the first size whose warm-up
+    product takes over a second: larger sizes would not change its peak, only the wait."""
     import torch
 
     torch.set_num_threads(threads)
@@ -156,13 +159,17 @@ def matmul_peaks(threads: int) -> dict[str, float]:
         for size in (512, 1024, 2048):
             a = torch.randn(size, size, dtype=dtype)
             b = torch.randn(size, size, dtype=dtype)
+            warm = time.perf_counter()
             torch.mm(a, b)  # warm-up: thread pool, kernel selection
+            slow = time.perf_counter() - warm > 1.0
             start, runs = time.perf_counter(), 0
             while runs < 3 or time.perf_counter() - start < 0.5:
                 t0 = time.perf_counter()
                 torch.mm(a, b)
                 best = max(best, 2 * size**3 / (time.perf_counter() - t0))
                 runs += 1
+            if slow:
+                break
         peaks[name] = best / 1e9
     return peaks
 

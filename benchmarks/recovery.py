@@ -1,6 +1,6 @@
 """Recovery and soak of DiLoCo across 2 replica groups, with SIGKILLed groups.
 
-    .venv/bin/python benchmarks/recovery.py                # the README's figures (~13 min)
+    .venv/bin/python benchmarks/recovery.py                # the README's figures (~18 min)
     .venv/bin/python benchmarks/recovery.py --minutes 3    # shorter soak
     .venv/bin/python benchmarks/recovery.py --smoke        # ~1 min; checks the plumbing
 
@@ -25,6 +25,11 @@ alternately right after its heal line, and at a random point 0-0.6 s after its l
 before that sync (in its quorum, process-group rebuild or heal). Measures the survivor's kill
 -> next committed sync: the worst case is bounded by ``--process-group-timeout-ms``.
 
+Part 3, long periods (``--long-period-steps``, ~1 min on an idle machine; the sync quorum
+timeout set below the period): SIGKILL a group mid-period, restart it, and report the survivor's
+``quorum_wait`` at the sync where the restarted group rejoins (the survivors' stall per rejoin),
+next to the period and the waits at the other syncs.
+
 Part 2, soak (``--minutes``): a fresh job; every ``--kill-every`` s (uniform in [0.5, 1.5] of
 it, seeded by ``--seed``) SIGKILL a random group and restart it after ``--restart-after`` s. A
 kill is postponed while the other group has not yet committed a sync since its own (re)start:
@@ -42,6 +47,7 @@ killing the only group that holds the job's state would restart the job from scr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import re
@@ -49,6 +55,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -245,6 +252,17 @@ def divergence(starts: list[Start]) -> dict[str, object]:
 # ---- part 1 --------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def two_groups(folder: Path, args: argparse.Namespace, train_args: list[str]) -> Iterator[Cluster]:
+    """A lighthouse and two groups started with ``train_args``; all stopped at the end."""
+    with TimedJob(folder, ft_args=ft_args(args)) as job:
+        job.start_lighthouse_with(args.heartbeat_timeout_ms, args.join_timeout_ms)
+        cluster = Cluster(job, train_args)
+        for g in range(2):
+            cluster.start(g)
+        yield cluster
+
+
 def wait_for_two_more_syncs(cluster: Cluster, args: argparse.Namespace) -> None:
     """Wait until both groups have committed 2 more syncs: a steady pair to kill from."""
     base = {g: cluster.latest(g).committed_syncs() for g in range(2)}
@@ -254,11 +272,7 @@ def wait_for_two_more_syncs(cluster: Cluster, args: argparse.Namespace) -> None:
 
 def recovery_part(folder: Path, args: argparse.Namespace, train_args: list[str]) -> list[dict]:
     samples: list[dict] = []
-    with TimedJob(folder, ft_args=ft_args(args)) as job:
-        job.start_lighthouse_with(args.heartbeat_timeout_ms, args.join_timeout_ms)
-        cluster = Cluster(job, train_args)
-        for g in range(2):
-            cluster.start(g)
+    with two_groups(folder, args, train_args) as cluster:
         for i in range(args.kills):
             victim = 1 - (i % 2)  # group 1 first, then group 0, ...
             survivor = 1 - victim
@@ -382,17 +396,93 @@ def committed_sync_after(start: Start, t: float) -> tuple[int, float, int, int] 
     return None
 
 
+# ---- part 3: long periods ------------------------------------------------------------------
+
+QUORUM_WAIT = re.compile(r"\[semi-sync\] step (\d+) sync: .*?groups (\d+) .*?sync #(\d+)\s+"
+                         r"quorum_wait ([0-9.]+)s")  # fmt: skip
+
+
+def long_period_part(folder: Path, args: argparse.Namespace, train_args: list[str]) -> dict:
+    """Periods of ``--long-period-steps`` inner steps (a minute on an idle machine, as on GPUs
+    with H=20 at seconds per step). Kill a group at a random point of a period, restart it after
+    ``--restart-after`` s: the survivor's extra wait at the sync where the group rejoins (its
+    ``quorum_wait``) must be the restarted group's transfer, bounded by seconds, not by the
+    period. The sync quorum timeout is set below the period, so a survivor that waited for a
+    period would fail."""
+    long_args = [a for a in train_args if not a.startswith("--fault_tolerance.sync_steps=")]
+    long_args += [
+        f"--fault_tolerance.sync_steps={args.long_period_steps}",
+        f"--fault_tolerance.sync_quorum_timeout_s={args.long_period_sync_timeout_s}",
+    ]
+    samples: list[dict] = []
+    with two_groups(folder, args, long_args) as cluster:
+        periods: list[float] = []
+        for i in range(args.long_period_kills):
+            victim, survivor = 1, 0
+            surv = cluster.latest(survivor)
+            wait_until(lambda n=1 + i, s=surv: cluster.latest(1).committed_syncs() >= 1
+                       and s.committed_syncs() >= n,
+                       args.timeout * 4, "a committed sync in both groups", cluster)  # fmt: skip
+            sync_times = [t for _, t, *_ in _committed_syncs(surv)]
+            periods += [b - a for a, b in zip(sync_times, sync_times[1:], strict=False)]
+            period = periods[-1] if periods else 0.0
+            time.sleep(random.Random(args.seed + i).uniform(0.1, 0.6) * max(period, 1.0))
+            t_kill = cluster.kill(victim).killed_at
+            assert t_kill is not None
+            time.sleep(args.restart_after)
+            restarted = cluster.start(victim)
+            wait_until(lambda r=restarted: HEALED_LINE.search(r.text()) is not None,
+                       args.timeout * 4, "the restarted group's heal", cluster)  # fmt: skip
+            rejoin = int(re.search(r"healed from a live peer .*?at sync #(\d+)",  # type: ignore[union-attr]
+                                   restarted.text()).group(1))  # fmt: skip
+            wait_until(lambda k=rejoin, s=surv: any(int(m.group(3)) == k
+                                                    for m in QUORUM_WAIT.finditer(s.text())),
+                       args.timeout, "the survivor's rejoin sync", cluster)  # fmt: skip
+            at = next(m for m in QUORUM_WAIT.finditer(surv.text()) if int(m.group(3)) == rejoin)
+            asked = re.search(r"(\d\d:\d\d:\d\d) INFO \[semi-sync\] asking", restarted.text())
+            sample = {
+                "killed_group": victim,
+                "rejoin_sync": rejoin,
+                "rejoin_sync_groups": int(at.group(2)),
+                "survivor_quorum_wait_at_rejoin_s": float(at.group(4)),
+                "period_s_before_kill": round(period, 2),
+                "restart_after_s": args.restart_after,
+                "restarted_asked_at": asked.group(1) if asked else None,
+                "sync_quorum_timeout_s": args.long_period_sync_timeout_s,
+            }
+            samples.append(sample)
+            print(f"[long period] kill {i}: {sample}", flush=True)
+        if cluster.crashed():
+            raise RuntimeError("a group crashed during the long-period part")
+        waits = [s["survivor_quorum_wait_at_rejoin_s"] for s in samples]
+        quiet = [float(m.group(4)) for m in QUORUM_WAIT.finditer(cluster.latest(0).text())]
+    return {
+        "sync_steps": args.long_period_steps,
+        "period_s_median": round(sorted(periods)[len(periods) // 2], 2) if periods else None,
+        "samples": samples,
+        "survivor_quorum_wait_at_rejoin_s_max": max(waits) if waits else None,
+        "survivor_quorum_wait_other_syncs_s_median": (
+            sorted(quiet)[len(quiet) // 2] if quiet else None
+        ),
+    }
+
+
+def _committed_syncs(start: Start) -> list[tuple[int, float, int, int]]:
+    times = dict(start.timings())
+    return [
+        (int(m.group(1)), times[int(m.group(1))], int(m.group(3)), int(m.group(4)))
+        for m in SYNC_LINE.finditer(start.text())
+        if m.group(2) == "committed" and int(m.group(1)) in times
+    ]
+
+
 # ---- part 2 --------------------------------------------------------------------------------
 
 
 def soak_part(folder: Path, args: argparse.Namespace, train_args: list[str]) -> dict:
     rng = random.Random(args.seed)
     kills: list[dict] = []
-    with TimedJob(folder, ft_args=ft_args(args)) as job:
-        job.start_lighthouse_with(args.heartbeat_timeout_ms, args.join_timeout_ms)
-        cluster = Cluster(job, train_args)
-        for g in range(2):
-            cluster.start(g)
+    with two_groups(folder, args, train_args) as cluster:
         wait_until(lambda: all(cluster.latest(g).committed_syncs() >= 1 for g in (0, 1)),
                    args.timeout, "a first committed sync in both groups", cluster)  # fmt: skip
         t_begin = time.monotonic()
@@ -503,6 +593,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--join-timeout-ms", type=int, default=10000)
     p.add_argument("--process-group-timeout-ms", type=int, default=10000,
                    help="the trainer's default; the other benchmarks use 60000")  # fmt: skip
+    p.add_argument(
+        "--long-period-steps",
+        type=int,
+        default=300,
+        help="DiLoCo H of part 3 (300 debug-model steps: about a minute)",
+    )
+    p.add_argument(
+        "--long-period-sync-timeout-s",
+        type=float,
+        default=30.0,
+        help="sync_quorum_timeout_s of part 3: below the period on purpose",
+    )
+    p.add_argument("--long-period-kills", type=int, default=2)
+    p.add_argument("--skip-long-period", action="store_true", help="no part 3")
     p.add_argument("--skip-recovery", action="store_true", help="soak only")
     p.add_argument("--skip-soak", action="store_true", help="part 1 only")
     p.add_argument("--timeout", type=float, default=240, help="seconds for any one wait")
@@ -515,6 +619,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.flavor, args.seq_len, args.batch, args.sync_steps = "debugmodel_small", 32, 2, 4
         args.kills, args.minutes, args.kill_every, args.restart_after = 1, 0.5, 12.0, 2.0
         args.joiner_kills = 1
+        args.long_period_steps, args.long_period_sync_timeout_s, args.long_period_kills = 40, 5, 1
         args.max_load = float("inf")
     return args
 
@@ -576,6 +681,14 @@ def main(argv: list[str] | None = None) -> int:
                 "samples": recovery_part(Path(tmp) / "recovery", args, train_args),
                 "load_avg_1min_after": round(common.load_average(), 2),
             }
+            common.write_json(args.out, result)
+        if not args.skip_long_period:
+            load = common.wait_for_quiet_machine(args.max_load, 120)
+            part = long_period_part(Path(tmp) / "long_period", args, train_args)
+            part["load_avg_1min_before"] = round(load, 2)
+            part["load_avg_1min_after"] = round(common.load_average(), 2)
+            result["long_period"] = part
+            print(f"[long period] {part}", flush=True)
             common.write_json(args.out, result)
         if not args.skip_soak:
             load = common.wait_for_quiet_machine(args.max_load, 120)

@@ -134,6 +134,8 @@ def test_recovery_smoke_heals_and_soaks_without_divergence(tmp_path: Path) -> No
     assert sample["survivor_next_committed_sync_after_kill_s"] > 0
     # A restarted group killed right after its heal: the survivor still commits a sync.
     assert joiner["joiner_had_healed"] and joiner["survivor_next_committed_sync_after_kill_s"] > 0
+    rejoin = data["long_period"]["samples"][0]
+    assert rejoin["rejoin_sync_groups"] == 2 and rejoin["survivor_quorum_wait_at_rejoin_s"] >= 0
     soak = data["soak"]
     assert soak["kills"], "the soak killed no group"
     assert all(k["victim_steps_since_start"] >= 0 for k in soak["kills"])
