@@ -127,8 +127,8 @@ def _kill_restart_heal(ft_job, tmp_path, ngpu: int, steps: int) -> None:
 
 
 def test_killed_group_heals_bit_identical(ft_job, tmp_path):
-    _kill_restart_heal(ft_job, tmp_path, ngpu=1, steps=40)
+    _kill_restart_heal(ft_job, tmp_path, ngpu=1, steps=30)
 
 
 def test_killed_fsdp_group_heals_bit_identical(ft_job, tmp_path):
-    _kill_restart_heal(ft_job, tmp_path, ngpu=2, steps=50)
+    _kill_restart_heal(ft_job, tmp_path, ngpu=2, steps=30)

@@ -119,11 +119,13 @@ def args(module: str, method: str, *extra: str) -> list[str]:
 def test_clean_run_syncs_identical_global_params(
     ft_job: Callable[..., FTJob], tmp_path: Path, method: str
 ) -> None:
-    """Two groups, 12 steps: every sync is made by both groups and committed, fragments take
+    """Two groups, 10 steps: every sync is made by both groups and committed, fragments take
     turns, both groups log the same global digest at every sync, the loss falls, and the
     TensorBoard scalars match the log lines. (Plain DiLoCo's clean run is the reference run of
-    the whole-job restart test below.)"""
-    steps = 12
+    the whole-job restart test below.) 10 is not a multiple of sync_steps=4 (warned at
+    start-up): LocalSGD runs a closing sync at step 10; Streaming DiLoCo ends with every
+    fragment's global copy. Either way both groups end with the same model."""
+    steps = 10
     job = ft_job(
         groups=2,
         train_args=args(
@@ -134,7 +136,7 @@ def test_clean_run_syncs_identical_global_params(
         assert job.wait_exit(r, timeout=240) == 0, tail(job.latest(r).text())
     per_group = [syncs(job.latest(r).text()) for r in range(2)]
     fragments = 2 if method == "streaming" else 1
-    expected = steps // (SYNC_STEPS // fragments)
+    expected = steps // (SYNC_STEPS // fragments) + (1 if method == "localsgd" else 0)
     for found in per_group:
         assert [s.number for s in found] == list(range(1, expected + 1)), found
         assert all(s.committed and s.groups == 2 for s in found), found
@@ -151,7 +153,21 @@ def test_clean_run_syncs_identical_global_params(
     for r in range(2):
         assert sorted(global_digests(job.latest(r).text())) == sorted(digests)
     first, last = assert_loss_falls(job.latest(0).text())
-    print(f"{method}: {expected} syncs, identical digests; loss {first:.3f} -> {last:.3f}")
+    texts = [job.latest(r).text() for r in range(2)]
+    for text in texts:
+        assert "is not a multiple of fault_tolerance.sync_steps=4" in text
+        assert "[semi-sync] final model: the global parameters of sync #" in text
+    if method == "localsgd":
+        assert [s.step for s in per_group[0]] == [4, 8, 10]  # the closing sync
+        assert "after a closing sync of the last 2 steps" in texts[0]
+    else:
+        assert "local progress of the last" in texts[0]
+    final = [re.findall(r"final_digest: (\w+)", text) for text in texts]
+    assert len(final[0]) == 1 and final[0] == final[1], final
+    print(
+        f"{method}: {expected} syncs, identical digests; loss {first:.3f} -> {last:.3f}; "
+        f"both groups end with the same model {final[0][0]}"
+    )
     _check_tensorboard(tmp_path / "dump" / "tb" / "replica_0", per_group[0], method)
 
 

@@ -44,7 +44,7 @@ def _wait_both_committed(job: FTJob, number: int, timeout: float = 240) -> None:
 def test_rejoin_with_a_period_longer_than_the_sync_timeout(
     ft_job: Callable[..., FTJob], tmp_path: Path
 ) -> None:
-    """Periods of ~5 s, sync quorum timeout 3 s. Group 0 is held at a sync point (alive,
+    """Periods of ~4 s, sync quorum timeout 3 s. Group 0 is held at a sync point (alive,
     not asking) while group 1 is killed and restarted without a checkpoint. The restarted
     group asks for its first quorum as soon as it is built; group 0, let go, finds it waiting:
     it heals at group 0's sync and takes part in it. Group 0's wait in that quorum is bounded
@@ -56,9 +56,9 @@ def test_rejoin_with_a_period_longer_than_the_sync_timeout(
         train_args=args(
             FAULTS_MODULE,
             "diloco",
-            "--training.steps=36",
+            "--training.steps=24",
             "--fault_tolerance.sync_steps=6",
-            "--fault_injection.step_sleep_s=0.8",
+            "--fault_injection.step_sleep_s=0.6",
             "--fault_tolerance.sync_quorum_timeout_s=3",
         ),
     )
@@ -94,15 +94,15 @@ def test_rejoin_with_a_period_longer_than_the_sync_timeout(
     print(
         f"rejoin at sync #{rejoin_sync}: joiner asked {asked_after:.1f}s after the kill; "
         f"group 0's quorum wait at the rejoin sync {wait:.2f}s (sync quorum timeout 3 s, "
-        f"period ~{6 * 0.8:.1f}s+); {len(periods)} syncs, {len(digests)} digests identical"
+        f"period ~{6 * 0.6:.1f}s+); {len(periods)} syncs, {len(digests)} digests identical"
     )
 
 
 def _lighthouse_restart_args(method: str) -> list[str]:
     if method == "sync":
-        return [*FAST_ARGS, *PACED_ARGS, "--training.steps=60"]
+        return [*FAST_ARGS, *PACED_ARGS, "--training.steps=30"]
     return args(
-        FAULTS_MODULE, "diloco", "--training.steps=60", "--fault_injection.step_sleep_s=0.2"
+        FAULTS_MODULE, "diloco", "--training.steps=40", "--fault_injection.step_sleep_s=0.15"
     )
 
 
@@ -138,17 +138,17 @@ def test_lighthouse_restart_is_survived_by_synchronous_ft(ft_job: Callable[..., 
     """The same for synchronous FT: every step's quorum waits for the lighthouse to return."""
     job = ft_job(groups=2, train_args=_lighthouse_restart_args("sync")).start()
     for r in range(2):
-        job.wait_for(r, r"param_digest step 10:", timeout=240)
+        job.wait_for(r, r"param_digest step 6:", timeout=240)
     port = job.kill_lighthouse()
     time.sleep(4)
     job.start_lighthouse(port)
     for r in range(2):
         assert job.wait_exit(r, timeout=300) == 0, tail(job.latest(r).text())
     steps = [losses(job.latest(r).text()) for r in range(2)]
-    assert max(steps[0]) == max(steps[1]) == 60
+    assert max(steps[0]) == max(steps[1]) == 30
     digests = [dict(re.findall(r"param_digest step (\d+): (\w+)", job.latest(r).text()))
                for r in range(2)]  # fmt: skip
-    assert digests[0]["60"] == digests[1]["60"]
+    assert digests[0]["30"] == digests[1]["30"]
 
 
 def test_a_lighthouse_that_never_returns_gives_one_error_line(
@@ -320,29 +320,3 @@ def test_diloco_starts_from_a_plain_checkpoint(
         f"loss {diloco[1]:.3f} at step 1 (plain run ended at {plain_losses[30]:.3f}), "
         f"{before:.3f} -> {after:.3f} across the first sync (noise {noise:.3f})"
     )
-
-
-def test_the_final_model_is_the_global_model(ft_job: Callable[..., FTJob], tmp_path: Path) -> None:
-    """training.steps=10 is not a multiple of sync_steps=4 (warned at start-up). LocalSGD runs a
-    closing sync at step 10; Streaming DiLoCo (2 fragments, a delay and a local/global mix)
-    ends with every fragment's global copy. Either way both groups end with the same model."""
-    for method in ("localsgd", "streaming"):
-        job = ft_job(
-            folder=tmp_path / method,
-            groups=2,
-            train_args=args(FAULTS_MODULE, method, "--training.steps=10"),
-        ).start()
-        for r in range(2):
-            assert job.wait_exit(r, timeout=240) == 0, tail(job.latest(r).text())
-        texts = [job.latest(r).text() for r in range(2)]
-        for text in texts:
-            assert "is not a multiple of fault_tolerance.sync_steps=4" in text
-            assert "[semi-sync] final model: the global parameters of sync #" in text
-        if method == "localsgd":
-            assert [s.step for s in syncs(texts[0])] == [4, 8, 10]  # the closing sync
-            assert "after a closing sync of the last 2 steps" in texts[0]
-        else:
-            assert "local progress of the last" in texts[0]
-        final = [re.findall(r"final_digest: (\w+)", text) for text in texts]
-        assert len(final[0]) == 1 and final[0] == final[1], final
-        print(f"{method}: both groups end with the same model {final[0][0]}")

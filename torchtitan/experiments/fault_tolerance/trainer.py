@@ -412,6 +412,11 @@ class SemiSyncTrainer(Trainer):
                     break
                 # The quorum failed on purpose (a disagreement) or a member died: go again.
                 manager.should_commit()
+                if self._peer is not None and not self._peer["starting"]:
+                    # The running groups go on from where this group copied them: be healed
+                    # again, at their next sync.
+                    self._peer = None
+                    self._announce(manager.current_step() - 1)
         finally:
             self.starting = False
             self.ft.waiting_for = self.ft.waiting_needs = ""
