@@ -619,7 +619,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.flavor, args.seq_len, args.batch, args.sync_steps = "debugmodel_small", 32, 2, 4
         args.kills, args.minutes, args.kill_every, args.restart_after = 1, 0.5, 12.0, 2.0
         args.joiner_kills = 1
-        args.long_period_steps, args.long_period_sync_timeout_s, args.long_period_kills = 40, 5, 1
+        # Part 3 is part 1 with longer periods: tests/integration_tests/
+        # test_semi_sync_reliability.py runs that scenario (and CI's time is short).
+        args.skip_long_period = True
         args.max_load = float("inf")
     return args
 

@@ -52,12 +52,13 @@ FAST_ARGS = [
     "--fault_tolerance.quorum_timeout_s=60",
     "--fault_tolerance.timeout_s=30",
 ]
-# Steps of a few hundred ms (the debug model's full flavor): slow enough to kill a group at a
-# chosen step from outside, fast enough for a test.
-PACED_ARGS = ["--model.flavor=debugmodel", "--training.seq_len=128"]
 SEMI_SYNC_MODULE = "--job.custom_args_module=torchtitan.experiments.fault_tolerance.job_config"
 # The experiment's config plus test-only fault knobs (tests/integration_tests/faults.py).
 FAULTS_MODULE = "--job.custom_args_module=tests.integration_tests.faults"
+# Steps of ~0.2 s: slow enough to kill a group at a chosen step from outside, fast enough for a
+# test. A sleep after each (tiny) step, so that the cores stay free for the test's other
+# processes (a restarting group starts faster than beside two groups computing flat out).
+PACED_ARGS = [FAULTS_MODULE, "--fault_injection.step_sleep_s=0.2"]
 
 
 def free_port() -> int:

@@ -20,7 +20,6 @@ import pytest
 from tests.integration_tests.harness import (
     ANSI,
     FAST_ARGS,
-    FAULTS_MODULE,
     PACED_ARGS,
     REPO,
     check_loopback_only,
@@ -126,7 +125,7 @@ def test_launcher_kill_and_restart(launch, tmp_path):
     # first quorum right then).
     pause = tmp_path / "pause"
     run = launch("--groups", "2", "--kill", "1@10", "--restart-after", "5", "--",
-                 "--training.steps=40", *FAST_ARGS, *PACED_ARGS, FAULTS_MODULE,
+                 "--training.steps=40", *FAST_ARGS, *PACED_ARGS,
                  f"--fault_injection.pause_file={pause}",
                  f"--job.dump_folder={tmp_path / 'dump'}")  # fmt: skip
     run.wait_for(r"^\[group 1\] .*step:\s+3\s", timeout=240)

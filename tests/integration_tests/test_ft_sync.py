@@ -17,7 +17,6 @@ import time
 from tests.integration_tests.faults import PAUSED
 from tests.integration_tests.harness import (
     FAST_ARGS,
-    FAULTS_MODULE,
     PACED_ARGS,
     PARAM_DIGEST,
     STEP_LINE,
@@ -33,7 +32,7 @@ STALL = re.compile(r"\[ft\] step (\d+): committed by (\d+) group\(s\).*stall: ([
 ALONE = re.compile(r"step:\s+(\d+)\s.*groups: 1\b")
 HEALED = re.compile(r"\[ft\] step (\d+): healed from a live peer \((.*)\) in ([0-9.]+)s")
 STEP_TPS = re.compile(r"step:\s+\d+\s.*?tps: ([0-9,]+)")
-TOKENS_PER_STEP = 4 * 128  # FAST_ARGS' local_batch_size x PACED_ARGS' seq_len, per rank
+TOKENS_PER_STEP = 4 * 64  # FAST_ARGS' local_batch_size x seq_len, per rank
 
 
 def test_two_groups_train_bit_identical(ft_job):
@@ -52,7 +51,7 @@ def _kill_restart_heal(ft_job, tmp_path, ngpu: int, steps: int) -> None:
     pause = tmp_path / "pause_group0"
     job = ft_job(
         ngpu=ngpu,
-        train_args=[*FAST_ARGS, *PACED_ARGS, FAULTS_MODULE, f"--training.steps={steps}"],
+        train_args=[*FAST_ARGS, *PACED_ARGS, f"--training.steps={steps}"],
     )
     job.start_lighthouse()
     job.start_group(0, [f"--fault_injection.pause_file={pause}"])

@@ -105,22 +105,19 @@ def test_memory_smoke_reports_extra_over_parameter_bytes(tmp_path: Path) -> None
     assert data["summary"]["diloco"]["median_max_rss_mib"] > 0
 
 
-def test_convergence_smoke_writes_curves_and_png(tmp_path: Path) -> None:
+def test_convergence_smoke_writes_curves_and_png_then_rates_a_sweep(tmp_path: Path) -> None:
     out, png = tmp_path / "conv.json", tmp_path / "conv.png"
+    conv = _module("convergence")
     args = ["--smoke", "--configs", "single_group", "sync_dp", "diloco"]
-    assert _module("convergence").main([*args, "--out", str(out), "--png", str(png)]) == 0
+    assert conv.main([*args, "--out", str(out), "--png", str(png)]) == 0
     data = _read(out)
     # Equal tokens: the single group's eval points fall on the two-group runs' token counts.
     assert set(data["curves"]["single_group"]["0"]) == set(data["curves"]["diloco"]["0"])
     assert data["summary"]["sync_dp"]["ratio_to_sync_dp"] == 1.0
     if data["png"].endswith(".png"):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_convergence_sweep_rates_each_outer_lr_against_sync_dp(tmp_path: Path) -> None:
-    out, sweep_out = tmp_path / "conv.json", tmp_path / "sweep.json"
-    conv = _module("convergence")
-    assert conv.main(["--smoke", "--configs", "sync_dp", "--out", str(out)]) == 0
+    # The outer-lr sweep, rated against the synchronous DP run just made.
+    sweep_out = tmp_path / "sweep.json"
     sweep = ["--sweep-outer-lr", "0.5", "1.0", "--sweep-outer-momentum", "0.0"]
     assert conv.main(["--smoke", *sweep, "--out", str(out), "--sweep-out", str(sweep_out)]) == 0
     rows = _read(sweep_out)["rows"]
