@@ -82,7 +82,7 @@ def test_new_job_waits_for_all_groups_then_gives_up(ft_job):
     job = ft_job(groups=2)
     job.start_lighthouse()
     start = time.monotonic()
-    job.start_group(0, [*FAST_ARGS, "--training.steps=5", "--fault_tolerance.quorum_timeout_s=12"])
+    job.start_group(0, [*FAST_ARGS, "--training.steps=5", "--fault_tolerance.quorum_timeout_s=8"])
     code = job.wait_exit(0, timeout=90)
     seconds = time.monotonic() - start
     text = job.latest(0).text()

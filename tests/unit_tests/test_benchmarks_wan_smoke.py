@@ -126,7 +126,7 @@ def test_wan_smoke_shapes_links_and_reports_utilisation(tmp_path: Path) -> None:
 
 def test_recovery_smoke_heals_and_soaks_without_divergence(tmp_path: Path) -> None:
     out = tmp_path / "recovery.json"
-    args = ["--smoke", "--minutes", "0.3", "--kill-every", "8", "--out", str(out)]
+    args = ["--smoke", "--minutes", "0.25", "--kill-every", "7", "--out", str(out)]
     assert _module("recovery").main(args) == 0
     data = json.loads(out.read_text())
     sample, joiner = data["recovery"]["samples"]
