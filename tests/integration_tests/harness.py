@@ -16,11 +16,11 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from torchtitan.components.ft.torchft_adapter import lighthouse_groups_waiting
 from torchtitan.experiments.fault_tolerance.launcher import (
     JOB_ENV,
     kill_tree,
@@ -35,7 +35,6 @@ STEP_LINE = re.compile(r"step:\s+(\d+)\s+loss:\s+([0-9.]+)")
 RANK_PREFIX = re.compile(r"\[rank(\d+)\]:")
 PARAM_DIGEST = re.compile(r"param_digest step (\d+): ([0-9a-f]+)")
 GLOBAL_DIGEST = re.compile(r"global_digest sync (\d+): ([0-9a-f]+)")
-LIGHTHOUSE_WAITING = re.compile(r"\[(\d+)/\d+ participants healthy\]")
 SYNC_LINE = re.compile(r"\[semi-sync\] step (\d+) sync: .*?(committed|NOT committed)")
 
 # A small, fast job: the debug model's smallest flavor on the embedded corpus.
@@ -270,12 +269,9 @@ class FTJob:
     def wait_quorum_request(self, replica_id: int, timeout: float = 240) -> None:
         """Until a replica group waits for a quorum at the lighthouse (read from its status
         page); fails if the latest start of ``replica_id`` exits first."""
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            with opener.open(f"{self.lighthouse_addr}/status", timeout=5) as response:
-                match = LIGHTHOUSE_WAITING.search(response.read().decode())
-            if match and int(match.group(1)) > 0:
+            if lighthouse_groups_waiting(self.lighthouse_addr) > 0:
                 return
             run = self.latest(replica_id)
             assert run.proc.poll() is None, tail(run.text())

@@ -277,7 +277,7 @@ def _missing_for_quantization(ft: FaultTolerance, config: CoreJobConfig) -> str:
         return "this run has no CUDA device"
     if ft.process_group == "gloo":
         return "fault_tolerance.process_group is gloo"
-    from torchtitan.experiments.fault_tolerance.torchft_adapter import quantization_available
+    from torchtitan.components.ft.torchft_adapter import quantization_available
 
     if not quantization_available():
         return "torchft's Triton kernels cannot be imported (pip install triton)"

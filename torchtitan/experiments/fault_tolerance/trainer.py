@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.components.ft import FaultToleranceError, FTManager, build_ft_manager
 from torchtitan.config.job_config import JobConfig
-from torchtitan.experiments.fault_tolerance import torchft_adapter as tft
+from torchtitan.components.ft import torchft_adapter as tft
 from torchtitan.experiments.fault_tolerance.sync_quorum import (
     FRESH,
     RESUMED,

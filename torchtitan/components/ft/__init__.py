@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from torchtitan.config.job_config import JobConfig
+from torchtitan.components.ft.errors import FaultToleranceError
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
@@ -53,9 +54,6 @@ NOT_HEALED = frozenset({"dataloader"})
 _SHARD = "__ft_local_shard__"
 
 
-class FaultToleranceError(RuntimeError):
-    """The fault-tolerant job cannot go on: no lighthouse, no quorum in time, bad healing state.
-    The message names the address or the config field involved."""
 
 
 # ---- addresses -------------------------------------------------------------------------------

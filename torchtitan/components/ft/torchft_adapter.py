@@ -1,23 +1,26 @@
-"""The one place where the semi-sync experiment touches torchft's internals.
+"""The one place where torchtitan touches torchft's internals.
 
-torchft's ``LocalSGD`` and ``DiLoCo`` are used as they are, through their public constructors
-and context managers. What they do not expose, and the experiment needs, is read or driven
-here, for torchft 0.2.0 (the version ``pyproject.toml`` pins; lighthouse and groups must run
-the same one): the inner-step position in the sync period, DiLoCo's per-fragment global copies,
-outer optimizer and in-flight all-reduce, the two steps of a fragment sync (so that a group that
-joins at a peer's sync point can take part in that sync), and the Manager's quorum id and commit
-failure count for the sync report. :func:`check_version` fails with a clear message on another
-torchft version, before anything is built.
+Everything torchtitan needs from torchft that is not public API is read or driven here, for
+torchft 0.2.0 (the version ``pyproject.toml`` pins; lighthouse and groups must run the same
+one). torchft's ``Manager``, ``LocalSGD`` and ``DiLoCo`` are otherwise used through their public
+constructors, verbs and context managers. What they do not expose: the inner-step position in
+the sync period, DiLoCo's per-fragment global copies, outer optimizer and in-flight all-reduce,
+the two steps of a fragment sync (so that a group that joins at a peer's sync point can take
+part in that sync), the Manager's quorum id and commit failure count, and the lighthouse's
+status page (how many groups wait for a quorum). :func:`check_version` fails with a clear
+message on another torchft version, before anything is built.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import re
+import urllib.request
 from typing import Any
 
 import torch
 
-from torchtitan.components.ft import FaultToleranceError
+from torchtitan.components.ft.errors import FaultToleranceError
 
 #: The torchft release these accessors were written against.
 TORCHFT_VERSION = "0.2.0"
@@ -34,9 +37,9 @@ def check_version() -> None:
         raise TorchftVersionError("torchft is not installed: pip install torchft==0.2.0") from None
     if found != TORCHFT_VERSION:
         raise TorchftVersionError(
-            f"torchft {found} is installed, but the semi-sync experiment uses internals of "
-            f"torchft {TORCHFT_VERSION} (torchtitan/experiments/fault_tolerance/"
-            f"torchft_adapter.py): install torchft=={TORCHFT_VERSION}, or update the adapter"
+            f"torchft {found} is installed, but torchtitan uses internals of "
+            f"torchft {TORCHFT_VERSION} (torchtitan/components/ft/torchft_adapter.py): "
+            f"install torchft=={TORCHFT_VERSION}, or update the adapter"
         )
 
 
@@ -143,3 +146,19 @@ def commit_failures(manager: Any) -> int:
 def quorum_id(manager: Any) -> int:
     """The id of the quorum the Manager is configured for (the lighthouse's; -1: none yet)."""
     return int(getattr(manager, "_quorum_id", -1))
+
+
+# ---- the lighthouse ------------------------------------------------------------------------
+
+# The lighthouse's HTML status page names the groups waiting for a quorum like "[1/2
+# participants healthy]"; torchft 0.2.0 has no other way to ask for it.
+_WAITING = re.compile(r"\[(\d+)/\d+ participants healthy\]")
+
+
+def lighthouse_groups_waiting(address: str, timeout_s: float = 5.0) -> int:
+    """How many replica groups wait for a quorum at the lighthouse at ``address`` now
+    (``http://host:port``); raises ``OSError`` when the lighthouse cannot be reached."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(f"{address}/status", timeout=timeout_s) as response:
+        match = _WAITING.search(response.read().decode())
+    return int(match.group(1)) if match else 0
