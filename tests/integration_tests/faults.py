@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchtitan.config.job_config import JobConfig as CoreJobConfig
 from torchtitan.components.ft import torchft_adapter as tft
+from torchtitan.config.job_config import JobConfig as CoreJobConfig
 from torchtitan.experiments.fault_tolerance.job_config import JobConfig as SemiSyncJobConfig
 from torchtitan.experiments.fault_tolerance.trainer import SemiSyncTrainer
 from torchtitan.tools.logging import logger

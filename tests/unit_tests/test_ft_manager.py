@@ -10,7 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from torchtitan.components.ft import FaultToleranceError, FTManager, _Watchdog
+from torchtitan.components.ft import FaultToleranceError, FTManager
+from torchtitan.components.ft.watchdog import QuorumWaitWatchdog
 from torchtitan.config import JobConfig
 from torchtitan.tools.logging import logger
 
@@ -165,10 +166,10 @@ def test_first_commit_after_a_failure_reports_the_stall(records):
 
 
 def test_watchdog_reports_a_long_wait_rarely(monkeypatch):
-    monkeypatch.setattr(_Watchdog, "FIRST_REPORT_S", 0.1)
-    monkeypatch.setattr(_Watchdog, "MAX_INTERVAL_S", 0.2)
+    monkeypatch.setattr(QuorumWaitWatchdog, "FIRST_REPORT_S", 0.1)
+    monkeypatch.setattr(QuorumWaitWatchdog, "MAX_INTERVAL_S", 0.2)
     seen: list[float] = []
-    watchdog = _Watchdog(lambda waited: (seen.append(waited), "waiting")[1], tick_s=0.01)
+    watchdog = QuorumWaitWatchdog(lambda waited: (seen.append(waited), "waiting")[1], tick_s=0.01)
     watchdog.begin()
     deadline = time.monotonic() + 30  # a starved thread on a loaded machine: just later
     while len(seen) < 3 and time.monotonic() < deadline:
@@ -187,7 +188,7 @@ def test_watchdog_reports_a_long_wait_rarely(monkeypatch):
 
 def test_watchdog_is_silent_for_short_waits():
     seen: list[float] = []
-    watchdog = _Watchdog(lambda waited: (seen.append(waited), "waiting")[1], tick_s=0.01)
+    watchdog = QuorumWaitWatchdog(lambda waited: (seen.append(waited), "waiting")[1], tick_s=0.01)
     for _ in range(5):
         watchdog.begin()
         time.sleep(0.02)

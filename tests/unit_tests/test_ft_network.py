@@ -10,13 +10,9 @@ from datetime import timedelta
 import pytest
 
 from tests.integration_tests.harness import listening_sockets
-from torchtitan.components.ft import (
-    FaultToleranceError,
-    _host_port,
-    _manager_server_bound_to,
-    bind_ip,
-    listen_store,
-)
+from torchtitan.components.ft import FaultToleranceError, bind_ip, listen_store
+from torchtitan.components.ft.network import host_port
+from torchtitan.components.ft.torchft_adapter import manager_server_bound_to
 from torchtitan.tools.loopback_torchrun import LoopbackTCPStore
 
 
@@ -33,8 +29,8 @@ def test_bind_ip_resolves_names_and_keeps_addresses():
 
 
 def test_host_port_brackets_ipv6():
-    assert _host_port("127.0.0.1", 5) == "127.0.0.1:5"
-    assert _host_port("::1", 5) == "[::1]:5"
+    assert host_port("127.0.0.1", 5) == "127.0.0.1:5"
+    assert host_port("::1", 5) == "[::1]:5"
 
 
 def test_local_store_listens_on_its_address_only():
@@ -52,7 +48,7 @@ def test_manager_server_is_bound_to_the_given_address(monkeypatch):
     original = torchft_manager.ManagerServer
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
     try:
-        with _manager_server_bound_to("127.0.0.1"):
+        with manager_server_bound_to("127.0.0.1"):
             # What torchft's Manager does, with its hard-coded bind address.
             server = torchft_manager.ManagerServer(
                 replica_id="unit",

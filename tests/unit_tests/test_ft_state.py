@@ -15,12 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from torchtitan.components.ft import (
-    FaultToleranceError,
-    _from_local_tree,
-    _to_local_tree,
-    register_healing_state,
-)
+from torchtitan.components.ft import FaultToleranceError, register_healing_state
+from torchtitan.components.ft.healing import _from_local_tree, _to_local_tree
 from torchtitan.components.optimizer import OptimizerState
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy as copy_module
 import dataclasses
 import pickle
+import subprocess
+import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -409,6 +411,29 @@ def test_unknown_model_lists_the_known_ones() -> None:
         parse("--model.name=gpt9")
 
 
+def test_unknown_flavor_lists_the_flavors_of_the_family() -> None:
+    with pytest.raises(ConfigError, match="flavors of 'llama3': debugmodel, debugmodel_small"):
+        parse("--model.flavor=huge")
+
+
+def test_parsing_a_config_does_not_import_the_models() -> None:
+    """The config names models without importing them: no config <-> models import circle,
+    and a config parses without torch's start-up cost. A fresh interpreter shows it."""
+    check = (
+        "import sys\n"
+        "import torchtitan.config\n"
+        "from torchtitan.config import ConfigManager\n"
+        "ConfigManager().parse_args(['--model.flavor=debugmodel_small'])\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('torchtitan.models'))\n"
+        "assert not loaded, loaded\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, "-c", check], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+
+
 def test_cuda_without_cuda_is_rejected() -> None:
     import torch
 
@@ -528,6 +553,16 @@ def test_semi_sync_module_picks_the_trainer_by_the_method() -> None:
         ["--job.custom_args_module", SEMI_SYNC, *FT_ON, "--fault_tolerance.semi_sync_method=diloco"]
     )
     assert resolve_trainer_class(manager.custom_module, config) is SemiSyncTrainer
+
+
+def test_semi_sync_trainer_without_a_method_is_refused_not_run_synchronously() -> None:
+    from torchtitan.experiments.fault_tolerance.trainer import SemiSyncTrainer
+
+    config = parse_semi_sync(*FT_ON)  # synchronous FT: the core Trainer's job
+    with pytest.raises(ConfigError) as info:
+        SemiSyncTrainer(config)
+    assert info.value.field == "fault_tolerance.semi_sync_method"
+    assert "core Trainer" in str(info.value)
 
 
 def test_semi_sync_help_lists_every_field_with_its_docstring(

@@ -10,6 +10,7 @@ import torch
 
 from torchtitan.components.loss import build_cross_entropy_loss, cross_entropy_loss
 from torchtitan.config.job_config import JobConfig
+from torchtitan.config.model_names import MODEL_FLAVORS
 from torchtitan.models import get_train_spec, train_spec_names
 from torchtitan.models.llama3 import (
     Transformer,
@@ -209,6 +210,14 @@ def test_train_spec_registry() -> None:
     assert "llama3" in train_spec_names()
     with pytest.raises(KeyError, match="known: llama3"):
         get_train_spec("gpt5")
+
+
+def test_config_knows_exactly_the_registered_models_and_flavors() -> None:
+    """The config validates ``model.name``/``model.flavor`` against its own table (so that it
+    need not import the models): the table must match the train-spec registry, flavors in the
+    registry's order (the order the error message lists them in)."""
+    registered = {name: tuple(get_train_spec(name).model_args) for name in train_spec_names()}
+    assert registered == dict(MODEL_FLAVORS)
 
 
 def _fsdp_worker(rank: int, world_size: int, port: int, reference: dict[str, torch.Tensor]) -> None:

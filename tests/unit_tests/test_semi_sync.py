@@ -14,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from torchtitan.components.ft import FaultToleranceError
+from torchtitan.components.ft.torchft_adapter import ManagerStandIn
 from torchtitan.config import ConfigManager
 from torchtitan.experiments.fault_tolerance.sync_quorum import (
     FRESH,
@@ -100,10 +101,8 @@ def test_fragments_by_fqn_put_unlisted_parameters_in_the_last() -> None:
 # ---- checkpointed state ----------------------------------------------------------------------
 
 
-class FakeManager:
+class FakeManager(ManagerStandIn):
     """What torchft's DiLoCo needs from a Manager when no sync runs."""
-
-    _use_async_quorum = False
 
     def __init__(self) -> None:
         self.fns: dict[str, tuple[Any, Any]] = {}

@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from torchtitan.config.model_names import MODEL_FLAVORS
+
 
 class ConfigError(ValueError):
     """A config value that is not allowed. ``field`` is its dotted name (``training.steps``);
@@ -71,7 +73,8 @@ class Model:
     """Which model family and size to train, and its tokenizer."""
 
     name: str = "llama3"
-    """Model family, a key of the train-spec registry (``torchtitan.models``)."""
+    """Model family, a key of the train-spec registry (``torchtitan.models``); the known ones
+    are listed in ``torchtitan/config/model_names.py``."""
 
     flavor: str = "debugmodel"
     """Size preset of the model family, e.g. ``debugmodel``, ``8B``, ``70B``."""
@@ -81,18 +84,15 @@ class Model:
     byte-level tokenizer (vocabulary 256 + BOS/EOS), which needs no files."""
 
     def validate(self, config: JobConfig) -> None:
-        # Imported here: the registry imports torch and every model, which a config need not.
-        from torchtitan.models import get_train_spec, train_spec_names
-
-        try:
-            spec = get_train_spec(self.name)
-        except KeyError:
-            raise ConfigError(
-                "model.name", self.name, f"known model families: {', '.join(train_spec_names())}"
-            ) from None
-        flavors = list(spec.model_args)
         _require(
-            self.flavor in spec.model_args,
+            self.name in MODEL_FLAVORS,
+            "model.name",
+            self.name,
+            f"known model families: {', '.join(sorted(MODEL_FLAVORS))}",
+        )
+        flavors = MODEL_FLAVORS[self.name]
+        _require(
+            self.flavor in flavors,
             "model.flavor",
             self.flavor,
             f"flavors of {self.name!r}: {', '.join(flavors)}",

@@ -1,4 +1,7 @@
-"""Registry of model families: ``model.name`` in the config is a key of it."""
+"""Registry of model families: ``model.name`` in the config is a key of it.
+
+The config checks names and flavors against ``torchtitan/config/model_names.py`` without
+importing this package: a family added here is added there too (a unit test compares them)."""
 
 from torchtitan.models.llama3 import llama3_train_spec
 from torchtitan.protocols.train_spec import TrainSpec

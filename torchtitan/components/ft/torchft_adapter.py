@@ -1,26 +1,41 @@
 """The one place where torchtitan touches torchft's internals.
 
-Everything torchtitan needs from torchft that is not public API is read or driven here, for
-torchft 0.2.0 (the version ``pyproject.toml`` pins; lighthouse and groups must run the same
-one). torchft's ``Manager``, ``LocalSGD`` and ``DiLoCo`` are otherwise used through their public
-constructors, verbs and context managers. What they do not expose: the inner-step position in
-the sync period, DiLoCo's per-fragment global copies, outer optimizer and in-flight all-reduce,
-the two steps of a fragment sync (so that a group that joins at a peer's sync point can take
-part in that sync), the Manager's quorum id and commit failure count, and the lighthouse's
-status page (how many groups wait for a quorum). :func:`check_version` fails with a clear
-message on another torchft version, before anything is built.
+Everything torchtitan needs from torchft that is not public API is read, driven or patched
+here, for torchft 0.2.0 (the version ``pyproject.toml`` pins; lighthouse and groups must run the
+same one). torchft's ``Manager``, ``LocalSGD`` and ``DiLoCo`` are otherwise used through their
+public constructors, verbs and context managers. What torchft 0.2.0 does not offer:
+
+* a bind address for the Manager's server (it listens on every interface):
+  :func:`manager_server_bound_to`;
+* a way to build DiLoCo on a stand-in for its Manager without the Manager's private
+  ``_use_async_quorum``: :class:`ManagerStandIn`;
+* a switch for messages it emits on every heal or quorum that tell a user nothing:
+  :func:`quiet_known_noise`;
+* the inner-step position in the sync period, DiLoCo's per-fragment global copies, outer
+  optimizer and in-flight all-reduce, and the two steps of a fragment sync (so that a group
+  that joins at a peer's sync point can take part in that sync);
+* the Manager's quorum id and commit failure count;
+* the lighthouse's count of groups waiting for a quorum (read from its status page).
+
+:func:`check_version` fails with a clear message on another torchft version; the core calls it
+before it builds anything of torchft (``build.build_ft_manager``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
+import logging
 import re
 import urllib.request
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from torchtitan.components.ft.errors import FaultToleranceError
+from torchtitan.components.ft.network import host_port
 
 #: The torchft release these accessors were written against.
 TORCHFT_VERSION = "0.2.0"
@@ -31,6 +46,7 @@ class TorchftVersionError(FaultToleranceError):
 
 
 def check_version() -> None:
+    """Raise :class:`TorchftVersionError` unless torchft ``TORCHFT_VERSION`` is installed."""
     try:
         found = importlib.metadata.version("torchft")
     except importlib.metadata.PackageNotFoundError:
@@ -49,6 +65,57 @@ def quantization_available() -> bool:
     import torchft.manager
 
     return bool(torchft.manager.IS_TRITON_AVAILABLE)
+
+
+# ---- the Manager's construction ----------------------------------------------------------
+
+
+@contextlib.contextmanager
+def manager_server_bound_to(ip: str) -> Iterator[None]:
+    """While a torchft ``Manager`` is built, make its ``ManagerServer`` listen on ``ip`` only.
+
+    torchft 0.2.0 hard-codes ``bind=f"[::]:{port}"`` (every interface) in ``Manager.__init__``
+    and offers no parameter; the server is looked up in ``torchft.manager``'s namespace, so it is
+    replaced there for the duration of the construction, keeping the port torchft chose.
+    """
+    import torchft.manager as torchft_manager
+
+    original = torchft_manager.ManagerServer
+
+    def bound_server(*args: Any, bind: str, **kwargs: Any) -> Any:
+        port = bind.rsplit(":", 1)[1]
+        return original(*args, bind=host_port(ip, port), **kwargs)
+
+    torchft_manager.ManagerServer = bound_server  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        torchft_manager.ManagerServer = original  # type: ignore[misc]
+
+
+def quiet_known_noise() -> None:
+    """Drop messages torchft 0.2.0 prints on every heal or quorum that say nothing to a user:
+    a non-writable-buffer warning and a pytree deprecation inside its checkpoint transport,
+    and a flight-recorder notice that only concerns NCCL."""
+    warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+    warnings.filterwarnings("ignore", r".*isinstance\(treespec, LeafSpec\)", FutureWarning)
+
+    class _NoFlightRecorderNotice(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return "flight recorder" not in record.getMessage()
+
+    logging.getLogger("torchft.manager").addFilter(_NoFlightRecorderNotice())
+
+
+class ManagerStandIn:
+    """Base of an object handed to torchft's ``LocalSGD``/``DiLoCo`` in place of the Manager.
+
+    DiLoCo 0.2.0 refuses an asynchronous quorum by reading the Manager's private
+    ``_use_async_quorum`` when it is built; a stand-in that runs synchronous quorums answers it
+    here.
+    """
+
+    _use_async_quorum = False
 
 
 # ---- the inner-step position ---------------------------------------------------------------

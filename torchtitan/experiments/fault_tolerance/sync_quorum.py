@@ -22,6 +22,7 @@ import torch
 from torch.distributed import ReduceOp
 
 from torchtitan.components.ft import FTManager
+from torchtitan.components.ft.torchft_adapter import ManagerStandIn
 
 #: Roles in a quorum: a group at its sync point, and a group that has just (re)started (with
 #: no checkpoint, or resumed from one).
@@ -78,15 +79,14 @@ def compare_digests(members: list[Member]) -> Verdict:
     return Verdict(digests, majority)
 
 
-class SyncManager:
-    """torchft's Manager as LocalSGD/DiLoCo see it: ``start_quorum`` is the gated sync quorum,
-    ``should_commit`` counts in the core's failure accounting; all else is torchft's own.
+class SyncManager(ManagerStandIn):
+    """torchft's Manager as LocalSGD/DiLoCo see it: ``start_quorum`` is the gated sync quorum
+    (always synchronous), ``should_commit`` counts in the core's failure accounting; all else
+    is torchft's own.
 
     ``on_quorum`` runs in every member of a quorum that has enough groups (it may exchange a
     few numbers) and returns whether the quorum is used; all members must decide alike.
     """
-
-    _use_async_quorum = False  # what DiLoCo checks on its Manager
 
     def __init__(
         self,

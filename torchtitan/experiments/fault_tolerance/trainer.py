@@ -44,8 +44,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan.components.ft import FaultToleranceError, FTManager, build_ft_manager
-from torchtitan.config.job_config import JobConfig
 from torchtitan.components.ft import torchft_adapter as tft
+from torchtitan.config.job_config import ConfigError, JobConfig
+from torchtitan.experiments.fault_tolerance.job_config import SEMI_SYNC_METHODS
 from torchtitan.experiments.fault_tolerance.sync_quorum import (
     FRESH,
     RESUMED,
@@ -213,9 +214,19 @@ class SemiSyncTrainer(Trainer):
     params_agree_every_step = False  # they agree after each sync: see global_digest
 
     def __init__(self, job_config: JobConfig) -> None:
-        tft.check_version()
         ft = job_config.fault_tolerance
-        self.method: str = ft.method  # type: ignore[attr-defined]  # the experiment's field
+        method: str | None = ft.method  # type: ignore[attr-defined]  # the experiment's field
+        if method is None:
+            # This class runs a semi-sync method and nothing else; synchronous FT is the core
+            # Trainer's (trainer_for picks it), never a mode of this one.
+            raise ConfigError(
+                "fault_tolerance.semi_sync_method",
+                ft.semi_sync_method,  # type: ignore[attr-defined]
+                f"SemiSyncTrainer needs one of {', '.join(SEMI_SYNC_METHODS)}; without a "
+                "method run the core Trainer (the custom args module's trainer_for picks it)",
+            )
+        tft.check_version()
+        self.method: str = method
         super().__init__(job_config)
         assert self.ft is not None
         self.sync = SyncManager(

@@ -1,0 +1,45 @@
+"""The adapter over torchft's internals is version-checked before the core builds anything of
+torchft, so another torchft fails with one clear error instead of deep inside a quorum."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+
+from torchtitan.components.ft import FaultToleranceError, build_ft_manager
+from torchtitan.components.ft import torchft_adapter as tft
+from torchtitan.config import JobConfig
+
+
+def fault_tolerant_config() -> JobConfig:
+    config = JobConfig()
+    config.fault_tolerance.enable = True
+    config.fault_tolerance.group_size = 1
+    config.fault_tolerance.lighthouse = "http://127.0.0.1:1"
+    return config
+
+
+def test_installed_torchft_is_the_one_the_adapter_was_written_for():
+    tft.check_version()
+
+
+def test_core_build_refuses_another_torchft_version(monkeypatch):
+    real_version = importlib.metadata.version
+
+    def version(name: str) -> str:
+        return "9.9.9" if name == "torchft" else real_version(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    with pytest.raises(tft.TorchftVersionError, match="torchft==0.2.0") as info:
+        build_ft_manager(fault_tolerant_config(), None, {})  # type: ignore[arg-type]
+    assert isinstance(info.value, FaultToleranceError)  # one error line, exit 1
+    assert "torchft_adapter.py" in str(info.value)
+
+
+def test_core_build_without_fault_tolerance_checks_nothing(monkeypatch):
+    def no_torchft(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", no_torchft)
+    assert build_ft_manager(JobConfig(), None, {}) is None  # type: ignore[arg-type]

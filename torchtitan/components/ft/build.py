@@ -1,0 +1,153 @@
+"""Building this rank's fault tolerance from ``[fault_tolerance]``: the ``FTManager`` now, and
+the torchft Manager with its replicate process group when the group is ready to train."""
+
+from __future__ import annotations
+
+import math
+import os
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed.checkpoint.stateful import Stateful
+
+from torchtitan.components.ft import torchft_adapter
+from torchtitan.components.ft.errors import FaultToleranceError
+from torchtitan.components.ft.healing import NOT_HEALED
+from torchtitan.components.ft.manager import FTManager
+from torchtitan.components.ft.network import bind_ip, lighthouse_address
+from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.tools.logging import logger
+
+#: How often a group re-sends a quorum request that the lighthouse failed to answer (it died,
+#: or is restarting): torchft spreads its retries over the quorum timeout, so their number is
+#: the timeout divided by this.
+QUORUM_RETRY_INTERVAL_S = 1.0
+
+
+def fresh_rendezvous_address(store_addr: str, world_size: int, timeout: timedelta) -> str:
+    """``store_addr`` (torchft's ``host:port/torchft/<quorum id>/<rank>``) with one more prefix
+    level that no earlier rendezvous of the same quorum id used.
+
+    torchft keys the process-group rendezvous of a quorum by the lighthouse's quorum id, and a
+    restarted lighthouse numbers its quorums from 1 again: a survivor's store may then still
+    hold the keys of the old quorum of that number, and a member that reads a stale peer
+    address fails the rebuild. Each member adds 1 to a counter under the prefix; the members of
+    one rebuild together add ``world_size``, so ``(count - 1) // world_size`` is the same for all
+    of them and new for every rebuild. (A rebuild that a member died in leaves the counter out
+    of step; the next one then fails, is not committed, and gets a new quorum id.)"""
+    from torchft.process_group import create_store_client
+
+    store = create_store_client(store_addr, timeout=timeout)
+    rebuild = (store.add("rebuilds", 1) - 1) // world_size
+    return f"{store_addr}/rebuild_{rebuild}"
+
+
+def fresh_rendezvous_process_group(backend: str, timeout: timedelta) -> Any:
+    """torchft's reconfigurable process group for ``backend`` (``nccl`` or ``gloo``), rebuilt
+    at every quorum on fresh rendezvous keys (:func:`fresh_rendezvous_address`)."""
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+    base = ProcessGroupNCCL if backend == "nccl" else ProcessGroupGloo
+
+    class FreshRendezvous(base):  # type: ignore[valid-type,misc]  # a class chosen at run time
+        def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
+                      *args: Any, **kwargs: Any) -> None:  # fmt: skip
+            address = fresh_rendezvous_address(store_addr, world_size, timeout)
+            super().configure(address, replica_id, rank, world_size, *args, **kwargs)
+
+    return FreshRendezvous(timeout=timeout)
+
+
+def build_ft_manager(
+    job_config: JobConfig,
+    parallel_dims: ParallelDims,
+    states: dict[str, Stateful],
+    *,
+    use_async_quorum: bool = False,
+    init_sync: bool = True,
+    quorum_timeout_s: float | None = None,
+) -> FTManager | None:
+    """This rank's FTManager, from ``[fault_tolerance]``; None when it is off. The torchft
+    Manager itself is built by ``FTManager.start()``. Fails at once (``TorchftVersionError``)
+    when the installed torchft is not the one ``torchft_adapter`` was written for.
+
+    The quorum is synchronous by default: ``start_step`` waits for it anyway (to skip a quorum
+    that is too small), and healing then happens before the forward pass, on the main thread,
+    so a joiner trains in its first step instead of sending zeros, and no state is read by
+    torchft's quorum thread while the model runs (FSDP swaps parameters during forward).
+    ``quorum_timeout_s``: the longest quorum wait the trainer will ask for (default
+    ``fault_tolerance.quorum_timeout_s``), the Manager's default timeout for the quorums that
+    torchft's own algorithms start.
+    """
+    ft = job_config.fault_tolerance
+    if not ft.enable:
+        return None
+    # The Manager built below relies on torchft internals (torchft_adapter): check the version
+    # here, before the model's state is registered with anything.
+    torchft_adapter.check_version()
+    # torchft's Rust side logs every quorum and commit at INFO; keep its warnings only
+    # unless the user asked otherwise (RUST_LOG=info shows them again).
+    os.environ.setdefault("RUST_LOG", "warn")
+    torchft_adapter.quiet_known_noise()
+    address = lighthouse_address(job_config)
+    longest_quorum_s = max(ft.quorum_timeout_s, quorum_timeout_s or 0.0)
+
+    def build_manager() -> Any:
+        from torchft import Manager
+        from torchft.checkpointing.pg_transport import PGTransport
+
+        backend = ft.process_group
+        if backend == "auto":
+            backend = "nccl" if parallel_dims.device.type == "cuda" else "gloo"
+        pg = fresh_rendezvous_process_group(
+            backend, timedelta(milliseconds=ft.process_group_timeout_ms)
+        )
+        # Healing goes over the replicate process group itself (no extra HTTP server listening
+        # on every interface and serving the whole model unauthenticated).
+        transport = PGTransport(
+            pg, timeout=timedelta(seconds=ft.timeout_s), device=parallel_dims.device
+        )
+        try:
+            with torchft_adapter.manager_server_bound_to(bind_ip(ft.hostname)):
+                manager = Manager(
+                    pg=pg,
+                    load_state_dict=None,
+                    state_dict=None,
+                    min_replica_size=ft.min_replica_size,
+                    use_async_quorum=use_async_quorum,
+                    timeout=timedelta(seconds=ft.timeout_s),
+                    quorum_timeout=timedelta(seconds=quorum_timeout_s or ft.quorum_timeout_s),
+                    connect_timeout=timedelta(seconds=ft.connect_timeout_s),
+                    rank=parallel_dims.rank,
+                    world_size=parallel_dims.world_size,
+                    lighthouse_addr=address,
+                    replica_id=f"replica_{ft.replica_id}",
+                    hostname=ft.hostname,
+                    checkpoint_transport=transport,
+                    init_sync=init_sync,
+                    # A quorum request that the lighthouse cannot answer (it died or restarts)
+                    # is re-sent about every QUORUM_RETRY_INTERVAL_S until the timeout, so a
+                    # lighthouse restarted on the same address is found again.
+                    quorum_retries=math.ceil(longest_quorum_s / QUORUM_RETRY_INTERVAL_S),
+                )
+        except RuntimeError as e:
+            if "failed to connect" not in str(e):
+                raise
+            raise FaultToleranceError(
+                f"cannot reach the torchft lighthouse at {address} within "
+                f"fault_tolerance.connect_timeout_s={ft.connect_timeout_s:g}s. Is "
+                "torchft_lighthouse running there, and is fault_tolerance.lighthouse (or env "
+                f"TORCHFT_LIGHTHOUSE) right? ({str(e).splitlines()[0]})"
+            ) from e
+        logger.info(
+            f"[ft] replica group {ft.replica_id} of {ft.group_size}, {backend}, lighthouse "
+            f"{address}, min_replica_size {ft.min_replica_size}, listening on {ft.hostname}"
+        )
+        return manager
+
+    ft_manager = FTManager(job_config, build_manager, parallel_dims.dp_mesh)
+    for name, state in states.items():
+        if name not in NOT_HEALED:
+            ft_manager.register_state(name, state)
+    return ft_manager

@@ -1,0 +1,348 @@
+"""``FTManager``: this rank's torchft Manager, and what the trainer does with it each step
+(join a bounded quorum, average gradients, decide the commit). What a step, a dead group and
+a restarted group do is written in ``docs/fault_tolerance.md``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from torchtitan.components.ft.errors import FaultToleranceError
+from torchtitan.components.ft.healing import register_healing_state
+from torchtitan.components.ft.network import lighthouse_address, lighthouse_reachable
+from torchtitan.components.ft.watchdog import QuorumWaitWatchdog
+from torchtitan.config.job_config import JobConfig
+from torchtitan.tools.logging import logger
+
+
+class FTManager:
+    """This rank's torchft Manager, and what the trainer does with it each step.
+
+    The torchft Manager is built by :meth:`start`, not here: its server starts heartbeating to
+    the lighthouse the moment it exists, and the lighthouse counts a heartbeating group that
+    has not asked for a quorum against the others (a quorum needs more than half of the
+    heartbeating groups). So a (re)starting group becomes visible only once its model, data
+    and checkpoint are ready and it can ask for its first quorum at once. Until then, state
+    registered for healing is kept here and the Manager's step (``state_dict``; checkpointed
+    as ``ft_manager``) is held for it.
+    """
+
+    def __init__(
+        self,
+        job_config: JobConfig,
+        build_manager: Callable[[], Any],
+        mesh: DeviceMesh | None = None,
+        poll_s: float = 1.0,
+    ) -> None:
+        ft = job_config.fault_tolerance
+        self._build_manager = build_manager
+        self._manager: Any = None
+        self.group_size = ft.group_size
+        self.replica_id = ft.replica_id
+        self.min_replica_size = ft.min_replica_size
+        self.quorum_timeout_s = ft.quorum_timeout_s
+        self.timeout_s = ft.timeout_s
+        self.max_consecutive_failures = ft.max_consecutive_failures
+        self.lighthouse = lighthouse_address(job_config)
+        self.mesh = mesh
+        self.poll_s = poll_s
+        self._pending: list[tuple[str, Callable[[Any], None], Callable[[], Any]]] = []
+        self._pending_step: dict[str, int] | None = None
+        self._quorum_ready = False
+        self._last_quorum_size = 0
+        self._needed = ft.group_size
+        self._healed: list[str] = []
+        self._last_commit: float | None = None
+        self._last_participants = 0
+        self._uncommitted = 0
+        #: Commits and commit attempts (steps or syncs) of this process.
+        self.commits = 0
+        self.attempts = 0
+        #: What the current wait is for, and what it needs, in the watchdog's lines ("step 12",
+        #: "sync #3"; default: the groups join_quorum needs).
+        self.waiting_for = ""
+        self.waiting_needs = ""
+        self.watchdog = QuorumWaitWatchdog(self._describe_wait)
+
+    # ---- life cycle --------------------------------------------------------------------------
+
+    @property
+    def started(self) -> bool:
+        return self._manager is not None
+
+    @property
+    def manager(self) -> Any:
+        """The torchft Manager (after :meth:`start`)."""
+        if self._manager is None:
+            raise RuntimeError("FTManager.start() has not been called: no torchft Manager yet")
+        return self._manager
+
+    def start(self) -> None:
+        """Build the torchft Manager (heartbeats to the lighthouse start now), give it the
+        state registered so far and the step loaded from a checkpoint."""
+        if self._manager is not None:
+            return
+        self._manager = self._build_manager()
+        if self._pending_step is not None:
+            self._manager.load_state_dict(self._pending_step)
+        for key, load, save in self._pending:
+            self._manager.register_state_dict_fn(key, load, save)
+        self._pending.clear()
+
+    # ---- state -----------------------------------------------------------------------------
+
+    def register_state(self, name: str, state: Stateful) -> None:
+        """Send ``state`` to joining groups and load it from a peer when this group heals."""
+        register_healing_state(self, name, state, self.mesh, self._healed.append)
+
+    def register_state_dict_fn(
+        self, key: str, load: Callable[[Any], None], save: Callable[[], Any]
+    ) -> None:
+        """torchft's ``Manager.register_state_dict_fn``, also before :meth:`start`."""
+        if self._manager is None:
+            self._pending.append((key, load, save))
+        else:
+            self._manager.register_state_dict_fn(key, load, save)
+
+    def state_dict(self) -> dict[str, int]:
+        """The Manager's step and committed-batch count (for checkpoints)."""
+        if self._manager is not None:
+            return self._manager.state_dict()
+        return dict(self._pending_step or {"step": 0, "batches_committed": 0})
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if self._manager is not None:
+            self._manager.load_state_dict(state)
+        else:
+            self._pending_step = {k: int(v) for k, v in state.items()}
+
+    # ---- quorum ----------------------------------------------------------------------------
+
+    def _groups_needed(self) -> int:
+        # Before the job's first committed step every group must be there (the first group up
+        # must not train alone); later min_replica_size. Every member of a quorum sees the same
+        # step (a group behind heals to it) and size, so all decide alike.
+        return self.group_size if self.manager.current_step() == 0 else self.min_replica_size
+
+    def _describe_wait(self, waited: float) -> str:
+        what = self.waiting_for or f"step {self.manager.current_step() + 1}"
+        if self.waiting_needs:
+            need = self.waiting_needs
+        elif self._needed >= self.group_size and self.manager.current_step() <= 0:
+            need = f"all {self.group_size} replica groups needed before step 1"
+        else:
+            need = f"min_replica_size={self._needed} groups needed"
+        reach = "" if lighthouse_reachable(self.lighthouse) else " (UNREACHABLE)"
+        return (
+            f"[ft] {what}: waiting for a quorum for {waited:.0f}s; {need}, "
+            f"{self._last_quorum_size} in the last quorum (lighthouse {self.lighthouse}"
+            f"{reach}; gives up after {self._timeout_field}={self._timeout_s:g}s)"
+        )
+
+    _timeout_field = "fault_tolerance.quorum_timeout_s"
+    _timeout_s = 0.0
+
+    def join_quorum(
+        self,
+        needed: int | None = None,
+        timeout_s: float | None = None,
+        timeout_field: str = "fault_tolerance.quorum_timeout_s",
+        accept: Callable[[], bool] | None = None,
+    ) -> float:
+        """Join a quorum with at least ``needed`` groups (default: all groups before the
+        job's first commit, ``min_replica_size`` after) for which ``accept()`` (a check every
+        member makes alike, e.g. after exchanging a few numbers) holds; return the wait.
+
+        A quorum that is too small or not accepted is skipped by all its members alike: no
+        collective is started in it, and it is closed with a failed ``should_commit`` (which
+        also applies any state a joiner received in it). Waiting is bounded by ``timeout_s``
+        (``timeout_field``, named in the error): a lighthouse that is down is retried within
+        that time (torchft's quorum retries), so a restarted lighthouse is picked up again.
+        """
+        self._timeout_s = self.quorum_timeout_s if timeout_s is None else timeout_s
+        self._timeout_field = timeout_field
+        start = time.monotonic()
+        deadline = start + self._timeout_s
+        self._healed.clear()
+        self.watchdog.begin()
+        while True:
+            try:
+                remaining = max(deadline - time.monotonic(), 1.0)
+                self.manager.start_quorum(timeout=timedelta(seconds=remaining))
+                self.manager.wait_quorum()
+            except FaultToleranceError:  # a check of the healed state failed: say that
+                self.watchdog.end()
+                raise
+            except Exception as e:
+                self.watchdog.end()
+                raise FaultToleranceError(self._quorum_failure(e)) from e
+            size = self.manager.num_participants()
+            self._last_quorum_size = size
+            self._needed = self._groups_needed() if needed is None else needed
+            try:
+                if size >= self._needed and (accept is None or accept()):
+                    break
+            except BaseException:
+                self.watchdog.end()
+                raise
+            self.manager.report_error(RuntimeError(f"quorum of {size} not used"))
+            self.manager.should_commit()
+            if time.monotonic() >= deadline:
+                self.watchdog.end()
+                raise FaultToleranceError(self._too_few_groups(size))
+            time.sleep(self.poll_s)
+        waited = self.watchdog.end()
+        what = self.waiting_for or f"step {self.manager.current_step() + 1}"
+        if waited >= QuorumWaitWatchdog.FIRST_REPORT_S:
+            logger.info(f"[ft] {what}: quorum of {size} group(s) after waiting {waited:.1f}s")
+        if self._healed:
+            logger.info(
+                f"[ft] {what}: healed from a live peer "
+                f"({', '.join(dict.fromkeys(self._healed))}) in "
+                f"{time.monotonic() - start:.2f}s (quorum + transfer)"
+            )
+        return waited
+
+    def _quorum_failure(self, error: Exception) -> str:
+        what = self.waiting_for or f"step {self.manager.current_step() + 1}"
+        if not lighthouse_reachable(self.lighthouse):
+            return (
+                f"the torchft lighthouse at {self.lighthouse} is unreachable: replica group "
+                f"{self.replica_id} got no quorum for {what} within {self._timeout_field}="
+                f"{self._timeout_s:g}s. Restart torchft_lighthouse there (groups pick up a "
+                "restarted lighthouse by themselves while they wait)."
+            )
+        return (
+            f"no quorum from the lighthouse at {self.lighthouse} (replica group "
+            f"{self.replica_id}, {what}) within {self._timeout_field}={self._timeout_s:g}s: "
+            f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}. "
+            f"A slower replica group or a longer period needs a larger {self._timeout_field}."
+        )
+
+    def _too_few_groups(self, size: int) -> str:
+        if self.manager.current_step() <= 0 and self._needed >= self.group_size:
+            fix = (
+                "a new job starts only with all fault_tolerance.group_size groups: start the "
+                "missing ones, or lower group_size"
+            )
+        else:
+            fix = "start the missing groups, or lower fault_tolerance.min_replica_size"
+        return (
+            f"replica group {self.replica_id}: waited {self._timeout_s:g}s "
+            f"({self._timeout_field}) for a quorum of {self._needed} groups; the last one had "
+            f"{size}: {fix}."
+        )
+
+    def start_step(self) -> None:
+        """Join the quorum of this step (heal if behind), unless ``wait_for_full_quorum``
+        already holds one for it. Blocks until the quorum has enough groups."""
+        if self._quorum_ready:
+            self._quorum_ready = False
+            return
+        self.join_quorum()
+
+    def wait_for_full_quorum(self) -> None:
+        """Before the loop: join the first quorum now (all ``group_size`` groups for a new
+        job, ``min_replica_size`` for one that already committed steps) and keep it for the
+        first ``start_step``."""
+        start = time.perf_counter()
+        self.join_quorum()
+        self._quorum_ready = True
+        logger.info(
+            f"[ft] first quorum: {self.manager.num_participants()} group(s), manager step "
+            f"{self.manager.current_step()}, after {time.perf_counter() - start:.1f}s"
+        )
+
+    def allreduce_gradients(self, model: nn.Module) -> None:
+        """Average the gradients of this rank's shard across the replica groups in the quorum.
+
+        Gradients are flattened into one buffer per dtype so a step costs one collective. A
+        failure (a peer died) does not raise: torchft records it and ``should_commit`` says no.
+        """
+        grads = [
+            p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            for p in model.parameters()
+            if p.grad is not None
+        ]
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for grad in grads:
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+        for group in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in group])
+            self.manager.allreduce(flat).wait()
+            offset = 0
+            for g in group:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def should_commit(self, unit: str = "step") -> bool:
+        """True when every rank of this group finished this step (or sync) without error.
+        (torchft decides per group: another group may decide otherwise; it then heals at the
+        next quorum.) The first commit after a failure or a change of the quorum's size logs
+        how long commits stalled. ``fault_tolerance.max_consecutive_failures`` failures in a
+        row stop the run with the cause torchft recorded."""
+        self.attempts += 1
+        try:
+            committed = self.manager.should_commit()
+        except TimeoutError as e:  # the ranks of this group did not all answer in time
+            raise FaultToleranceError(
+                f"replica group {self.replica_id}: should_commit of this {unit} timed out "
+                f"(fault_tolerance.timeout_s={self.timeout_s:g}s): a rank of this group is "
+                f"stuck or slower than that ({str(e).splitlines()[0] if str(e) else 'timeout'})"
+            ) from e
+        now = time.monotonic()
+        if not committed:
+            self._uncommitted += 1
+            limit = self.max_consecutive_failures
+            if limit and self._uncommitted >= limit:
+                raise FaultToleranceError(
+                    f"replica group {self.replica_id}: {self._uncommitted} {unit}s in a row "
+                    f"were not committed (fault_tolerance.max_consecutive_failures={limit}); "
+                    f"the last cause: {self.last_error()}"
+                )
+            return False
+        self.commits += 1
+        size = self.manager.num_participants()
+        changed = self._last_participants and size != self._last_participants
+        if self._last_commit is not None and (self._uncommitted or changed):
+            number = self.manager.current_step()
+            what = f"sync #{number}" if unit == "sync" else f"step {number}"
+            logger.info(
+                f"[ft] {what}: committed by {size} group(s) (was "
+                f"{self._last_participants}) after {self._uncommitted} uncommitted {unit}(s); "
+                f"stall: {now - self._last_commit:.2f}s since the previous commit"
+            )
+        self._last_commit = now
+        self._last_participants = size
+        self._uncommitted = 0
+        return True
+
+    def last_error(self) -> str:
+        """One line: the error torchft recorded in the current quorum (or why none is known)."""
+        error = self.manager.errored()
+        if error is None:
+            return "none recorded (a peer group failed, or this group healed)"
+        error = getattr(error, "original_exception", error)
+        text = str(error).strip().splitlines()
+        return f"{type(error).__name__}: {text[0] if text else ''}"
+
+    def check_progress(self) -> None:
+        """At the end of training: a run that tried to commit and committed nothing failed."""
+        if self.attempts and not self.commits:
+            raise FaultToleranceError(
+                f"replica group {self.replica_id} committed none of its {self.attempts} "
+                f"attempts (the last cause: {self.last_error()}); nothing it trained counts"
+            )
+
+    def shutdown(self) -> None:
+        self.watchdog.stop()
+        if self._manager is not None:
+            self._manager.shutdown(wait=False)

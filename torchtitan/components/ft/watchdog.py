@@ -1,0 +1,58 @@
+"""Makes a long quorum wait visible in the log, without making a short one noisy."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from torchtitan.tools.logging import logger
+
+
+class QuorumWaitWatchdog:
+    """Logs, from a thread, while the trainer is blocked waiting for a quorum: after 5 s, then
+    at 10, 20, 40, 60 s and every 60 s after that. ``describe(waited_s)`` writes the line."""
+
+    FIRST_REPORT_S = 5.0
+    MAX_INTERVAL_S = 60.0
+
+    def __init__(self, describe: Callable[[float], str], tick_s: float = 0.25) -> None:
+        self._describe = describe
+        self._tick_s = tick_s
+        self._since: float | None = None
+        self._next_report = self.FIRST_REPORT_S
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.reports = 0
+        self._thread = threading.Thread(target=self._run, name="ft-watchdog", daemon=True)
+        self._thread.start()
+
+    def begin(self) -> None:
+        """The trainer starts waiting (no-op if it already is)."""
+        with self._lock:
+            if self._since is None:
+                self._since = time.monotonic()
+                self._next_report = self.FIRST_REPORT_S
+
+    def end(self) -> float:
+        """The wait is over; returns how long it lasted."""
+        with self._lock:
+            since, self._since = self._since, None
+        return 0.0 if since is None else time.monotonic() - since
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._tick_s):
+            with self._lock:
+                if self._since is None:
+                    continue
+                waited = time.monotonic() - self._since
+                if waited < self._next_report:
+                    continue
+                interval = min(self._next_report, self.MAX_INTERVAL_S)
+                self._next_report += interval
+            self.reports += 1
+            logger.warning(self._describe(waited))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

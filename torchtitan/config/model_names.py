@@ -1,0 +1,16 @@
+"""The model families and flavors a config may name, known without importing the models.
+
+``model.name`` and ``model.flavor`` are validated against this table, so that parsing a config
+never imports ``torchtitan.models`` (torch and every model). A family added to the train-spec
+registry (``torchtitan/models/__init__.py``) is added here too, with its flavors in the same
+order; ``tests/unit_tests/test_model.py`` checks that the two agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+#: Model family -> its flavors (the keys of its train spec's ``model_args``).
+MODEL_FLAVORS: Mapping[str, tuple[str, ...]] = {
+    "llama3": ("debugmodel", "debugmodel_small", "8B", "70B", "405B"),
+}
