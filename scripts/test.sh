@@ -1,12 +1,36 @@
 #!/usr/bin/env bash
-# Set up .venv if needed, then run the test suite (unit + integration). Extra args go to pytest,
-# e.g. scripts/test.sh tests/unit_tests -k config
+# Set up .venv if needed, then run, stopping at the first that fails and naming it:
+#   lint        ruff check .
+#   format      ruff format --check .
+#   typecheck   mypy (on torchtitan/, as configured in pyproject.toml)
+#   tests       pytest tests (unit + integration); collecting no tests is a failure
+# Extra args go to pytest, e.g. scripts/test.sh tests/unit_tests -k config; the three checks
+# run then too (seconds, once mypy's cache is warm).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh || exit 1
+
+fail() {  # step name, exit status, what went wrong
+  echo "error: scripts/test.sh: step '$1' failed (exit $2): $3" >&2
+  exit "$2"
+}
+
+check() {  # step name, command...
+  local name=$1
+  shift
+  echo "[test] $name: $*"
+  "$@" || fail "$name" $? "$*"
+}
+
+check lint .venv/bin/ruff check .
+check format .venv/bin/ruff format --check .
+check typecheck .venv/bin/mypy
+
+echo "[test] tests: pytest ${*:-tests}"
 .venv/bin/python -m pytest "${@:-tests}" -q -p no:cacheprovider
 code=$?
 if [[ $code == 5 ]]; then
-  echo "error: pytest collected no tests" >&2
+  fail tests "$code" "pytest collected no tests"
+elif [[ $code != 0 ]]; then
+  fail tests "$code" "pytest reported failures (see above)"
 fi
-exit $code

@@ -31,7 +31,7 @@ def resolve_trainer_class(custom_module: ModuleType | None, config: Any) -> type
         path = custom_module.trainer_for(config)
     elif custom_module is not None:
         path = getattr(custom_module, "TRAINER", None)
-    if path is None:
+    if custom_module is None or path is None:
         from torchtitan.trainer import Trainer
 
         return Trainer

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,7 @@ from torchtitan.config.manager import write_toml
 from torchtitan.datasets.text import build_dataloader
 from torchtitan.distributed import ParallelDims, init_distributed
 from torchtitan.models import get_train_spec
+from torchtitan.protocols.train_spec import InitWeights
 from torchtitan.tools.digest import tensor_digest
 from torchtitan.tools.logging import logger
 
@@ -174,7 +175,7 @@ class Trainer:
         model.to_empty(device=self.device)
         torch.manual_seed(self.seed)
         with torch.no_grad():
-            model.init_weights(buffer_device=self.device)
+            cast(InitWeights, model).init_weights(buffer_device=self.device)
         model.train()
         return model
 
@@ -283,6 +284,7 @@ class Trainer:
                 dist.all_reduce(have, op=dist.ReduceOp.MIN)
             if have.item() == 0:
                 break
+            assert batch is not None  # every rank has one: the MIN above is 1
             inputs, labels = (t.to(self.device) for t in batch)
             total[0] += self.loss_fn(self.model(inputs), labels).float()
             total[1] += 1

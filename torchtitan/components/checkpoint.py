@@ -51,7 +51,8 @@ def checkpoint_folder(job_config: JobConfig) -> Path:
 
 def scan_steps(folder: Path) -> tuple[list[int], list[int]]:
     """(complete, incomplete) checkpoint steps in ``folder``, each oldest first."""
-    complete, incomplete = [], []
+    complete: list[int] = []
+    incomplete: list[int] = []
     if folder.is_dir():
         for entry in folder.iterdir():
             match = _STEP_DIR.match(entry.name)

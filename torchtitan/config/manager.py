@@ -36,12 +36,15 @@ import types
 import typing
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union, get_args, get_origin
 
 import tyro
 from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec, PrimitiveTypeInfo
 
 from torchtitan.config.job_config import ConfigError, JobConfig, to_dict
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 __all__ = [
     "ConfigError",
@@ -56,7 +59,7 @@ __all__ = [
     "write_toml",
 ]
 
-T = TypeVar("T")
+T = TypeVar("T", bound="DataclassInstance")
 
 
 class ConfigManager:
@@ -124,7 +127,11 @@ def _indented_docstrings_as_paragraphs() -> Iterator[None]:
     from tyro import _strings
 
     original = _strings.remove_single_line_breaks
-    _strings.remove_single_line_breaks = lambda text: original(inspect.cleandoc(text))
+
+    def remove_single_line_breaks(helptext: str) -> str:
+        return original(inspect.cleandoc(helptext))
+
+    _strings.remove_single_line_breaks = remove_single_line_breaks
     try:
         yield
     finally:
@@ -163,9 +170,6 @@ def _import_custom_module(name: str) -> types.ModuleType:
     return module
 
 
-# Cached so that merging the same pair twice gives the same class: configs parsed separately
-# then compare equal (dataclass __eq__ requires the same class).
-@functools.cache
 def merge_configs(base_cls: type[T], custom_cls: type) -> type[T]:
     """A new JobConfig class: ``base_cls`` extended by ``custom_cls`` (a dataclass whose fields
     are section dataclasses, as in a custom args module).
@@ -175,6 +179,15 @@ def merge_configs(base_cls: type[T], custom_cls: type) -> type[T]:
     Merged classes inherit from both inputs, so ``isinstance`` against either holds, methods
     such as ``to_dict`` survive, and tyro finds every field's docstring along the MRO.
     """
+    # The cache sits on an untyped helper: mypy takes a dataclass class for unhashable
+    # (its instances are), so it would reject ``type[T]`` as an argument of a cached function.
+    return _merge_configs(base_cls, custom_cls)
+
+
+# Cached so that merging the same pair twice gives the same class: configs parsed separately
+# then compare equal (dataclass __eq__ requires the same class).
+@functools.cache
+def _merge_configs(base_cls: type, custom_cls: type) -> type:
     base_hints = typing.get_type_hints(base_cls)
     custom_hints = typing.get_type_hints(custom_cls)
     sections: dict[str, type] = {f.name: base_hints[f.name] for f in dataclasses.fields(base_cls)}
@@ -230,7 +243,10 @@ def _derived_dataclass(
 
 
 def _rebuild(kind: str, base: type, custom: type, state: dict[str, Any]) -> Any:
-    cls = merge_configs(base, custom) if kind == "config" else _merge_section(base, custom)
+    # type[object], not type: for a plain ``type`` mypy takes cls.__new__ for the metaclass's.
+    cls: type[object] = (
+        merge_configs(base, custom) if kind == "config" else _merge_section(base, custom)
+    )
     obj = cls.__new__(cls)
     obj.__dict__.update(state)
     return obj

@@ -188,6 +188,9 @@ class TextDataLoader(DataLoader):
     iteration, so every validation sees the same batches.
     """
 
+    # What __init__ was given (DataLoader declares any Dataset): its state is the loader's.
+    dataset: TextDataset
+
     def __init__(self, dataset: TextDataset, batch_size: int, rewind: bool = False) -> None:
         if batch_size < 1:
             raise ValueError(f"local_batch_size={batch_size} must be at least 1")
@@ -197,13 +200,13 @@ class TextDataLoader(DataLoader):
         self.rewind = rewind
         self._key = f"dp_rank_{dataset.rank}"
 
-    def __iter__(self) -> Iterator[Sample]:  # type: ignore[override]
+    def __iter__(self) -> Iterator[Sample]:  # type: ignore[override]  # torch's type is private
         if self.rewind:
-            self.dataset.reset()  # type: ignore[attr-defined]
+            self.dataset.reset()
         return super().__iter__()
 
     def state_dict(self) -> dict[str, Any]:
-        return {self._key: self.dataset.state_dict()}  # type: ignore[attr-defined]
+        return {self._key: self.dataset.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self._key not in state:
@@ -212,7 +215,7 @@ class TextDataLoader(DataLoader):
                 f"{sorted(state)}. Resume with the same data-parallel layout, or skip the data "
                 'position with checkpoint.exclude_from_loading=["dataloader"]'
             )
-        self.dataset.load_state_dict(state[self._key])  # type: ignore[attr-defined]
+        self.dataset.load_state_dict(state[self._key])
 
 
 def build_dataloader(

@@ -27,6 +27,15 @@ class ModelArgs(Protocol):
         """(parameter count, training FLOPs per token: forward + backward)."""
 
 
+class InitWeights(Protocol):
+    """The call that initialises a built model (see :class:`TrainSpec`). The trainer holds the
+    model as an ``nn.Module``, which types such attributes as Tensor | Module: it casts to this.
+    """
+
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """Initialise every parameter and buffer in place; buffers go to ``buffer_device``."""
+
+
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 

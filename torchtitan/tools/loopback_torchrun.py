@@ -23,7 +23,8 @@ from torch.distributed import TCPStore
 
 def _loopback_ip(host: str) -> str | None:
     try:
-        ip = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+        # str(): typeshed's sockaddr also covers families whose address is an int.
+        ip = str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
     except (OSError, UnicodeError):
         return None
     return ip if ipaddress.ip_address(ip).is_loopback else None

@@ -48,7 +48,8 @@ def bind_ip(hostname: str) -> str:
     except ValueError:
         pass
     try:
-        return socket.getaddrinfo(hostname, None, type=socket.SOCK_STREAM)[0][4][0]
+        # str(): typeshed's sockaddr also covers families whose address is an int.
+        return str(socket.getaddrinfo(hostname, None, type=socket.SOCK_STREAM)[0][4][0])
     except OSError as e:
         raise FaultToleranceError(
             f"fault_tolerance.hostname: {hostname!r} does not resolve ({e}); use this host's "

@@ -86,11 +86,11 @@ def manager_server_bound_to(ip: str) -> Iterator[None]:
         port = bind.rsplit(":", 1)[1]
         return original(*args, bind=host_port(ip, port), **kwargs)
 
-    torchft_manager.ManagerServer = bound_server  # type: ignore[misc]
+    torchft_manager.ManagerServer = bound_server
     try:
         yield
     finally:
-        torchft_manager.ManagerServer = original  # type: ignore[misc]
+        torchft_manager.ManagerServer = original
 
 
 def quiet_known_noise() -> None:

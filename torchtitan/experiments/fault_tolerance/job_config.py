@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 from torchtitan.config.job_config import ConfigError
 from torchtitan.config.job_config import FaultTolerance as CoreFaultTolerance
 from torchtitan.config.job_config import JobConfig as CoreJobConfig
+
+if TYPE_CHECKING:
+    from torch import nn
 
 SEMI_SYNC_TRAINER = "torchtitan.experiments.fault_tolerance.trainer:SemiSyncTrainer"
 CORE_TRAINER = "torchtitan.trainer:Trainer"
@@ -24,7 +28,15 @@ SEMI_SYNC_METHODS = {"localsgd": "localsgd", "local_sgd": "localsgd", "diloco": 
 
 def trainer_for(config: CoreJobConfig) -> str:
     """The trainer class this config runs: semi-sync with a method, else the core trainer."""
-    return SEMI_SYNC_TRAINER if config.fault_tolerance.semi_sync_method else CORE_TRAINER
+    return SEMI_SYNC_TRAINER if semi_sync_config(config).semi_sync_method else CORE_TRAINER
+
+
+def semi_sync_config(config: CoreJobConfig) -> FaultTolerance:
+    """``config.fault_tolerance`` with this module's fields, for a config parsed with this
+    custom args module."""
+    # The config manager merges this module's section into the core one at run time, so the
+    # object is this class; statically the core JobConfig only knows the core section.
+    return cast(FaultTolerance, config.fault_tolerance)
 
 
 @dataclass
@@ -208,7 +220,8 @@ class FaultTolerance(CoreFaultTolerance):
                 "must be in [0, 1]",
             )
         model = _meta_model(config)
-        n_layers = len(model.layers)
+        # cast: nn.Module types attributes it looks up at run time as Tensor | Module.
+        n_layers = len(cast("nn.ModuleDict", model.layers))
         if self.num_fragments > n_layers:
             raise ConfigError(
                 "fault_tolerance.num_fragments",
@@ -219,10 +232,10 @@ class FaultTolerance(CoreFaultTolerance):
             check_fragment_fqns(model, self.module_fqns_per_model_fragment)
 
 
-def check_fragment_fqns(model: object, fragments: list[list[str]]) -> None:
+def check_fragment_fqns(model: nn.Module, fragments: list[list[str]]) -> None:
     """Every name must be a module of ``model``; no module may be in two fragments (also not
     through a parent: ``layers`` and ``layers.0``)."""
-    modules = dict(model.named_modules())  # type: ignore[attr-defined]
+    modules = dict(model.named_modules())
     field_name = "fault_tolerance.module_fqns_per_model_fragment"
     seen: dict[str, int] = {}
     for index, names in enumerate(fragments):
@@ -244,7 +257,7 @@ def check_fragment_fqns(model: object, fragments: list[list[str]]) -> None:
             seen[name] = index
 
 
-def _meta_model(config: CoreJobConfig):  # noqa: ANN202  (a model of any family)
+def _meta_model(config: CoreJobConfig) -> nn.Module:
     """The configured model on the meta device: names and layer count, no memory."""
     import torch
 

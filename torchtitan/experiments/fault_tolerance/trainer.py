@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.ft import FaultToleranceError, FTManager, build_ft_manager
 from torchtitan.components.ft import torchft_adapter as tft
 from torchtitan.config.job_config import ConfigError, JobConfig
-from torchtitan.experiments.fault_tolerance.job_config import SEMI_SYNC_METHODS
+from torchtitan.experiments.fault_tolerance.job_config import SEMI_SYNC_METHODS, semi_sync_config
 from torchtitan.experiments.fault_tolerance.sync_quorum import (
     FRESH,
     RESUMED,
@@ -85,10 +85,11 @@ class ModelFragment(nn.Module):
 def fragment_module_names(model: nn.Module, job_config: JobConfig) -> list[list[str]]:
     """Module FQNs of each fragment, as ``[fault_tolerance]`` says: the explicit lists, or
     ``num_fragments`` runs of consecutive transformer blocks (embeddings with the first)."""
-    ft = job_config.fault_tolerance
+    ft = semi_sync_config(job_config)
     if ft.module_fqns_per_model_fragment:
         return [list(names) for names in ft.module_fqns_per_model_fragment]
-    blocks = [f"layers.{key}" for key in model.layers.keys()]  # type: ignore[union-attr]
+    # cast: nn.Module types attributes it looks up at run time as Tensor | Module.
+    blocks = [f"layers.{key}" for key in cast(nn.ModuleDict, model.layers).keys()]
     n = ft.num_fragments
     bounds = [round(i * len(blocks) / n) for i in range(n + 1)]
     names = [blocks[bounds[i] : bounds[i + 1]] for i in range(n)]
@@ -101,7 +102,7 @@ def build_model_fragments(model: nn.Module, job_config: JobConfig) -> list[nn.Mo
     """The model split into its sync fragments. One fragment: the model itself. Every parameter
     is in exactly one fragment: parameters of modules listed nowhere (e.g. the final norm and
     output, or the rest of a block when only ``layers.0.attention`` is listed) join the last."""
-    ft = job_config.fault_tolerance
+    ft = semi_sync_config(job_config)
     if ft.num_fragments == 1 and not ft.module_fqns_per_model_fragment:
         return [model]
     modules = dict(model.named_modules())
@@ -212,16 +213,18 @@ class SemiSyncTrainer(Trainer):
     """Trains with ``fault_tolerance.semi_sync_method`` (LocalSGD or DiLoCo) across groups."""
 
     params_agree_every_step = False  # they agree after each sync: see global_digest
+    # Never None here, unlike in the core Trainer: __init__ checks that fault tolerance is on.
+    ft: FTManager
 
     def __init__(self, job_config: JobConfig) -> None:
-        ft = job_config.fault_tolerance
-        method: str | None = ft.method  # type: ignore[attr-defined]  # the experiment's field
+        ft = semi_sync_config(job_config)
+        method = ft.method
         if method is None:
             # This class runs a semi-sync method and nothing else; synchronous FT is the core
             # Trainer's (trainer_for picks it), never a mode of this one.
             raise ConfigError(
                 "fault_tolerance.semi_sync_method",
-                ft.semi_sync_method,  # type: ignore[attr-defined]
+                ft.semi_sync_method,
                 f"SemiSyncTrainer needs one of {', '.join(SEMI_SYNC_METHODS)}; without a "
                 "method run the core Trainer (the custom args module's trainer_for picks it)",
             )
@@ -272,7 +275,8 @@ class SemiSyncTrainer(Trainer):
         )
         if len(self.fragments) > 1:
             for i, fragment in enumerate(self.fragments):
-                names = fragment.fqns()  # type: ignore[operator]
+                # cast: with more than one fragment, build_model_fragments made them all.
+                names = cast(ModelFragment, fragment).fqns()
                 logger.info(
                     f"[semi-sync] fragment {i}: {len(names)} tensors, {names[0]} .. {names[-1]}"
                 )
@@ -286,7 +290,7 @@ class SemiSyncTrainer(Trainer):
     def _build_diloco(self) -> Any:
         from torchft.local_sgd import DiLoCo
 
-        ft = self.job_config.fault_tolerance
+        ft = semi_sync_config(self.job_config)
         self.fragments = build_model_fragments(self.model, self.job_config)
         outer = [
             torch.optim.SGD(
@@ -328,7 +332,7 @@ class SemiSyncTrainer(Trainer):
             self.states,
             use_async_quorum=False,
             init_sync=False,
-            quorum_timeout_s=self.job_config.fault_tolerance.sync_quorum_timeout_s,
+            quorum_timeout_s=semi_sync_config(self.job_config).sync_quorum_timeout_s,
         )
 
     def join_replica_groups(self) -> None:
@@ -386,7 +390,7 @@ class SemiSyncTrainer(Trainer):
         * not healed (all starting, this one the newest): continue from its own position.
         """
         assert self.ft is not None
-        ft = self.job_config.fault_tolerance
+        ft = semi_sync_config(self.job_config)
         manager = self.ft.manager
         true_step = manager.current_step()
         self._start_role = RESUMED if (true_step > 0 or self.train_state.step > 0) else FRESH
@@ -451,7 +455,7 @@ class SemiSyncTrainer(Trainer):
         )
 
     def _announce(self, step: int) -> None:
-        manager = self.ft.manager  # type: ignore[union-attr]
+        manager = self.ft.manager
         manager.load_state_dict({"step": step, "batches_committed": manager.batches_committed()})
 
     def _join_sync(self, waited: float) -> None:
@@ -461,7 +465,7 @@ class SemiSyncTrainer(Trainer):
         tft.set_local_step(self.algorithm, self._peer["local_step"])
         logger.info(
             f"[semi-sync] healed from a live peer (replica group {self._peer['replica_id']}) at "
-            f"sync #{self.ft.manager.current_step() + 1}, train step "  # type: ignore[union-attr]
+            f"sync #{self.ft.manager.current_step() + 1}, train step "
             f"{self.train_state.step + 1}, inner step {self._peer['local_step']}/{self.period}: "
             f"joined the running job at its sync point {waited:.1f}s after asking; taking "
             "part in this sync"
@@ -496,7 +500,7 @@ class SemiSyncTrainer(Trainer):
         """Run by every member of a quorum with enough groups: exchange roles and digests, and
         decide alike whether to use the quorum (a starting group waits for all groups of a new
         job) and whether the groups agree."""
-        manager = self.ft.manager  # type: ignore[union-attr]
+        manager = self.ft.manager
         ft = self.job_config.fault_tolerance
         if self.starting:
             self._start_attempts += 1
@@ -531,7 +535,7 @@ class SemiSyncTrainer(Trainer):
             # Only starting groups, not all of them: a new job waits for all; a restarted one
             # goes on without a missing group after quorum_timeout_s.
             resumed = any(m.role == RESUMED for m in members)
-            grace = math.ceil(ft.quorum_timeout_s / self.ft.poll_s)  # type: ignore[union-attr]
+            grace = math.ceil(ft.quorum_timeout_s / self.ft.poll_s)
             if not resumed or max(m.attempts for m in members) < grace:
                 return False
         if running and any(m.role != RUNNING and not m.joined for m in members):
@@ -552,8 +556,8 @@ class SemiSyncTrainer(Trainer):
     def _digest_if_due(self) -> int | None:
         """A digest of the global parameters of the last sync, every ``agreement_check_every``
         syncs, whenever the quorum changed (a group (re)joined or left), and at start-up."""
-        manager = self.ft.manager  # type: ignore[union-attr]
-        every = self.job_config.fault_tolerance.agreement_check_every
+        manager = self.ft.manager
+        every = semi_sync_config(self.job_config).agreement_check_every
         quorum = tft.quorum_id(manager)
         due = (
             self.starting
@@ -572,7 +576,7 @@ class SemiSyncTrainer(Trainer):
         )
 
     def _act_on_disagreement(self, digests: list[int], no_majority: bool, minority: bool) -> None:
-        manager = self.ft.manager  # type: ignore[union-attr]
+        manager = self.ft.manager
         shown = ", ".join(f"{d & (2**64 - 1):016x}" for d in sorted(set(digests)))
         sync = manager.current_step() + 1
         if no_majority:
@@ -627,7 +631,7 @@ class SemiSyncTrainer(Trainer):
             )
         logger.info(
             f"[semi-sync] healed from a live peer (replica group {peer['replica_id']}) at sync "
-            f"#{self.ft.manager.current_step() + 1}, train step "  # type: ignore[union-attr]
+            f"#{self.ft.manager.current_step() + 1}, train step "
             f"{self.train_state.step + 1}, inner step {mine}/{self.period}"
         )
 
@@ -639,7 +643,7 @@ class SemiSyncTrainer(Trainer):
         model (a started all-reduce is let finish and dropped, alike in every group); LocalSGD
         runs a closing sync if the last step was not one."""
         steps_since = tft.local_step(self.algorithm)
-        manager = self.ft.manager  # type: ignore[union-attr]
+        manager = self.ft.manager
         if self.method == "localsgd":
             if steps_since:
                 self._sync_seconds, start = 0.0, time.perf_counter()
@@ -711,7 +715,7 @@ class SemiSyncTrainer(Trainer):
             self._report_sync(self.train_state.step + 1)  # inside the step's optimizer.step()
 
     def _report_sync(self, step: int) -> None:
-        manager = self.ft.manager  # type: ignore[union-attr]
+        manager = self.ft.manager
         # The failure count is reset to 0 by a commit and raised by a failed one, so right
         # after should_commit it is the verdict of this sync.
         committed = tft.commit_failures(manager) == 0
@@ -756,7 +760,7 @@ class SemiSyncTrainer(Trainer):
         waits up to one period for the running groups' next sync."""
         now = time.monotonic()
         last, self._period_start = self._period_start, now
-        timeout = self.job_config.fault_tolerance.sync_quorum_timeout_s
+        timeout = semi_sync_config(self.job_config).sync_quorum_timeout_s
         if last is None or self._warned_period or (now - last) * len(self.fragments) < timeout / 2:
             return
         self._warned_period = True

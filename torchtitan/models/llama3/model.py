@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -123,6 +124,10 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     """Decoder-only language model: ``forward(tokens[B, T]) -> float32 logits[B, T, vocab]``."""
 
+    # Buffers, declared for the type checker: register_buffer leaves them untyped.
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
     def __init__(self, args: TransformerModelArgs) -> None:
         super().__init__()
         args.validate()
@@ -154,7 +159,8 @@ class Transformer(nn.Module):
         # the residual stream O(1) from the start.
         _init_(self.tok_embeddings.weight, nn.init.normal_)
         for layer in self.layers.values():
-            layer.init_weights()
+            # cast: a ModuleDict types its values as plain Modules.
+            cast(TransformerBlock, layer).init_weights()
         self.norm.reset_parameters()
         # The last norm's output has unit RMS; std dim**-0.5 gives logits of unit scale.
         _trunc_normal(self.output.weight, self.args.dim**-0.5)

@@ -7,7 +7,7 @@ fault-tolerance experiment's fragments address the model by those names.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -32,7 +32,7 @@ def parallelize_llama(
     The order matters: compile must see the checkpointed block so it traces the recompute
     region, and FSDP2's hooks go outside both.
     """
-    blocks = list(model.layers.values())
+    blocks = _blocks(model)
     mode = job_config.activation_checkpoint.mode
     if mode == "full":
         for block in blocks:
@@ -52,6 +52,12 @@ def parallelize_llama(
         apply_fsdp(model, dp_mesh, job_config)
         logger.info("Applied FSDP2 over %d ranks", dp_mesh.size())
     return model
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks (``model.layers``), in order."""
+    # cast: nn.Module types attributes it looks up at run time as Tensor | Module.
+    return list(cast(nn.ModuleDict, model.layers).values())
 
 
 def apply_activation_checkpointing(block: nn.Module) -> None:
@@ -83,7 +89,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, job_config: JobConfig) -> 
             f"parallelism.fsdp_reshard_after_forward={policy!r} is not supported; "
             "use 'default', 'always' or 'never'"
         )
-    blocks = list(model.layers.values())
+    blocks = _blocks(model)
     for i, block in enumerate(blocks):
         if policy == "default":
             # Backward starts with the last block, so resharding it after forward would only
