@@ -61,7 +61,7 @@ def test_param_count_matches_num_flops_per_token() -> None:
         assert n_params == sum(p.numel() for p in model.parameters())
         embedding = args.vocab_size * args.dim
         head_dim = args.dim // args.n_heads
-        attention = 12 * args.n_layers * args.n_heads * head_dim * 256
+        attention = 6 * args.n_layers * args.n_heads * head_dim * 256  # causal: half of T x T
         assert flops == 6 * (n_params - embedding) + attention
     assert llama3_configs["debugmodel"].num_params() == 4_854_016
 

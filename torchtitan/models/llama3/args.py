@@ -107,9 +107,10 @@ class TransformerModelArgs:
         # twice that in backward (gradient of the input and of the weight): 6 per weight.
         # The embedding is a table lookup, not a matmul, so its weights do not count.
         matmul_params = n_params - self.vocab_size * self.dim
-        # Attention has no weights but does real work: per layer and token, q.k over T
-        # positions and the weighted sum of T values are 2 * (2 * H * Q * T) FLOPs in
-        # forward (H heads of width Q), times 3 for forward + backward = 12 * H * Q * T.
-        # Like PaLM's MFU convention we count the full T x T score matrix, not its causal half.
-        attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        # Attention has no weights but does real work: q.k and the weighted sum of values,
+        # each 2 * H * Q FLOPs per (token, position) pair in forward (H heads of width Q),
+        # times 3 for forward + backward. The mask is causal, so a token meets on average
+        # half of the T positions: 2 * 2 * H * Q * (T / 2) * 3 = 6 * H * Q * T per layer.
+        # (PaLM's convention counts the full T x T matrix: twice the work a causal model does.)
+        attention = 6 * self.n_layers * self.n_heads * self.head_dim * seq_len
         return n_params, float(6 * matmul_params + attention)
