@@ -9,7 +9,6 @@ from datetime import timedelta
 
 import pytest
 
-from tests.integration_tests.harness import listening_sockets
 from torchtitan.components.ft import (
     FaultToleranceError,
     _host_port,
@@ -17,6 +16,7 @@ from torchtitan.components.ft import (
     bind_ip,
     listen_store,
 )
+from torchtitan.tools.cluster import listening_sockets
 from torchtitan.tools.loopback_torchrun import LoopbackTCPStore
 
 
