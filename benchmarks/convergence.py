@@ -39,6 +39,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ft_common as common  # noqa: E402
+import provenance  # noqa: E402
+
+from torchtitan.tools.cluster import LocalJob  # noqa: E402
 
 CONFIGS = ["single_group", "sync_dp", "localsgd", "diloco", "streaming_diloco"]
 BASE_METHOD = {"sync_dp": "sync_ft", "localsgd": "localsgd", "diloco": "diloco",
@@ -60,9 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--outer-momentum", type=float, default=0.9, help="its Nesterov momentum")
     p.add_argument("--sweep-outer-lr", type=float, nargs="+", help="sweep: DiLoCo only")
     p.add_argument("--sweep-outer-momentum", type=float, nargs="+", help="sweep: DiLoCo only")
-    p.add_argument("--sweep-out", type=Path, default=common.RESULTS / "convergence_sweep.json")
-    p.add_argument("--out", type=Path, default=common.RESULTS / "convergence.json")
-    p.add_argument("--png", type=Path, default=common.RESULTS / "convergence.png")
+    p.add_argument("--sweep-out", type=Path, help=provenance.output_help("convergence_sweep.json"))
+    p.add_argument("--out", type=Path, help=provenance.output_help("convergence.json"))
+    p.add_argument("--png", type=Path, help="chart (default: --out, as .png)")
     p.add_argument("--reuse", action="store_true",
                    help="keep the runs in --out (same settings); run the rest")  # fmt: skip
     args = p.parse_args(argv)
@@ -70,6 +73,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.smoke:
         args.seeds, args.steps, args.sync_steps, args.eval_batches = [0], 8, 4, 2
         args.flavor, args.seq_len, args.batch = "debugmodel_small", 32, 2
+    args.out = args.out or provenance.default_output("convergence.json", args.smoke)
+    args.sweep_out = args.sweep_out or provenance.default_output(
+        "convergence_sweep.json", args.smoke
+    )
+    args.png = args.png or args.out.with_suffix(".png")
     return args
 
 
@@ -103,13 +111,12 @@ def run_all(
                 continue
             if config == "single_group":
                 # One process, one thread (like each group of the others), twice the steps.
-                with common.Job(tmp / f"single_seed{seed}") as job:
-                    proc = job.start_trainer(
-                        f"single_seed{seed}", train_args(args, seed, single=True), threads=1
+                with LocalJob(tmp / f"single_seed{seed}") as job:
+                    single = common.start_alone(
+                        job, f"single_seed{seed}", train_args(args, seed, single=True)
                     )
-                    if proc.wait(7200) != 0:
-                        raise RuntimeError(f"{proc.name} failed:\n{proc.tail()}")
-                losses = common.validation_losses(proc.text())
+                    common.wait_all([single], timeout=7200)
+                losses = common.validation_losses(single.text())
                 curves[config][seed] = {
                     step * tokens_per_group_step: loss for step, loss in losses.items()
                 }
@@ -258,7 +265,8 @@ def sweep(args: argparse.Namespace) -> int:
                 "pass another --sweep-out (or delete it)"
             )
         rows, commands = old["rows"], old.get("commands") or [old["command"]]
-    commands.append(common.command_line(__file__, args.argv))
+    command = provenance.command_line(__file__, args.argv)
+    commands.append(command)
     args.configs = ["diloco"]
     for momentum in args.sweep_outer_momentum or [args.outer_momentum]:
         for lr in args.sweep_outer_lr or [args.outer_lr]:
@@ -285,12 +293,11 @@ def sweep(args: argparse.Namespace) -> int:
                 f"{final:.4f}  ratio to sync_dp {row['ratio_to_sync_dp']}",
                 flush=True,
             )
-            common.write_json(
+            provenance.write_result(
                 args.sweep_out,
                 {
                     "benchmark": "convergence_outer_optimizer_sweep",
                     "commands": commands,
-                    "machine": common.machine(),
                     "settings": {
                         **settings(args),
                         "outer_optimizer": "swept (rows)",
@@ -300,6 +307,7 @@ def sweep(args: argparse.Namespace) -> int:
                     "sync_dp_final_eval_loss_mean": base,
                     "rows": rows,
                 },
+                command,
             )
     print(f"[convergence] wrote {args.sweep_out}")
     return 0
@@ -311,13 +319,12 @@ def main(argv: list[str] | None = None) -> int:
         return sweep(args)
     load = common.load_average()
     curves = load_reusable(args)
+    command = provenance.command_line(__file__, argv)
 
     def save(curves: dict[str, dict[int, dict[int, float]]]) -> dict:
         done = {c: by_seed for c, by_seed in curves.items() if by_seed}
         result = {
             "benchmark": "convergence",
-            "command": common.command_line(__file__, argv),
-            "machine": common.machine(),
             "settings": {**settings(args), "load_avg_1min_at_start": round(load, 2)},
             "seeds": sorted({s for by_seed in done.values() for s in by_seed}),
             "summary": summarize(done),
@@ -330,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                 for config, by_seed in done.items()
             },
         }
-        common.write_json(args.out, result)
+        provenance.write_result(args.out, result, command)
         return result
 
     with tempfile.TemporaryDirectory(prefix="convergence_") as tmp:
@@ -343,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         + (" (Nesterov)" if args.outer_momentum > 0 else "")
     )
     result["png"] = plot({c: curves[c] for c in args.configs if curves.get(c)}, args.png, title)
-    common.write_json(args.out, result)
+    provenance.write_result(args.out, result, command)
     for config, row in result["summary"].items():
         print(
             f"[convergence] {config:17s} final eval loss {row['final_eval_loss_mean']:.4f}"

@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ft_common as common  # noqa: E402
+import provenance  # noqa: E402
 
 ORDER = ["no_ft", "sync_ft", "localsgd", "diloco", "streaming_diloco"]
 
@@ -44,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--methods", nargs="+", default=ORDER, choices=ORDER)
     p.add_argument("--max-load", type=float, default=1.5,
                    help="before each run wait (<= 2 min) for load below this")  # fmt: skip
-    p.add_argument("--out", type=Path, default=common.RESULTS / "ft_overhead.json")
+    p.add_argument("--out", type=Path, help=provenance.output_help("ft_overhead.json"))
     args = p.parse_args(argv)
     if args.smoke:
         args.repeats, args.steps, args.warmup_steps, args.sync_steps = 1, 8, 4, 4
@@ -52,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.max_load = float("inf")
     if "no_ft" not in args.methods:
         args.methods = ["no_ft", *args.methods]
+    args.out = args.out or provenance.default_output("ft_overhead.json", args.smoke)
     return args
 
 
@@ -108,8 +110,6 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(runs, args.methods)
     result = {
         "benchmark": "ft_overhead",
-        "command": common.command_line(__file__, argv),
-        "machine": common.machine(),
         "settings": {
             "groups": 2,
             "pinning": "group i on core i (taskset -c i), OMP_NUM_THREADS=1",
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         "target": {"diloco_ratio_to_no_ft": ">= 0.95"},
         "runs": runs,
     }
-    path = common.write_json(args.out, result)
+    path = provenance.write_result(args.out, result, provenance.command_line(__file__, argv))
     for method, row in summary.items():
         print(
             f"[ft_overhead] {method:17s} median tokens/s per group {row['tokens_per_s']:8.1f}"

@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ft_common as common  # noqa: E402
+import provenance  # noqa: E402
 from train_entry import BENCH_FLAVORS  # noqa: E402
 
 # method name -> (base method of ft_common.METHODS, extra semi-sync flags)
@@ -62,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--max-load", type=float, default=1.5)
-    p.add_argument("--out", type=Path, default=common.RESULTS / "memory.json")
+    p.add_argument("--out", type=Path, help=provenance.output_help("memory.json"))
     args = p.parse_args(argv)
     if args.smoke:
         args.repeats, args.steps, args.seq_len = 1, 4, 32
@@ -72,6 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for needed in ("no_ft", "diloco"):
         if needed not in args.variants:
             args.variants.insert(0, needed)
+    args.out = args.out or provenance.default_output("memory.json", args.smoke)
     return args
 
 
@@ -156,8 +158,6 @@ def main(argv: list[str] | None = None) -> int:
         small["param_mib"] = round(small_mib, 1)
     result = {
         "benchmark": "memory",
-        "command": common.command_line(__file__, argv),
-        "machine": common.machine(),
         "settings": {
             "flavor": args.flavor,
             "params": n_params,
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         "target": {"diloco extra_vs_no_ft_over_param_bytes": "<= 2.2 (floor 2)"},
         "runs": runs,
     }
-    path = common.write_json(args.out, result)
+    path = provenance.write_result(args.out, result, provenance.command_line(__file__, argv))
     for name, row in table.items():
         print(
             f"[memory] {name:30s} peak {row['median_max_rss_mib']:8.1f} MiB  extra/params "

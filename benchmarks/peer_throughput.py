@@ -37,6 +37,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ft_common as common  # noqa: E402
+import provenance  # noqa: E402
+
+from torchtitan.tools.cluster import LocalJob, free_port  # noqa: E402
 
 PEER_VENV = common.REPO / "benchmarks" / ".peer_venv"
 PEER_RUNNER = common.REPO / "benchmarks" / "peer_shim" / "run_peer.py"
@@ -65,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    choices=["flex-eager", "sdpa"],
                    help="peer attention: flex-eager (as shipped, shimmed) and/or sdpa")  # fmt: skip
     p.add_argument("--max-load", type=float, default=1.5)
-    p.add_argument("--out", type=Path, default=common.RESULTS / "peer_throughput.json")
+    p.add_argument("--out", type=Path, help=provenance.output_help("peer_throughput.json"))
     args = p.parse_args(argv)
     args.mm_sizes = (512, 1024, 2048)
     if args.smoke:
@@ -75,6 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.max_load = float("inf")
         if args.peer_python is None and not _peer_ready(PEER_VENV / "bin" / "python"):
             args.no_peer = True  # never install the peer in a smoke run
+    args.out = args.out or provenance.default_output("peer_throughput.json", args.smoke)
     return args
 
 
@@ -185,7 +189,7 @@ def run_ours(folder: Path, args: argparse.Namespace) -> dict:
         "--metrics.cpu_peak_flops=-1", "--metrics.disable_color_printing",
         "--optimizer.lr=2e-3", "--lr_scheduler.warmup_steps=20",
     ]  # fmt: skip
-    text, rss, seconds = _run(cmd, folder / "ours.log", args.threads)
+    text, rss, seconds = _run(cmd, folder, "ours", args.threads)
     rates = [(line["step"], line["tps"]) for line in common.step_lines(text)]
     return _result(rates, rss, seconds, args)
 
@@ -201,30 +205,23 @@ def run_peer(
         "--seq-len", str(args.seq_len),
         *[f"--{k.replace('_', '-')}={v}" for k, v in MODEL.items()],
     ]  # fmt: skip
-    text, rss, seconds = _run(cmd, folder / f"peer_{variant}.log", args.threads)
+    text, rss, seconds = _run(cmd, folder, f"peer_{variant}", args.threads)
     rates = [
         (int(m.group(1)), float(m.group(2).replace(",", ""))) for m in PEER_STEP.finditer(text)
     ]
     return _result(rates, rss, seconds, args)
 
 
-def _run(cmd: list[str], log: Path, threads: int) -> tuple[str, float, float]:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(common.free_port()))  # fmt: skip
+def _run(cmd: list[str], folder: Path, name: str, threads: int) -> tuple[str, float, float]:
+    """Run one trainer to the end, its output in ``folder/<name>.log``; returns its output, its
+    peak resident set (MiB) and its wall seconds."""
+    env = {"OMP_NUM_THREADS": str(threads), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}  # fmt: skip
     start = time.perf_counter()
-    with open(log, "w") as out:
-        popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                 cwd=common.REPO, start_new_session=True)  # fmt: skip
-    proc = common.Proc(log.stem, popen, log)
-    try:
-        code = proc.wait(timeout=1800)
-    finally:
-        if proc.returncode is None:
-            os.killpg(popen.pid, 9)
-            popen.wait()
-    if code != 0:
-        raise RuntimeError(f"{cmd[1]} exited with {code}:\n{proc.tail()}")
-    return proc.text(), proc.max_rss_mib or 0.0, time.perf_counter() - start
+    with LocalJob(folder) as job:
+        trainer = job.start_process(name, cmd, env)
+        common.wait_all([trainer], timeout=1800)
+    return trainer.text(), trainer.max_rss_mib or 0.0, time.perf_counter() - start
 
 
 def _result(rates: list[tuple[int, float]], rss: float, seconds: float, args) -> dict:
@@ -301,8 +298,6 @@ def main(argv: list[str] | None = None) -> int:
         )
     result = {
         "benchmark": "peer_throughput",
-        "command": common.command_line(__file__, argv),
-        "machine": common.machine(),
         "settings": {
             "model": MODEL,
             "params": n_params,
@@ -330,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "runs": runs,
     }
-    path = common.write_json(args.out, result)
+    path = provenance.write_result(args.out, result, provenance.command_line(__file__, argv))
     print(f"[peer_throughput] {json.dumps(summary)}")
     print(f"[peer_throughput] wrote {path}")
     return 0

@@ -9,8 +9,9 @@ about; groups meet only at syncs, so a kill costs at most the work since the las
 Lighthouse and groups run on 127.0.0.1 (free ports), group i pinned to core i, heartbeat
 timeout ``--heartbeat-timeout-ms``, process-group timeout ``--process-group-timeout-ms`` (the
 trainer's default, 10 s: it bounds a survivor's wait in a collective with a peer that died after
-joining its quorum). Each group is one process of ``benchmarks/timed_entry.py``
-(monotonic ``[timing]`` lines per step, received healing bytes).
+joining its quorum). Each group is one ``benchmarks/train_entry.py`` process with the trainers
+of ``benchmarks/timed_trainer.py`` (monotonic ``[timing]`` lines per step, received healing
+bytes).
 
 Part 1, recovery (``--kills`` times, alternating groups): once both groups have committed syncs,
 SIGKILL one group (its whole process group) and measure
@@ -48,22 +49,27 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import random
 import re
-import signal
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ft_common as common  # noqa: E402
+import provenance  # noqa: E402
 
-TIMED_ENTRY = Path(__file__).resolve().parent / "timed_entry.py"
+from torchtitan.tools.cluster import (  # noqa: E402
+    LighthouseSettings,
+    LocalJob,
+    PeriodicKills,
+    Process,
+    Restarts,
+)
+
 TIMING_LINE = re.compile(r"\[timing\] step (\d+) compute_s ([0-9.]+) t ([0-9.]+)")
 SYNC_LINE = re.compile(
     r"\[semi-sync\] step (\d+) sync: .*?(NOT committed|committed)\s+time (\d+) ms.*?groups (\d+)"
@@ -76,108 +82,51 @@ EVENT = re.compile(
     r"\[semi-sync\] step \d+ sync: .*|\[semi-sync\] healed from a live peer.*"
 )
 
-
-@dataclass
-class TimedJob(common.Job):
-    """``ft_common.Job`` running ``timed_entry.py``, with its own lighthouse settings."""
-
-    def _start(self, name: str, cmd: list[str], env: dict[str, str]) -> common.Proc:
-        cmd = [str(TIMED_ENTRY) if c == str(common.TRAIN_ENTRY) else c for c in cmd]
-        return super()._start(name, cmd, env)
-
-    def start_lighthouse_with(self, heartbeat_timeout_ms: int, join_timeout_ms: int) -> str:
-        port = common.free_port()
-        cmd = [
-            str(common.LIGHTHOUSE), "--min_replicas", "1", "--quorum_tick_ms", "100",
-            "--join_timeout_ms", str(join_timeout_ms),
-            "--heartbeat_timeout_ms", str(heartbeat_timeout_ms), "--bind", f"127.0.0.1:{port}",
-        ]  # fmt: skip
-        proc = self._start("lighthouse", cmd, dict(os.environ))
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if "listening on" in proc.text():
-                self.lighthouse_addr = f"http://127.0.0.1:{port}"
-                return self.lighthouse_addr
-            time.sleep(0.1)
-        raise RuntimeError(f"torchft_lighthouse did not start:\n{proc.tail()}")
+# ---- what a start of a group logged ---------------------------------------------------------
 
 
-@dataclass
-class Start:
-    """One start of one replica group."""
-
-    group: int
-    proc: common.Proc
-    started: float  # time.monotonic()
-    killed_at: float | None = None
-
-    def timings(self) -> list[tuple[int, float]]:
-        return [(int(m.group(1)), float(m.group(3))) for m in TIMING_LINE.finditer(self.text())]
-
-    def text(self) -> str:
-        return self.proc.text()
-
-    def committed_syncs(self) -> int:
-        return sum(1 for m in SYNC_LINE.finditer(self.text()) if m.group(2) == "committed")
+def timings(start: Process) -> list[tuple[int, float]]:
+    """(step, monotonic time at its end) of every step of one start of a group."""
+    return [(int(m.group(1)), float(m.group(3))) for m in TIMING_LINE.finditer(start.text())]
 
 
-@dataclass
-class Cluster:
-    job: TimedJob
-    train_args: list[str]
-    groups: int = 2
-    starts: list[Start] = field(default_factory=list)
+def committed_syncs(start: Process) -> int:
+    return sum(1 for m in SYNC_LINE.finditer(start.text()) if m.group(2) == "committed")
 
-    def start(self, group: int) -> Start:
-        k = sum(1 for s in self.starts if s.group == group)
-        proc = self.job.start_trainer(
-            f"g{group}_start{k}",
-            self.train_args,
-            replica_id=group,
-            groups=self.groups,
-            cpus=str(group % (os.cpu_count() or 1)),
+
+# ---- the job ---------------------------------------------------------------------------------
+
+
+def group_starts(job: LocalJob) -> list[Process]:
+    """Every start of every group, in the order they were started."""
+    return [p for p in job.processes if p.replica_id is not None]
+
+
+def crashed(job: LocalJob) -> list[Process]:
+    """Starts that exited without being killed by us."""
+    return [s for s in group_starts(job) if s.killed_at is None and not s.alive()]
+
+
+def check_alive(job: LocalJob) -> None:
+    for s in crashed(job):
+        raise RuntimeError(
+            f"group {s.replica_id} ({s.name}) exited with {s.returncode} "
+            f"without being killed:\n{s.tail()}"
         )
-        start = Start(group, proc, time.monotonic())
-        self.starts.append(start)
-        return start
-
-    def latest(self, group: int) -> Start:
-        return [s for s in self.starts if s.group == group][-1]
-
-    def kill(self, group: int) -> Start:
-        start = self.latest(group)
-        start.killed_at = time.monotonic()
-        try:
-            os.killpg(start.proc.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        start.proc.wait(30)
-        return start
-
-    def crashed(self) -> list[Start]:
-        """Starts that exited without being killed by us."""
-        return [s for s in self.starts if s.killed_at is None and s.proc.popen.poll() is not None]
-
-    def check_alive(self) -> None:
-        for s in self.crashed():
-            raise RuntimeError(
-                f"group {s.group} ({s.proc.name}) exited with {s.proc.popen.returncode} "
-                f"without being killed:\n{s.proc.tail()}"
-            )
 
 
 def wait_until(
-    predicate,  # noqa: ANN001
+    predicate: Callable[[], object],
     timeout: float,
     what: str,
-    cluster: Cluster,
+    job: LocalJob,
     poll_s: float = 0.1,
 ) -> float:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return time.monotonic()
-        cluster.check_alive()
+        check_alive(job)
         time.sleep(poll_s)
     raise TimeoutError(f"no {what} within {timeout:.0f}s")
 
@@ -231,12 +180,12 @@ def step_accounting(text: str, finished_by_us: bool) -> dict[str, int]:
     }
 
 
-def divergence(starts: list[Start]) -> dict[str, object]:
+def divergence(starts: list[Process]) -> dict[str, object]:
     """Compare every ``global_digest sync K`` logged by more than one group."""
     by_group: dict[int, dict[int, set[str]]] = {}
     for s in starts:
         for m in DIGEST_LINE.finditer(s.text()):
-            by_group.setdefault(s.group, {}).setdefault(int(m.group(1)), set()).add(m.group(2))
+            by_group.setdefault(s.replica_id, {}).setdefault(int(m.group(1)), set()).add(m.group(2))
     syncs = sorted({k for d in by_group.values() for k in d})
     compared, mismatched = 0, []
     for k in syncs:
@@ -253,53 +202,54 @@ def divergence(starts: list[Start]) -> dict[str, object]:
 
 
 @contextlib.contextmanager
-def two_groups(folder: Path, args: argparse.Namespace, train_args: list[str]) -> Iterator[Cluster]:
+def two_groups(folder: Path, args: argparse.Namespace, train_args: list[str]) -> Iterator[LocalJob]:
     """A lighthouse and two groups started with ``train_args``; all stopped at the end."""
-    with TimedJob(folder, ft_args=ft_args(args)) as job:
-        job.start_lighthouse_with(args.heartbeat_timeout_ms, args.join_timeout_ms)
-        cluster = Cluster(job, train_args)
-        for g in range(2):
-            cluster.start(g)
-        yield cluster
+    lighthouse = LighthouseSettings(
+        heartbeat_timeout_ms=args.heartbeat_timeout_ms, join_timeout_ms=args.join_timeout_ms
+    )
+    with common.trainer_job(
+        folder, 2, train_args, ft_args=ft_args(args), lighthouse=lighthouse
+    ) as job:
+        yield job.start()
 
 
-def wait_for_two_more_syncs(cluster: Cluster, args: argparse.Namespace) -> None:
+def wait_for_two_more_syncs(job: LocalJob, args: argparse.Namespace) -> None:
     """Wait until both groups have committed 2 more syncs: a steady pair to kill from."""
-    base = {g: cluster.latest(g).committed_syncs() for g in range(2)}
-    wait_until(lambda: all(cluster.latest(g).committed_syncs() >= base[g] + 2 for g in (0, 1)),
-               args.timeout, "2 committed syncs in both groups", cluster)  # fmt: skip
+    base = {g: committed_syncs(job.latest(g)) for g in range(2)}
+    wait_until(lambda: all(committed_syncs(job.latest(g)) >= base[g] + 2 for g in (0, 1)),
+               args.timeout, "2 committed syncs in both groups", job)  # fmt: skip
 
 
 def recovery_part(folder: Path, args: argparse.Namespace, train_args: list[str]) -> list[dict]:
     samples: list[dict] = []
-    with two_groups(folder, args, train_args) as cluster:
+    with two_groups(folder, args, train_args) as job:
         for i in range(args.kills):
             victim = 1 - (i % 2)  # group 1 first, then group 0, ...
             survivor = 1 - victim
-            wait_for_two_more_syncs(cluster, args)
+            wait_for_two_more_syncs(job, args)
             # Kill at a random point of the sync period (not right at a sync).
             time.sleep(random.Random(args.seed + i).uniform(0.0, 1.5))
-            killed = cluster.kill(victim)
+            killed = job.kill_group(victim)
             t_kill = killed.killed_at
             assert t_kill is not None
-            surv = cluster.latest(survivor)
+            surv = job.latest(survivor)
 
-            def next_committed_sync(s: Start = surv, t: float = t_kill) -> tuple | None:
+            def next_committed_sync(s: Process = surv, t: float = t_kill) -> tuple | None:
                 return committed_sync_after(s, t)
 
             wait_until(lambda: next_committed_sync() is not None, args.timeout,
-                       "committed sync of the survivor", cluster)  # fmt: skip
-            step_row = first_after(surv.timings(), t_kill)
+                       "committed sync of the survivor", job)  # fmt: skip
+            step_row = first_after(timings(surv), t_kill)
             sync_step, sync_t, sync_ms, sync_groups = next_committed_sync()  # type: ignore[misc]
             time.sleep(max(0.0, t_kill + args.restart_after - time.monotonic()))
-            restarted = cluster.start(victim)
+            restarted = job.start_group(victim)
             # (the step's [timing] line follows its sync line: wait for both)
             wait_until(lambda r=restarted: committed_sync_after(r, 0.0) is not None, args.timeout,
-                       "first committed sync of the restarted group", cluster)  # fmt: skip
+                       "first committed sync of the restarted group", job)  # fmt: skip
             text = restarted.text()
             heal = HEAL_BYTES.search(text)
             first = committed_sync_after(restarted, 0.0)
-            first_step = (restarted.timings() or [(0, 0.0)])[0]
+            first_step = (timings(restarted) or [(0, 0.0)])[0]
             sample = {
                 "killed_group": victim,
                 "survivor_next_inner_step_after_kill_s": (
@@ -326,16 +276,16 @@ def recovery_part(folder: Path, args: argparse.Namespace, train_args: list[str])
         for j in range(args.joiner_kills):
             # Alternate: right after the heal, then a random point around the first sync.
             delay = -1.0 if j % 2 == 0 else rng.uniform(0.0, 0.6)
-            sample = kill_a_joiner_at_its_first_sync(cluster, args, delay)
+            sample = kill_a_joiner_at_its_first_sync(job, args, delay)
             samples.append(sample)
             print(f"[recovery] joiner kill {j}: {sample}", flush=True)
-        if cluster.crashed():
+        if crashed(job):
             raise RuntimeError("a survivor crashed during part 1")
     return samples
 
 
 def kill_a_joiner_at_its_first_sync(
-    cluster: Cluster, args: argparse.Namespace, delay_s: float
+    job: LocalJob, args: argparse.Namespace, delay_s: float
 ) -> dict:
     """The worst moments for a survivor: a restarted group dies around its first sync, where
     it joins the survivor's quorum, the process group is rebuilt with it and the survivor
@@ -344,32 +294,32 @@ def kill_a_joiner_at_its_first_sync(
     committed sync (bounded by the process-group timeout where the survivor waits in a
     collective for the dead peer)."""
     victim, survivor = 1, 0
-    wait_for_two_more_syncs(cluster, args)
-    cluster.kill(victim)
+    wait_for_two_more_syncs(job, args)
+    job.kill_group(victim)
     time.sleep(args.restart_after)
-    joiner = cluster.start(victim)
+    joiner = job.start_group(victim)
     if delay_s < 0:
         wait_until(lambda: HEALED_LINE.search(joiner.text()) is not None, args.timeout,
-                   "the restarted group's heal", cluster, poll_s=0.02)  # fmt: skip
+                   "the restarted group's heal", job, poll_s=0.02)  # fmt: skip
     else:
         before_sync = args.sync_steps - 1
-        wait_until(lambda: len(joiner.timings()) >= before_sync, args.timeout,
-                   f"the restarted group's step {before_sync}", cluster, poll_s=0.02)  # fmt: skip
+        wait_until(lambda: len(timings(joiner)) >= before_sync, args.timeout,
+                   f"the restarted group's step {before_sync}", job, poll_s=0.02)  # fmt: skip
         time.sleep(delay_s)
     healed_before_kill = HEALED_LINE.search(joiner.text()) is not None
-    cluster.kill(victim)
+    job.kill_group(victim)
     t_kill = joiner.killed_at
     assert t_kill is not None
-    surv = cluster.latest(survivor)
+    surv = job.latest(survivor)
     wait_until(lambda: committed_sync_after(surv, t_kill) is not None, args.timeout,
-               "committed sync of the survivor", cluster)  # fmt: skip
+               "committed sync of the survivor", job)  # fmt: skip
     _, sync_t, sync_ms, sync_groups = committed_sync_after(surv, t_kill)  # type: ignore[misc]
     failed = [m for m in SYNC_LINE.finditer(surv.text()) if m.group(2) == "NOT committed"]
     # Leave a healthy pair behind for what follows.
     time.sleep(args.restart_after)
-    restarted = cluster.start(victim)
+    restarted = job.start_group(victim)
     wait_until(lambda: committed_sync_after(restarted, 0.0) is not None, args.timeout,
-               "first committed sync of the restarted group", cluster)  # fmt: skip
+               "first committed sync of the restarted group", job)  # fmt: skip
     return {
         "killed_group": victim,
         "kill_point": "right after its heal line"
@@ -385,10 +335,10 @@ def kill_a_joiner_at_its_first_sync(
     }
 
 
-def committed_sync_after(start: Start, t: float) -> tuple[int, float, int, int] | None:
+def committed_sync_after(start: Process, t: float) -> tuple[int, float, int, int] | None:
     """(step, monotonic time, sync ms, groups) of the first committed sync of ``start`` whose
     step ended after ``t``."""
-    times = dict(start.timings())
+    times = dict(timings(start))
     for m in SYNC_LINE.finditer(start.text()):
         step = int(m.group(1))
         if m.group(2) == "committed" and step in times and times[step] > t:
@@ -415,29 +365,29 @@ def long_period_part(folder: Path, args: argparse.Namespace, train_args: list[st
         f"--fault_tolerance.sync_quorum_timeout_s={args.long_period_sync_timeout_s}",
     ]
     samples: list[dict] = []
-    with two_groups(folder, args, long_args) as cluster:
+    with two_groups(folder, args, long_args) as job:
         periods: list[float] = []
         for i in range(args.long_period_kills):
             victim, survivor = 1, 0
-            surv = cluster.latest(survivor)
-            wait_until(lambda n=1 + i, s=surv: cluster.latest(1).committed_syncs() >= 1
-                       and s.committed_syncs() >= n,
-                       args.timeout * 4, "a committed sync in both groups", cluster)  # fmt: skip
+            surv = job.latest(survivor)
+            wait_until(lambda n=1 + i, s=surv: committed_syncs(job.latest(1)) >= 1
+                       and committed_syncs(s) >= n,
+                       args.timeout * 4, "a committed sync in both groups", job)  # fmt: skip
             sync_times = [t for _, t, *_ in _committed_syncs(surv)]
             periods += [b - a for a, b in zip(sync_times, sync_times[1:], strict=False)]
             period = periods[-1] if periods else 0.0
             time.sleep(random.Random(args.seed + i).uniform(0.1, 0.6) * max(period, 1.0))
-            t_kill = cluster.kill(victim).killed_at
+            t_kill = job.kill_group(victim).killed_at
             assert t_kill is not None
             time.sleep(args.restart_after)
-            restarted = cluster.start(victim)
+            restarted = job.start_group(victim)
             wait_until(lambda r=restarted: HEALED_LINE.search(r.text()) is not None,
-                       args.timeout * 4, "the restarted group's heal", cluster)  # fmt: skip
+                       args.timeout * 4, "the restarted group's heal", job)  # fmt: skip
             rejoin = int(re.search(r"healed from a live peer .*?at sync #(\d+)",  # type: ignore[union-attr]
                                    restarted.text()).group(1))  # fmt: skip
             wait_until(lambda k=rejoin, s=surv: any(int(m.group(3)) == k
                                                     for m in QUORUM_WAIT.finditer(s.text())),
-                       args.timeout, "the survivor's rejoin sync", cluster)  # fmt: skip
+                       args.timeout, "the survivor's rejoin sync", job)  # fmt: skip
             at = next(m for m in QUORUM_WAIT.finditer(surv.text()) if int(m.group(3)) == rejoin)
             asked = re.search(r"(\d\d:\d\d:\d\d) INFO \[semi-sync\] asking", restarted.text())
             sample = {
@@ -452,10 +402,10 @@ def long_period_part(folder: Path, args: argparse.Namespace, train_args: list[st
             }
             samples.append(sample)
             print(f"[long period] kill {i}: {sample}", flush=True)
-        if cluster.crashed():
+        if crashed(job):
             raise RuntimeError("a group crashed during the long-period part")
         waits = [s["survivor_quorum_wait_at_rejoin_s"] for s in samples]
-        quiet = [float(m.group(4)) for m in QUORUM_WAIT.finditer(cluster.latest(0).text())]
+        quiet = [float(m.group(4)) for m in QUORUM_WAIT.finditer(job.latest(0).text())]
     return {
         "sync_steps": args.long_period_steps,
         "period_s_median": round(sorted(periods)[len(periods) // 2], 2) if periods else None,
@@ -467,8 +417,8 @@ def long_period_part(folder: Path, args: argparse.Namespace, train_args: list[st
     }
 
 
-def _committed_syncs(start: Start) -> list[tuple[int, float, int, int]]:
-    times = dict(start.timings())
+def _committed_syncs(start: Process) -> list[tuple[int, float, int, int]]:
+    times = dict(timings(start))
     return [
         (int(m.group(1)), times[int(m.group(1))], int(m.group(3)), int(m.group(4)))
         for m in SYNC_LINE.finditer(start.text())
@@ -480,63 +430,61 @@ def _committed_syncs(start: Start) -> list[tuple[int, float, int, int]]:
 
 
 def soak_part(folder: Path, args: argparse.Namespace, train_args: list[str]) -> dict:
-    rng = random.Random(args.seed)
     kills: list[dict] = []
-    with two_groups(folder, args, train_args) as cluster:
-        wait_until(lambda: all(cluster.latest(g).committed_syncs() >= 1 for g in (0, 1)),
-                   args.timeout, "a first committed sync in both groups", cluster)  # fmt: skip
+    with two_groups(folder, args, train_args) as job:
+        wait_until(lambda: all(committed_syncs(job.latest(g)) >= 1 for g in (0, 1)),
+                   args.timeout, "a first committed sync in both groups", job)  # fmt: skip
         t_begin = time.monotonic()
         t_end = t_begin + args.minutes * 60
-        next_kill = t_begin + rng.uniform(0.5, 1.5) * args.kill_every
-        pending_restart: dict[int, float] = {}
+        # Intervals uniform in [0.5, 1.5] x --kill-every, victims drawn from --seed.
+        schedule = PeriodicKills(args.kill_every, args.seed, t_begin, jitter=0.5)
+        restarts = Restarts(args.restart_after)
         postponed = 0
         while time.monotonic() < t_end:
             now = time.monotonic()
-            cluster.check_alive()
-            for g, at in list(pending_restart.items()):
-                if now >= at:
-                    cluster.start(g)
-                    del pending_restart[g]
-            if now >= next_kill:
-                victim = rng.randrange(2)
-                other = cluster.latest(1 - victim)
+            check_alive(job)
+            for g in restarts.take_due(now):
+                job.start_group(g)
+            if schedule.due(now):
+                victim = schedule.choose([0, 1])
+                other = job.latest(1 - victim)
                 other_ready = (
-                    1 - victim not in pending_restart
-                    and other.proc.popen.poll() is None
-                    and other.committed_syncs() >= 1
+                    not restarts.pending(1 - victim)
+                    and other.alive()
+                    and committed_syncs(other) >= 1
                 )
-                if victim in pending_restart or not other_ready:
+                if restarts.pending(victim) or not other_ready:
                     postponed += 1
-                    next_kill = now + 1.0
+                    schedule.reschedule(now, delay_s=1.0)
                 else:
-                    killed = cluster.kill(victim)
+                    killed = job.kill_group(victim)
+                    assert killed.killed_at is not None
                     kills.append(
                         {
                             "group": victim,
-                            "t": round(killed.killed_at - t_begin, 2),  # type: ignore[operator]
+                            "t": round(killed.killed_at - t_begin, 2),
                             # Where the victim was: a restarted group killed before its first
                             # committed sync may have been in a quorum with the survivor.
-                            "victim_steps_since_start": len(killed.timings()),
-                            "victim_committed_syncs_since_start": killed.committed_syncs(),
-                            "victim_is_a_restart": killed is not cluster.starts[victim],
+                            "victim_steps_since_start": len(timings(killed)),
+                            "victim_committed_syncs_since_start": committed_syncs(killed),
+                            "victim_is_a_restart": killed is not job.starts[victim][0],
                         }
                     )
-                    pending_restart[victim] = now + args.restart_after
+                    restarts.schedule(victim, now)
                     print(f"[soak] {now - t_begin:6.1f}s SIGKILL group {victim}", flush=True)
-                    next_kill = now + rng.uniform(0.5, 1.5) * args.kill_every
+                    schedule.reschedule(now)
             time.sleep(0.1)
-        crashed = [
-            {"group": s.group, "name": s.proc.name, "code": s.proc.popen.returncode}
-            for s in cluster.crashed()
+        crashes = [
+            {"group": s.replica_id, "name": s.name, "code": s.returncode} for s in crashed(job)
         ]
-        live = [s for s in cluster.starts if s.proc.popen.poll() is None]
+        starts = group_starts(job)
+        live = [s for s in starts if s.alive()]
         for s in live:  # the end of the soak: stop them (their unfinished period is left out)
-            os.killpg(s.proc.popen.pid, signal.SIGKILL)
-            s.proc.wait(30)
+            job.kill_group(s.replica_id)  # type: ignore[arg-type]
         per_start = []
-        for s in cluster.starts:
+        for s in starts:
             acc = step_accounting(s.text(), finished_by_us=s in live)
-            acc.update(group=s.group, name=s.proc.name, healed=bool(HEALED_LINE.search(s.text())))
+            acc.update(group=s.replica_id, name=s.name, healed=bool(HEALED_LINE.search(s.text())))
             per_start.append(acc)
         totals = {
             k: sum(a[k] for a in per_start)
@@ -548,19 +496,19 @@ def soak_part(folder: Path, args: argparse.Namespace, train_args: list[str]) -> 
             t_kill = t_begin + k["t"]
             candidates = [
                 committed_sync_after(s, t_kill)
-                for s in cluster.starts
-                if s.group != k["group"] and s.started < t_kill
+                for s in starts
+                if s.replica_id != k["group"] and s.started < t_kill
             ]
             found = [c for c in candidates if c is not None]
             if found:
                 k["survivor_next_committed_sync_s"] = round(min(c[1] for c in found) - t_kill, 3)
                 stalls.append(k["survivor_next_committed_sync_s"])
-        div = divergence(cluster.starts)
+        div = divergence(starts)
     return {
         "minutes": args.minutes,
         "kills": kills,
         "kills_postponed_checks": postponed,
-        "restarts": len(cluster.starts) - 2,
+        "restarts": len(starts) - 2,
         "totals": totals,
         "committed_over_attempted_steps": round(
             totals["committed_steps"] / max(1, totals["attempted_steps"]), 4
@@ -570,7 +518,7 @@ def soak_part(folder: Path, args: argparse.Namespace, train_args: list[str]) -> 
         ),
         "survivor_kill_to_next_committed_sync_s": stalls,
         "divergence": div,
-        "crashes": crashed,
+        "crashes": crashes,
         "per_start": per_start,
     }
 
@@ -611,7 +559,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-soak", action="store_true", help="part 1 only")
     p.add_argument("--timeout", type=float, default=240, help="seconds for any one wait")
     p.add_argument("--max-load", type=float, default=1.5)
-    p.add_argument("--out", type=Path, default=common.RESULTS / "recovery.json")
+    p.add_argument("--out", type=Path, help=provenance.output_help("recovery.json"))
     p.add_argument("--logs", type=Path, default=None,
                    help="keep the logs in this folder (default: a temporary one)")  # fmt: skip
     args = p.parse_args(argv)
@@ -623,6 +571,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         # test_semi_sync_reliability.py runs that scenario (and CI's time is short).
         args.skip_long_period = True
         args.max_load = float("inf")
+    args.out = args.out or provenance.default_output("recovery.json", args.smoke)
     return args
 
 
@@ -638,7 +587,7 @@ def ft_args(args: argparse.Namespace) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     train_args = [
-        common.SEMI_SYNC_MODULE,
+        common.TIMED_MODULE,
         "--fault_tolerance.semi_sync_method=diloco",
         f"--fault_tolerance.sync_steps={args.sync_steps}",
         f"--model.flavor={args.flavor}",
@@ -652,8 +601,6 @@ def main(argv: list[str] | None = None) -> int:
     ]
     result: dict[str, object] = {
         "benchmark": "recovery",
-        "command": common.command_line(__file__, argv),
-        "machine": common.machine(),
         "settings": {
             "method": f"DiLoCo, 1 fragment, H={args.sync_steps}",
             "groups": 2,
@@ -674,6 +621,7 @@ def main(argv: list[str] | None = None) -> int:
             "survivor_crashes": 0,
         },
     }
+    command = provenance.command_line(__file__, argv)
     with tempfile.TemporaryDirectory(prefix="recovery_") as tmp_dir:
         tmp = str(args.logs) if args.logs else tmp_dir
         if not args.skip_recovery:
@@ -683,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
                 "samples": recovery_part(Path(tmp) / "recovery", args, train_args),
                 "load_avg_1min_after": round(common.load_average(), 2),
             }
-            common.write_json(args.out, result)
+            provenance.write_result(args.out, result, command)
         if not args.skip_long_period:
             load = common.wait_for_quiet_machine(args.max_load, 120)
             part = long_period_part(Path(tmp) / "long_period", args, train_args)
@@ -691,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
             part["load_avg_1min_after"] = round(common.load_average(), 2)
             result["long_period"] = part
             print(f"[long period] {part}", flush=True)
-            common.write_json(args.out, result)
+            provenance.write_result(args.out, result, command)
         if not args.skip_soak:
             load = common.wait_for_quiet_machine(args.max_load, 120)
             soak = soak_part(Path(tmp) / "soak", args, train_args)
@@ -709,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"divergence {soak['divergence']}  crashes {soak['crashes']}",
                 flush=True,
             )
-    path = common.write_json(args.out, result)
+    path = provenance.write_result(args.out, result, command)
     print(f"[recovery] wrote {path}")
     return 0
 

@@ -18,16 +18,15 @@ step. Its per-step figures come from ``<dump_folder>/metrics.jsonl``:
 * ``mfu_pct``: median tokens/s x model FLOPs per token / that peak. The trainer's own figure
   (``trainer_mfu_pct``, against the peak it measured at start-up) is reported next to it.
 
-The result is printed and written as JSON (default ``benchmarks/results/throughput.json``).
+The result is printed and written as JSON (default ``benchmarks/results/throughput.json``; a
+smoke run's goes to a temporary folder), with the machine and commit it was measured on.
 On a machine shared with other jobs every figure is noisy; run it on an idle machine.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -40,7 +39,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # run from a clone without installing it
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import provenance  # noqa: E402
 import torch  # noqa: E402
 
 from torchtitan.components.metrics import (  # noqa: E402
@@ -50,7 +51,6 @@ from torchtitan.components.metrics import (  # noqa: E402
 )
 
 DEBUG_TOML = REPO / "torchtitan/models/llama3/train_configs/debug_model.toml"
-DEFAULT_OUTPUT = REPO / "benchmarks/results/throughput.json"
 TRAINER_PEAK = re.compile(r"CPU peak for mfu: ([0-9.]+) GFLOP/s")
 
 # Smoke mode: the smallest flavor on short sequences, a handful of steps.
@@ -136,12 +136,15 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="window of the matmul peak measurement (default 2; smoke 0.2)",
     )
-    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON result file")
+    parser.add_argument(
+        "--output", type=Path, help="result JSON; " + provenance.output_help("throughput.json")
+    )
     parser.add_argument(
         "--timeout", type=float, default=1800, help="seconds before the trainer is given up"
     )
     parser.add_argument("trainer_args", nargs="*", help="extra --section.field=value flags")
     opts = parser.parse_args(argv)
+    result_path = opts.output or provenance.default_output("throughput.json", opts.smoke)
     steps = 6 if opts.smoke and opts.steps == 40 else opts.steps
     warmup = opts.warmup if opts.warmup is not None else (2 if opts.smoke else 5)
     window = opts.peak_seconds if opts.peak_seconds is not None else (0.2 if opts.smoke else 2.0)
@@ -167,11 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": wall,
         **summary,
         "trainer_matmul_peak_flops": float(trainer_peak.group(1)) * 1e9 if trainer_peak else None,
-        "torch": torch.__version__,
         "threads": cpu_threads(),
-        "machine": f"{platform.machine()} {platform.processor() or platform.platform()}",
-        "cpus": os.cpu_count(),
-        "load_average": os.getloadavg(),
     }
     print(
         f"tokens/s: {summary['tokens_per_s']:,.0f} (median of {summary['measured_steps']} steps;"
@@ -184,9 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{wall:.1f}s wall",
         flush=True,
     )
-    opts.output.parent.mkdir(parents=True, exist_ok=True)
-    opts.output.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {opts.output}")
+    provenance.write_result(result_path, result, provenance.command_line(__file__, argv))
+    print(f"wrote {result_path}")
     return 0
 
 

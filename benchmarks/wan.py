@@ -12,31 +12,31 @@ core i (``taskset``), one thread each.
 
 Compute utilisation = time in forward/backward, gradient clipping and the inner optimizer
 update ÷ wall time, per group, over the steps after the first ``--warmup`` ones (the
-``[timing]`` lines of ``benchmarks/timed_entry.py``). Bytes per group per step: the payload
-(sync FT: the fp32 gradients of every parameter each step; semi-sync: the ``sent X MiB`` of
-each sync line, summed, ÷ steps) and what the group's interface actually sent (its ``tx_bytes``
-over the run ÷ steps, IP headers and lighthouse traffic included). ``no_ft`` (one group alone,
-no torchft) is the ceiling of the metric on this machine.
+``[timing]`` lines of the trainers in ``benchmarks/timed_trainer.py``). Bytes per group per
+step: the payload (sync FT: the fp32 gradients of every parameter each step; semi-sync: the
+``sent X MiB`` of each sync line, summed, ÷ steps) and what the group's interface actually sent
+(its ``tx_bytes`` over the run ÷ steps, IP headers and lighthouse traffic included). ``no_ft``
+(one group alone, no torchft) is the ceiling of the metric on this machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import os
 import re
 import sys
 import tempfile
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ft_common as common  # noqa: E402
 import netns  # noqa: E402
+import provenance  # noqa: E402
 
-TIMED_ENTRY = Path(__file__).resolve().parent / "timed_entry.py"
+from torchtitan.tools.cluster import Launch, LighthouseSettings, ProcessSpec  # noqa: E402
+
 TIMING_LINE = re.compile(r"\[timing\] step (\d+) compute_s ([0-9.]+) t ([0-9.]+)")
 SENT_LINE = re.compile(
     r"\[semi-sync\] step (\d+) sync: .*?(NOT committed|committed)\s+time (\d+) ms\s+"
@@ -48,37 +48,19 @@ ORDER = ["no_ft", "sync_ft", "diloco", "streaming_diloco"]
 TARGETS = {"streaming_diloco": 0.95, "diloco": 0.80}
 
 
-@dataclass
-class NetnsJob(common.Job):
-    """``ft_common.Job`` whose processes run in network namespaces, with the timing entry."""
+def in_namespace(wan: netns.Wan, namespace: str) -> Launch:
+    """Run a process inside ``namespace``."""
 
-    namespace_of: dict[str, str] = field(default_factory=dict)
-    env_of: dict[str, dict[str, str]] = field(default_factory=dict)
+    def launch(spec: ProcessSpec) -> ProcessSpec:
+        return ProcessSpec([*wan.exec_prefix(namespace), *spec.argv], spec.env)
 
-    def _start(self, name: str, cmd: list[str], env: dict[str, str]) -> common.Proc:
-        cmd = [str(TIMED_ENTRY) if c == str(common.TRAIN_ENTRY) else c for c in cmd]
-        env.update(self.env_of.get(name, {}))
-        if name in self.namespace_of:
-            cmd = ["ip", "netns", "exec", self.namespace_of[name], *cmd]
-        return super()._start(name, cmd, env)
+    return launch
 
-    def start_lighthouse_in(self, namespace: str, min_replicas: int) -> str:
-        bind = f"{netns.HUB_IP}:{LIGHTHOUSE_PORT}"
-        cmd = [
-            str(common.LIGHTHOUSE), "--min_replicas", str(min_replicas), "--quorum_tick_ms",
-            "100", "--join_timeout_ms", "10000", "--heartbeat_timeout_ms", "5000", "--bind", bind,
-        ]  # fmt: skip
-        self.namespace_of["lighthouse"] = namespace
-        proc = self._start("lighthouse", cmd, dict(os.environ))
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if "listening on" in proc.text():
-                self.lighthouse_addr = f"http://{bind}"
-                return self.lighthouse_addr
-            if proc.popen.poll() is not None:
-                break
-            time.sleep(0.1)
-        raise RuntimeError(f"torchft_lighthouse did not start in {namespace}:\n{proc.tail()}")
+
+def group_in_its_namespace(wan: netns.Wan, index: int, spec: ProcessSpec) -> ProcessSpec:
+    """Group ``index`` on core ``index``, in its namespace, gloo on the namespace's link."""
+    spec = in_namespace(wan, wan.group_ns(index))(common.pin_to_core(index, spec))
+    return ProcessSpec(spec.argv, {**spec.env, "GLOO_SOCKET_IFNAME": netns.GROUP_IFACE})
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -98,9 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sync-ft-warmup", type=int, default=5)
     p.add_argument("--max-load", type=float, default=1.5,
                    help="before each run wait (<= 2 min) for load below this")  # fmt: skip
-    p.add_argument("--out", type=Path, default=common.RESULTS / "wan.json")
+    p.add_argument("--out", type=Path, help=provenance.output_help("wan.json"))
     p.add_argument("--timeout", type=float, default=600, help="seconds per run")
-    p.add_argument("--png", type=Path, default=common.RESULTS / "wan.png")
+    p.add_argument("--png", type=Path, default=None, help="chart (default: --out, as .png)")
     p.add_argument("--summarize-only", action="store_true",
                    help="recompute the summary of the JSON at --out, run nothing")  # fmt: skip
     args = p.parse_args(argv)
@@ -110,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.sync_ft_steps, args.sync_ft_warmup = 4, 2
         args.rates = args.rates if argv and "--rates" in argv else [100.0]
         args.max_load = float("inf")
+    args.out = args.out or provenance.default_output("wan.json", args.smoke)
+    args.png = args.png or args.out.with_suffix(".png")
     return args
 
 
@@ -118,7 +102,6 @@ def method_args(method: str, args: argparse.Namespace) -> tuple[list[str], int, 
     if method in ("no_ft", "sync_ft"):
         return [], args.sync_ft_steps, args.sync_ft_warmup
     flags = [
-        common.SEMI_SYNC_MODULE,
         "--fault_tolerance.semi_sync_method=diloco",
         f"--fault_tolerance.sync_steps={args.sync_steps}",
     ]
@@ -160,32 +143,32 @@ def run_one(
         "--metrics.log_freq=10",
         "--validation.enable=false",
         "--metrics.cpu_peak_flops=-1",
+        common.TIMED_MODULE,
         *flags,
     ]
     groups = 1 if method == "no_ft" else 2
-    with netns.Wan(groups, rate) as wan, NetnsJob(folder) as job:
-        if method != "no_ft":
-            job.start_lighthouse_in(wan.hub, min_replicas=groups)
-        procs = []
-        for i in range(groups):
-            name = f"{method}_g{i}"
-            job.namespace_of[name] = wan.group_ns(i)
-            job.env_of[name] = {"GLOO_SOCKET_IFNAME": netns.GROUP_IFACE}
-            extra = [f"--fault_tolerance.hostname={netns.group_ip(i)}"] if groups > 1 else []
-            procs.append(
-                job.start_trainer(
-                    name,
-                    [*train, *extra],
-                    replica_id=i if method != "no_ft" else None,
-                    groups=groups,
-                    cpus=str(i % (os.cpu_count() or 1)),
-                )
-            )
-        deadline = time.monotonic() + args.timeout
-        for proc in procs:
-            code = proc.wait(max(1.0, deadline - time.monotonic()))
-            if code != 0:
-                raise RuntimeError(f"{proc.name} exited with {code}:\n{proc.tail()}")
+    lighthouse = LighthouseSettings(
+        min_replicas=groups, heartbeat_timeout_ms=5000, host=netns.HUB_IP
+    )
+    with netns.Wan(groups, rate) as wan:
+        with common.trainer_job(
+            folder,
+            groups,
+            train,
+            lighthouse=lighthouse,
+            launch_group=functools.partial(group_in_its_namespace, wan),
+            launch_lighthouse=in_namespace(wan, wan.hub),
+        ) as job:
+            if method == "no_ft":
+                alone = functools.partial(group_in_its_namespace, wan, 0)
+                procs = [common.start_alone(job, f"{method}_g0", train, alone)]
+            else:
+                job.start_lighthouse(LIGHTHOUSE_PORT)
+                procs = [
+                    job.start_group(i, [f"--fault_tolerance.hostname={netns.group_ip(i)}"])
+                    for i in range(groups)
+                ]
+            common.wait_all(procs, args.timeout)
         tx = [wan.tx_bytes(i) for i in range(groups)]
         qdisc = wan.qdisc(0) if rate is not None else ""
     per_group = []
@@ -238,17 +221,16 @@ def main(argv: list[str] | None = None) -> int:
         data = json.loads(args.out.read_text())
         data["summary"] = summarize(data["runs"])
         data["png"] = plot(data["runs"], args.png)
-        common.write_json(args.out, data)
+        provenance.rewrite_result(args.out, data)  # the numbers are still that run's
         return 0
     why = netns.unavailable()
     if why is not None:
         print(f"[wan] cannot emulate a WAN here: {why}", file=sys.stderr)
         return 2
+    command = provenance.command_line(__file__, argv)
     runs: list[dict[str, object]] = []
     result: dict[str, object] = {
         "benchmark": "wan",
-        "command": common.command_line(__file__, argv),
-        "machine": common.machine(),
         "settings": {
             "groups": 2,
             "topology": "each group in its own network namespace, veth to a bridge in the "
@@ -264,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             "sync_ft_steps": args.sync_ft_steps,
             "semi_sync_steps": args.periods * args.sync_steps,
             "compute": "forward+backward, gradient clipping, inner optimizer update "
-            "(benchmarks/timed_entry.py)",
+            "(benchmarks/timed_trainer.py)",
         },
         "targets": {"streaming_diloco": ">= 0.95", "diloco": ">= 0.80"},
         "runs": runs,
@@ -287,9 +269,10 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
                 result["summary"] = summarize(runs)
-                common.write_json(args.out, result)  # after every run: partial results survive
+                # After every run: partial results survive.
+                provenance.write_result(args.out, result, command)
     result["png"] = plot(runs, args.png)
-    path = common.write_json(args.out, result)
+    path = provenance.write_result(args.out, result, command)
     print(f"[wan] wrote {path} and {result['png']}")
     return 0
 

@@ -20,8 +20,8 @@ from tests.integration_tests.harness import (
     PARAM_DIGEST,
     STEP_LINE,
     digests,
-    free_port,
 )
+from torchtitan.tools.cluster import free_port
 
 WAITING = re.compile(r"\[ft\] step (\d+): waiting for a quorum for (\d+)s; (.*)")
 STEP_WITH_GROUPS = re.compile(r"step:\s+(\d+)\s.*groups: (\d+)")
@@ -30,7 +30,7 @@ STEP_WITH_GROUPS = re.compile(r"step:\s+(\d+)\s.*groups: (\d+)")
 def test_no_lighthouse_fails_with_clear_error(ft_job):
     job = ft_job(groups=2)
     port = free_port()  # nothing listens there
-    job.lighthouse_addr = f"http://127.0.0.1:{port}"
+    job.lighthouse_address = f"http://127.0.0.1:{port}"
     start = time.monotonic()
     job.start_group(0, ["--fault_tolerance.connect_timeout_s=3", "--training.steps=5"])
     code = job.wait_exit(0, timeout=90)
@@ -50,7 +50,7 @@ def test_min_replica_size_survivor_waits_and_says_so(ft_job):
     args = [*FAST_ARGS, *PACED_ARGS, "--training.steps=20", "--fault_tolerance.min_replica_size=2"]
     job = ft_job(train_args=args).start()
     job.wait_for(1, r"step:\s+5\s", timeout=240)
-    job.kill(1)
+    job.kill_group(1)
     killed_at = time.monotonic()
     last_before = max(int(m.group(1)) for m in STEP_LINE.finditer(job.latest(0).text()))
     job.wait_for(0, WAITING, timeout=60, count=2)  # reported at 5 s and 10 s

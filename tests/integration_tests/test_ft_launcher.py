@@ -5,92 +5,67 @@ and leaves no process behind."""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.integration_tests.harness import (
-    ANSI,
     FAST_ARGS,
     PACED_ARGS,
-    REPO,
     check_loopback_only,
     tail,
 )
-from torchtitan.experiments.fault_tolerance.launcher import (
-    JOB_ENV,
-    kill_tree,
-    processes_with_env,
-)
+from torchtitan.tools.cluster import JOB_ENV, LocalJob, processes_with_env
 
 GROUP_DIGEST = re.compile(r"^\[group (\d)\] .*param_digest step (\d+): ([0-9a-f]+)", re.M)
 
 
 class LauncherRun:
-    def __init__(self, tmp_path: Path, args: list[str]) -> None:
-        self.marker = uuid.uuid4().hex
-        self.log = tmp_path / "launcher.log"
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHON=sys.executable)
-        env[JOB_ENV] = self.marker
+    """The launcher, started as a process of a ``LocalJob``: the launcher passes the job's
+    marker on to everything it starts, so what it leaves behind is found by that marker."""
+
+    def __init__(self, job: LocalJob, args: list[str]) -> None:
+        self.job = job
         cmd = [sys.executable, "-m", "torchtitan.experiments.fault_tolerance.launcher", *args]
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                start_new_session=True,
-            )  # fmt: skip
+        self.process = job.start_process(
+            "launcher", cmd, {"OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
+        )
 
     def text(self) -> str:
-        return ANSI.sub("", self.log.read_text(errors="replace"))
+        return self.process.text()
 
     def wait(self, timeout: float) -> int:
         try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
+            return self.process.wait(timeout)
+        except TimeoutError:
             message = f"launcher still running after {timeout}s:\n{tail(self.text())}"
             raise AssertionError(message) from None
 
     def wait_for(self, pattern: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while not re.search(pattern, self.text(), re.M):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
+            if not self.process.alive() or time.monotonic() > deadline:
                 message = f"no {pattern!r} in the launcher's output:\n{tail(self.text())}"
                 raise AssertionError(message)
             time.sleep(0.2)
 
     def leftovers(self) -> list[int]:
-        return [pid for pid in processes_with_env(JOB_ENV, self.marker) if pid != self.proc.pid]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            kill_tree(self.proc.pid)
-        for pid in processes_with_env(JOB_ENV, self.marker):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait(timeout=30)
+        marked = processes_with_env(JOB_ENV, self.job.job_id)
+        return [pid for pid in marked if pid != self.process.pid]
 
 
 @pytest.fixture
 def launch(tmp_path: Path) -> Iterator:
-    runs: list[LauncherRun] = []
+    with LocalJob(tmp_path) as job:  # kills the launchers and whatever they left behind
 
-    def start(*args: str) -> LauncherRun:
-        run = LauncherRun(tmp_path, list(args))
-        runs.append(run)
-        return run
+        def start(*args: str) -> LauncherRun:
+            return LauncherRun(job, list(args))
 
-    yield start
-    for run in runs:
-        run.close()
+        yield start
 
 
 def test_launcher_prefixes_lines_and_exits_0(launch, tmp_path):

@@ -63,7 +63,7 @@ def _kill_restart_heal(ft_job, tmp_path, ngpu: int, steps: int) -> None:
         sockets = check_loopback_only(job.pids())
         print(f"\n[ft test] ngpu={ngpu}: {len(sockets)} listening sockets, all on loopback")
     killed_at = time.monotonic()
-    job.kill(1)
+    job.kill_group(1)
     steps_at_kill = max(int(m.group(1)) for m in STEP_LINE.finditer(job.latest(0).text()))
 
     # The survivor goes on alone; its first commit after the failure reports the stall.

@@ -211,7 +211,7 @@ def test_kill_mid_inner_steps_and_during_sync_then_heal(
 
     # 1) Between inner steps (step 6: mid-period for sync_steps 4; nothing in flight).
     job.wait_for(1, re.escape(STALL_AFTER_STEP), timeout=180)
-    job.kill(1)
+    job.kill_group(1)
     alone_1 = _wait_alone(job, after=0)
     _restart_while_paused(job, pause, ["--fault_injection.stall_after_quorum=2"])
     healed_1 = _wait_heal(job)
@@ -220,7 +220,7 @@ def test_kill_mid_inner_steps_and_during_sync_then_heal(
     #    which it stalls before its all-reduce, and dies there.
     job.wait_for(1, re.escape(STALL_IN_SYNC) + r" \(quorum 2, 2 groups\)", timeout=180)
     before = len(syncs(job.latest(0).text()))
-    job.kill(1)
+    job.kill_group(1)
     alone_2 = _wait_alone(job, after=before)
     failed = [s for s in syncs(job.latest(0).text())[before:] if not s.committed]
     assert failed and failed[0].groups == 2, "group 0's sync with the dying group must fail"
@@ -231,7 +231,7 @@ def test_kill_mid_inner_steps_and_during_sync_then_heal(
         assert job.wait_exit(r, timeout=300) == 0, tail(job.latest(r).text())
     digests = assert_same_global_params(job)
     for start, healed in ((1, healed_1), (2, healed_2)):
-        restarted = global_digests(job.runs[1][start].text())
+        restarted = global_digests(job.starts[1][start].text())
         first = min(restarted)
         assert first == healed.number and restarted[first] == digests[first]
     survivor = syncs(job.latest(0).text())
@@ -255,7 +255,7 @@ def _wait_alone(job: FTJob, after: int) -> Sync:
         alone = [s for s in syncs(job.latest(0).text())[after:] if s.committed and s.groups == 1]
         if alone:
             return alone[0]
-        assert job.latest(0).proc.poll() is None, tail(job.latest(0).text())
+        assert job.latest(0).alive(), tail(job.latest(0).text())
         time.sleep(0.2)
     raise AssertionError(f"group 0 did not go on alone:\n{tail(job.latest(0).text())}")
 
@@ -314,10 +314,10 @@ def test_diloco_whole_job_restart_reproduces_global_params(tmp_path: Path) -> No
         for r in range(2):
             job.wait_for(r, re.escape(STALL_AFTER_STEP) + " 7", timeout=180)
         for r in range(2):
-            job.kill(r)
+            job.kill_group(r)
         # Let the lighthouse see both dead (heartbeat timeout), as after a real crash: the
         # restarted groups then wait for each other before their first sync.
-        time.sleep(job.heartbeat_timeout_ms / 1000 + 0.5)
+        time.sleep(job.lighthouse_settings.heartbeat_timeout_ms / 1000 + 0.5)
         for r in range(2):
             job.start_group(r)
         for r in range(2):
@@ -330,7 +330,7 @@ def test_diloco_whole_job_restart_reproduces_global_params(tmp_path: Path) -> No
             assert [(s.step, s.number, s.groups) for s in found] == [(8, 2, 2), (12, 3, 2)]
             got = global_digests(resumed[r])
             assert got == {2: expected[2], 3: expected[3]}, (r, got, expected)
-        assert global_digests(job.runs[0][0].text())[1] == expected[1]
+        assert global_digests(job.starts[0][0].text())[1] == expected[1]
         resumed_losses = losses(resumed[0])
         reference_losses = losses(reference.latest(0).text())
         assert {s: resumed_losses[s] for s in range(7, 13)} == {
@@ -368,7 +368,7 @@ def test_diloco_with_fsdp2_inside_each_group(ft_job: Callable[..., FTJob], tmp_p
     job.start_group(0, [f"--fault_injection.pause_file={pause}"])
     job.start_group(1, ["--fault_injection.stall_after_step=6"])
     job.wait_for(1, re.escape(STALL_AFTER_STEP), timeout=300, count=2)  # both ranks
-    job.kill(1)
+    job.kill_group(1)
     _wait_alone(job, after=0)
     _restart_while_paused(job, pause, [])
     job.wait_for(1, r"\[semi-sync\] healed from a live peer", timeout=300, count=2)

@@ -16,7 +16,6 @@ from pathlib import Path
 
 from tests.integration_tests.faults import CORRUPTED, HELD_BEFORE_SYNC
 from tests.integration_tests.harness import (
-    ANSI,
     FAST_ARGS,
     FAULTS_MODULE,
     PACED_ARGS,
@@ -30,6 +29,7 @@ from tests.integration_tests.test_semi_sync import (
     global_digests,
     syncs,
 )
+from torchtitan.tools.cluster import strip_ansi
 
 ASKING = re.escape("[semi-sync] asking for a quorum")
 HEALED = re.compile(r"\[semi-sync\] healed from a live peer .*?at sync #(\d+)")
@@ -69,7 +69,7 @@ def test_rejoin_with_a_period_longer_than_the_sync_timeout(
     hold.touch()
     held = job.wait_for(0, re.escape(HELD_BEFORE_SYNC) + r" #(\d+)", timeout=120)
     rejoin_sync = int(held[0].group(1))
-    job.kill(1)
+    job.kill_group(1)
     killed_at = time.monotonic()
     job.start_group(1)
     job.wait_for(1, ASKING, timeout=180)
@@ -176,7 +176,7 @@ def test_a_lighthouse_that_never_returns_gives_one_error_line(
         text = job.latest(r).text()
         errors = ERROR_LINE.findall(text)
         assert len(errors) == 1, errors
-        assert job.lighthouse_addr in errors[0] and "unreachable" in errors[0], errors[0]
+        assert job.lighthouse_address in errors[0] and "unreachable" in errors[0], errors[0]
         assert "fault_tolerance.sync_quorum_timeout_s=5" in errors[0]
         assert "Traceback" not in text
     print(f"lighthouse gone: both groups stopped {took:.1f}s later: {errors[0]}")
@@ -227,7 +227,7 @@ def test_min_replica_size_holds_in_semi_sync(ft_job: Callable[..., FTJob], tmp_p
     job.start_group(0)
     job.start_group(1, ["--fault_injection.stall_after_step=10"])
     job.wait_for(1, r"stalling after step 10", timeout=180)
-    job.kill(1)
+    job.kill_group(1)
     job.wait_for(0, r"waiting for a quorum for \d+s; min_replica_size=2", timeout=120)
     job.start_group(1)
     for r in range(2):
@@ -282,7 +282,7 @@ def test_diloco_starts_from_a_plain_checkpoint(
         env={**__import__("os").environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    plain_losses = losses(ANSI.sub("", run.stdout + run.stderr))
+    plain_losses = losses(strip_ansi(run.stdout + run.stderr))
     job = ft_job(
         groups=2,
         train_args=args(

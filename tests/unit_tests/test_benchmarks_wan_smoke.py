@@ -86,8 +86,8 @@ def test_divergence_compares_syncs_logged_by_both_groups(tmp_path: Path) -> None
     rec = _module("recovery")
 
     class FakeStart:
-        def __init__(self, group: int, text: str) -> None:
-            self.group, self._text = group, text
+        def __init__(self, replica_id: int, text: str) -> None:
+            self.replica_id, self._text = replica_id, text
 
         def text(self) -> str:
             return self._text

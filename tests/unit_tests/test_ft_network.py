@@ -9,10 +9,10 @@ from datetime import timedelta
 
 import pytest
 
-from tests.integration_tests.harness import listening_sockets
 from torchtitan.components.ft import FaultToleranceError, bind_ip, listen_store
 from torchtitan.components.ft.network import host_port
 from torchtitan.components.ft.torchft_adapter import manager_server_bound_to
+from torchtitan.tools.cluster import listening_sockets
 from torchtitan.tools.loopback_torchrun import LoopbackTCPStore
 
 

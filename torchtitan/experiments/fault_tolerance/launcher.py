@@ -14,100 +14,40 @@ workers in sessions of their own, so killing the process group alone would leave
 
 Everything listens on 127.0.0.1 only; ports are picked free, never torchft's defaults, so two
 launchers on one machine cannot join each other's quorum.
+
+Starting, killing and stopping the processes is ``torchtitan.tools.cluster``'s; this module is
+the command line, the prefixed output and the exit status.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import random
 import re
+import shutil
 import signal
-import socket
-import subprocess
 import sys
+import tempfile
 import threading
 import time
-import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+from torchtitan.tools.cluster import (
+    JOB_ENV,
+    LighthouseSettings,
+    LocalJob,
+    PeriodicKills,
+    Process,
+    Restarts,
+    StepKills,
+    strip_ansi,
+)
+
 _STEP_LINE = re.compile(r"step:\s+(\d+)\s")
-_LIGHTHOUSE_PORT = re.compile(r"listening on: http://[^:\s]+:(\d+)")
-#: Set in every group's environment: marks the processes of one launcher's job.
-JOB_ENV = "TORCHTITAN_FT_LAUNCHER_JOB"
-
-
-def free_port() -> int:
-    """A port the kernel says is free on 127.0.0.1 now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# ---- process trees ---------------------------------------------------------------------------
-
-
-def _parents() -> dict[int, int]:
-    """{pid: parent pid} of every process visible in /proc."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # The command name (field 2) may hold spaces and parentheses: split after its end.
-        fields = stat[stat.rfind(")") + 2 :].split()
-        parents[int(entry)] = int(fields[1])
-    return parents
-
-
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and all its descendants, parents before children."""
-    children: dict[int, list[int]] = {}
-    for child, parent in _parents().items():
-        children.setdefault(parent, []).append(child)
-    tree, todo = [], [pid]
-    while todo:
-        current = todo.pop(0)
-        tree.append(current)
-        todo.extend(children.get(current, []))
-    return tree
-
-
-def processes_with_env(name: str, value: str) -> list[int]:
-    """PIDs of this user's processes whose environment has ``name=value`` (finds workers
-    that outlived their parent)."""
-    needle = f"{name}={value}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    found.append(int(entry))
-        except OSError:
-            continue
-    return found
-
-
-def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
-    """Signal ``pid`` and every descendant, each by PID (collected first, so that a child
-    re-parented when its parent dies is not missed)."""
-    for member in process_tree(pid):
-        try:
-            os.kill(member, sig)
-        except ProcessLookupError:
-            pass
-
-
-# ---- the launcher ----------------------------------------------------------------------------
+# At the end and after Ctrl-C, how long the job's processes have to exit on SIGTERM (torchrun
+# passes it on to its workers) before they are SIGKILLed.
+_STOP_GRACE_S = 10.0
 
 
 def _print(prefix: str, line: str) -> None:
@@ -117,145 +57,97 @@ def _print(prefix: str, line: str) -> None:
 
 @dataclass
 class Group:
-    """One replica group: its latest process (a session leader) and what the launcher knows."""
+    """One replica group: its latest start and what the launcher knows about it."""
 
     replica_id: int
-    proc: subprocess.Popen | None = None
+    process: Process | None = None
+    #: Prints the latest start's output; done once that start has exited and all is printed.
+    follower: threading.Thread = field(default_factory=threading.Thread)
     last_step: int = 0
     steps_this_start: int = 0
     restarts: int = 0
     done: bool = False
     failed: bool = False
-    killed_by_us: bool = False
-    restart_at: float | None = None
 
 
 class Launcher:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, logs: Path) -> None:
         self.args = args
         self.groups = [Group(r) for r in range(args.groups)]
-        self.lighthouse: subprocess.Popen | None = None
-        self.lighthouse_addr = ""
+        # A launcher started by someone who marks its processes (a test) keeps that marker, so
+        # that its groups are found as well.
+        self.job = LocalJob(
+            logs,
+            groups=args.groups,
+            train_args=args.train_args,
+            ngpu=args.ngpu,
+            lighthouse=LighthouseSettings(
+                min_replicas=args.min_replicas,
+                heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+                join_timeout_ms=args.join_timeout_ms,
+            ),
+            job_id=os.environ.get(JOB_ENV),
+        )
         self.lock = threading.Lock()
-        self.kill_plan = dict(args.kill)  # replica_id -> step
-        self.rng = random.Random(args.seed)
-        self.job_id = os.environ.get(JOB_ENV) or uuid.uuid4().hex
+        self.step_kills = StepKills(args.kill)
+        self.restarts = Restarts(args.restart_after)
 
     # ---- processes -----------------------------------------------------------------------
 
     def start_lighthouse(self) -> None:
-        a = self.args
-        cmd = [
-            str(Path(sys.executable).parent / "torchft_lighthouse"),
-            "--min_replicas", str(a.min_replicas),
-            "--quorum_tick_ms", "100",
-            "--join_timeout_ms", str(a.join_timeout_ms),
-            "--heartbeat_timeout_ms", str(a.heartbeat_timeout_ms),
-            "--bind", f"127.0.0.1:{free_port()}",
-        ]  # fmt: skip
-        self.lighthouse = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True,
-        )  # fmt: skip
-        assert self.lighthouse.stdout is not None
-        deadline = time.monotonic() + 15
-        for line in self.lighthouse.stdout:
-            match = _LIGHTHOUSE_PORT.search(line)
-            if match:
-                self.lighthouse_addr = f"http://127.0.0.1:{match.group(1)}"
-                break
-            if time.monotonic() > deadline:
-                break
-        if not self.lighthouse_addr:
-            raise RuntimeError("torchft_lighthouse did not start (no 'listening on' line)")
-        _print("[launcher]", f"lighthouse at {self.lighthouse_addr} (pid {self.lighthouse.pid})")
-        threading.Thread(target=self._drain_lighthouse, daemon=True).start()
+        address = self.job.start_lighthouse()
+        lighthouse = self.job.lighthouse
+        assert lighthouse is not None
+        _print("[launcher]", f"lighthouse at {address} (pid {lighthouse.pid})")
+        if self.args.show_lighthouse:
+            threading.Thread(target=self._show_lighthouse, args=(lighthouse,), daemon=True).start()
 
-    def _drain_lighthouse(self) -> None:
-        assert self.lighthouse is not None and self.lighthouse.stdout is not None
-        for line in self.lighthouse.stdout:
-            if self.args.show_lighthouse:
-                _print("[lighthouse]", line)
+    def _show_lighthouse(self, lighthouse: Process) -> None:
+        lines = lighthouse.lines()
+        for line in lines:  # its start-up, up to the line that gave its address, stays quiet
+            if "listening on" in line:
+                break
+        for line in lines:
+            _print("[lighthouse]", line)
 
     def start_group(self, group: Group) -> None:
-        a = self.args
-        env = dict(os.environ)
-        env.update(
-            NGPU=str(a.ngpu),
-            TORCHFT_LIGHTHOUSE=self.lighthouse_addr,
-            TORCHFT_MANAGER_PORT=str(free_port()),
-            PYTHONUNBUFFERED="1",
-        )
-        env[JOB_ENV] = self.job_id
-        # Groups on one machine share its cores: give each rank its share instead of letting
-        # every process start a thread per core and fight over them.
-        threads = max(1, (os.cpu_count() or 1) // (a.groups * a.ngpu))
-        env.setdefault("OMP_NUM_THREADS", str(threads))
-        cmd = [
-            str(REPO_ROOT / "run_train.sh"),
-            "--fault_tolerance.enable",
-            f"--fault_tolerance.replica_id={group.replica_id}",
-            f"--fault_tolerance.group_size={a.groups}",
-            *a.train_args,
-        ]
-        group.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-            start_new_session=True,
-        )  # fmt: skip
-        group.killed_by_us = False
-        group.restart_at = None
+        group.process = self.job.start_group(group.replica_id)
         group.steps_this_start = 0
         what = "started" if group.restarts == 0 else f"restarted (#{group.restarts})"
-        _print("[launcher]", f"group {group.replica_id} {what}, pid {group.proc.pid}")
-        threading.Thread(target=self._follow, args=(group, group.proc), daemon=True).start()
+        _print("[launcher]", f"group {group.replica_id} {what}, pid {group.process.pid}")
+        group.follower = threading.Thread(
+            target=self._follow, args=(group, group.process), daemon=True
+        )
+        group.follower.start()
 
-    def _follow(self, group: Group, proc: subprocess.Popen) -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
+    def _follow(self, group: Group, process: Process) -> None:
+        for line in process.lines():
             _print(f"[group {group.replica_id}]", line)
-            match = _STEP_LINE.search(_ANSI.sub("", line))
+            match = _STEP_LINE.search(strip_ansi(line))
             if match is None:
                 continue
             step = int(match.group(1))
             with self.lock:
-                if group.proc is not proc:
+                if group.process is not process:
                     continue
                 group.last_step = max(group.last_step, step)
                 group.steps_this_start += 1
-                target = self.kill_plan.get(group.replica_id)
-                if target is not None and step >= target:
-                    del self.kill_plan[group.replica_id]
+                if self.step_kills.due(group.replica_id, step):
                     self.kill(group, f"at step {step} (--kill)")
 
     def kill(self, group: Group, why: str) -> None:
         """SIGKILL the group's whole process tree, and schedule its restart."""
-        if group.proc is None or group.proc.poll() is not None:
+        if group.process is None or not group.process.alive():
             return
-        group.killed_by_us = True
-        kill_tree(group.proc.pid)
-        group.restart_at = time.monotonic() + self.args.restart_after
+        self.job.kill_group(group.replica_id)
+        assert group.process.killed_at is not None
+        self.restarts.schedule(group.replica_id, group.process.killed_at)
         _print("[launcher]", f"SIGKILL group {group.replica_id} {why}; "
                f"restart in {self.args.restart_after:g}s")  # fmt: skip
 
     def stop_all(self) -> None:
-        """SIGTERM every process of the job (trees), SIGKILL what is left after 10 s."""
-        procs = [g.proc for g in self.groups if g.proc is not None] + [self.lighthouse]
-        live = [p for p in procs if p is not None and p.poll() is None]
-        for proc in live:
-            kill_tree(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for proc in live:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                kill_tree(proc.pid)
-                proc.wait()
-        # Workers whose torchrun died first are no longer in any tree: find them by marker.
-        for pid in processes_with_env(JOB_ENV, self.job_id):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        """SIGTERM every process of the job (trees), SIGKILL what is left after a while."""
+        self.job.close(grace_s=_STOP_GRACE_S)
 
     # ---- supervision -----------------------------------------------------------------------
 
@@ -263,9 +155,7 @@ class Launcher:
         self.start_lighthouse()
         for group in self.groups:
             self.start_group(group)
-        next_random_kill = (
-            time.monotonic() + self.args.kill_every if self.args.kill_every > 0 else None
-        )
+        random_kills = PeriodicKills(self.args.kill_every, self.args.seed, time.monotonic())
         while True:
             time.sleep(0.2)
             now = time.monotonic()
@@ -277,11 +167,12 @@ class Launcher:
                 live = [g for g in self.groups if not g.done and not g.failed]
                 if not live:
                     break
-                if next_random_kill is not None and now >= next_random_kill:
-                    running = [g for g in live if g.proc and g.proc.poll() is None]
+                if random_kills.due(now):
+                    running = [g for g in live if g.process and g.process.alive()]
                     if len(running) > 1:  # never kill the last group standing
-                        self.kill(self.rng.choice(running), "(--kill-every)")
-                    next_random_kill = now + self.args.kill_every
+                        victim = random_kills.choose([g.replica_id for g in running])
+                        self.kill(self.groups[victim], "(--kill-every)")
+                    random_kills.reschedule(now)
         failed = [g.replica_id for g in self.groups if g.failed]
         self.stop_all()
         if failed:
@@ -292,27 +183,30 @@ class Launcher:
         return 0
 
     def _check(self, group: Group, now: float) -> None:
-        if group.done or group.failed or group.proc is None:
+        if group.done or group.failed or group.process is None:
             return
         others_finished = any(g.done and g is not group for g in self.groups) and all(
             g.done for g in self.groups if g is not group
         )
-        code = group.proc.poll()
+        code = group.process.poll()
         if code is None:
             if others_finished and group.steps_this_start == 0 and group.restarts > 0:
                 # A restarted group that has not trained yet cannot join a finished job.
-                kill_tree(group.proc.pid)
-                group.proc.wait()
+                self.job.kill_group(group.replica_id)
                 group.done = True
                 _print("[launcher]", f"group {group.replica_id}: the job finished before it "
                        "rejoined; stopped")  # fmt: skip
             return
-        if group.killed_by_us:
+        if group.follower.is_alive():
+            return  # its last lines are printed before what the launcher says about its exit
+        if group.process.killed_at is not None:
             if others_finished:
                 group.done = True
+                self.restarts.cancel(group.replica_id)
                 _print("[launcher]", f"group {group.replica_id}: not restarted, the other "
                        "groups finished the job")  # fmt: skip
-            elif group.restart_at is not None and now >= group.restart_at:
+            elif self.restarts.due(group.replica_id, now):
+                self.restarts.cancel(group.replica_id)
                 group.restarts += 1
                 self.start_group(group)
             return
@@ -404,18 +298,25 @@ def _kill_spec(text: str) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    launcher = Launcher(parse_args(argv))
+    args = parse_args(argv)
+    # The groups' output is printed as it comes; the log files it comes through are not kept.
+    logs = Path(tempfile.mkdtemp(prefix="ft_launcher_"))
+    launcher = Launcher(args, logs)
 
     def terminate(signum: int, _frame: object) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, terminate)  # a supervisor's SIGTERM cleans up like Ctrl-C
     try:
-        return launcher.run()
-    except KeyboardInterrupt:
-        _print("[launcher]", "interrupted: stopping all groups")
-        launcher.stop_all()
-        return 130
+        with launcher.job:  # whatever happens, no process of the job outlives the launcher
+            try:
+                return launcher.run()
+            except KeyboardInterrupt:
+                _print("[launcher]", "interrupted: stopping all groups")
+                launcher.stop_all()
+                return 130
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,74 @@
+"""The torchft lighthouse of a local job: its command line and when it is ready."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from torchtitan.tools.cluster.listeners import listening_sockets
+from torchtitan.tools.cluster.ports import LOOPBACK
+from torchtitan.tools.cluster.process import Process
+from torchtitan.tools.cluster.process_tree import process_tree
+
+
+@dataclass
+class LighthouseSettings:
+    """``torchft_lighthouse``'s flags. Its other defaults are left alone, except the address:
+    it binds ``host`` (loopback unless a benchmark puts it in a network namespace) and a port
+    chosen by the job, never torchft's default 29510, so that two jobs on one machine cannot
+    join each other's quorum."""
+
+    min_replicas: int = 1
+    """Fewest groups for a quorum."""
+
+    heartbeat_timeout_ms: int = 2000
+    """A group silent this long is dropped from the quorum."""
+
+    join_timeout_ms: int = 10000
+    """How long a quorum waits for heartbeating groups that have not asked for it yet."""
+
+    quorum_tick_ms: int = 100
+    """How often the lighthouse checks whether a quorum can form."""
+
+    host: str = LOOPBACK
+
+    start_timeout_s: float = 20.0
+    """How long a start may take until the lighthouse listens."""
+
+    def command(self, port: int) -> list[str]:
+        # The binary of the torchft installed next to this interpreter: lighthouse and groups
+        # must run the same torchft version.
+        binary = Path(sys.executable).parent / "torchft_lighthouse"
+        return [
+            str(binary),
+            "--min_replicas", str(self.min_replicas),
+            "--quorum_tick_ms", str(self.quorum_tick_ms),
+            "--join_timeout_ms", str(self.join_timeout_ms),
+            "--heartbeat_timeout_ms", str(self.heartbeat_timeout_ms),
+            "--bind", f"{self.host}:{port}",
+        ]  # fmt: skip
+
+    def address(self, port: int) -> str:
+        """What groups are given as ``TORCHFT_LIGHTHOUSE``."""
+        return f"http://{self.host}:{port}"
+
+
+def wait_until_listening(lighthouse: Process, settings: LighthouseSettings, port: int) -> None:
+    """Return once ``lighthouse`` (or a process it started) listens on ``port``; raise
+    ``RuntimeError`` with its log if it exits first or does not listen within
+    ``settings.start_timeout_s``.
+
+    Its own sockets are looked at, not its log or a connect: its "listening on" line is not
+    logged under some ``RUST_LOG`` settings, a connect may reach another process that holds
+    the port, and neither works from here for a lighthouse in another network namespace."""
+    deadline = time.monotonic() + settings.start_timeout_s
+    while time.monotonic() < deadline and lighthouse.alive():
+        if any(p == port for _, _, p in listening_sockets(process_tree(lighthouse.pid))):
+            return
+        time.sleep(0.1)
+    raise RuntimeError(
+        f"torchft_lighthouse ({' '.join(settings.command(port))}) did not listen within "
+        f"{settings.start_timeout_s:g}s (exit code {lighthouse.poll()}):\n{lighthouse.tail()}"
+    )
