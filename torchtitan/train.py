@@ -15,12 +15,20 @@ from __future__ import annotations
 
 import gc
 import importlib
+import logging
 import sys
 from types import ModuleType
 from typing import Any
 
 from torchtitan.config import ConfigError, ConfigManager
+from torchtitan.tools.events import EventKind
 from torchtitan.tools.logging import init_logger, logger
+
+#: The run stopped on a problem it names (exit status 1): ``error`` is the exception's type.
+RUN_FAILED = EventKind("run.failed", "{error}: {message}", logging.ERROR)
+RUN_INTERRUPTED = EventKind(
+    "run.interrupted", "Interrupted by the user after step {step}", logging.WARNING
+)
 
 
 def resolve_trainer_class(custom_module: ModuleType | None, config: Any) -> type:
@@ -90,11 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         ConnectionError,  # a dataset host that cannot be reached (the message names the field)
         ValueError,
     ) as e:
-        logger.error(f"{type(e).__name__}: {e}")
+        RUN_FAILED.emit(error=type(e).__name__, message=str(e))
         return 1
     except KeyboardInterrupt:
         step = trainer.train_state.step if trainer is not None else 0
-        logger.warning(f"Interrupted by the user after step {step}")
+        RUN_INTERRUPTED.emit(step=step)
         return 130
     finally:
         if trainer is not None:

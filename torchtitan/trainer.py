@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -42,7 +43,29 @@ from torchtitan.distributed import ParallelDims, init_distributed
 from torchtitan.models import get_train_spec
 from torchtitan.protocols.train_spec import InitWeights
 from torchtitan.tools.digest import tensor_digest
+from torchtitan.tools.events import EventFile, EventKind, attach_event_file, detach_event_file
 from torchtitan.tools.logging import logger
+
+#: Training (re)starts: ``first_step..last_step``, and what the throughput figures of this run
+#: rest on (``parameters``, ``flops_per_token``, ``peak_flops``: None when unknown).
+TRAINING_STARTED = EventKind(
+    "train.started",
+    "Training steps {first_step}..{last_step}, {tokens_per_batch} tokens per batch per rank, "
+    "dump folder {dump_folder}",
+)
+TRAINING_FINISHED = EventKind("train.finished", "Training finished after step {step}")
+#: Synchronous FT: the step's commit failed; ``uncommitted_in_a_row`` counts toward
+#: ``max_consecutive_failures`` (0: no limit).
+STEP_NOT_COMMITTED = EventKind(
+    "train.step_not_committed",
+    "step {step} not committed (a replica group failed during it); retrying with the next batch",
+    logging.WARNING,
+)
+#: Synchronous FT with ``metrics.log_param_digest``: this rank's parameters after the step.
+PARAM_DIGEST = EventKind("train.param_digest", "param_digest step {step}: {digest}")
+VALIDATION = EventKind(
+    "train.validation", "validation: step {step}  loss: {loss:.4f}  ({seconds:.1f}s)"
+)
 
 
 class ModelState:
@@ -129,6 +152,7 @@ class Trainer:
         self.model = self.build_model()
         self.loss_fn = self.train_spec.build_loss_fn(job_config)
         n_params, self.flops_per_token = self.model_args.num_flops_per_token(training.seq_len)
+        self.n_params = n_params
         logger.info(
             f"Model {job_config.model.name}/{job_config.model.flavor}: {n_params:,} parameters, "
             f"{self.flops_per_token / 1e6:.1f} MFLOPs per token, on {self.device}"
@@ -162,6 +186,7 @@ class Trainer:
         self.metrics = MetricsProcessor(
             job_config, self.device, self.flops_per_token, tb_folder, jsonl
         )
+        self.event_file: EventFile | None = None
 
     # ---- building blocks (extension points) --------------------------------------------------
 
@@ -303,6 +328,13 @@ class Trainer:
     def train(self) -> None:
         """Resume if a checkpoint exists, then train until ``training.steps``."""
         cfg = self.job_config
+        if self.event_file is None:
+            # Attached here rather than in __init__: a constructor that raises leaves no handler
+            # on the shared logger, and every fact worth an event happens from here on.
+            ft = cfg.fault_tolerance
+            self.event_file = attach_event_file(
+                self.dump_folder, ft.replica_id if ft.enable else None, self.parallel_dims.rank
+            )
         self.checkpointer.load()
         self.metrics.start(self.train_state.step)
         if self.parallel_dims.is_main_rank:
@@ -310,9 +342,15 @@ class Trainer:
             write_toml(cfg, self.dump_folder / self.config_file_name())
         total_steps = cfg.training.steps
         tokens_per_batch = cfg.training.local_batch_size * cfg.training.seq_len
-        logger.info(
-            f"Training steps {self.train_state.step + 1}..{total_steps}, "
-            f"{tokens_per_batch} tokens per batch per rank, dump folder {self.dump_folder}"
+        TRAINING_STARTED.emit(
+            first_step=self.train_state.step + 1,
+            last_step=total_steps,
+            tokens_per_batch=tokens_per_batch,
+            dump_folder=str(self.dump_folder),
+            parameters=self.n_params,
+            flops_per_token=self.flops_per_token,
+            peak_flops=self.metrics.peak,
+            world_size=self.parallel_dims.world_size,
         )
         batches = self.batches()
         if self.ft is not None:
@@ -323,9 +361,11 @@ class Trainer:
                 self.metrics.count(inputs.numel())
                 result = self.train_step(inputs, labels)
                 if not result.committed:
-                    logger.warning(
-                        f"step {self.train_state.step + 1} not committed (a replica group "
-                        "failed during it); retrying with the next batch"
+                    assert self.ft is not None
+                    STEP_NOT_COMMITTED.emit(
+                        step=self.train_state.step + 1,
+                        uncommitted_in_a_row=self.ft.uncommitted_in_a_row,
+                        max_consecutive_failures=self.ft.max_consecutive_failures,
                     )
                     continue
                 self.train_state.step += 1
@@ -334,7 +374,7 @@ class Trainer:
         self.metrics.close()
         if self.ft is not None:
             self.ft.check_progress()
-        logger.info(f"Training finished after step {self.train_state.step}")
+        TRAINING_FINISHED.emit(step=self.train_state.step)
 
     def after_step(self, result: StepResult) -> None:
         """Logging, validation, checkpointing and housekeeping after a committed step."""
@@ -343,18 +383,14 @@ class Trainer:
         last = step == cfg.training.steps
         if step == 1 or step % cfg.metrics.log_freq == 0 or last:
             # Groups in the last quorum (semi-sync: the last sync; none before the first).
-            groups = self.ft.manager.num_participants() if self.ft else 0
-            extra = f"  groups: {groups}" if groups else ""
-            self.metrics.log_step(step, result.loss, result.grad_norm, extra)
+            groups = self.ft.manager.num_participants() if self.ft else None
+            self.metrics.log_step(step, result.loss, result.grad_norm, groups)
         start = time.perf_counter()
         if cfg.metrics.log_param_digest and self.ft is not None and self.params_agree_every_step:
-            logger.info(f"param_digest step {step}: {tensor_digest(self.model.parameters())}")
+            PARAM_DIGEST.emit(step=step, digest=tensor_digest(self.model.parameters()))
         if self.val_dataloader is not None and (step % cfg.validation.freq == 0 or last):
             val_loss = self.validate()
-            logger.info(
-                f"validation: step {step}  loss: {val_loss:.4f}  "
-                f"({time.perf_counter() - start:.1f}s)"
-            )
+            VALIDATION.emit(step=step, loss=val_loss, seconds=time.perf_counter() - start)
             self.metrics.write_scalars(step, {"validation/loss": val_loss})
         if self.checkpointer.should_save(step, last):
             self.checkpointer.save(step)
@@ -367,8 +403,11 @@ class Trainer:
         return f"config_replica_{ft.replica_id}.toml" if ft.enable else "config.toml"
 
     def close(self) -> None:
-        """Release the process groups and the torchft Manager."""
+        """Release the process groups, the torchft Manager and the event file."""
         if self.ft is not None:
             self.ft.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self.event_file is not None:
+            detach_event_file(self.event_file)
+            self.event_file = None

@@ -31,7 +31,7 @@ from torchtitan.components.ft import torchft_adapter as tft
 from torchtitan.config.job_config import JobConfig as CoreJobConfig
 from torchtitan.experiments.fault_tolerance.job_config import JobConfig as SemiSyncJobConfig
 from torchtitan.experiments.fault_tolerance.trainer import SemiSyncTrainer
-from torchtitan.tools.logging import logger
+from torchtitan.tools.events import EventKind
 from torchtitan.trainer import Trainer
 
 STALLING_TRAINER = "tests.integration_tests.faults:StallingTrainer"
@@ -42,11 +42,23 @@ def trainer_for(config: CoreJobConfig) -> str:
     return STALLING_TRAINER if config.fault_tolerance.semi_sync_method else FAULTY_CORE_TRAINER
 
 
-STALL_IN_SYNC = "[fault-injection] stalling inside sync"
-STALL_AFTER_STEP = "[fault-injection] stalling after step"
-PAUSED = "[fault-injection] paused after step"
-HELD_BEFORE_SYNC = "[fault-injection] holding before sync"
-CORRUPTED = "[fault-injection] corrupted the global copy"
+# What the knobs did, as events (``torchtitan.tools.events``) a test can wait for.
+STALLED_IN_SYNC = EventKind(
+    "fault.stalled_in_sync",
+    "[fault-injection] stalling inside sync (quorum {quorum}, {groups} groups) for {seconds:.0f}s",
+)
+STALLED_AFTER_STEP = EventKind(
+    "fault.stalled_after_step", "[fault-injection] stalling after step {step}"
+)
+PAUSED = EventKind("fault.paused", "[fault-injection] paused after step {step}")
+RESUMED = EventKind("fault.resumed", "[fault-injection] resumed")
+HELD_BEFORE_SYNC = EventKind(
+    "fault.held_before_sync", "[fault-injection] holding before sync #{sync}"
+)
+RELEASED = EventKind("fault.released", "[fault-injection] released")
+CORRUPTED = EventKind(
+    "fault.corrupted_global_copy", "[fault-injection] corrupted the global copy after sync #{sync}"
+)
 
 
 @dataclass
@@ -96,14 +108,14 @@ class StepFaults:
         if self.faults.step_sleep_s > 0:
             time.sleep(self.faults.step_sleep_s)
         if self.train_state.step == self.faults.stall_after_step:
-            logger.info(f"{STALL_AFTER_STEP} {self.train_state.step}")
+            STALLED_AFTER_STEP.emit(step=self.train_state.step)
             time.sleep(self.faults.stall_seconds)
         pause = Path(self.faults.pause_file) if self.faults.pause_file else None
         if pause is not None and pause.exists():
-            logger.info(f"{PAUSED} {self.train_state.step}")
+            PAUSED.emit(step=self.train_state.step)
             while pause.exists():
                 time.sleep(0.1)
-            logger.info("[fault-injection] resumed")
+            RESUMED.emit(step=self.train_state.step)
 
 
 class FaultyTrainer(StepFaults, Trainer):
@@ -128,18 +140,19 @@ class StallingTrainer(StepFaults, SemiSyncTrainer):
                 if self.faults.hold_before_sync_file
                 else None
             )
+            manager = self.ft.manager  # type: ignore[union-attr]
             if hold is not None and hold.exists():
-                logger.info(f"{HELD_BEFORE_SYNC} #{self.ft.manager.current_step() + 1}")  # type: ignore[union-attr]
+                HELD_BEFORE_SYNC.emit(sync=manager.current_step() + 1)
                 while hold.exists():
                     time.sleep(0.1)
-                logger.info("[fault-injection] released")
+                RELEASED.emit(sync=manager.current_step() + 1)
             start_quorum(*args, **kwargs)
             quorums += 1
             if quorums == self.faults.stall_after_quorum:
-                logger.info(
-                    f"{STALL_IN_SYNC} (quorum {quorums}, "
-                    f"{self.ft.manager.num_participants()} groups) "  # type: ignore[union-attr]
-                    f"for {self.faults.stall_seconds:.0f}s"
+                STALLED_IN_SYNC.emit(
+                    quorum=quorums,
+                    groups=manager.num_participants(),
+                    seconds=self.faults.stall_seconds,
                 )
                 time.sleep(self.faults.stall_seconds)
 
@@ -162,4 +175,4 @@ class StallingTrainer(StepFaults, SemiSyncTrainer):
             globals_ = next(iter(tft.fragments(self.algorithm)))
             first = next(iter(tft.global_parameters(globals_).values()))
             first.view(-1)[0] += 1e-3
-            logger.info(f"{CORRUPTED} after sync #{sync}")
+            CORRUPTED.emit(sync=sync)

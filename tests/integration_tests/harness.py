@@ -5,6 +5,9 @@ a log file per start, every process killed by ``close()`` even after a failure) 
 tests' defaults (one thread per rank, every rank's output, a shared dump folder) and what
 tests wait for. Use it through the ``ft_job`` fixture (``conftest.py``) or as a context
 manager.
+
+What the groups did is read from their event files (``FTJob.events``, ``FTJob.wait_for_event``;
+``torchtitan.tools.events``), not from their log text.
 """
 
 from __future__ import annotations
@@ -12,16 +15,14 @@ from __future__ import annotations
 import ipaddress
 import re
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
-from torchtitan.tools.cluster import LighthouseSettings, LocalJob, listening_sockets
+from torchtitan.tools.cluster import LighthouseSettings, LocalJob, Process, listening_sockets
+from torchtitan.tools.events import EVENTS_FOLDER, Event, EventKind, read_events
 
 REPO = Path(__file__).resolve().parents[2]
-STEP_LINE = re.compile(r"step:\s+(\d+)\s+loss:\s+([0-9.]+)")
-RANK_PREFIX = re.compile(r"\[rank(\d+)\]:")
-PARAM_DIGEST = re.compile(r"param_digest step (\d+): ([0-9a-f]+)")
-GLOBAL_DIGEST = re.compile(r"global_digest sync (\d+): ([0-9a-f]+)")
-SYNC_LINE = re.compile(r"\[semi-sync\] step (\d+) sync: .*?(committed|NOT committed)")
 
 # A small, fast job: the debug model's smallest flavor on the embedded corpus.
 FAST_ARGS = [
@@ -124,35 +125,88 @@ class FTJob(LocalJob):
     def all_text(self, replica_id: int) -> str:
         return "".join(group.text() for group in self.starts.get(replica_id, []))
 
+    # ---- events --------------------------------------------------------------------------
+
+    def events(
+        self,
+        replica_id: int,
+        kind: EventKind | str | None = None,
+        *,
+        rank: int | None = None,
+        all_starts: bool = False,
+        start: Process | None = None,
+    ) -> list[Event]:
+        """The group's events (of ``kind``, of ``rank``; default every rank), oldest first:
+        those of its latest start, of ``start``, or of all its starts in this job."""
+        runs = self.starts[replica_id]
+        first = runs[0] if all_starts else start or runs[-1]
+        found = read_events(
+            self.dump_folder / EVENTS_FOLDER,
+            kind,
+            replica=replica_id,
+            rank=rank,
+            since=first.started_at,
+        )
+        if start is not None and start is not runs[-1]:
+            end = runs[runs.index(start) + 1].started_at
+            found = [event for event in found if event.time < end]
+        return found
+
+    def wait_for_event(
+        self,
+        replica_id: int,
+        kind: EventKind | str,
+        timeout: float,
+        count: int = 1,
+        where: Callable[[Event], bool] | None = None,
+        rank: int | None = None,
+    ) -> list[Event]:
+        """Wait until the latest start of the group has emitted ``count`` events of ``kind``
+        (for which ``where`` holds); return them all. Fails with the log tail if the group exits
+        first or the time runs out."""
+        run = self.latest(replica_id)
+        name = kind.name if isinstance(kind, EventKind) else kind
+
+        def found() -> list[Event]:
+            events = self.events(replica_id, kind, rank=rank)
+            return [e for e in events if where is None or where(e)]
+
+        deadline = time.monotonic() + timeout
+        while True:
+            events = found()
+            if len(events) >= count:
+                return events
+            if run.poll() is not None:
+                events = found()
+                if len(events) >= count:
+                    return events
+                raise AssertionError(
+                    f"group {replica_id} exited ({run.returncode}) before {count}x "
+                    f"event {name}:\n{tail(run.text())}"
+                )
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"group {replica_id}: no {count}x event {name} within {timeout:.0f}s:\n"
+                    f"{tail(run.text())}"
+                )
+            time.sleep(0.2)
+
 
 def tail(text: str, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def digests(text: str, pattern: re.Pattern[str]) -> dict[int, str]:
-    """{step or sync number: digest} from a log (the last one logged wins)."""
-    return {int(m.group(1)): m.group(2) for m in pattern.finditer(text)}
+def per_step(events: Iterable[Event], field_name: str) -> dict[int, Any]:
+    """{step: the field} of events (a step given twice: the last one wins)."""
+    return {event.step: event[field_name] for event in events if event.step is not None}
 
 
-def digests_by_rank(
-    text: str, pattern: re.Pattern[str] = PARAM_DIGEST
-) -> dict[int, dict[int, str]]:
-    """{rank: {step: digest}} from a log of a group with several ranks (lines prefixed
-    ``[rankR]:`` by torchrun); a single-process group's lines count as rank 0."""
-    found: dict[int, dict[int, str]] = {}
-    for line in text.splitlines():
-        match = pattern.search(line)
-        if match is None:
-            continue
-        rank = RANK_PREFIX.match(line)
-        found.setdefault(int(rank.group(1)) if rank else 0, {})[int(match.group(1))] = match.group(
-            2
-        )
+def per_rank(events: Iterable[Event]) -> dict[int, list[Event]]:
+    """Events by rank, each rank's oldest first."""
+    found: dict[int, list[Event]] = {}
+    for event in events:
+        found.setdefault(event.rank, []).append(event)
     return found
-
-
-def losses(text: str) -> dict[int, float]:
-    return {int(m.group(1)): float(m.group(2)) for m in STEP_LINE.finditer(text)}
 
 
 # Never used to listen or connect: the exposure tests assert that no socket of a job is on

@@ -4,14 +4,11 @@ Python traceback."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 
-from tests.integration_tests.train_runs import SMALL, run_train, train_env
-
-ERROR_LINE = re.compile(r"^(error: |\S+ ERROR )", re.MULTILINE)
+from tests.integration_tests.train_runs import SMALL, error_lines, run_train, train_env
 
 
 def _fails_clearly(args: list[str], expected: list[str], env: dict[str, str] | None = None) -> str:
@@ -25,7 +22,7 @@ def _fails_clearly(args: list[str], expected: list[str], env: dict[str, str] | N
 
 
 def _one_error_line(out: str) -> str:
-    lines = [line for line in out.splitlines() if ERROR_LINE.match(line)]
+    lines = error_lines(out)
     assert len(lines) == 1, out
     return lines[0]
 

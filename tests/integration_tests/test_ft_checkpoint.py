@@ -5,19 +5,11 @@ with the groups bit-identical."""
 
 from __future__ import annotations
 
-import re
-
-from tests.integration_tests.harness import (
-    FAST_ARGS,
-    PACED_ARGS,
-    PARAM_DIGEST,
-    STEP_LINE,
-    FTJob,
-    digests,
-)
-
-SAVED = re.compile(r"Saved checkpoint step (\d+) to (\S+)")
-RESUMED = re.compile(r"Resumed from checkpoint (\S+) \(step (\d+)\)")
+from tests.integration_tests.harness import FAST_ARGS, PACED_ARGS, FTJob, per_step
+from torchtitan.components.checkpoint import CHECKPOINT_RESUMED, CHECKPOINT_SAVED
+from torchtitan.components.ft.manager import HEALED
+from torchtitan.components.metrics import TRAIN_STEP
+from torchtitan.trainer import PARAM_DIGEST
 
 
 def test_whole_job_restart_resumes_from_per_group_checkpoints(ft_job, tmp_path):
@@ -32,9 +24,11 @@ def test_whole_job_restart_resumes_from_per_group_checkpoints(ft_job, tmp_path):
     first: FTJob = ft_job(folder=tmp_path / "run1", dump_folder=dump, train_args=args)
     first.start()
     for replica in (0, 1):
-        first.wait_for(replica, r"Saved checkpoint step 10 ", timeout=240)
+        first.wait_for_event(replica, CHECKPOINT_SAVED, timeout=240, where=lambda e: e.step == 10)
     first.close()  # SIGKILL the lighthouse and both groups, wherever they are
-    saved = {r: [int(m.group(1)) for m in SAVED.finditer(first.all_text(r))] for r in (0, 1)}
+    saved = {
+        r: [e.step for e in first.events(r, CHECKPOINT_SAVED, all_starts=True)] for r in (0, 1)
+    }
     for replica in (0, 1):
         assert (dump / "checkpoint" / f"replica_{replica}" / "step-10" / ".metadata").is_file()
 
@@ -44,16 +38,16 @@ def test_whole_job_restart_resumes_from_per_group_checkpoints(ft_job, tmp_path):
     assert second.wait_exit(1, 60) == 0
     resumed = {}
     for replica in (0, 1):
-        text = second.all_text(replica)
-        match = RESUMED.search(text)
-        assert match, f"group {replica} did not resume:\n{text[-2000:]}"
-        assert f"replica_{replica}" in match.group(1)
-        resumed[replica] = int(match.group(2))
+        resumes = second.events(replica, CHECKPOINT_RESUMED, all_starts=True)
+        assert resumes, f"group {replica} did not resume:\n{second.all_text(replica)[-2000:]}"
+        assert f"replica_{replica}" in resumes[0]["folder"]
+        resumed[replica] = resumes[0].step
         assert resumed[replica] >= 10
-        first_step = int(STEP_LINE.search(text).group(1))
-        assert first_step > resumed[replica] or "healed" in text
-    d0 = digests(second.all_text(0), PARAM_DIGEST)
-    d1 = digests(second.all_text(1), PARAM_DIGEST)
+        first_step = second.events(replica, TRAIN_STEP, all_starts=True)[0].step
+        healed = second.events(replica, HEALED, all_starts=True)
+        assert first_step > resumed[replica] or healed
+    d0 = per_step(second.events(0, PARAM_DIGEST, all_starts=True), "digest")
+    d1 = per_step(second.events(1, PARAM_DIGEST, all_starts=True), "digest")
     assert d0[20] == d1[20]
     print(
         f"\n[ft test] checkpoints saved before the kill: {saved}; whole-job restart resumed "

@@ -10,12 +10,13 @@ and a launcher run by ``test_ft_launcher``.
 from __future__ import annotations
 
 from tests.integration_tests.harness import FAST_ARGS, PACED_ARGS, check_loopback_only, command_line
+from torchtitan.components.metrics import TRAIN_STEP
 
 
 def test_local_job_listens_on_loopback_only(ft_job):
     job = ft_job(train_args=[*FAST_ARGS, *PACED_ARGS, "--training.steps=200"]).start()
     for replica in (0, 1):
-        job.wait_for(replica, r"step:\s+2\s", timeout=240)
+        job.wait_for_event(replica, TRAIN_STEP, timeout=240, where=lambda e: e.step == 2)
     sockets = check_loopback_only(job.pids())
     print(f"\n[ft test] {len(sockets)} listening sockets, all on loopback:")
     for pid, address, port in sorted(sockets):

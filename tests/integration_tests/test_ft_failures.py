@@ -11,20 +11,13 @@ hangs and never trains alone when it must not.
 
 from __future__ import annotations
 
-import re
 import time
 
-from tests.integration_tests.harness import (
-    FAST_ARGS,
-    PACED_ARGS,
-    PARAM_DIGEST,
-    STEP_LINE,
-    digests,
-)
+from tests.integration_tests.harness import FAST_ARGS, PACED_ARGS, per_step
+from torchtitan.components.ft.manager import QUORUM_FORMED, QUORUM_WAITING
+from torchtitan.components.metrics import TRAIN_STEP
 from torchtitan.tools.cluster import free_port
-
-WAITING = re.compile(r"\[ft\] step (\d+): waiting for a quorum for (\d+)s; (.*)")
-STEP_WITH_GROUPS = re.compile(r"step:\s+(\d+)\s.*groups: (\d+)")
+from torchtitan.trainer import PARAM_DIGEST
 
 
 def test_no_lighthouse_fails_with_clear_error(ft_job):
@@ -49,32 +42,32 @@ def test_no_lighthouse_fails_with_clear_error(ft_job):
 def test_min_replica_size_survivor_waits_and_says_so(ft_job):
     args = [*FAST_ARGS, *PACED_ARGS, "--training.steps=20", "--fault_tolerance.min_replica_size=2"]
     job = ft_job(train_args=args).start()
-    job.wait_for(1, r"step:\s+5\s", timeout=240)
+    job.wait_for_event(1, TRAIN_STEP, timeout=240, where=lambda e: e.step == 5)
     job.kill_group(1)
     killed_at = time.monotonic()
-    last_before = max(int(m.group(1)) for m in STEP_LINE.finditer(job.latest(0).text()))
-    job.wait_for(0, WAITING, timeout=60, count=2)  # reported at 5 s and 10 s
+    last_before = max(e.step for e in job.events(0, TRAIN_STEP))
+    job.wait_for_event(0, QUORUM_WAITING, timeout=60, count=2)  # reported at 5 s and 10 s
     waited = time.monotonic() - killed_at
-    survivor = job.latest(0).text()
-    committed_alone = [m.group(0) for m in STEP_WITH_GROUPS.finditer(survivor) if m.group(2) != "2"]
-    reports = WAITING.findall(survivor)
+    steps = job.events(0, TRAIN_STEP)
+    committed_alone = [e for e in steps if e["groups"] != 2]
+    reports = job.events(0, QUORUM_WAITING)
     print(
         f"\n[ft test] min_replica_size=2: survivor at step {last_before} when group 1 died; "
         f"after {waited:.1f}s it had committed nothing alone and logged {len(reports)} waiting "
-        f"line(s), e.g. {WAITING.search(survivor).group(0)!r}"
+        f"line(s), e.g. {reports[0].fields}"
     )
     assert not committed_alone, committed_alone
-    assert max(int(m.group(1)) for m in STEP_LINE.finditer(survivor)) <= last_before + 1
+    assert max(e.step for e in steps) <= last_before + 1
     assert len(reports) <= 3, "the watchdog must not log on every poll"
-    assert "min_replica_size=2" in reports[0][2]
+    assert reports[0]["reason"] == "min_replica_size" and reports[0]["groups_needed"] == 2
 
     job.start_group(1)
     assert job.wait_exit(0, 240) == 0
     assert job.wait_exit(1, 60) == 0
-    survivor = job.latest(0).text()
-    assert re.search(r"\[ft\] step \d+: quorum of 2 group\(s\) after waiting", survivor)
-    assert all(m.group(2) == "2" for m in STEP_WITH_GROUPS.finditer(survivor))
-    d0, d1 = digests(survivor, PARAM_DIGEST), digests(job.latest(1).text(), PARAM_DIGEST)
+    formed = job.events(0, QUORUM_FORMED)
+    assert any(e.step is not None and e["groups"] == 2 for e in formed), formed
+    assert all(e["groups"] == 2 for e in job.events(0, TRAIN_STEP))
+    d0, d1 = (per_step(job.events(r, PARAM_DIGEST), "digest") for r in (0, 1))
     assert d0[20] == d1[20]
 
 
@@ -87,12 +80,13 @@ def test_new_job_waits_for_all_groups_then_gives_up(ft_job):
     seconds = time.monotonic() - start
     text = job.latest(0).text()
     errors = [line for line in text.splitlines() if "ERROR" in line]
-    reports = WAITING.findall(text)
+    reports = job.events(0, QUORUM_WAITING)
     print(
         f"\n[ft test] group 0 alone in a new job: exit {code} after {seconds:.1f}s, "
         f"{len(reports)} waiting line(s); {errors}"
     )
     assert code == 1
-    assert not STEP_LINE.search(text), "the first group must not train alone"
-    assert reports and "all 2 replica groups needed before step 1" in reports[0][2]
+    assert not job.events(0, TRAIN_STEP), "the first group must not train alone"
+    assert reports and reports[0]["reason"] == "group_size" and reports[0]["groups_needed"] == 2
+    assert reports[0].step == 1  # waiting before step 1
     assert len(errors) == 1 and "quorum_timeout_s" in errors[0]

@@ -1,14 +1,15 @@
 """The local launcher (``python -m torchtitan.experiments.fault_tolerance.launcher``), run as a
 user runs it: it prefixes every line with its source, exits 0 when all groups finish and 1 when a
 group fails for good, kills and restarts a group on ``--kill R@S``, listens on 127.0.0.1 only,
-and leaves no process behind."""
+and leaves no process behind. What the groups did is read from their event files (under the
+``--job.dump_folder`` every group is given), what the launcher did from its own output."""
 
 from __future__ import annotations
 
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -17,19 +18,25 @@ from tests.integration_tests.harness import (
     FAST_ARGS,
     PACED_ARGS,
     check_loopback_only,
+    per_step,
     tail,
 )
+from torchtitan.components.ft.build import MANAGER_STARTED
+from torchtitan.components.ft.manager import HEALED
+from torchtitan.components.metrics import TRAIN_STEP
 from torchtitan.tools.cluster import JOB_ENV, LocalJob, processes_with_env
-
-GROUP_DIGEST = re.compile(r"^\[group (\d)\] .*param_digest step (\d+): ([0-9a-f]+)", re.M)
+from torchtitan.tools.events import EVENTS_FOLDER, Event, EventKind, read_events
+from torchtitan.trainer import PARAM_DIGEST
 
 
 class LauncherRun:
     """The launcher, started as a process of a ``LocalJob``: the launcher passes the job's
-    marker on to everything it starts, so what it leaves behind is found by that marker."""
+    marker on to everything it starts, so what it leaves behind is found by that marker. The
+    groups' events are read from ``<job folder>/dump`` (give the groups that dump folder)."""
 
     def __init__(self, job: LocalJob, args: list[str]) -> None:
         self.job = job
+        self.events_folder = job.folder / "dump" / EVENTS_FOLDER
         cmd = [sys.executable, "-m", "torchtitan.experiments.fault_tolerance.launcher", *args]
         self.process = job.start_process(
             "launcher", cmd, {"OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
@@ -50,6 +57,30 @@ class LauncherRun:
         while not re.search(pattern, self.text(), re.M):
             if not self.process.alive() or time.monotonic() > deadline:
                 message = f"no {pattern!r} in the launcher's output:\n{tail(self.text())}"
+                raise AssertionError(message)
+            time.sleep(0.2)
+
+    def events(self, replica_id: int, kind: EventKind) -> list[Event]:
+        """The group's events of ``kind``, over all its starts."""
+        return read_events(self.events_folder, kind, replica=replica_id)
+
+    def wait_for_event(
+        self,
+        replica_id: int,
+        kind: EventKind,
+        timeout: float,
+        where: Callable[[Event], bool] = lambda _: True,
+        count: int = 1,
+    ) -> list[Event]:
+        """Until the group (all its starts) has emitted ``count`` events of ``kind`` for which
+        ``where`` holds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = [e for e in self.events(replica_id, kind) if where(e)]
+            if len(found) >= count:
+                return found
+            if not self.process.alive() or time.monotonic() > deadline:
+                message = f"no {kind.name} event of group {replica_id}:\n{tail(self.text())}"
                 raise AssertionError(message)
             time.sleep(0.2)
 
@@ -103,14 +134,14 @@ def test_launcher_kill_and_restart(launch, tmp_path):
                  "--training.steps=40", *FAST_ARGS, *PACED_ARGS,
                  f"--fault_injection.pause_file={pause}",
                  f"--job.dump_folder={tmp_path / 'dump'}")  # fmt: skip
-    run.wait_for(r"^\[group 1\] .*step:\s+3\s", timeout=240)
+    run.wait_for_event(1, TRAIN_STEP, timeout=240, where=lambda e: e.step == 3)
     sockets = check_loopback_only(run.leftovers())
     assert sockets
     run.wait_for(r"^\[launcher\] SIGKILL group 1 at step", timeout=240)
     pause.touch()
     run.wait_for(r"^\[launcher\] group 1 restarted", timeout=60)
-    run.wait_for(r"^\[group 1\] .*\[ft\] replica group 1 of 2(.|\n)*\[group 1\] .*\[ft\] replica "
-                 r"group 1 of 2", timeout=180)  # fmt: skip
+    # Both starts of group 1 have built their Manager: the restarted one asks for a quorum now.
+    run.wait_for_event(1, MANAGER_STARTED, timeout=180, count=2)
     time.sleep(1.0)  # its first quorum request reaches the lighthouse
     pause.unlink()
     assert run.wait(300) == 0, tail(run.text())
@@ -119,13 +150,11 @@ def test_launcher_kill_and_restart(launch, tmp_path):
                        text, re.M)  # fmt: skip
     assert killed and int(killed.group(1)) >= 10
     assert re.search(r"^\[launcher\] group 1 restarted \(#1\)", text, re.M)
-    heals = re.findall(r"^\[group 1\] .*\[ft\] step (\d+): healed from a live peer", text, re.M)
-    assert heals and int(heals[-1]) > int(killed.group(1)), tail(text)  # the restart's heal
+    heals = [e.step for e in run.events(1, HEALED)]
+    assert heals and heals[-1] > int(killed.group(1)), tail(text)  # the restart's heal
     assert text.splitlines()[-1] == "[launcher] all 2 groups finished (1 restart(s))"
-    digests: dict[str, dict[int, str]] = {"0": {}, "1": {}}
-    for group, step, digest in GROUP_DIGEST.findall(text):
-        digests[group][int(step)] = digest
-    assert digests["0"][40] == digests["1"][40]
+    digests = {r: per_step(run.events(r, PARAM_DIGEST), "digest") for r in (0, 1)}
+    assert digests[0][40] == digests[1][40]
     assert run.leftovers() == []
     print(
         f"\n[ft test] launcher: group 1 killed at step {killed.group(1)}, restarted after 5 s, "

@@ -11,38 +11,38 @@
 
 from __future__ import annotations
 
-import re
 import time
 
 from tests.integration_tests.faults import PAUSED
 from tests.integration_tests.harness import (
     FAST_ARGS,
     PACED_ARGS,
-    PARAM_DIGEST,
-    STEP_LINE,
     check_loopback_only,
-    digests,
-    digests_by_rank,
+    per_rank,
+    per_step,
 )
+from torchtitan.components.ft.manager import COMMITTED_AFTER_STALL, HEALED
+from torchtitan.components.metrics import TRAIN_STEP
+from torchtitan.tools.events import Event
+from torchtitan.trainer import PARAM_DIGEST
 
 HEARTBEAT_TIMEOUT_MS = 2000  # the harness's lighthouse default
 PG_TIMEOUT_MS = 5000  # FAST_ARGS' fault_tolerance.process_group_timeout_ms
-GROUPS_IN_STEP = re.compile(r"step:\s+(\d+)\s.*groups: (\d+)")
-STALL = re.compile(r"\[ft\] step (\d+): committed by (\d+) group\(s\).*stall: ([0-9.]+)s")
-ALONE = re.compile(r"step:\s+(\d+)\s.*groups: 1\b")
-HEALED = re.compile(r"\[ft\] step (\d+): healed from a live peer \((.*)\) in ([0-9.]+)s")
-STEP_TPS = re.compile(r"step:\s+\d+\s.*?tps: ([0-9,]+)")
 TOKENS_PER_STEP = 4 * 64  # FAST_ARGS' local_batch_size x seq_len, per rank
+
+
+def _alone(event: Event) -> bool:
+    return event["groups"] == 1
 
 
 def test_two_groups_train_bit_identical(ft_job):
     job = ft_job(train_args=[*FAST_ARGS, "--training.steps=30"]).start()
     assert job.wait_exit(0, 240) == 0
     assert job.wait_exit(1, 60) == 0
-    d0, d1 = digests(job.all_text(0), PARAM_DIGEST), digests(job.all_text(1), PARAM_DIGEST)
+    d0, d1 = (per_step(job.events(r, PARAM_DIGEST, all_starts=True), "digest") for r in (0, 1))
     assert sorted(d0) == sorted(d1) == list(range(1, 31))
     assert d0 == d1, "parameters differ between the groups after a committed step"
-    sizes = {int(m.group(2)) for m in GROUPS_IN_STEP.finditer(job.all_text(0))}
+    sizes = {e["groups"] for e in job.events(0, TRAIN_STEP, all_starts=True)}
     assert sizes == {2}, f"every step should be averaged over both groups, saw {sizes}"
     print(f"\n[ft test] 30 steps, 2 groups, identical digests; last {d0[30]}")
 
@@ -56,63 +56,70 @@ def _kill_restart_heal(ft_job, tmp_path, ngpu: int, steps: int) -> None:
     job.start_lighthouse()
     job.start_group(0, [f"--fault_injection.pause_file={pause}"])
     job.start_group(1)
-    job.wait_for(1, r"step:\s+10\s", timeout=240)
-    tps = [float(m.group(1).replace(",", "")) for m in STEP_TPS.finditer(job.latest(0).text())]
+    job.wait_for_event(1, TRAIN_STEP, timeout=240, where=lambda e: e.step == 10)
+    tps = [e["tps"] for e in job.events(0, TRAIN_STEP)]
     before = [TOKENS_PER_STEP / max(t, 1.0) for t in tps]  # seconds per step
     if ngpu > 1:  # torchrun's stores and in-group gloo too (test_ft_exposure: one rank)
         sockets = check_loopback_only(job.pids())
         print(f"\n[ft test] ngpu={ngpu}: {len(sockets)} listening sockets, all on loopback")
     killed_at = time.monotonic()
     job.kill_group(1)
-    steps_at_kill = max(int(m.group(1)) for m in STEP_LINE.finditer(job.latest(0).text()))
+    steps_at_kill = max(e.step for e in job.events(0, TRAIN_STEP))
 
     # The survivor goes on alone; its first commit after the failure reports the stall.
-    stall_match = job.wait_for(0, STALL, timeout=60)[0]
+    stall = job.wait_for_event(0, COMMITTED_AFTER_STALL, timeout=60)[0]
     measured_stall = time.monotonic() - killed_at
-    reported_stall = float(stall_match.group(3))
+    reported_stall = stall["stall_s"]
     # Timeouts of the failure, plus the survivor's own steps around it, however slow this
     # machine is right now (the slowest step seen before the kill, twice, and 3 s).
     slack = 3.0 + 2 * max(before[-5:], default=1.0)
     bound = (HEARTBEAT_TIMEOUT_MS + PG_TIMEOUT_MS) / 1000 + slack
     print(
         f"\n[ft test] ngpu={ngpu}: group 1 SIGKILLed at survivor step {steps_at_kill}; survivor "
-        f"committed step {stall_match.group(1)} alone {measured_stall:.2f}s after the kill "
+        f"committed step {stall.step} alone {measured_stall:.2f}s after the kill "
         f"(its own report: stall {reported_stall:.2f}s since its previous commit; bound "
         f"{bound:.1f}s = heartbeat {HEARTBEAT_TIMEOUT_MS} ms + process group "
         f"{PG_TIMEOUT_MS} ms + {slack:.1f} s)"
     )
-    assert stall_match.group(2) == "1"
+    assert stall["groups"] == 1
     assert measured_stall < bound and reported_stall < bound
 
     # Restart at once. The survivor trains alone a few more steps, then is held between two
     # steps (alive) until the restarted group asks for its first quorum, so that it cannot run
     # out of steps while the group starts up, however slow the machine is.
-    job.wait_for(0, ALONE, timeout=60, count=2)
+    job.wait_for_event(0, TRAIN_STEP, timeout=60, count=2, where=_alone)
     pause.touch()
-    job.wait_for(0, re.escape(PAUSED), timeout=60)
+    job.wait_for_event(0, PAUSED, timeout=60)
     restarted_at = time.monotonic()
     joiner = job.start_group(1)
     job.wait_quorum_request(1)
     pause.unlink()
-    first = int(job.wait_for(1, STEP_LINE, timeout=180)[0].group(1))
+    first = job.wait_for_event(1, TRAIN_STEP, timeout=180)[0].step
     rejoin_seconds = time.monotonic() - restarted_at
-    healed = job.wait_for(1, HEALED, timeout=10)[0]
+    healed = job.wait_for_event(1, HEALED, timeout=10)[0]
+    states = healed["states"]
     print(
-        f"[ft test] ngpu={ngpu}: restarted group 1 healed at step {healed.group(1)} "
-        f"({healed.group(2)}) in {float(healed.group(3)):.2f}s (quorum + transfer); first "
+        f"[ft test] ngpu={ngpu}: restarted group 1 healed at step {healed.step} "
+        f"({', '.join(states)}) in {healed['seconds']:.2f}s (quorum + transfer); first "
         f"committed step {first}, {rejoin_seconds:.1f}s after the restart (incl. start-up)"
     )
-    assert "model" in healed.group(2) and "optimizer" in healed.group(2)
-    assert "lr_scheduler" in healed.group(2) and "train_state" in healed.group(2)
-    assert "dataloader" not in healed.group(2)
+    assert "model" in states and "optimizer" in states
+    assert "lr_scheduler" in states and "train_state" in states
+    assert "dataloader" not in states
 
     assert job.wait_exit(0, 300) == 0
     assert job.wait_exit(1, 60) == 0
-    alone = sorted({int(m.group(1)) for m in ALONE.finditer(job.all_text(0))})
+    alone = sorted({e.step for e in job.events(0, TRAIN_STEP, all_starts=True) if _alone(e)})
     assert alone and alone[0] > steps_at_kill and alone[-1] < first
     print(f"[ft test] ngpu={ngpu}: the survivor committed steps {alone[0]}..{alone[-1]} alone")
-    survivor = digests_by_rank(job.all_text(0))
-    rejoined = digests_by_rank(joiner.text())
+    survivor = {
+        rank: per_step(events, "digest")
+        for rank, events in per_rank(job.events(0, PARAM_DIGEST, all_starts=True)).items()
+    }
+    rejoined = {
+        rank: per_step(events, "digest")
+        for rank, events in per_rank(job.events(1, PARAM_DIGEST, start=joiner)).items()
+    }
     assert sorted(survivor) == sorted(rejoined) == list(range(ngpu))
     for rank in range(ngpu):
         assert min(rejoined[rank]) == first

@@ -1,9 +1,10 @@
 """Stop a run right after its checkpoint of step N, resume it: steps N+1.. give bit for bit the
 losses of the same run left uninterrupted (``--training.deterministic`` and a seed, on CPU).
 
-The stop is a SIGKILL sent as soon as the run logs its step-N save: no clean shutdown. The
-losses compared are the unrounded ones of ``<dump_folder>/metrics.jsonl`` (the printed step
-line has 4 decimals, too coarse for a bitwise claim).
+The stop is a SIGKILL sent as soon as the run reports its step-N save (a ``checkpoint.saved``
+event): no clean shutdown. The losses compared are the unrounded ones of
+``<dump_folder>/metrics.jsonl`` (the printed step line has 4 decimals, too coarse for a bitwise
+claim).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 from tests.integration_tests.train_runs import (
@@ -23,8 +25,9 @@ from tests.integration_tests.train_runs import (
     step_losses,
     train_env,
 )
-from torchtitan.components.checkpoint import scan_steps
+from torchtitan.components.checkpoint import CHECKPOINT_RESUMED, CHECKPOINT_SAVED, scan_steps
 from torchtitan.components.metrics import read_metrics
+from torchtitan.tools.events import EVENTS_FOLDER, read_events
 
 N = 5  # checkpoint interval and the step the run is killed after
 STEPS = 2 * N
@@ -47,33 +50,33 @@ def _args(dump: Path) -> list[str]:
     ]
 
 
-def _run_until_saved(args: list[str], step: int) -> str:
-    """Start a run and SIGKILL it (its whole process group) once it logs the save of ``step``;
-    returns its output so far."""
-    proc = subprocess.Popen(
-        [RUN_TRAIN, *args],
-        cwd=REPO,
-        env=train_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    lines: list[str] = []
+def _run_until_saved(args: list[str], dump: Path, step: int) -> None:
+    """Start a run and SIGKILL it (its whole process group) once it reports the save of
+    ``step`` in its events."""
+    log = dump.parent / f"{dump.name}.log"
+
+    def saved() -> bool:
+        events = read_events(dump / EVENTS_FOLDER, CHECKPOINT_SAVED)
+        return any(event.step == step for event in events)
+
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [RUN_TRAIN, *args],
+            cwd=REPO,
+            env=train_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + TIMEOUT_S
     try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if f"Saved checkpoint step {step} " in line:
-                os.killpg(proc.pid, signal.SIGKILL)
-                break
+        while proc.poll() is None and not saved() and time.monotonic() < deadline:
+            time.sleep(0.02)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=TIMEOUT_S)
-    output = "".join(lines)
-    assert f"Saved checkpoint step {step} " in output, output
-    return output
+    assert saved(), log.read_text()
 
 
 def test_resume_after_kill_gives_bitwise_equal_losses(tmp_path: Path) -> None:
@@ -83,7 +86,7 @@ def test_resume_after_kill_gives_bitwise_equal_losses(tmp_path: Path) -> None:
     reference = read_metrics(full_dir / "metrics.jsonl")
     assert sorted(reference) == list(range(1, STEPS + 1))
 
-    _run_until_saved(_args(stopped_dir), N)
+    _run_until_saved(_args(stopped_dir), stopped_dir, N)
     # The kill may land a little after the save: drop what the run wrote after step N (a
     # later save, complete or not), so that the resume point is N whatever the timing.
     checkpoints = stopped_dir / "checkpoint"
@@ -92,10 +95,12 @@ def test_resume_after_kill_gives_bitwise_equal_losses(tmp_path: Path) -> None:
     for later in [s for s in complete + incomplete if s > N]:
         shutil.rmtree(checkpoints / f"step-{later}")
 
+    resumed_at = time.time()
     resumed = run_train(_args(stopped_dir))
     assert resumed.returncode == 0, resumed.stdout
-    assert f"Resumed from checkpoint {checkpoints / f'step-{N}'} (step {N})" in resumed.stdout
-    assert sorted(step_losses(resumed.stdout)) == list(range(N + 1, STEPS + 1))
+    resumes = read_events(stopped_dir / EVENTS_FOLDER, CHECKPOINT_RESUMED, since=resumed_at)
+    assert [(e.step, e["folder"]) for e in resumes] == [(N, str(checkpoints / f"step-{N}"))]
+    assert sorted(step_losses(stopped_dir, since=resumed_at)) == list(range(N + 1, STEPS + 1))
 
     # One record per step and kind, steps 1..N from the stopped run, N+1.. from the resumed one.
     lines = (stopped_dir / "metrics.jsonl").read_text().splitlines()

@@ -1,32 +1,41 @@
 """Semi-synchronous training (LocalSGD, DiLoCo, Streaming DiLoCo) with real replica groups.
 
 Each test runs a real ``torchft_lighthouse`` and two replica groups (``run_train.sh``) on
-127.0.0.1 with the tiny debug model, and reads what the groups log: the per-step loss, one
-``[semi-sync] ... sync:`` line per sync and, after every committed sync, a digest of the global
-parameters (``global_digest sync K``; DiLoCo: the global copies of all fragments, LocalSGD: the
-averaged model). Groups that took part in sync K must log the same digest for K.
+127.0.0.1 with the tiny debug model, and reads the events the groups emit: the per-step loss, one
+``semi_sync.sync`` event per sync and, after every committed sync, a digest of the global
+parameters (``semi_sync.global_digest``; DiLoCo: the global copies of all fragments, LocalSGD:
+the averaged model). Groups that took part in sync K must give the same digest for K.
 """
 
 from __future__ import annotations
 
-import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.integration_tests.faults import PAUSED, STALL_AFTER_STEP, STALL_IN_SYNC
+from tests.integration_tests.faults import PAUSED, STALLED_AFTER_STEP, STALLED_IN_SYNC
 from tests.integration_tests.harness import (
     FAST_ARGS,
     FAULTS_MODULE,
-    GLOBAL_DIGEST,
     SEMI_SYNC_MODULE,
     FTJob,
-    losses,
+    per_rank,
+    per_step,
     tail,
 )
+from torchtitan.components.checkpoint import CHECKPOINT_RESUMED
+from torchtitan.components.metrics import TRAIN_STEP
+from torchtitan.experiments.fault_tolerance.events import (
+    FINAL_DIGEST,
+    FINAL_MODEL,
+    GLOBAL_DIGEST,
+    HEALED,
+    SYNC,
+)
+from torchtitan.tools.events import Event
 
 SYNC_STEPS = 4
 
@@ -41,12 +50,6 @@ METHODS = {
     ],
 }
 
-SYNC = re.compile(
-    r"\[semi-sync\] step (\d+) sync: (\w+) fragment (\d+)/(\d+)\s+(committed|NOT committed)\s+"
-    r"time (\d+) ms\s+sent ([0-9.]+) MiB\s+groups (\d+)\s+quorum (-?\d+)\s+"
-    r"pseudo_grad_norm (\S+)\s+sync #(\d+)\s+quorum_wait ([0-9.]+)s"
-)
-
 
 @dataclass
 class Sync:
@@ -59,35 +62,46 @@ class Sync:
     quorum_wait: float  # seconds in the sync's quorum (waiting for the others, healing)
 
 
-def syncs(text: str) -> list[Sync]:
+def syncs(events: Iterable[Event]) -> list[Sync]:
+    """The ``semi_sync.sync`` events among ``events``, in order."""
     return [
         Sync(
-            step=int(m.group(1)),
-            fragment=int(m.group(3)),
-            committed=m.group(5) == "committed",
-            groups=int(m.group(8)),
-            pseudo_grad_norm=None if m.group(10) == "n/a" else float(m.group(10)),
-            number=int(m.group(11)),
-            quorum_wait=float(m.group(12)),
+            step=e.step,  # type: ignore[arg-type]
+            fragment=e["fragment"],
+            committed=e["committed"],
+            groups=e["groups"],
+            pseudo_grad_norm=e["pseudo_grad_norm"],
+            number=e.sync,  # type: ignore[arg-type]
+            quorum_wait=e["quorum_wait_s"],
         )
-        for m in SYNC.finditer(text)
+        for e in events
+        if e.name == SYNC.name
     ]
 
 
-def global_digests(text: str) -> dict[int, str]:
-    """{sync number: digest}; a sync number logged twice with different digests fails."""
+def global_digests(events: Iterable[Event]) -> dict[int, str]:
+    """{sync number: digest} of the ``semi_sync.global_digest`` events among ``events``; a
+    sync number given twice with different digests fails."""
     found: dict[int, str] = {}
-    for m in GLOBAL_DIGEST.finditer(text):
-        number, digest = int(m.group(1)), m.group(2)
+    for e in events:
+        if e.name != GLOBAL_DIGEST.name:
+            continue
+        number, digest = e.sync, e["digest"]
+        assert number is not None
         assert found.setdefault(number, digest) == digest, f"sync {number} logged twice"
     return found
 
 
+def losses(events: Iterable[Event]) -> dict[int, float]:
+    """{step: loss} of the ``train.step`` events among ``events``."""
+    return per_step((e for e in events if e.name == TRAIN_STEP.name), "loss")
+
+
 def assert_same_global_params(job: FTJob, groups: int = 2) -> dict[int, str]:
-    """Every sync number logged by more than one group has one digest; returns them all."""
+    """Every sync number given by more than one group has one digest; returns them all."""
     merged: dict[int, str] = {}
     for r in range(groups):
-        for number, digest in global_digests(job.all_text(r)).items():
+        for number, digest in global_digests(job.events(r, GLOBAL_DIGEST, all_starts=True)).items():
             assert merged.setdefault(number, digest) == digest, (
                 f"sync {number}: group {r} holds different global parameters than a peer "
                 f"({digest} vs {merged[number]})"
@@ -95,8 +109,8 @@ def assert_same_global_params(job: FTJob, groups: int = 2) -> dict[int, str]:
     return merged
 
 
-def assert_loss_falls(text: str) -> tuple[float, float]:
-    values = [loss for _, loss in sorted(losses(text).items())]
+def assert_loss_falls(events: Iterable[Event]) -> tuple[float, float]:
+    values = [loss for _, loss in sorted(losses(events).items())]
     first, last = sum(values[:3]) / 3, sum(values[-3:]) / 3
     assert last < first - 0.2, f"loss did not fall: {first:.3f} -> {last:.3f}"
     return first, last
@@ -134,7 +148,7 @@ def test_clean_run_syncs_identical_global_params(
     ).start()
     for r in range(2):
         assert job.wait_exit(r, timeout=240) == 0, tail(job.latest(r).text())
-    per_group = [syncs(job.latest(r).text()) for r in range(2)]
+    per_group = [syncs(job.events(r, SYNC)) for r in range(2)]
     fragments = 2 if method == "streaming" else 1
     expected = steps // (SYNC_STEPS // fragments) + (1 if method == "localsgd" else 0)
     for found in per_group:
@@ -151,18 +165,19 @@ def test_clean_run_syncs_identical_global_params(
     digests = assert_same_global_params(job)
     assert sorted(digests) == list(range(1, expected + 1))
     for r in range(2):
-        assert sorted(global_digests(job.latest(r).text())) == sorted(digests)
-    first, last = assert_loss_falls(job.latest(0).text())
-    texts = [job.latest(r).text() for r in range(2)]
-    for text in texts:
-        assert "is not a multiple of fault_tolerance.sync_steps=4" in text
-        assert "[semi-sync] final model: the global parameters of sync #" in text
+        assert sorted(global_digests(job.events(r, GLOBAL_DIGEST))) == sorted(digests)
+    first, last = assert_loss_falls(job.events(0, TRAIN_STEP))
+    for r in range(2):
+        # A start-up warning, before the event file: its wording is what the user reads.
+        assert "is not a multiple of fault_tolerance.sync_steps=4" in job.latest(r).text()
+        assert len(job.events(r, FINAL_MODEL)) == 1
+    final_model = job.events(0, FINAL_MODEL)[0]
     if method == "localsgd":
         assert [s.step for s in per_group[0]] == [4, 8, 10]  # the closing sync
-        assert "after a closing sync of the last 2 steps" in texts[0]
+        assert final_model["closing_sync_steps"] == 2
     else:
-        assert "local progress of the last" in texts[0]
-    final = [re.findall(r"final_digest: (\w+)", text) for text in texts]
+        assert final_model["dropped_inner_steps"] is not None
+    final = [[e["digest"] for e in job.events(r, FINAL_DIGEST)] for r in range(2)]
     assert len(final[0]) == 1 and final[0] == final[1], final
     print(
         f"{method}: {expected} syncs, identical digests; loss {first:.3f} -> {last:.3f}; "
@@ -210,7 +225,7 @@ def test_kill_mid_inner_steps_and_during_sync_then_heal(
     job.start_group(1, ["--fault_injection.stall_after_step=6"])
 
     # 1) Between inner steps (step 6: mid-period for sync_steps 4; nothing in flight).
-    job.wait_for(1, re.escape(STALL_AFTER_STEP), timeout=180)
+    job.wait_for_event(1, STALLED_AFTER_STEP, timeout=180)
     job.kill_group(1)
     alone_1 = _wait_alone(job, after=0)
     _restart_while_paused(job, pause, ["--fault_injection.stall_after_quorum=2"])
@@ -218,11 +233,13 @@ def test_kill_mid_inner_steps_and_during_sync_then_heal(
 
     # 2) Inside a sync: the new group 1 healed in its 1st quorum; its 2nd is a joint sync in
     #    which it stalls before its all-reduce, and dies there.
-    job.wait_for(1, re.escape(STALL_IN_SYNC) + r" \(quorum 2, 2 groups\)", timeout=180)
-    before = len(syncs(job.latest(0).text()))
+    job.wait_for_event(
+        1, STALLED_IN_SYNC, timeout=180, where=lambda e: e["quorum"] == 2 and e["groups"] == 2
+    )
+    before = len(syncs(job.events(0, SYNC)))
     job.kill_group(1)
     alone_2 = _wait_alone(job, after=before)
-    failed = [s for s in syncs(job.latest(0).text())[before:] if not s.committed]
+    failed = [s for s in syncs(job.events(0, SYNC))[before:] if not s.committed]
     assert failed and failed[0].groups == 2, "group 0's sync with the dying group must fail"
     _restart_while_paused(job, pause, [])
     healed_2 = _wait_heal(job)
@@ -231,13 +248,16 @@ def test_kill_mid_inner_steps_and_during_sync_then_heal(
         assert job.wait_exit(r, timeout=300) == 0, tail(job.latest(r).text())
     digests = assert_same_global_params(job)
     for start, healed in ((1, healed_1), (2, healed_2)):
-        restarted = global_digests(job.starts[1][start].text())
+        restarted = global_digests(job.events(1, GLOBAL_DIGEST, start=job.starts[1][start]))
         first = min(restarted)
         assert first == healed.number and restarted[first] == digests[first]
-    survivor = syncs(job.latest(0).text())
+    survivor = syncs(job.events(0, SYNC))
     assert survivor[-1].committed and survivor[-1].groups == 2
-    assert global_digests(job.latest(1).text())[survivor[-1].number] == digests[survivor[-1].number]
-    first_loss, last_loss = assert_loss_falls(job.latest(0).text())
+    assert (
+        global_digests(job.events(1, GLOBAL_DIGEST))[survivor[-1].number]
+        == digests[survivor[-1].number]
+    )
+    first_loss, last_loss = assert_loss_falls(job.events(0, TRAIN_STEP))
     print(
         f"{method}: kill 1 (step 6) -> group 0 alone from sync #{alone_1.number}, group 1 "
         f"healed at sync #{healed_1.number}; kill 2 (in sync #{failed[0].number}, groups "
@@ -249,10 +269,10 @@ def test_kill_mid_inner_steps_and_during_sync_then_heal(
 
 
 def _wait_alone(job: FTJob, after: int) -> Sync:
-    """Group 0's first sync committed alone among its sync lines from index ``after`` on."""
+    """Group 0's first sync committed alone among its syncs from index ``after`` on."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        alone = [s for s in syncs(job.latest(0).text())[after:] if s.committed and s.groups == 1]
+        alone = [s for s in syncs(job.events(0, SYNC))[after:] if s.committed and s.groups == 1]
         if alone:
             return alone[0]
         assert job.latest(0).alive(), tail(job.latest(0).text())
@@ -264,9 +284,9 @@ def _restart_while_paused(job: FTJob, pause: Path, extra: list[str]) -> None:
     """Hold group 0 between two steps, restart group 1, and let group 0 go once group 1 waits
     for its first quorum at the lighthouse: group 0's next sync is then the joint one in which
     group 1 heals, whatever the speed of either."""
-    paused = job.latest(0).text().count(PAUSED)
+    paused = len(job.events(0, PAUSED))
     pause.touch()
-    job.wait_for(0, re.escape(PAUSED), timeout=60, count=paused + 1)
+    job.wait_for_event(0, PAUSED, timeout=60, count=paused + 1)
     job.start_group(1, extra)
     job.wait_quorum_request(1)
     pause.unlink()
@@ -274,9 +294,9 @@ def _restart_while_paused(job: FTJob, pause: Path, extra: list[str]) -> None:
 
 def _wait_heal(job: FTJob) -> Sync:
     """Wait until the latest start of group 1 healed and then committed a sync; return it."""
-    job.wait_for(1, r"\[semi-sync\] healed from a live peer", timeout=180)
-    job.wait_for(1, GLOBAL_DIGEST, timeout=120)
-    committed = [s for s in syncs(job.latest(1).text()) if s.committed]
+    job.wait_for_event(1, HEALED, timeout=180)
+    job.wait_for_event(1, GLOBAL_DIGEST, timeout=120)
+    committed = [s for s in syncs(job.events(1, SYNC)) if s.committed]
     assert committed[0].groups == 2, committed[0]
     return committed[0]
 
@@ -305,14 +325,14 @@ def test_diloco_whole_job_restart_reproduces_global_params(tmp_path: Path) -> No
         expected = assert_same_global_params(reference)
         assert sorted(expected) == [1, 2, 3]
         for r in range(2):
-            assert all(s.groups == 2 for s in syncs(reference.latest(r).text()))
+            assert all(s.groups == 2 for s in syncs(reference.events(r, SYNC)))
 
     with FTJob(_folder(tmp_path / "crashed"), groups=2, train_args=train_args) as job:
         job.start_lighthouse()
         for r in range(2):
             job.start_group(r, ["--fault_injection.stall_after_step=7"])
         for r in range(2):
-            job.wait_for(r, re.escape(STALL_AFTER_STEP) + " 7", timeout=180)
+            job.wait_for_event(r, STALLED_AFTER_STEP, timeout=180, where=lambda e: e.step == 7)
         for r in range(2):
             job.kill_group(r)
         # Let the lighthouse see both dead (heartbeat timeout), as after a real crash: the
@@ -322,19 +342,21 @@ def test_diloco_whole_job_restart_reproduces_global_params(tmp_path: Path) -> No
             job.start_group(r)
         for r in range(2):
             assert job.wait_exit(r, timeout=240) == 0, tail(job.latest(r).text())
-        resumed = {r: job.latest(r).text() for r in range(2)}
+        resumed = {r: job.events(r) for r in range(2)}
         for r in range(2):
-            assert "(step 6)" in resumed[r] and "Resumed from checkpoint" in resumed[r]
+            assert [e.step for e in resumed[r] if e.name == CHECKPOINT_RESUMED.name] == [6]
             found = syncs(resumed[r])
             # Two inner steps were left in the period: the first sync is at step 8.
             assert [(s.step, s.number, s.groups) for s in found] == [(8, 2, 2), (12, 3, 2)]
             got = global_digests(resumed[r])
             assert got == {2: expected[2], 3: expected[3]}, (r, got, expected)
-        assert global_digests(job.starts[0][0].text())[1] == expected[1]
+        first_start = job.events(0, GLOBAL_DIGEST, start=job.starts[0][0])
+        assert global_digests(first_start)[1] == expected[1]
+        # Compared as the step line prints them (4 decimals), as this test always has.
         resumed_losses = losses(resumed[0])
-        reference_losses = losses(reference.latest(0).text())
-        assert {s: resumed_losses[s] for s in range(7, 13)} == {
-            s: reference_losses[s] for s in range(7, 13)
+        reference_losses = losses(reference.events(0, TRAIN_STEP))
+        assert {s: round(resumed_losses[s], 4) for s in range(7, 13)} == {
+            s: round(reference_losses[s], 4) for s in range(7, 13)
         }
     print(f"diloco resume from step 6: syncs #2, #3 identical to the uninterrupted run {expected}")
 
@@ -347,16 +369,6 @@ def _folder(path: Path) -> Path:
 # ---- FSDP2 inside the groups -----------------------------------------------------------------
 
 
-RANK_LINE = re.compile(r"^\[rank(\d+)\]:(.*)$", re.MULTILINE)
-
-
-def by_rank(text: str) -> dict[int, str]:
-    lines: dict[int, list[str]] = {}
-    for m in RANK_LINE.finditer(text):
-        lines.setdefault(int(m.group(1)), []).append(m.group(2))
-    return {rank: "\n".join(found) for rank, found in lines.items()}
-
-
 def test_diloco_with_fsdp2_inside_each_group(ft_job: Callable[..., FTJob], tmp_path: Path) -> None:
     """2 groups x 2 ranks (FSDP2, DTensor parameters; 4 processes): DiLoCo syncs each rank's
     shard with the same rank of the other group. Group 1 is killed between inner steps and
@@ -367,15 +379,15 @@ def test_diloco_with_fsdp2_inside_each_group(ft_job: Callable[..., FTJob], tmp_p
     job.start_lighthouse()
     job.start_group(0, [f"--fault_injection.pause_file={pause}"])
     job.start_group(1, ["--fault_injection.stall_after_step=6"])
-    job.wait_for(1, re.escape(STALL_AFTER_STEP), timeout=300, count=2)  # both ranks
+    job.wait_for_event(1, STALLED_AFTER_STEP, timeout=300, count=2)  # both ranks
     job.kill_group(1)
     _wait_alone(job, after=0)
     _restart_while_paused(job, pause, [])
-    job.wait_for(1, r"\[semi-sync\] healed from a live peer", timeout=300, count=2)
+    job.wait_for_event(1, HEALED, timeout=300, count=2)  # both ranks
     for r in range(2):
         assert job.wait_exit(r, timeout=300) == 0, tail(job.latest(r).text())
 
-    shards = {r: by_rank(job.all_text(r)) for r in range(2)}
+    shards = {r: per_rank(job.events(r, all_starts=True)) for r in range(2)}
     common = {}
     for rank in (0, 1):
         digests = [global_digests(shards[r][rank]) for r in range(2)]
@@ -388,7 +400,7 @@ def test_diloco_with_fsdp2_inside_each_group(ft_job: Callable[..., FTJob], tmp_p
     # The shards differ between ranks (the parameters really are sharded).
     rank0, rank1 = (global_digests(shards[0][rank]) for rank in (0, 1))
     assert all(rank0[n] != rank1[n] for n in common[0])
-    healed = syncs(by_rank(job.latest(1).text())[0])[0]
+    healed = syncs(job.events(1, SYNC, rank=0))[0]
     print(
         f"fsdp2 2x2 diloco: group 1 healed at sync #{healed.number}; per-rank shards identical "
         f"at syncs {common[0][0]}..{common[0][-1]} (common: {len(common[0])})"

@@ -14,31 +14,40 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.integration_tests.faults import CORRUPTED, HELD_BEFORE_SYNC
+from tests.integration_tests.faults import CORRUPTED, HELD_BEFORE_SYNC, STALLED_AFTER_STEP
 from tests.integration_tests.harness import (
     FAST_ARGS,
     FAULTS_MODULE,
     PACED_ARGS,
     FTJob,
-    losses,
+    per_step,
     tail,
 )
 from tests.integration_tests.test_semi_sync import (
     args,
     assert_same_global_params,
     global_digests,
+    losses,
     syncs,
 )
-from torchtitan.tools.cluster import strip_ansi
-
-ASKING = re.escape("[semi-sync] asking for a quorum")
-HEALED = re.compile(r"\[semi-sync\] healed from a live peer .*?at sync #(\d+)")
-ERROR_LINE = re.compile(r"^.*\bERROR\b.*$", re.MULTILINE)
+from tests.integration_tests.train_runs import error_lines
+from torchtitan.components.ft.manager import QUORUM_FORMED, QUORUM_WAITING
+from torchtitan.components.metrics import TRAIN_STEP
+from torchtitan.experiments.fault_tolerance.events import (
+    ASKING_FOR_QUORUM,
+    FINAL_DIGEST,
+    GLOBAL_DIGEST,
+    GLOBAL_FROM_LOADED_MODEL,
+    HEALED,
+    SYNC,
+)
+from torchtitan.tools.events import read_events
+from torchtitan.trainer import PARAM_DIGEST
 
 
 def _wait_both_committed(job: FTJob, number: int, timeout: float = 240) -> None:
     for r in range(2):
-        job.wait_for(r, rf"global_digest sync {number}:", timeout=timeout)
+        job.wait_for_event(r, GLOBAL_DIGEST, timeout=timeout, where=lambda e: e.sync == number)
 
 
 def test_rejoin_with_a_period_longer_than_the_sync_timeout(
@@ -67,30 +76,30 @@ def test_rejoin_with_a_period_longer_than_the_sync_timeout(
     job.start_group(1)
     _wait_both_committed(job, 1)
     hold.touch()
-    held = job.wait_for(0, re.escape(HELD_BEFORE_SYNC) + r" #(\d+)", timeout=120)
-    rejoin_sync = int(held[0].group(1))
+    held = job.wait_for_event(0, HELD_BEFORE_SYNC, timeout=120)
+    rejoin_sync = held[0].sync
     job.kill_group(1)
     killed_at = time.monotonic()
     job.start_group(1)
-    job.wait_for(1, ASKING, timeout=180)
+    job.wait_for_event(1, ASKING_FOR_QUORUM, timeout=180)
     asked_after = time.monotonic() - killed_at
     time.sleep(0.5)  # its request reaches the lighthouse
     hold.unlink()
     for r in range(2):
         assert job.wait_exit(r, timeout=300) == 0, tail(job.latest(r).text())
 
-    healed = HEALED.search(job.latest(1).text())
-    assert healed and int(healed.group(1)) == rejoin_sync, tail(job.latest(1).text())
-    at_rejoin = [s for s in syncs(job.latest(0).text()) if s.number == rejoin_sync]
+    healed = job.events(1, HEALED)
+    assert healed and healed[0].sync == rejoin_sync, tail(job.latest(1).text())
+    at_rejoin = [s for s in syncs(job.events(0, SYNC)) if s.number == rejoin_sync]
     assert at_rejoin and at_rejoin[0].committed and at_rejoin[0].groups == 2, at_rejoin
     wait = at_rejoin[0].quorum_wait
     assert wait < 3, f"group 0 waited {wait}s in the rejoin quorum (timeout 3 s)"
     digests = assert_same_global_params(job)
-    joiner = global_digests(job.latest(1).text())
+    joiner = global_digests(job.events(1, GLOBAL_DIGEST))
     assert min(joiner) == rejoin_sync and joiner[rejoin_sync] == digests[rejoin_sync]
-    final = [re.findall(r"final_digest: (\w+)", job.latest(r).text()) for r in range(2)]
+    final = [[e["digest"] for e in job.events(r, FINAL_DIGEST)] for r in range(2)]
     assert final[0] and final[0] == final[1]
-    periods = [s for s in syncs(job.latest(0).text())]
+    periods = syncs(job.events(0, SYNC))
     print(
         f"rejoin at sync #{rejoin_sync}: joiner asked {asked_after:.1f}s after the kill; "
         f"group 0's quorum wait at the rejoin sync {wait:.2f}s (sync quorum timeout 3 s, "
@@ -114,14 +123,14 @@ def test_lighthouse_restart_is_survived(ft_job: Callable[..., FTJob]) -> None:
     _wait_both_committed(job, 3)
     port = job.kill_lighthouse()
     down = time.monotonic()
-    before = max(s.number for s in syncs(job.latest(0).text()))
+    before = max(s.number for s in syncs(job.events(0, SYNC)))
     time.sleep(3)
     job.start_lighthouse(port)
     up = time.monotonic() - down
     for r in range(2):
         assert job.wait_exit(r, timeout=300) == 0, tail(job.latest(r).text())
     digests = assert_same_global_params(job)
-    after = [s for s in syncs(job.latest(0).text()) if s.number > before]
+    after = [s for s in syncs(job.events(0, SYNC)) if s.number > before]
     together = [s for s in after if s.committed and s.groups == 2]
     assert together, after
     for r in range(2):
@@ -138,17 +147,16 @@ def test_lighthouse_restart_is_survived_by_synchronous_ft(ft_job: Callable[..., 
     """The same for synchronous FT: every step's quorum waits for the lighthouse to return."""
     job = ft_job(groups=2, train_args=_lighthouse_restart_args("sync")).start()
     for r in range(2):
-        job.wait_for(r, r"param_digest step 6:", timeout=240)
+        job.wait_for_event(r, PARAM_DIGEST, timeout=240, where=lambda e: e.step == 6)
     port = job.kill_lighthouse()
     time.sleep(4)
     job.start_lighthouse(port)
     for r in range(2):
         assert job.wait_exit(r, timeout=300) == 0, tail(job.latest(r).text())
-    steps = [losses(job.latest(r).text()) for r in range(2)]
+    steps = [losses(job.events(r, TRAIN_STEP)) for r in range(2)]
     assert max(steps[0]) == max(steps[1]) == 30
-    digests = [dict(re.findall(r"param_digest step (\d+): (\w+)", job.latest(r).text()))
-               for r in range(2)]  # fmt: skip
-    assert digests[0]["30"] == digests[1]["30"]
+    digests = [per_step(job.events(r, PARAM_DIGEST), "digest") for r in range(2)]
+    assert digests[0][30] == digests[1][30]
 
 
 def test_a_lighthouse_that_never_returns_gives_one_error_line(
@@ -174,7 +182,7 @@ def test_a_lighthouse_that_never_returns_gives_one_error_line(
     took = time.monotonic() - start
     for r in range(2):
         text = job.latest(r).text()
-        errors = ERROR_LINE.findall(text)
+        errors = error_lines(text)
         assert len(errors) == 1, errors
         assert job.lighthouse_address in errors[0] and "unreachable" in errors[0], errors[0]
         assert "fault_tolerance.sync_quorum_timeout_s=5" in errors[0]
@@ -200,13 +208,13 @@ def test_agreement_check_catches_a_corrupted_group(ft_job: Callable[..., FTJob])
     job.start_group(1, ["--fault_injection.corrupt_global_after_sync=2"])
     for r in range(2):
         assert job.wait_exit(r, timeout=240) == 1, tail(job.latest(r).text())
-    assert CORRUPTED in job.latest(1).text()
+    assert job.events(1, CORRUPTED)
     for r in range(2):
-        text = job.latest(r).text()
-        errors = ERROR_LINE.findall(text)
+        errors = error_lines(job.latest(r).text())
         assert len(errors) == 1 and "disagree on the global parameters before sync #3" in errors[0]
         assert len(re.findall(r"\b[0-9a-f]{16}\b", errors[0].split("digests", 1)[1])) == 2
-        assert sorted(global_digests(text)) == [1, 2]  # sync #3 was never made
+        digests = global_digests(job.events(r, GLOBAL_DIGEST))
+        assert sorted(digests) == [1, 2]  # sync #3 was never made
     print(f"caught at the next quorum: {errors[0]}")
 
 
@@ -226,16 +234,21 @@ def test_min_replica_size_holds_in_semi_sync(ft_job: Callable[..., FTJob], tmp_p
     job.start_lighthouse()
     job.start_group(0)
     job.start_group(1, ["--fault_injection.stall_after_step=10"])
-    job.wait_for(1, r"stalling after step 10", timeout=180)
+    job.wait_for_event(1, STALLED_AFTER_STEP, timeout=180, where=lambda e: e.step == 10)
     job.kill_group(1)
-    job.wait_for(0, r"waiting for a quorum for \d+s; min_replica_size=2", timeout=120)
+    job.wait_for_event(
+        0,
+        QUORUM_WAITING,
+        timeout=120,
+        where=lambda e: e["reason"] == "min_replica_size" and e["groups_needed"] == 2,
+    )
     job.start_group(1)
     for r in range(2):
         assert job.wait_exit(r, timeout=300) == 0, tail(job.latest(r).text())
-    survivor = syncs(job.latest(0).text())
+    survivor = syncs(job.events(0, SYNC))
     assert all(s.groups == 2 for s in survivor if s.committed), survivor
     assert_same_global_params(job)
-    waited = re.findall(r"quorum of 2 group\(s\) after waiting ([0-9.]+)s", job.latest(0).text())
+    waited = [f"{e['waited_s']:.1f}" for e in job.events(0, QUORUM_FORMED) if e["groups"] == 2]
     print(f"min_replica_size=2: group 0 never synced alone; waited {waited}s for group 1")
 
 
@@ -252,7 +265,7 @@ def test_consecutive_failed_syncs_stop_the_run(ft_job: Callable[..., FTJob]) -> 
         1, ["--fault_injection.fail_syncs_from=2", "--fault_tolerance.max_consecutive_failures=3"]
     )
     assert job.wait_exit(1, timeout=240) == 1, tail(job.latest(1).text())
-    errors = ERROR_LINE.findall(job.latest(1).text())
+    errors = error_lines(job.latest(1).text())
     assert len(errors) == 1, errors
     assert "3 syncs in a row were not committed" in errors[0]
     assert "max_consecutive_failures=3" in errors[0] and "injected sync failure" in errors[0]
@@ -282,7 +295,7 @@ def test_diloco_starts_from_a_plain_checkpoint(
         env={**__import__("os").environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    plain_losses = losses(strip_ansi(run.stdout + run.stderr))
+    plain_losses = losses(read_events(plain / "events", TRAIN_STEP))
     job = ft_job(
         groups=2,
         train_args=args(
@@ -301,14 +314,13 @@ def test_diloco_starts_from_a_plain_checkpoint(
     ).start()
     for r in range(2):
         assert job.wait_exit(r, timeout=300) == 0, tail(job.latest(r).text())
-    text = job.latest(0).text()
-    assert "the global parameters start as the loaded model" in text
-    norms = [s.pseudo_grad_norm for s in syncs(text)]
+    assert job.events(0, GLOBAL_FROM_LOADED_MODEL)
+    norms = [s.pseudo_grad_norm for s in syncs(job.events(0, SYNC))]
     assert len(norms) == 6 and all(n is not None for n in norms), norms
     later = sorted(norms[1:6])  # type: ignore[type-var]
     median = later[2]
     assert norms[0] <= 3 * median, (norms[0], median)  # type: ignore[operator]
-    diloco = losses(text)
+    diloco = losses(job.events(0, TRAIN_STEP))
     last_plain = [plain_losses[s] for s in range(21, 31)]
     noise = max(abs(a - b) for a, b in zip(last_plain, last_plain[1:], strict=False))
     before, after = diloco[4], diloco[5]  # the first sync is at the end of step 4

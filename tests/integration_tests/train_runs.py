@@ -8,9 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from torchtitan.components.metrics import TRAIN_STEP
+from torchtitan.tools.events import EVENTS_FOLDER, read_events
+
 REPO = Path(__file__).resolve().parents[2]
 RUN_TRAIN = str(REPO / "run_train.sh")
-STEP_LINE = re.compile(r"step:\s+(\d+)\s+loss:\s+([0-9.]+)")
+# The lines a user reads when a run fails: ``error: ...`` (a bad command line or config) or a
+# log line at level ERROR (torchrun may prefix it with ``[rankR]:``).
+ERROR_LINE = re.compile(r"^(error: |\S+ ERROR )")
 
 # The debug model's smallest flavor on short sequences: seconds per run, even on 2 busy cores.
 SMALL = [
@@ -54,6 +59,13 @@ def run_train(
     )
 
 
-def step_losses(output: str) -> dict[int, float]:
-    """``{step: loss}`` of the printed step lines (4 decimals)."""
-    return {int(m.group(1)): float(m.group(2)) for m in STEP_LINE.finditer(output)}
+def error_lines(output: str) -> list[str]:
+    """The error lines of a run's output (see ``ERROR_LINE``)."""
+    return [line for line in output.splitlines() if ERROR_LINE.match(line)]
+
+
+def step_losses(dump_folder: Path, since: float | None = None) -> dict[int, float]:
+    """``{step: loss}`` of the ``train.step`` events of a run without fault tolerance (its
+    starts at or after ``since``, a ``time.time()``: default all)."""
+    events = read_events(dump_folder / EVENTS_FOLDER, TRAIN_STEP, since=since)
+    return {event.step: event["loss"] for event in events if event.step is not None}

@@ -11,8 +11,10 @@ from collections.abc import Iterator
 import pytest
 
 from torchtitan.components.ft import FaultToleranceError, FTManager
+from torchtitan.components.ft.manager import COMMITTED_AFTER_STALL, QUORUM_WAITING
 from torchtitan.components.ft.watchdog import QuorumWaitWatchdog
 from torchtitan.config import JobConfig
+from torchtitan.tools.events import Event, event_of
 from torchtitan.tools.logging import logger
 
 
@@ -74,18 +76,21 @@ def make_ft(
 
 
 @pytest.fixture
-def records() -> Iterator[list[str]]:
-    messages: list[str] = []
+def events() -> Iterator[list[Event]]:
+    """The events emitted during the test."""
+    found: list[Event] = []
 
     class Keep(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
-            messages.append(record.getMessage())
+            event = event_of(record)
+            if event is not None:
+                found.append(event)
 
     handler = Keep()
     logger.addHandler(handler)
     level = logger.level
     logger.setLevel(logging.INFO)
-    yield messages
+    yield found
     logger.removeHandler(handler)
     logger.setLevel(level)
 
@@ -149,7 +154,7 @@ def test_quorum_error_names_the_lighthouse():
     ft.shutdown()
 
 
-def test_first_commit_after_a_failure_reports_the_stall(records):
+def test_first_commit_after_a_failure_reports_the_stall(events):
     manager = ScriptedManager([(2, 3), (2, 3), (1, 4)], step=3)
     ft = make_ft(manager)
     ft.start_step()
@@ -159,10 +164,26 @@ def test_first_commit_after_a_failure_reports_the_stall(records):
     assert not ft.should_commit()
     ft.start_step()
     assert ft.should_commit()
-    stalls = [m for m in records if "stall:" in m]
+    stalls = [e for e in events if e.name == COMMITTED_AFTER_STALL.name]
     assert len(stalls) == 1
-    assert "committed by 1 group(s) (was 2) after 1 uncommitted step(s)" in stalls[0]
+    stall = stalls[0]
+    assert (stall["groups"], stall["previous_groups"], stall["uncommitted"]) == (1, 2, 1)
+    assert stall["unit"] == "step" and stall.step == 5 and stall["stall_s"] >= 0
     ft.shutdown()
+
+
+def test_a_long_wait_reports_what_it_waits_for(events, monkeypatch):
+    monkeypatch.setattr(QuorumWaitWatchdog, "FIRST_REPORT_S", 0.05)
+    manager = ScriptedManager([(1, 5)], step=5)
+    ft = make_ft(manager, min_replica_size=2, quorum_timeout_s=1.0)
+    with pytest.raises(FaultToleranceError):
+        ft.start_step()
+    ft.shutdown()
+    waits = [e for e in events if e.name == QUORUM_WAITING.name]
+    assert waits, events
+    assert waits[0].step == 6 and waits[0]["what"] == "step 6"
+    assert waits[0]["reason"] == "min_replica_size" and waits[0]["groups_needed"] == 2
+    assert waits[0]["last_quorum_groups"] == 1
 
 
 def test_watchdog_reports_a_long_wait_rarely(monkeypatch):

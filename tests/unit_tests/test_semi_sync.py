@@ -16,6 +16,7 @@ from torch import nn
 from torchtitan.components.ft import FaultToleranceError
 from torchtitan.components.ft.torchft_adapter import ManagerStandIn
 from torchtitan.config import ConfigManager
+from torchtitan.experiments.fault_tolerance.events import HEALED
 from torchtitan.experiments.fault_tolerance.sync_quorum import (
     FRESH,
     RESUMED,
@@ -31,6 +32,7 @@ from torchtitan.experiments.fault_tolerance.trainer import (
 )
 from torchtitan.models import get_train_spec
 from torchtitan.tools.digest import device_digest
+from torchtitan.tools.events import event_of
 
 SEMI_SYNC = "torchtitan.experiments.fault_tolerance.job_config"
 
@@ -248,7 +250,10 @@ def test_a_running_group_heals_at_its_peer_s_position(caplog: pytest.LogCaptureF
         SemiSyncTrainer._load_peer(stub, peer(4))  # type: ignore[arg-type]
     finally:
         logger.removeHandler(caplog.handler)
-    assert "healed from a live peer (replica group 0) at sync #8, train step 31" in caplog.text
+    healed = [e for e in map(event_of, caplog.records) if e is not None and e.name == HEALED.name]
+    assert healed, caplog.text  # (caplog may see a record twice: through root and here)
+    assert (healed[0]["peer"], healed[0].sync, healed[0].step) == (0, 8, 31)
+    assert (healed[0]["inner_step"], healed[0]["case"]) == (4, "running")
     assert stub._localsgd_digest is None  # the digest of parameters it no longer holds
 
 

@@ -31,9 +31,22 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan.config.job_config import ConfigError, JobConfig
+from torchtitan.tools.events import EventKind
 from torchtitan.tools.logging import logger
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+
+CHECKPOINT_SAVED = EventKind(
+    "checkpoint.saved", "Saved checkpoint step {step} to {folder} in {seconds:.2f}s"
+)
+CHECKPOINT_RESUMED = EventKind(
+    "checkpoint.resumed", "Resumed from checkpoint {folder} (step {step})"
+)
+#: ``checkpoint.initial_load_path`` was loaded (``states``: the states taken from it).
+INITIAL_WEIGHTS_LOADED = EventKind(
+    "checkpoint.initial_loaded",
+    lambda v, _: f"Loaded initial weights ({', '.join(v['states'])}) from {v['path']}",
+)
 
 
 class CheckpointError(RuntimeError):
@@ -147,9 +160,7 @@ class CheckpointManager:
                 f"Saving checkpoint step {step} to {target} failed ({_cause(e)})"
             ) from e
         _release(held)
-        logger.info(
-            f"Saved checkpoint step {step} to {target} in {time.perf_counter() - start:.2f}s"
-        )
+        CHECKPOINT_SAVED.emit(step=step, folder=str(target), seconds=time.perf_counter() - start)
         self._purge()
 
     def _purge(self) -> None:
@@ -186,7 +197,7 @@ class CheckpointManager:
             self._load_initial()
             return None
         self._load(self.step_folder(step), self._keys_to_load())
-        logger.info(f"Resumed from checkpoint {self.step_folder(step)} (step {step})")
+        CHECKPOINT_RESUMED.emit(step=step, folder=str(self.step_folder(step)))
         return step
 
     def _load_initial(self) -> None:
@@ -200,7 +211,7 @@ class CheckpointManager:
             )
         keys = ["model"] if self.config.initial_load_model_only else self._keys_to_load()
         self._load(Path(path), keys)
-        logger.info(f"Loaded initial weights ({', '.join(keys)}) from {path}")
+        INITIAL_WEIGHTS_LOADED.emit(states=keys, path=str(path))
 
     def _keys_to_load(self) -> list[str]:
         """Every registered state but those in ``checkpoint.exclude_from_loading``."""

@@ -4,6 +4,7 @@
 tokens per second on this rank, ``tflops`` the model FLOPs per second it achieved, ``mfu`` that
 divided by the device's peak. On CPU, memory is the process's peak resident set and the peak is
 measured at start-up (``measure_matmul_peak_flops``) unless ``metrics.cpu_peak_flops`` is set.
+The line is the event ``train.step`` (``TRAIN_STEP``; every rank's event file, unrounded).
 
 Every value that goes to TensorBoard also goes, unrounded, to ``<dump_folder>/metrics.jsonl``
 (``metrics_replica_<R>.jsonl`` per fault-tolerant replica group), written by the job's rank 0:
@@ -26,6 +27,7 @@ from typing import IO, Any
 import torch
 
 from torchtitan.config.job_config import JobConfig
+from torchtitan.tools.events import EventKind
 from torchtitan.tools.logging import logger
 
 # Dense bf16 peak FLOP/s of common accelerators (vendor datasheets, without sparsity).
@@ -36,6 +38,25 @@ _GPU_PEAK_BF16 = {
     "L40S": 362e12,
     "A10G": 125e12,
 }
+
+
+def _step_line(values: dict[str, Any], color: bool) -> str:
+    step, loss = values["step"], values["loss"]
+    if color:
+        head = f"\033[31mstep: {step:>5}\033[0m  \033[32mloss: {loss:8.4f}\033[0m"
+    else:
+        head = f"step: {step:>5}  loss: {loss:8.4f}"
+    mfu = "n/a" if values["mfu_pct"] is None else f"{values['mfu_pct']:.1f}%"
+    groups = f"  groups: {values['groups']}" if values["groups"] else ""
+    return (
+        f"{head}  grad_norm: {values['grad_norm']:7.4f}  memory: {values['memory_gib']:5.2f} GiB  "
+        f"tps: {values['tps']:,.0f}  tflops: {values['tflops']:.3f}  mfu: {mfu}{groups}"
+    )
+
+
+#: The step line. ``groups``: replica groups in the last quorum (None without fault tolerance
+#: and before a semi-sync run's first sync); ``mfu_pct`` None when the peak is unknown.
+TRAIN_STEP = EventKind("train.step", _step_line)
 
 
 def cpu_threads() -> int:
@@ -208,8 +229,9 @@ class MetricsProcessor:
         """Add the tokens of one step (counted toward tps until the next log line)."""
         self.tokens += tokens
 
-    def log_step(self, step: int, loss: float, grad_norm: float, extra: str = "") -> dict:
-        """Print the step line and write its scalars; returns them."""
+    def log_step(self, step: int, loss: float, grad_norm: float, groups: int | None = None) -> dict:
+        """Print the step line (with ``groups`` in the last quorum, if given) and write its
+        scalars; returns them."""
         now = time.perf_counter()
         elapsed = max(now - self.last_time, 1e-9)
         tps = self.tokens / elapsed
@@ -222,18 +244,14 @@ class MetricsProcessor:
             "tps": tps,
             "tflops": flops / 1e12,
         }
-        mfu = "n/a"
         if self.peak:
             values["mfu_pct"] = 100 * flops / self.peak
-            mfu = f"{values['mfu_pct']:.1f}%"
-        if self.color:
-            head = f"\033[31mstep: {step:>5}\033[0m  \033[32mloss: {loss:8.4f}\033[0m"
-        else:
-            head = f"step: {step:>5}  loss: {loss:8.4f}"
-        logger.info(
-            f"{head}  grad_norm: {grad_norm:7.4f}  memory: {memory:5.2f} GiB  "
-            f"tps: {tps:,.0f}  tflops: {flops / 1e12:.3f}  mfu: {mfu}{extra}"
-        )
+        fields: dict[str, Any] = {
+            **values,
+            "mfu_pct": values.get("mfu_pct"),
+            "groups": groups or None,
+        }
+        TRAIN_STEP.emit(step=step, color=self.color, **fields)
         self.write_scalars(step, {f"train/{k}": v for k, v in values.items()})
         self.tokens = 0
         self.last_time = now

@@ -17,12 +17,19 @@ from torchtitan.components.ft.manager import FTManager
 from torchtitan.components.ft.network import bind_ip, lighthouse_address
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed import ParallelDims
-from torchtitan.tools.logging import logger
+from torchtitan.tools.events import EventKind
 
 #: How often a group re-sends a quorum request that the lighthouse failed to answer (it died,
 #: or is restarting): torchft spreads its retries over the quorum timeout, so their number is
 #: the timeout divided by this.
 QUORUM_RETRY_INTERVAL_S = 1.0
+
+#: This rank's torchft Manager is built: from now on the group heartbeats to the lighthouse.
+MANAGER_STARTED = EventKind(
+    "ft.manager_started",
+    "[ft] replica group {replica_id} of {group_size}, {backend}, lighthouse {lighthouse}, "
+    "min_replica_size {min_replica_size}, listening on {hostname}",
+)
 
 
 def fresh_rendezvous_address(store_addr: str, world_size: int, timeout: timedelta) -> str:
@@ -140,9 +147,13 @@ def build_ft_manager(
                 "torchft_lighthouse running there, and is fault_tolerance.lighthouse (or env "
                 f"TORCHFT_LIGHTHOUSE) right? ({str(e).splitlines()[0]})"
             ) from e
-        logger.info(
-            f"[ft] replica group {ft.replica_id} of {ft.group_size}, {backend}, lighthouse "
-            f"{address}, min_replica_size {ft.min_replica_size}, listening on {ft.hostname}"
+        MANAGER_STARTED.emit(
+            replica_id=ft.replica_id,
+            group_size=ft.group_size,
+            backend=backend,
+            lighthouse=address,
+            min_replica_size=ft.min_replica_size,
+            hostname=ft.hostname,
         )
         return manager
 

@@ -4,6 +4,7 @@ a restarted group do is written in ``docs/fault_tolerance.md``."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -20,7 +21,51 @@ from torchtitan.components.ft.healing import register_healing_state
 from torchtitan.components.ft.network import lighthouse_address, lighthouse_reachable
 from torchtitan.components.ft.watchdog import QuorumWaitWatchdog
 from torchtitan.config.job_config import JobConfig
-from torchtitan.tools.logging import logger
+from torchtitan.tools.events import EventKind
+
+
+def _waiting_line(v: dict[str, Any], _: bool) -> str:
+    reach = "" if v["lighthouse_reachable"] else " (UNREACHABLE)"
+    return (
+        f"[ft] {v['what']}: waiting for a quorum for {v['waited_s']:.0f}s; {v['needs']}, "
+        f"{v['last_quorum_groups']} in the last quorum (lighthouse {v['lighthouse']}{reach}; "
+        f"gives up after {v['timeout_field']}={v['timeout_s']:g}s)"
+    )
+
+
+# Events of this group's quorums and commits. ``what`` names what the quorum is for ("step 12",
+# "sync #3", "start-up"); the event's step or sync number is that step or sync.
+
+#: Still waiting for a quorum (after 5 s, then at 10, 20, 40, 60 s and every 60 s).
+#: ``reason``: ``group_size`` (a new job needs all groups), ``min_replica_size``, or the
+#: caller's (``FTManager.waiting_reason``); ``needs`` says it in words.
+QUORUM_WAITING = EventKind("ft.quorum_waiting", _waiting_line, logging.WARNING)
+#: A quorum formed after a wait long enough to have been reported.
+QUORUM_FORMED = EventKind(
+    "ft.quorum_formed", "[ft] {what}: quorum of {groups} group(s) after waiting {waited_s:.1f}s"
+)
+#: This group was healed in the quorum: ``states`` came from a live peer.
+HEALED = EventKind(
+    "ft.healed",
+    lambda v, _: (
+        f"[ft] {v['what']}: healed from a live peer ({', '.join(v['states'])}) in "
+        f"{v['seconds']:.2f}s (quorum + transfer)"
+    ),
+)
+FIRST_QUORUM = EventKind(
+    "ft.first_quorum",
+    "[ft] first quorum: {groups} group(s), manager step {manager_step}, after {seconds:.1f}s",
+)
+#: The first commit after uncommitted steps (syncs) or a change of the quorum's size:
+#: ``stall_s`` since the previous commit.
+COMMITTED_AFTER_STALL = EventKind(
+    "ft.committed_after_stall",
+    lambda v, _: (
+        f"[ft] {v['what']}: committed by {v['groups']} group(s) (was {v['previous_groups']}) "
+        f"after {v['uncommitted']} uncommitted {v['unit']}(s); stall: {v['stall_s']:.2f}s "
+        "since the previous commit"
+    ),
+)
 
 
 class FTManager:
@@ -66,11 +111,15 @@ class FTManager:
         #: Commits and commit attempts (steps or syncs) of this process.
         self.commits = 0
         self.attempts = 0
-        #: What the current wait is for, and what it needs, in the watchdog's lines ("step 12",
-        #: "sync #3"; default: the groups join_quorum needs).
+        #: What the current wait is for, set by callers that wait for something else than the
+        #: next step: a sync's number, or a label ("start-up").
+        self.waiting_sync: int | None = None
         self.waiting_for = ""
+        #: What the current wait needs, in words, and its reason in ``ft.quorum_waiting``
+        #: events (default: the groups join_quorum needs).
         self.waiting_needs = ""
-        self.watchdog = QuorumWaitWatchdog(self._describe_wait)
+        self.waiting_reason = ""
+        self.watchdog = QuorumWaitWatchdog(self._report_wait)
 
     # ---- life cycle --------------------------------------------------------------------------
 
@@ -132,19 +181,34 @@ class FTManager:
         # step (a group behind heals to it) and size, so all decide alike.
         return self.group_size if self.manager.current_step() == 0 else self.min_replica_size
 
-    def _describe_wait(self, waited: float) -> str:
-        what = self.waiting_for or f"step {self.manager.current_step() + 1}"
+    def _subject(self) -> dict[str, Any]:
+        """What the current quorum is for: the event's step or sync number, and ``what``."""
+        if self.waiting_sync is not None:
+            return {"sync": self.waiting_sync, "what": f"sync #{self.waiting_sync}"}
+        if self.waiting_for:
+            return {"what": self.waiting_for}
+        step = self.manager.current_step() + 1
+        return {"step": step, "what": f"step {step}"}
+
+    def _report_wait(self, waited: float) -> None:
         if self.waiting_needs:
-            need = self.waiting_needs
+            reason, needs = self.waiting_reason, self.waiting_needs
         elif self._needed >= self.group_size and self.manager.current_step() <= 0:
-            need = f"all {self.group_size} replica groups needed before step 1"
+            reason = "group_size"
+            needs = f"all {self.group_size} replica groups needed before step 1"
         else:
-            need = f"min_replica_size={self._needed} groups needed"
-        reach = "" if lighthouse_reachable(self.lighthouse) else " (UNREACHABLE)"
-        return (
-            f"[ft] {what}: waiting for a quorum for {waited:.0f}s; {need}, "
-            f"{self._last_quorum_size} in the last quorum (lighthouse {self.lighthouse}"
-            f"{reach}; gives up after {self._timeout_field}={self._timeout_s:g}s)"
+            reason, needs = "min_replica_size", f"min_replica_size={self._needed} groups needed"
+        QUORUM_WAITING.emit(
+            **self._subject(),
+            waited_s=waited,
+            reason=reason,
+            groups_needed=self._needed,
+            needs=needs,
+            last_quorum_groups=self._last_quorum_size,
+            lighthouse=self.lighthouse,
+            lighthouse_reachable=lighthouse_reachable(self.lighthouse),
+            timeout_field=self._timeout_field,
+            timeout_s=self._timeout_s,
         )
 
     _timeout_field = "fault_tolerance.quorum_timeout_s"
@@ -200,19 +264,19 @@ class FTManager:
                 raise FaultToleranceError(self._too_few_groups(size))
             time.sleep(self.poll_s)
         waited = self.watchdog.end()
-        what = self.waiting_for or f"step {self.manager.current_step() + 1}"
+        subject = self._subject()
         if waited >= QuorumWaitWatchdog.FIRST_REPORT_S:
-            logger.info(f"[ft] {what}: quorum of {size} group(s) after waiting {waited:.1f}s")
+            QUORUM_FORMED.emit(**subject, groups=size, waited_s=waited)
         if self._healed:
-            logger.info(
-                f"[ft] {what}: healed from a live peer "
-                f"({', '.join(dict.fromkeys(self._healed))}) in "
-                f"{time.monotonic() - start:.2f}s (quorum + transfer)"
+            HEALED.emit(
+                **subject,
+                states=list(dict.fromkeys(self._healed)),
+                seconds=time.monotonic() - start,
             )
         return waited
 
     def _quorum_failure(self, error: Exception) -> str:
-        what = self.waiting_for or f"step {self.manager.current_step() + 1}"
+        what = self._subject()["what"]
         if not lighthouse_reachable(self.lighthouse):
             return (
                 f"the torchft lighthouse at {self.lighthouse} is unreachable: replica group "
@@ -256,9 +320,10 @@ class FTManager:
         start = time.perf_counter()
         self.join_quorum()
         self._quorum_ready = True
-        logger.info(
-            f"[ft] first quorum: {self.manager.num_participants()} group(s), manager step "
-            f"{self.manager.current_step()}, after {time.perf_counter() - start:.1f}s"
+        FIRST_QUORUM.emit(
+            groups=self.manager.num_participants(),
+            manager_step=self.manager.current_step(),
+            seconds=time.perf_counter() - start,
         )
 
     def allreduce_gradients(self, model: nn.Module) -> None:
@@ -314,16 +379,28 @@ class FTManager:
         changed = self._last_participants and size != self._last_participants
         if self._last_commit is not None and (self._uncommitted or changed):
             number = self.manager.current_step()
-            what = f"sync #{number}" if unit == "sync" else f"step {number}"
-            logger.info(
-                f"[ft] {what}: committed by {size} group(s) (was "
-                f"{self._last_participants}) after {self._uncommitted} uncommitted {unit}(s); "
-                f"stall: {now - self._last_commit:.2f}s since the previous commit"
+            subject = (
+                {"sync": number, "what": f"sync #{number}"}
+                if unit == "sync"
+                else {"step": number, "what": f"step {number}"}
+            )
+            COMMITTED_AFTER_STALL.emit(
+                **subject,
+                unit=unit,
+                groups=size,
+                previous_groups=self._last_participants,
+                uncommitted=self._uncommitted,
+                stall_s=now - self._last_commit,
             )
         self._last_commit = now
         self._last_participants = size
         self._uncommitted = 0
         return True
+
+    @property
+    def uncommitted_in_a_row(self) -> int:
+        """Commits that failed since the last one (counted toward max_consecutive_failures)."""
+        return self._uncommitted
 
     def last_error(self) -> str:
         """One line: the error torchft recorded in the current quorum (or why none is known)."""

@@ -1,4 +1,4 @@
-"""Makes a long quorum wait visible in the log, without making a short one noisy."""
+"""Makes a long quorum wait visible, without making a short one noisy."""
 
 from __future__ import annotations
 
@@ -6,18 +6,17 @@ import threading
 import time
 from collections.abc import Callable
 
-from torchtitan.tools.logging import logger
-
 
 class QuorumWaitWatchdog:
-    """Logs, from a thread, while the trainer is blocked waiting for a quorum: after 5 s, then
-    at 10, 20, 40, 60 s and every 60 s after that. ``describe(waited_s)`` writes the line."""
+    """Reports, from a thread, while the trainer is blocked waiting for a quorum: calls
+    ``report(waited_s)`` after 5 s, then at 10, 20, 40, 60 s and every 60 s after that (the
+    caller logs it: ``FTManager`` emits an ``ft.quorum_waiting`` event)."""
 
     FIRST_REPORT_S = 5.0
     MAX_INTERVAL_S = 60.0
 
-    def __init__(self, describe: Callable[[float], str], tick_s: float = 0.25) -> None:
-        self._describe = describe
+    def __init__(self, report: Callable[[float], object], tick_s: float = 0.25) -> None:
+        self._report = report
         self._tick_s = tick_s
         self._since: float | None = None
         self._next_report = self.FIRST_REPORT_S
@@ -51,7 +50,7 @@ class QuorumWaitWatchdog:
                 interval = min(self._next_report, self.MAX_INTERVAL_S)
                 self._next_report += interval
             self.reports += 1
-            logger.warning(self._describe(waited))
+            self._report(waited)
 
     def stop(self) -> None:
         self._stop.set()

@@ -106,7 +106,7 @@ class SyncManager(ManagerStandIn):
         self.last_wait = 0.0
 
     def start_quorum(self, *args: Any, **kwargs: Any) -> None:
-        self.ft.waiting_for = f"sync #{self.ft.manager.current_step() + 1}"
+        self.ft.waiting_sync = self.ft.manager.current_step() + 1
         self.in_quorum = True
         start = time.perf_counter()
         try:
@@ -119,7 +119,7 @@ class SyncManager(ManagerStandIn):
         finally:
             self.last_wait = time.perf_counter() - start
             self.in_quorum = False
-            self.ft.waiting_for = ""
+            self.ft.waiting_sync = None
 
     def should_commit(self, timeout: Any = None) -> bool:
         return self.ft.should_commit(unit="sync")

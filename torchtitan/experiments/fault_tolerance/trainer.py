@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.ft import FaultToleranceError, FTManager, build_ft_manager
 from torchtitan.components.ft import torchft_adapter as tft
 from torchtitan.config.job_config import ConfigError, JobConfig
+from torchtitan.experiments.fault_tolerance import events
 from torchtitan.experiments.fault_tolerance.job_config import SEMI_SYNC_METHODS, semi_sync_config
 from torchtitan.experiments.fault_tolerance.sync_quorum import (
     FRESH,
@@ -198,11 +199,7 @@ class SemiSyncState:
             # its global parameters and start the period again; the fragment is retried.
             tft.restore_global_copies(fragments[in_flight])
             tft.set_local_step(algo, 0)
-            logger.warning(
-                f"[semi-sync] the checkpoint was taken while fragment {in_flight}'s sync was in "
-                "flight; that sync is dropped and the fragment restarts from its global "
-                "parameters"
-            )
+            events.IN_FLIGHT_SYNC_DROPPED.emit(fragment=in_flight)
         self.loaded = True
 
 
@@ -261,6 +258,8 @@ class SemiSyncTrainer(Trainer):
         self._period_start: float | None = None
         self._warned_period = False
         self._pseudo_grad_norm: float | None = None
+        # The agreement check of the last quorum: "agree", "disagree", or None (not checked).
+        self._agreement: str | None = None
         logger.info(
             f"[semi-sync] {self.method}: sync every {ft.sync_steps} inner steps, "
             f"{len(self.fragments)} fragment(s)"
@@ -346,10 +345,7 @@ class SemiSyncTrainer(Trainer):
                 tft.outer_optimizer(fragment).state.clear()
             cfg = self.job_config.checkpoint
             if self.train_state.step > 0 or (cfg.enable and cfg.initial_load_path):
-                logger.info(
-                    "[semi-sync] no DiLoCo state was loaded: the global parameters start as "
-                    "the loaded model, the outer momentum at zero"
-                )
+                events.GLOBAL_FROM_LOADED_MODEL.emit(step=self.train_state.step)
         assert self.ft is not None
         self.ft.start()
         self._start()
@@ -405,9 +401,9 @@ class SemiSyncTrainer(Trainer):
         self.ft.waiting_needs = (
             f"all {ft.group_size} replica groups of a new job, or the running groups' next sync"
         )
-        logger.info(
-            "[semi-sync] asking for a quorum: a new or restarted job meets all its groups, a "
-            "running job is joined at its next sync"
+        self.ft.waiting_reason = "start-up"
+        events.ASKING_FOR_QUORUM.emit(
+            step=self.train_state.step, role="resumed" if self._start_role == RESUMED else "fresh"
         )
         # Up to a period for a running job's next sync, or the others' start-up for a new one.
         timeout_s, timeout_field = max(
@@ -434,7 +430,7 @@ class SemiSyncTrainer(Trainer):
                     self._announce(manager.current_step() - 1)
         finally:
             self.starting = False
-            self.ft.waiting_for = self.ft.waiting_needs = ""
+            self.ft.waiting_for = self.ft.waiting_needs = self.ft.waiting_reason = ""
         peer = self._peer
         if peer is not None and peer["at_sync"]:
             self._join_sync(time.perf_counter() - start)
@@ -442,16 +438,21 @@ class SemiSyncTrainer(Trainer):
         self._announce(manager.current_step() + 1)
         if peer is not None:  # healed from a starting group, whose step was announced low
             tft.set_local_step(self.algorithm, peer["local_step"])
-            logger.info(
-                f"[semi-sync] healed from a live peer (replica group {peer['replica_id']}) at "
-                f"sync #{manager.current_step() + 1}, train step {self.train_state.step + 1}, "
-                f"inner step {peer['local_step']}/{self.period}: a restarted group with a newer "
-                "checkpoint"
+            events.HEALED.emit(
+                step=self.train_state.step + 1,
+                sync=manager.current_step() + 1,
+                peer=peer["replica_id"],
+                inner_step=peer["local_step"],
+                period=self.period,
+                case="newer_checkpoint",
+                waited_s=None,
             )
-        logger.info(
-            f"[semi-sync] in the job with {manager.num_participants()} group(s): sync "
-            f"#{manager.current_step() + 1} next, train step {self.train_state.step + 1}, inner "
-            f"step {tft.local_step(self.algorithm)}/{self.period}"
+        events.IN_JOB.emit(
+            step=self.train_state.step + 1,
+            sync=manager.current_step() + 1,
+            groups=manager.num_participants(),
+            inner_step=tft.local_step(self.algorithm),
+            period=self.period,
         )
 
     def _announce(self, step: int) -> None:
@@ -463,12 +464,14 @@ class SemiSyncTrainer(Trainer):
         group now (the running groups are all-reducing with it), then go on from there."""
         assert self._peer is not None
         tft.set_local_step(self.algorithm, self._peer["local_step"])
-        logger.info(
-            f"[semi-sync] healed from a live peer (replica group {self._peer['replica_id']}) at "
-            f"sync #{self.ft.manager.current_step() + 1}, train step "
-            f"{self.train_state.step + 1}, inner step {self._peer['local_step']}/{self.period}: "
-            f"joined the running job at its sync point {waited:.1f}s after asking; taking "
-            "part in this sync"
+        events.HEALED.emit(
+            step=self.train_state.step + 1,
+            sync=self.ft.manager.current_step() + 1,
+            peer=self._peer["replica_id"],
+            inner_step=self._peer["local_step"],
+            period=self.period,
+            case="join_sync",
+            waited_s=waited,
         )
         self._sync_seconds = 0.0
         self._pseudo_grad_norm = None
@@ -527,6 +530,7 @@ class SemiSyncTrainer(Trainer):
             dist.all_reduce(found, op=dist.ReduceOp.MAX)
             flags = [bool(v) for v in found.tolist()]
         failed, disagree, no_majority, minority = flags
+        self._agreement = None if not verdict.digests else "disagree" if disagree else "agree"
         if failed:
             return True
         assert members is not None
@@ -544,10 +548,7 @@ class SemiSyncTrainer(Trainer):
             # one; it heals at the next (its step goes below theirs).
             manager.report_error(RuntimeError("a starting group is ahead of the running job"))
             if self.starting and not mine.joined:
-                logger.warning(
-                    "[semi-sync] this group's checkpoint is at or beyond the running groups' "
-                    "step: it is dropped; this group heals from them at their next sync"
-                )
+                events.CHECKPOINT_AHEAD.emit(step=self.train_state.step)
                 self._announce(manager.current_step() - 1)
         if disagree:
             self._act_on_disagreement(verdict.digests, no_majority, minority)
@@ -577,29 +578,22 @@ class SemiSyncTrainer(Trainer):
 
     def _act_on_disagreement(self, digests: list[int], no_majority: bool, minority: bool) -> None:
         manager = self.ft.manager
-        shown = ", ".join(f"{d & (2**64 - 1):016x}" for d in sorted(set(digests)))
+        distinct = [f"{d & (2**64 - 1):016x}" for d in sorted(set(digests))]
         sync = manager.current_step() + 1
         if no_majority:
             raise FaultToleranceError(
                 f"[semi-sync] replica groups disagree on the global parameters before sync "
-                f"#{sync} (digests {shown}; no majority): stopping rather than training on "
-                "diverged copies. Restart the job from the last checkpoint."
+                f"#{sync} (digests {', '.join(distinct)}; no majority): stopping rather than "
+                "training on diverged copies. Restart the job from the last checkpoint."
             )
         # Nobody commits this sync; the groups that differ from the majority step back one
         # sync, so that torchft heals them from a majority group at the next one.
         manager.report_error(RuntimeError("global parameters disagree"))
         if minority:
-            logger.error(
-                f"[semi-sync] this group's global parameters differ from the majority's before "
-                f"sync #{sync} (digests {shown}): healing from a majority group at the next sync"
-            )
+            events.DIFFERS_FROM_MAJORITY.emit(sync=sync, digests=distinct)
             self._announce(manager.current_step() - 1)
         else:
-            logger.warning(
-                f"[semi-sync] a group's global parameters differ from the majority's before "
-                f"sync #{sync} (digests {shown}): this sync is dropped, that group heals at the "
-                "next one"
-            )
+            events.MINORITY_ELSEWHERE.emit(sync=sync, digests=distinct)
 
     # ---- healing -----------------------------------------------------------------------------
 
@@ -629,10 +623,14 @@ class SemiSyncTrainer(Trainer):
                 + (" (a group that is starting up)" if peer["starting"] else "")
                 + f", but this group is at {mine}: their syncs would not pair up"
             )
-        logger.info(
-            f"[semi-sync] healed from a live peer (replica group {peer['replica_id']}) at sync "
-            f"#{self.ft.manager.current_step() + 1}, train step "
-            f"{self.train_state.step + 1}, inner step {mine}/{self.period}"
+        events.HEALED.emit(
+            step=self.train_state.step + 1,
+            sync=self.ft.manager.current_step() + 1,
+            peer=peer["replica_id"],
+            inner_step=mine,
+            period=self.period,
+            case="running",
+            waited_s=None,
         )
 
     # ---- the end -----------------------------------------------------------------------------
@@ -650,23 +648,23 @@ class SemiSyncTrainer(Trainer):
                 self.algorithm.sync()
                 self._sync_seconds = time.perf_counter() - start
                 self._report_sync(self.train_state.step + 1)
-            note = f"after a closing sync of the last {steps_since} steps" if steps_since else ""
+            closing, dropped = steps_since, None
         else:
             for fragment in tft.fragments(self.algorithm):
                 if tft.in_flight(fragment):
                     tft.wait_in_flight(fragment)
                 tft.restore_global_copies(fragment)
-            note = (
-                f"the local progress of the last {steps_since} inner step(s) is dropped"
-                if steps_since or self.delay
-                else ""
-            )
-        logger.info(
-            f"[semi-sync] final model: the global parameters of sync #{manager.current_step()}"
-            + (f" ({note})" if note else "")
+            closing, dropped = 0, steps_since if steps_since or self.delay else None
+        step = self.train_state.step + 1
+        events.FINAL_MODEL.emit(
+            step=step,
+            sync=manager.current_step(),
+            method=self.method,
+            closing_sync_steps=closing,
+            dropped_inner_steps=dropped,
         )
         if self.job_config.metrics.log_param_digest:
-            logger.info(f"final_digest: {tensor_digest(self.model.parameters())}")
+            events.FINAL_DIGEST.emit(step=step, digest=tensor_digest(self.model.parameters()))
 
     # ---- sync visibility ---------------------------------------------------------------------
 
@@ -729,13 +727,21 @@ class SemiSyncTrainer(Trainer):
         groups = manager.num_participants()
         norm = self._pseudo_grad_norm if committed else None
         wait = self.sync.last_wait
-        logger.info(
-            f"[semi-sync] step {step} sync: {self.method} fragment {fragment_index}/"
-            f"{len(self.fragments)}  {'committed' if committed else 'NOT committed'}  "
-            f"time {self._sync_seconds * 1000:.0f} ms  sent {payload / 2**20:.2f} MiB  "
-            f"groups {groups}  quorum {quorum_id}  "
-            f"pseudo_grad_norm {'n/a' if norm is None else f'{norm:.4f}'}  sync #{sync_number}  "
-            f"quorum_wait {wait:.2f}s"
+        events.SYNC.emit(
+            step=step,
+            sync=sync_number,
+            method=self.method,
+            fragment=fragment_index,
+            fragments=len(self.fragments),
+            committed=committed,
+            seconds=self._sync_seconds,
+            bytes_sent=payload,
+            groups=groups,
+            quorum_id=quorum_id,
+            pseudo_grad_norm=norm,
+            quorum_wait_s=wait,
+            agreement=self._agreement,
+            uncommitted_in_a_row=self.ft.uncommitted_in_a_row,
         )
         scalars = {
             "sync/seconds": self._sync_seconds,
@@ -752,7 +758,7 @@ class SemiSyncTrainer(Trainer):
         if committed and self.method == "localsgd":
             self._localsgd_digest = device_digest(self.model.parameters())
         if committed and self.job_config.metrics.log_param_digest:
-            logger.info(f"global_digest sync {sync_number}: {self.global_digest()}")
+            events.GLOBAL_DIGEST.emit(step=step, sync=sync_number, digest=self.global_digest())
         self._check_period_length()
 
     def _check_period_length(self) -> None:

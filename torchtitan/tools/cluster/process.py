@@ -53,6 +53,8 @@ class Process:
         self.log = log
         self.replica_id = replica_id
         self.started = time.monotonic()
+        #: The same moment by the wall clock (``time.time()``), the clock of event files.
+        self.started_at = time.time()
         #: When the job killed it on purpose (``time.monotonic()``); None if it was not.
         self.killed_at: float | None = None
         self.returncode: int | None = None

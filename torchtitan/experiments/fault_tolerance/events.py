@@ -1,0 +1,137 @@
+"""What semi-synchronous training reports: its events (``torchtitan.tools.events``) and the
+console line each renders to. ``SemiSyncTrainer`` emits them; the list with every field is in
+``docs/design.md`` ("Events"). A sync's number is the torchft Manager step it makes (a failed
+sync is retried under the same number); the step of an event is the training step it belongs to.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torchtitan.tools.events import EventKind
+
+
+def _sync_line(v: dict[str, Any], _: bool) -> str:
+    norm = v["pseudo_grad_norm"]
+    return (
+        f"[semi-sync] step {v['step']} sync: {v['method']} fragment {v['fragment']}/"
+        f"{v['fragments']}  {'committed' if v['committed'] else 'NOT committed'}  "
+        f"time {v['seconds'] * 1000:.0f} ms  sent {v['bytes_sent'] / 2**20:.2f} MiB  "
+        f"groups {v['groups']}  quorum {v['quorum_id']}  "
+        f"pseudo_grad_norm {'n/a' if norm is None else f'{norm:.4f}'}  sync #{v['sync']}  "
+        f"quorum_wait {v['quorum_wait_s']:.2f}s"
+    )
+
+
+#: One sync, in the step whose ``optimizer.step()`` completed it. ``seconds``: time in torchft's
+#: sync hooks; ``bytes_sent``: this rank's all-reduced payload; ``quorum_wait_s``: time in the
+#: sync's quorum; ``pseudo_grad_norm``: None for LocalSGD and for a sync not committed;
+#: ``agreement``: ``"agree"``/``"disagree"`` when the sync's quorum compared digests, else None.
+SYNC = EventKind("semi_sync.sync", _sync_line)
+
+#: With ``metrics.log_param_digest``: digest of the global parameters after a committed sync.
+GLOBAL_DIGEST = EventKind("semi_sync.global_digest", "global_digest sync {sync}: {digest}")
+#: With ``metrics.log_param_digest``: digest of the final model (after the last step).
+FINAL_DIGEST = EventKind("semi_sync.final_digest", "final_digest: {digest}")
+
+
+def _final_model_line(v: dict[str, Any], _: bool) -> str:
+    if v["closing_sync_steps"]:
+        note = f" (after a closing sync of the last {v['closing_sync_steps']} steps)"
+    elif v["dropped_inner_steps"] is not None:
+        dropped = v["dropped_inner_steps"]
+        note = f" (the local progress of the last {dropped} inner step(s) is dropped)"
+    else:
+        note = ""
+    return f"[semi-sync] final model: the global parameters of sync #{v['sync']}{note}"
+
+
+#: After the last step every group holds the global parameters of sync ``sync``. LocalSGD:
+#: ``closing_sync_steps`` inner steps were averaged by a closing sync (0: none was needed).
+#: DiLoCo: ``dropped_inner_steps`` inner steps of local progress are not in the final model
+#: (None when nothing was dropped and no sync was in flight).
+FINAL_MODEL = EventKind("semi_sync.final_model", _final_model_line)
+
+#: A (re)started group has started its Manager and asks for its first quorum.
+ASKING_FOR_QUORUM = EventKind(
+    "semi_sync.asking_for_quorum",
+    "[semi-sync] asking for a quorum: a new or restarted job meets all its groups, a running "
+    "job is joined at its next sync",
+)
+
+
+def _healed_line(v: dict[str, Any], _: bool) -> str:
+    line = (
+        f"[semi-sync] healed from a live peer (replica group {v['peer']}) at sync #{v['sync']}, "
+        f"train step {v['step']}, inner step {v['inner_step']}/{v['period']}"
+    )
+    if v["case"] == "newer_checkpoint":
+        return f"{line}: a restarted group with a newer checkpoint"
+    if v["case"] == "join_sync":
+        return (
+            f"{line}: joined the running job at its sync point {v['waited_s']:.1f}s after "
+            "asking; taking part in this sync"
+        )
+    return line
+
+
+#: This group took the state of replica group ``peer`` before sync ``sync``, at inner step
+#: ``inner_step`` of ``period``. ``case``: ``running`` (this group was running and was behind),
+#: ``join_sync`` (a starting group healed from the running job at its sync point and takes part
+#: in that sync; ``waited_s`` since it asked), ``newer_checkpoint`` (a starting group healed
+#: from another starting group with a newer checkpoint).
+HEALED = EventKind("semi_sync.healed", _healed_line)
+
+#: A starting group is in the job: ``groups`` in its quorum, sync ``sync`` next.
+IN_JOB = EventKind(
+    "semi_sync.in_job",
+    "[semi-sync] in the job with {groups} group(s): sync #{sync} next, train step {step}, "
+    "inner step {inner_step}/{period}",
+)
+
+#: A starting group's checkpoint is at or beyond the running groups' step: it is dropped.
+CHECKPOINT_AHEAD = EventKind(
+    "semi_sync.checkpoint_ahead",
+    "[semi-sync] this group's checkpoint is at or beyond the running groups' step: it is "
+    "dropped; this group heals from them at their next sync",
+    logging.WARNING,
+)
+
+#: The checkpoint was taken while ``fragment``'s sync was in flight: that sync is dropped.
+IN_FLIGHT_SYNC_DROPPED = EventKind(
+    "semi_sync.in_flight_sync_dropped",
+    "[semi-sync] the checkpoint was taken while fragment {fragment}'s sync was in flight; that "
+    "sync is dropped and the fragment restarts from its global parameters",
+    logging.WARNING,
+)
+
+#: No DiLoCo state was loaded with the model: the global parameters start as the loaded model.
+GLOBAL_FROM_LOADED_MODEL = EventKind(
+    "semi_sync.global_from_loaded_model",
+    "[semi-sync] no DiLoCo state was loaded: the global parameters start as the loaded model, "
+    "the outer momentum at zero",
+)
+
+#: The agreement check before sync ``sync`` found this group in the minority (``digests``: the
+#: distinct digests seen, hex): nobody commits the sync and this group heals at the next one.
+DIFFERS_FROM_MAJORITY = EventKind(
+    "semi_sync.differs_from_majority",
+    lambda v, _: (
+        f"[semi-sync] this group's global parameters differ from the majority's before sync "
+        f"#{v['sync']} (digests {', '.join(v['digests'])}): healing from a majority group at "
+        "the next sync"
+    ),
+    logging.ERROR,
+)
+#: The agreement check before sync ``sync`` found another group in the minority: nobody
+#: commits the sync and that group heals at the next one.
+MINORITY_ELSEWHERE = EventKind(
+    "semi_sync.minority_elsewhere",
+    lambda v, _: (
+        f"[semi-sync] a group's global parameters differ from the majority's before sync "
+        f"#{v['sync']} (digests {', '.join(v['digests'])}): this sync is dropped, that group "
+        "heals at the next one"
+    ),
+    logging.WARNING,
+)
