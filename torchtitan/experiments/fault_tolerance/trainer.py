@@ -14,21 +14,9 @@
   groups agree, instead of trusting it.
 * The last step leaves every group with the global parameters (the final model is the job's).
 
-Failure semantics are in docs/fault_tolerance.md ("Semi-synchronous training"); in short:
-
-* A sync commits in a group when every rank of that group finished its all-reduce
-  (``should_commit`` is decided per group; a group that did not commit while a peer did is
-  behind afterwards and heals from it at the next sync). A failed DiLoCo sync restores the
-  fragment's global parameters (its local progress of that period is dropped) and the same
-  fragment is retried at the next sync; a failed LocalSGD sync keeps the local parameters.
-* A group that dies is left out of the next quorum once the lighthouse misses its heartbeat;
-  the others go on (with at least ``min_replica_size`` groups; fewer wait).
-* A (re)started group asks for a quorum as soon as it is built. In a running job the quorum
-  forms at the running groups' next sync: the starting group heals there (model, inner
-  optimizer, LR schedule, step, global parameters and outer optimizer, all as the running
-  groups hold them at that moment) and takes part in that same sync, so the running groups
-  wait only for its start-up and the transfer, never for a period of its own. In a new or
-  restarted job the groups meet before step 1.
+Failure semantics (what a sync commits, what a dead, hung or restarted group and a lighthouse
+restart do, what a heal carries) are written once, in docs/fault_tolerance.md ("Semi-synchronous
+training"), and tested in tests/integration_tests/test_semi_sync*.py.
 """
 
 from __future__ import annotations
