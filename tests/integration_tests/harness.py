@@ -13,7 +13,6 @@ What the groups did is read from their event files (``FTJob.events``, ``FTJob.wa
 from __future__ import annotations
 
 import ipaddress
-import re
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -73,33 +72,6 @@ class FTJob(LocalJob):
                 min_replicas=min_replicas, heartbeat_timeout_ms=heartbeat_timeout_ms
             ),
         )
-
-    def wait_for(
-        self, replica_id: int, pattern: re.Pattern[str] | str, timeout: float, count: int = 1
-    ) -> list[re.Match[str]]:
-        """Wait until the latest start of the group has logged ``count`` matches of
-        ``pattern``; fail with the log tail if it exits or the time runs out."""
-        regex = re.compile(pattern) if isinstance(pattern, str) else pattern
-        group = self.latest(replica_id)
-        deadline = time.monotonic() + timeout
-        while True:
-            matches = list(regex.finditer(group.text()))
-            if len(matches) >= count:
-                return matches
-            if not group.alive():
-                matches = list(regex.finditer(group.text()))
-                if len(matches) >= count:
-                    return matches
-                raise AssertionError(
-                    f"group {replica_id} exited ({group.returncode}) before {count}x "
-                    f"{regex.pattern!r}:\n{tail(group.text())}"
-                )
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"group {replica_id}: no {count}x {regex.pattern!r} within {timeout:.0f}s:\n"
-                    f"{tail(group.text())}"
-                )
-            time.sleep(0.2)
 
     def wait_exit(self, replica_id: int, timeout: float) -> int:
         group = self.latest(replica_id)
