@@ -42,6 +42,7 @@ import ft_common as common  # noqa: E402
 import provenance  # noqa: E402
 
 from torchtitan.tools.cluster import LocalJob  # noqa: E402
+from torchtitan.trainer import VALIDATION  # noqa: E402
 
 CONFIGS = ["single_group", "sync_dp", "localsgd", "diloco", "streaming_diloco"]
 BASE_METHOD = {"sync_dp": "sync_ft", "localsgd": "localsgd", "diloco": "diloco",
@@ -116,7 +117,7 @@ def run_all(
                         job, f"single_seed{seed}", train_args(args, seed, single=True)
                     )
                     common.wait_all([single], timeout=7200)
-                losses = common.validation_losses(single.text())
+                losses = common.validation_losses(common.trainer_events(single, VALIDATION))
                 curves[config][seed] = {
                     step * tokens_per_group_step: loss for step, loss in losses.items()
                 }
@@ -128,7 +129,9 @@ def run_all(
                     semi_sync_args=semi_sync_args(args),
                     timeout=7200,
                 )
-                per_group = [common.validation_losses(p.text()) for p in procs]
+                per_group = [
+                    common.validation_losses(common.trainer_events(p, VALIDATION)) for p in procs
+                ]
                 steps = sorted(set(per_group[0]) & set(per_group[1]))
                 losses = {s: (per_group[0][s] + per_group[1][s]) / 2 for s in steps}
                 curves[config][seed] = {
@@ -149,7 +152,7 @@ def semi_sync_args(args: argparse.Namespace) -> list[str]:
 
 def _last(losses: dict[int, float]) -> str:
     if not losses:
-        return "no validation line"
+        return "no validation event"
     step = max(losses)
     return f"step {step} eval loss {losses[step]:.4f}"
 

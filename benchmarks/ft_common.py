@@ -1,24 +1,27 @@
 """Shared by the fault-tolerance benchmarks: trainer processes and local jobs (a lighthouse
 and replica groups, ``torchtitan.tools.cluster``), each group pinned to a core; the methods
-compared; parsing of step lines; waiting for a quiet machine before measuring.
+compared; reading the trainers' events (``torchtitan.tools.events``: steps, validations,
+syncs); waiting for a quiet machine before measuring.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
-import re
 import signal
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # the benchmarks run from a clone without installing it
 
+from torchtitan.components.metrics import TRAIN_STEP  # noqa: E402
+from torchtitan.experiments.fault_tolerance.events import SYNC  # noqa: E402
 from torchtitan.tools.cluster import (  # noqa: E402
     GroupLaunch,
     Launch,
@@ -26,23 +29,24 @@ from torchtitan.tools.cluster import (  # noqa: E402
     LocalJob,
     Process,
     ProcessSpec,
-    strip_ansi,
 )
 from torchtitan.tools.cluster.process import as_built  # noqa: E402
+from torchtitan.tools.events import (  # noqa: E402
+    EVENTS_FOLDER,
+    Event,
+    EventKind,
+    EventTail,
+    event_file_path,
+    read_events,
+)
+from torchtitan.trainer import VALIDATION  # noqa: E402
 
 TRAIN_ENTRY = REPO / "benchmarks" / "train_entry.py"
 SEMI_SYNC_MODULE = "--job.custom_args_module=torchtitan.experiments.fault_tolerance.job_config"
-# The semi-sync config plus trainers that log per-step timing lines (benchmarks/timed_trainer.py).
+# The semi-sync config plus trainers that emit per-step timing events (benchmarks/timed_trainer.py).
 TIMED_MODULE = "--job.custom_args_module=benchmarks.timed_trainer"
-
-STEP_LINE = re.compile(
-    r"step:\s+(\d+)\s+loss:\s+([0-9.naif]+)\s+grad_norm:\s+\S+\s+memory:\s+([0-9.]+) GiB\s+"
-    r"tps:\s+([0-9,]+)"
-)
-VALIDATION_LINE = re.compile(r"validation: step (\d+)\s+loss: ([0-9.naif]+)")
-SYNC_LINE = re.compile(
-    r"\[semi-sync\] step (\d+) sync: .*?(NOT committed|committed)\s+time (\d+) ms"
-)
+# The dump folder of a trainer_job's groups, in the job's folder (all groups share it).
+GROUPS_DUMP = "dump"
 
 # The FT settings every benchmark uses: generous timeouts (a busy 2-core machine), quiet logs.
 FT_ARGS = [
@@ -102,7 +106,7 @@ def trainer_job(
         groups=groups,
         entry=[sys.executable, str(TRAIN_ENTRY)],
         train_args=[
-            f"--job.dump_folder={folder / 'dump'}",
+            f"--job.dump_folder={folder / GROUPS_DUMP}",
             "--metrics.disable_color_printing",
             *ft_args,
             *train_args,
@@ -118,7 +122,8 @@ def start_alone(
     job: LocalJob, name: str, train_args: Sequence[str], launch: Launch = as_built
 ) -> Process:
     """A trainer without fault tolerance (no lighthouse, no torchft), one thread, as a process
-    of ``job``; ``launch`` as for a job's groups."""
+    of ``job`` named ``name``, with the dump folder ``<job folder>/<name>``; ``launch`` as for
+    a job's groups."""
     argv = [
         sys.executable,
         str(TRAIN_ENTRY),
@@ -166,34 +171,80 @@ def run_method(
         return trainers
 
 
-def step_lines(text: str) -> list[dict[str, float]]:
-    """Every step line of a log: step, loss, memory (GiB), tps."""
+def trainer_events(trainer: Process, *kinds: EventKind) -> list[Event]:
+    """The events (of ``kinds``; default all) that rank 0 of a trainer emitted, oldest first:
+    the latest start of a replica group of :func:`trainer_job` (its group's starts share a
+    file: the events since its wall-clock start) or a trainer of :func:`start_alone`. For an
+    earlier start of a group, or a job still running, see :class:`GroupEvents`."""
+    folder = trainer.log.parent  # the job's folder: every process logs there
+    dump = folder / (GROUPS_DUMP if trainer.replica_id is not None else trainer.name)
+    names = {kind.name for kind in kinds}
+    found = read_events(
+        dump / EVENTS_FOLDER, replica=trainer.replica_id, rank=0, since=trainer.started_at
+    )
+    return [event for event in found if not names or event.name in names]
+
+
+class GroupEvents:
+    """The events of the replica groups of a :func:`trainer_job` (rank 0), per start, read as
+    they are written: each look parses only what was appended since the last one. Waiting on
+    a long run polls often, and parsing a whole file again each time (about 0.1 s per 3,000
+    events here) would take that time from the cores the groups run on."""
+
+    def __init__(self, job: LocalJob) -> None:
+        self.job = job
+        self._tails: dict[int, EventTail] = {}
+        self._events: dict[int, list[Event]] = {}
+
+    def of(self, start: Process, *kinds: EventKind) -> list[Event]:
+        """The events (of ``kinds``; default all) of one start of a group, oldest first: from
+        its wall-clock start until its group's next start (its group's starts share a file)."""
+        replica = start.replica_id
+        assert replica is not None, f"{start.name} is no replica group"
+        if replica not in self._tails:
+            path = event_file_path(self.job.folder / GROUPS_DUMP, replica, 0)
+            self._tails[replica] = EventTail(path, whole_file=True)
+        events = self._events.setdefault(replica, [])
+        events.extend(self._tails[replica].read())
+        starts = self.job.starts[replica]
+        later = starts[starts.index(start) + 1 :]
+        until = later[0].started_at if later else math.inf
+        names = {kind.name for kind in kinds}
+        return [
+            event
+            for event in events
+            if start.started_at <= event.time < until and (not names or event.name in names)
+        ]
+
+
+def step_rows(events: Iterable[Event]) -> list[dict[str, float]]:
+    """step, loss, memory (GiB) and tps (tokens/s on the rank, unrounded) of every
+    ``train.step`` among ``events``."""
     return [
-        {
-            "step": int(m.group(1)),
-            "loss": float(m.group(2)),
-            "memory_gib": float(m.group(3)),
-            "tps": float(m.group(4).replace(",", "")),
-        }
-        for m in STEP_LINE.finditer(strip_ansi(text))
+        {"step": e.step, "loss": e["loss"], "memory_gib": e["memory_gib"], "tps": e["tps"]}
+        for e in events
+        if e.name == TRAIN_STEP.name and e.step is not None
     ]
 
 
-def validation_losses(text: str) -> dict[int, float]:
-    return {int(m.group(1)): float(m.group(2)) for m in VALIDATION_LINE.finditer(text)}
+def validation_losses(events: Iterable[Event]) -> dict[int, float]:
+    """{step: held-out loss} of the ``train.validation`` events among ``events``."""
+    return {e.step: e["loss"] for e in events if e.name == VALIDATION.name and e.step is not None}
 
 
-def sync_times_ms(text: str) -> list[int]:
-    return [int(m.group(3)) for m in SYNC_LINE.finditer(text)]
+def sync_times_ms(events: Iterable[Event]) -> list[float]:
+    """Milliseconds in torchft's sync hooks of every ``semi_sync.sync`` among ``events``,
+    committed or not."""
+    return [1000 * e["seconds"] for e in events if e.name == SYNC.name]
 
 
 def interval_tokens_per_second(lines: list[dict[str, float]], after_step: int) -> float:
-    """Tokens/s over the log intervals that end after ``after_step``: the tokens of equal
-    intervals divided by their summed time (the harmonic mean of the interval rates), so a
-    slow sync step weighs in with its real time."""
+    """Tokens/s over the log intervals (rows of :func:`step_rows`) that end after
+    ``after_step``: the tokens of equal intervals divided by their summed time (the harmonic
+    mean of the interval rates), so a slow sync step weighs in with its real time."""
     rates = [line["tps"] for line in lines if line["step"] > after_step]
     if not rates:
-        raise ValueError(f"no step line after step {after_step}")
+        raise ValueError(f"no step event after step {after_step}")
     return len(rates) / sum(1.0 / r for r in rates)
 
 

@@ -11,7 +11,7 @@ Methods, each with 2 groups of 1 process (``taskset -c 0`` and ``-c 1``, OMP_NUM
 * ``streaming_diloco``: DiLoCo with 2 fragments, one syncing every H/2 steps, overlapped with
   1 inner step (``fragment_sync_delay=1``).
 
-Tokens/s per group is taken from the trainers' own step lines over the steps after the first
+Tokens/s per group is taken from the trainers' own step events over the steps after the first
 sync period (``--warmup-steps``), as total tokens over total time, so sync steps count with
 their real duration. Each repeat runs every method once (in rotated order); the ratio to
 ``no_ft`` is taken within each repeat, and the JSON reports medians over repeats.
@@ -28,6 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ft_common as common  # noqa: E402
 import provenance  # noqa: E402
+
+from torchtitan.components.metrics import TRAIN_STEP  # noqa: E402
+from torchtitan.experiments.fault_tolerance.events import SYNC  # noqa: E402
 
 ORDER = ["no_ft", "sync_ft", "localsgd", "diloco", "streaming_diloco"]
 
@@ -81,15 +84,14 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 groups = []
                 for proc in procs:
-                    text = proc.text()
-                    lines = common.step_lines(text)
+                    events = common.trainer_events(proc, TRAIN_STEP, SYNC)
                     groups.append(
                         {
                             "tokens_per_s": common.interval_tokens_per_second(
-                                lines, args.warmup_steps
+                                common.step_rows(events), args.warmup_steps
                             ),
                             "max_rss_mib": proc.max_rss_mib,
-                            "sync_ms": common.sync_times_ms(text),
+                            "sync_ms": common.sync_times_ms(events),
                         }
                     )
                 tps = [g["tokens_per_s"] for g in groups]

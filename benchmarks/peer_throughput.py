@@ -14,7 +14,8 @@ heads, FFN 768, byte vocabulary of 258; 4,854,016 parameters) on the same text (
 corpus, written out as JSONL for upstream's dataloader), with the same sequence length, batch,
 dtype (fp32), optimizer (AdamW lr 2e-3, betas 0.9/0.95, weight decay 0.1), clipping (1.0), no
 activation checkpointing, no compile, and the same number of threads. Each repeat runs both, in
-alternating order; tokens/s comes from each trainer's own step lines after ``--warmup-steps``;
+alternating order; tokens/s comes from each trainer's own step reports after ``--warmup-steps``
+(ours: its ``train.step`` events; the peer's: its step lines);
 peak memory is each process's peak resident set (``wait4``).
 
 The matmul peak (``torch.mm``, fp32 and bf16, square sizes 512-2048, best of many) is
@@ -39,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ft_common as common  # noqa: E402
 import provenance  # noqa: E402
 
-from torchtitan.tools.cluster import LocalJob, free_port  # noqa: E402
+from torchtitan.components.metrics import TRAIN_STEP  # noqa: E402
+from torchtitan.tools.cluster import LocalJob, Process, free_port  # noqa: E402
 
 PEER_VENV = common.REPO / "benchmarks" / ".peer_venv"
 PEER_RUNNER = common.REPO / "benchmarks" / "peer_shim" / "run_peer.py"
@@ -70,11 +72,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-load", type=float, default=1.5)
     p.add_argument("--out", type=Path, help=provenance.output_help("peer_throughput.json"))
     args = p.parse_args(argv)
-    args.mm_sizes = (512, 1024, 2048)
+    args.mm_sizes, args.mm_seconds = (512, 1024, 2048), 0.5
     if args.smoke:
         args.repeats, args.steps, args.warmup_steps, args.log_freq = 1, 4, 2, 1
         args.seq_len, args.batch, args.threads = 64, 2, 1
-        args.mm_sizes = (256, 512)
+        args.mm_sizes, args.mm_seconds = (256, 512), 0.1
         args.max_load = float("inf")
         if args.peer_python is None and not _peer_ready(PEER_VENV / "bin" / "python"):
             args.no_peer = True  # never install the peer in a smoke run
@@ -150,9 +152,12 @@ def write_peer_inputs(folder: Path) -> tuple[Path, Path]:
 # ---- measurements ----------------------------------------------------------------------------
 
 
-def matmul_peaks(threads: int, sizes: tuple[int, ...] = (512, 1024, 2048)) -> dict[str, float]:
+def matmul_peaks(
+    threads: int, sizes: tuple[int, ...] = (512, 1024, 2048), seconds: float = 0.5
+) -> dict[str, float]:
     """Best GFLOP/s of square ``torch.mm`` in fp32 and bf16 with ``threads`` threads, over
-    sizes 512, 1024 and 2048 (each timed many times for at least 0.5 s; the best time counts).
+    sizes 512, 1024 and 2048 (each timed many times for at least ``seconds``; the best time
+    counts).
     A dtype this CPU computes slowly (bf16 without bf16 instructions: about 1 GFLOP/s on an
     AVX2-only EPYC, where one 2048 product takes 13 s) stops at the first size whose warm-up
     product takes over a second: larger sizes would not change its peak, only the wait."""
@@ -169,7 +174,7 @@ def matmul_peaks(threads: int, sizes: tuple[int, ...] = (512, 1024, 2048)) -> di
             torch.mm(a, b)  # warm-up: thread pool, kernel selection
             slow = time.perf_counter() - warm > 1.0
             start, runs = time.perf_counter(), 0
-            while runs < 3 or time.perf_counter() - start < 0.5:
+            while runs < 3 or time.perf_counter() - start < seconds:
                 t0 = time.perf_counter()
                 torch.mm(a, b)
                 best = max(best, 2 * size**3 / (time.perf_counter() - t0))
@@ -182,6 +187,7 @@ def matmul_peaks(threads: int, sizes: tuple[int, ...] = (512, 1024, 2048)) -> di
 
 def run_ours(folder: Path, args: argparse.Namespace) -> dict:
     cmd = [
+        # The dump folder of a trainer alone (common.start_alone), where trainer_events looks.
         sys.executable, str(common.TRAIN_ENTRY), f"--job.dump_folder={folder / 'ours'}",
         "--model.flavor=debugmodel", f"--training.seq_len={args.seq_len}",
         f"--training.local_batch_size={args.batch}", f"--training.steps={args.steps}",
@@ -189,9 +195,10 @@ def run_ours(folder: Path, args: argparse.Namespace) -> dict:
         "--metrics.cpu_peak_flops=-1", "--metrics.disable_color_printing",
         "--optimizer.lr=2e-3", "--lr_scheduler.warmup_steps=20",
     ]  # fmt: skip
-    text, rss, seconds = _run(cmd, folder, "ours", args.threads)
-    rates = [(line["step"], line["tps"]) for line in common.step_lines(text)]
-    return _result(rates, rss, seconds, args)
+    trainer, seconds = _run(cmd, folder, "ours", args.threads)
+    steps = common.step_rows(common.trainer_events(trainer, TRAIN_STEP))
+    rates = [(row["step"], row["tps"]) for row in steps]
+    return _result(rates, trainer.max_rss_mib or 0.0, seconds, args)
 
 
 def run_peer(
@@ -205,23 +212,26 @@ def run_peer(
         "--seq-len", str(args.seq_len),
         *[f"--{k.replace('_', '-')}={v}" for k, v in MODEL.items()],
     ]  # fmt: skip
-    text, rss, seconds = _run(cmd, folder, f"peer_{variant}", args.threads)
+    trainer, seconds = _run(cmd, folder, f"peer_{variant}", args.threads)
+    # Upstream's trainer writes no event files: its step lines are all there is to read.
     rates = [
-        (int(m.group(1)), float(m.group(2).replace(",", ""))) for m in PEER_STEP.finditer(text)
+        (int(m.group(1)), float(m.group(2).replace(",", "")))
+        for m in PEER_STEP.finditer(trainer.text())
     ]
-    return _result(rates, rss, seconds, args)
+    return _result(rates, trainer.max_rss_mib or 0.0, seconds, args)
 
 
-def _run(cmd: list[str], folder: Path, name: str, threads: int) -> tuple[str, float, float]:
-    """Run one trainer to the end, its output in ``folder/<name>.log``; returns its output, its
-    peak resident set (MiB) and its wall seconds."""
+def _run(cmd: list[str], folder: Path, name: str, threads: int) -> tuple[Process, float]:
+    """Run one trainer to the end, its output in ``folder/<name>.log`` (ours: its dump folder
+    ``folder/<name>``); returns it (exited: its peak resident set is known) and its wall
+    seconds."""
     env = {"OMP_NUM_THREADS": str(threads), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port())}  # fmt: skip
     start = time.perf_counter()
     with LocalJob(folder) as job:
         trainer = job.start_process(name, cmd, env)
         common.wait_all([trainer], timeout=1800)
-    return trainer.text(), trainer.max_rss_mib or 0.0, time.perf_counter() - start
+    return trainer, time.perf_counter() - start
 
 
 def _result(rates: list[tuple[int, float]], rss: float, seconds: float, args) -> dict:
@@ -243,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_peer:
         peer_python = args.peer_python or ensure_peer_venv()
     load_start = common.wait_for_quiet_machine(args.max_load, 120)
-    peaks_before = matmul_peaks(args.threads, args.mm_sizes)
+    peaks_before = matmul_peaks(args.threads, args.mm_sizes, args.mm_seconds)
     runs = []
     with tempfile.TemporaryDirectory(prefix="peer_throughput_") as tmp:
         folder = Path(tmp)
@@ -274,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
                     row[f"ratio_ours_over_{who}"] = ratio
             runs.append(row)
     # Again after the runs (the best of both counts), unless a smoke run checks the plumbing.
-    peaks_after = peaks_before if args.smoke else matmul_peaks(args.threads, args.mm_sizes)
+    peaks_after = (
+        peaks_before if args.smoke else matmul_peaks(args.threads, args.mm_sizes, args.mm_seconds)
+    )
     peak = {k: max(peaks_before[k], peaks_after[k]) for k in peaks_before}
     ours_tps = common.median([r["ours"]["tokens_per_s"] for r in runs])
     mfus = [100 * r["ours"]["tokens_per_s"] * flops_per_token / (peak["fp32"] * 1e9) for r in runs]

@@ -50,11 +50,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import random
-import re
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -62,6 +61,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ft_common as common  # noqa: E402
 import provenance  # noqa: E402
 
+from benchmarks.timed_trainer import HEAL_TRANSFER, TIMING  # noqa: E402
+from torchtitan.experiments.fault_tolerance.events import (  # noqa: E402
+    ASKING_FOR_QUORUM,
+    GLOBAL_DIGEST,
+    HEALED,
+    SYNC,
+)
 from torchtitan.tools.cluster import (  # noqa: E402
     LighthouseSettings,
     LocalJob,
@@ -69,29 +75,51 @@ from torchtitan.tools.cluster import (  # noqa: E402
     Process,
     Restarts,
 )
+from torchtitan.tools.events import Event  # noqa: E402
 
-TIMING_LINE = re.compile(r"\[timing\] step (\d+) compute_s ([0-9.]+) t ([0-9.]+)")
-SYNC_LINE = re.compile(
-    r"\[semi-sync\] step (\d+) sync: .*?(NOT committed|committed)\s+time (\d+) ms.*?groups (\d+)"
-)
-DIGEST_LINE = re.compile(r"global_digest sync (\d+): ([0-9a-f]+)")
-HEALED_LINE = re.compile(r"\[semi-sync\] healed from a live peer")
-HEAL_BYTES = re.compile(r"\[timing\] heal recv_bytes (\d+) seconds ([0-9.]+)")
-EVENT = re.compile(
-    r"\[timing\] step \d+ compute_s [0-9.]+ t [0-9.]+|"
-    r"\[semi-sync\] step \d+ sync: .*|\[semi-sync\] healed from a live peer.*"
-)
-
-# ---- what a start of a group logged ---------------------------------------------------------
+# ---- what a start of a group emitted (its events, oldest first) ------------------------------
 
 
-def timings(start: Process) -> list[tuple[int, float]]:
-    """(step, monotonic time at its end) of every step of one start of a group."""
-    return [(int(m.group(1)), float(m.group(3))) for m in TIMING_LINE.finditer(start.text())]
+def timings(events: Iterable[Event]) -> list[tuple[int, float]]:
+    """(step, monotonic time at its end) of every ``bench.timing`` event."""
+    return [(e.step, e["t"]) for e in events if e.name == TIMING.name and e.step is not None]
 
 
-def committed_syncs(start: Process) -> int:
-    return sum(1 for m in SYNC_LINE.finditer(start.text()) if m.group(2) == "committed")
+def syncs(events: Iterable[Event]) -> list[Event]:
+    """The ``semi_sync.sync`` events, committed or not."""
+    return [e for e in events if e.name == SYNC.name]
+
+
+def committed_syncs(events: Iterable[Event]) -> int:
+    return sum(1 for e in syncs(events) if e["committed"])
+
+
+def healed(events: Iterable[Event]) -> list[Event]:
+    """The ``semi_sync.healed`` events: this start took a live peer's state (any case)."""
+    return [e for e in events if e.name == HEALED.name]
+
+
+def committed_sync_after(events: Sequence[Event], t: float) -> tuple[int, float, float, int] | None:
+    """(step, monotonic time, sync ms, groups) of the first committed sync whose step ended
+    after ``t``."""
+    found = _committed_syncs(events)
+    return next((row for row in found if row[1] > t), None)
+
+
+def _committed_syncs(events: Sequence[Event]) -> list[tuple[int, float, float, int]]:
+    """(step, monotonic time at the step's end, sync ms, groups) of every committed sync whose
+    step's timing is known (its ``bench.timing`` event follows the sync's)."""
+    times = dict(timings(events))
+    return [
+        (e.step, times[e.step], round(1000 * e["seconds"], 1), e["groups"])
+        for e in syncs(events)
+        if e["committed"] and e.step in times
+    ]
+
+
+def sync_quorum_waits(events: Iterable[Event]) -> list[tuple[int, int, float]]:
+    """(sync number, groups, seconds in the sync's quorum) of every sync, committed or not."""
+    return [(e.sync, e["groups"], e["quorum_wait_s"]) for e in syncs(events) if e.sync is not None]
 
 
 # ---- the job ---------------------------------------------------------------------------------
@@ -136,66 +164,55 @@ def first_after(rows: list[tuple[int, float]], t: float) -> tuple[int, float] | 
     return later[0] if later else None
 
 
-def sync_events(text: str) -> list[tuple[str, re.Match[str]]]:
-    """The timing, sync and healed lines of a log, in order, as (kind, match)."""
-    events = []
-    for m in EVENT.finditer(text):
-        line = m.group(0)
-        if line.startswith("[timing]"):
-            events.append(("step", TIMING_LINE.match(line)))
-        elif "healed" in line:
-            events.append(("healed", m))
-        else:
-            events.append(("sync", SYNC_LINE.search(line)))
-    return [(k, m) for k, m in events if m is not None]
-
-
-def step_accounting(text: str, finished_by_us: bool) -> dict[str, int]:
-    """attempted / committed inner steps and syncs of one process's log (see module doc)."""
-    attempted = committed = since = syncs = committed_syncs = 0
-    healed = False
-    for kind, m in sync_events(text):
-        if kind == "step":
+def step_accounting(events: Iterable[Event], finished_by_us: bool) -> dict[str, int]:
+    """attempted / committed inner steps and syncs of one start of a group, from its timing,
+    sync and healed events in the order it emitted them (see module doc)."""
+    attempted = committed = since = sync_count = committed_count = 0
+    after_heal = False
+    for event in events:
+        if event.name == TIMING.name:
             since += 1
-        elif kind == "healed":
-            healed = True
-        else:
-            period = since + 1  # the sync step's own [timing] line comes right after
+        elif event.name == HEALED.name:
+            after_heal = True
+        elif event.name == SYNC.name:
+            period = since + 1  # the sync step's own timing event comes right after
             attempted += period
-            syncs += 1
-            if m.group(2) == "committed":
-                committed_syncs += 1
-                if not healed:
+            sync_count += 1
+            if event["committed"]:
+                committed_count += 1
+                if not after_heal:
                     committed += period
-            healed = False
+            after_heal = False
             since = -1
     if not finished_by_us:  # killed mid-period: those steps were attempted and lost
         attempted += max(since, 0)
     return {
         "attempted_steps": attempted,
         "committed_steps": committed,
-        "attempted_syncs": syncs,
-        "committed_syncs": committed_syncs,
+        "attempted_syncs": sync_count,
+        "committed_syncs": committed_count,
         "unfinished_period_steps": max(since, 0) if finished_by_us else 0,
     }
 
 
-def divergence(starts: list[Process]) -> dict[str, object]:
-    """Compare every ``global_digest sync K`` logged by more than one group."""
+def divergence(starts: Iterable[tuple[int, Iterable[Event]]]) -> dict[str, object]:
+    """Compare the ``global_digest`` of every sync that more than one group reported;
+    ``starts``: (replica id, the events of one of its starts)."""
     by_group: dict[int, dict[int, set[str]]] = {}
-    for s in starts:
-        for m in DIGEST_LINE.finditer(s.text()):
-            by_group.setdefault(s.replica_id, {}).setdefault(int(m.group(1)), set()).add(m.group(2))
-    syncs = sorted({k for d in by_group.values() for k in d})
+    for replica_id, events in starts:
+        for e in events:
+            if e.name == GLOBAL_DIGEST.name and e.sync is not None:
+                by_group.setdefault(replica_id, {}).setdefault(e.sync, set()).add(e["digest"])
+    numbers = sorted({k for d in by_group.values() for k in d})
     compared, mismatched = 0, []
-    for k in syncs:
+    for k in numbers:
         seen = [d[k] for d in by_group.values() if k in d]
         if len(seen) < 2 and all(len(x) == 1 for x in seen):
             continue
         compared += 1
         if len(set().union(*seen)) != 1:
             mismatched.append(k)
-    return {"syncs_logged": len(syncs), "syncs_compared": compared, "mismatched": mismatched}
+    return {"syncs_logged": len(numbers), "syncs_compared": compared, "mismatched": mismatched}
 
 
 # ---- part 1 --------------------------------------------------------------------------------
@@ -213,20 +230,27 @@ def two_groups(folder: Path, args: argparse.Namespace, train_args: list[str]) ->
         yield job.start()
 
 
-def wait_for_two_more_syncs(job: LocalJob, args: argparse.Namespace) -> None:
+def wait_for_two_more_syncs(
+    job: LocalJob, events: common.GroupEvents, args: argparse.Namespace
+) -> None:
     """Wait until both groups have committed 2 more syncs: a steady pair to kill from."""
-    base = {g: committed_syncs(job.latest(g)) for g in range(2)}
-    wait_until(lambda: all(committed_syncs(job.latest(g)) >= base[g] + 2 for g in (0, 1)),
+
+    def committed(g: int) -> int:
+        return committed_syncs(events.of(job.latest(g), SYNC))
+
+    base = {g: committed(g) for g in range(2)}
+    wait_until(lambda: all(committed(g) >= base[g] + 2 for g in (0, 1)),
                args.timeout, "2 committed syncs in both groups", job)  # fmt: skip
 
 
 def recovery_part(folder: Path, args: argparse.Namespace, train_args: list[str]) -> list[dict]:
     samples: list[dict] = []
     with two_groups(folder, args, train_args) as job:
+        events = common.GroupEvents(job)
         for i in range(args.kills):
             victim = 1 - (i % 2)  # group 1 first, then group 0, ...
             survivor = 1 - victim
-            wait_for_two_more_syncs(job, args)
+            wait_for_two_more_syncs(job, events, args)
             # Kill at a random point of the sync period (not right at a sync).
             time.sleep(random.Random(args.seed + i).uniform(0.0, 1.5))
             killed = job.kill_group(victim)
@@ -235,21 +259,22 @@ def recovery_part(folder: Path, args: argparse.Namespace, train_args: list[str])
             surv = job.latest(survivor)
 
             def next_committed_sync(s: Process = surv, t: float = t_kill) -> tuple | None:
-                return committed_sync_after(s, t)
+                return committed_sync_after(events.of(s), t)
 
             wait_until(lambda: next_committed_sync() is not None, args.timeout,
                        "committed sync of the survivor", job)  # fmt: skip
-            step_row = first_after(timings(surv), t_kill)
+            step_row = first_after(timings(events.of(surv, TIMING)), t_kill)
             sync_step, sync_t, sync_ms, sync_groups = next_committed_sync()  # type: ignore[misc]
             time.sleep(max(0.0, t_kill + args.restart_after - time.monotonic()))
             restarted = job.start_group(victim)
-            # (the step's [timing] line follows its sync line: wait for both)
-            wait_until(lambda r=restarted: committed_sync_after(r, 0.0) is not None, args.timeout,
-                       "first committed sync of the restarted group", job)  # fmt: skip
-            text = restarted.text()
-            heal = HEAL_BYTES.search(text)
-            first = committed_sync_after(restarted, 0.0)
-            first_step = (timings(restarted) or [(0, 0.0)])[0]
+            # (the step's timing event follows its sync event: wait for both)
+            wait_until(lambda r=restarted: committed_sync_after(events.of(r), 0.0) is not None,
+                       args.timeout, "first committed sync of the restarted group",
+                       job)  # fmt: skip
+            emitted = events.of(restarted)
+            heal = next((e for e in emitted if e.name == HEAL_TRANSFER.name), None)
+            first = committed_sync_after(emitted, 0.0)
+            first_step = (timings(emitted) or [(0, 0.0)])[0]
             sample = {
                 "killed_group": victim,
                 "survivor_next_inner_step_after_kill_s": (
@@ -260,9 +285,9 @@ def recovery_part(folder: Path, args: argparse.Namespace, train_args: list[str])
                 "survivor_that_sync_groups": sync_groups,
                 "restart_after_s": args.restart_after,
                 "restarted_first_step_after_start_s": round(first_step[1] - restarted.started, 3),
-                "heal_bytes": int(heal.group(1)) if heal else None,
-                "heal_transfer_s": float(heal.group(2)) if heal else None,
-                "healed_line": bool(HEALED_LINE.search(text)),
+                "heal_bytes": heal["bytes"] if heal else None,
+                "heal_transfer_s": round(heal["seconds"], 3) if heal else None,
+                "healed_line": bool(healed(emitted)),
                 "restarted_first_committed_sync_after_start_s": (
                     round(first[1] - restarted.started, 3) if first else None
                 ),
@@ -276,7 +301,9 @@ def recovery_part(folder: Path, args: argparse.Namespace, train_args: list[str])
         for j in range(args.joiner_kills):
             # Alternate: right after the heal, then a random point around the first sync.
             delay = -1.0 if j % 2 == 0 else rng.uniform(0.0, 0.6)
-            sample = kill_a_joiner_at_its_first_sync(job, args, delay)
+            # The last one leaves no healthy pair behind: nothing follows it in this job.
+            last = j == args.joiner_kills - 1
+            sample = kill_a_joiner_at_its_first_sync(job, events, args, delay, restart=not last)
             samples.append(sample)
             print(f"[recovery] joiner kill {j}: {sample}", flush=True)
         if crashed(job):
@@ -285,41 +312,49 @@ def recovery_part(folder: Path, args: argparse.Namespace, train_args: list[str])
 
 
 def kill_a_joiner_at_its_first_sync(
-    job: LocalJob, args: argparse.Namespace, delay_s: float
+    job: LocalJob,
+    events: common.GroupEvents,
+    args: argparse.Namespace,
+    delay_s: float,
+    restart: bool = True,
 ) -> dict:
     """The worst moments for a survivor: a restarted group dies around its first sync, where
     it joins the survivor's quorum, the process group is rebuilt with it and the survivor
-    sends it the state. ``delay_s`` < 0: kill right after its heal line; else ``delay_s``
-    after its last inner step before that sync. Measures the survivor's kill -> next
-    committed sync (bounded by the process-group timeout where the survivor waits in a
-    collective for the dead peer)."""
+    sends it the state. ``delay_s`` < 0: kill right after its heal; else ``delay_s`` after
+    its last inner step before that sync. Measures the survivor's kill -> next committed sync
+    (bounded by the process-group timeout where the survivor waits in a collective for the
+    dead peer). With ``restart``, restarts the group and waits for its first committed sync:
+    a healthy pair for what follows."""
     victim, survivor = 1, 0
-    wait_for_two_more_syncs(job, args)
+    wait_for_two_more_syncs(job, events, args)
     job.kill_group(victim)
     time.sleep(args.restart_after)
     joiner = job.start_group(victim)
     if delay_s < 0:
-        wait_until(lambda: HEALED_LINE.search(joiner.text()) is not None, args.timeout,
+        wait_until(lambda: healed(events.of(joiner, HEALED)), args.timeout,
                    "the restarted group's heal", job, poll_s=0.02)  # fmt: skip
     else:
         before_sync = args.sync_steps - 1
-        wait_until(lambda: len(timings(joiner)) >= before_sync, args.timeout,
+        wait_until(lambda: len(timings(events.of(joiner, TIMING))) >= before_sync, args.timeout,
                    f"the restarted group's step {before_sync}", job, poll_s=0.02)  # fmt: skip
         time.sleep(delay_s)
-    healed_before_kill = HEALED_LINE.search(joiner.text()) is not None
+    healed_before_kill = bool(healed(events.of(joiner, HEALED)))
     job.kill_group(victim)
     t_kill = joiner.killed_at
     assert t_kill is not None
     surv = job.latest(survivor)
-    wait_until(lambda: committed_sync_after(surv, t_kill) is not None, args.timeout,
+    wait_until(lambda: committed_sync_after(events.of(surv), t_kill) is not None, args.timeout,
                "committed sync of the survivor", job)  # fmt: skip
-    _, sync_t, sync_ms, sync_groups = committed_sync_after(surv, t_kill)  # type: ignore[misc]
-    failed = [m for m in SYNC_LINE.finditer(surv.text()) if m.group(2) == "NOT committed"]
-    # Leave a healthy pair behind for what follows.
-    time.sleep(args.restart_after)
-    restarted = job.start_group(victim)
-    wait_until(lambda: committed_sync_after(restarted, 0.0) is not None, args.timeout,
-               "first committed sync of the restarted group", job)  # fmt: skip
+    after_kill = committed_sync_after(events.of(surv), t_kill)
+    assert after_kill is not None  # waited for above
+    _, sync_t, sync_ms, sync_groups = after_kill
+    failed = [e for e in syncs(events.of(surv, SYNC)) if not e["committed"]]
+    if restart:
+        time.sleep(args.restart_after)
+        restarted = job.start_group(victim)
+        wait_until(lambda: committed_sync_after(events.of(restarted), 0.0) is not None,
+                   args.timeout, "first committed sync of the restarted group",
+                   job)  # fmt: skip
     return {
         "killed_group": victim,
         "kill_point": "right after its heal line"
@@ -335,21 +370,7 @@ def kill_a_joiner_at_its_first_sync(
     }
 
 
-def committed_sync_after(start: Process, t: float) -> tuple[int, float, int, int] | None:
-    """(step, monotonic time, sync ms, groups) of the first committed sync of ``start`` whose
-    step ended after ``t``."""
-    times = dict(timings(start))
-    for m in SYNC_LINE.finditer(start.text()):
-        step = int(m.group(1))
-        if m.group(2) == "committed" and step in times and times[step] > t:
-            return step, times[step], int(m.group(3)), int(m.group(4))
-    return None
-
-
 # ---- part 3: long periods ------------------------------------------------------------------
-
-QUORUM_WAIT = re.compile(r"\[semi-sync\] step (\d+) sync: .*?groups (\d+) .*?sync #(\d+)\s+"
-                         r"quorum_wait ([0-9.]+)s")  # fmt: skip
 
 
 def long_period_part(folder: Path, args: argparse.Namespace, train_args: list[str]) -> dict:
@@ -366,14 +387,15 @@ def long_period_part(folder: Path, args: argparse.Namespace, train_args: list[st
     ]
     samples: list[dict] = []
     with two_groups(folder, args, long_args) as job:
+        events = common.GroupEvents(job)
         periods: list[float] = []
         for i in range(args.long_period_kills):
             victim, survivor = 1, 0
             surv = job.latest(survivor)
-            wait_until(lambda n=1 + i, s=surv: committed_syncs(job.latest(1)) >= 1
-                       and committed_syncs(s) >= n,
+            wait_until(lambda n=1 + i, s=surv: committed_syncs(events.of(job.latest(1), SYNC)) >= 1
+                       and committed_syncs(events.of(s, SYNC)) >= n,
                        args.timeout * 4, "a committed sync in both groups", job)  # fmt: skip
-            sync_times = [t for _, t, *_ in _committed_syncs(surv)]
+            sync_times = [t for _, t, *_ in _committed_syncs(events.of(surv))]
             periods += [b - a for a, b in zip(sync_times, sync_times[1:], strict=False)]
             period = periods[-1] if periods else 0.0
             time.sleep(random.Random(args.seed + i).uniform(0.1, 0.6) * max(period, 1.0))
@@ -381,23 +403,29 @@ def long_period_part(folder: Path, args: argparse.Namespace, train_args: list[st
             assert t_kill is not None
             time.sleep(args.restart_after)
             restarted = job.start_group(victim)
-            wait_until(lambda r=restarted: HEALED_LINE.search(r.text()) is not None,
+            wait_until(lambda r=restarted: healed(events.of(r, HEALED)),
                        args.timeout * 4, "the restarted group's heal", job)  # fmt: skip
-            rejoin = int(re.search(r"healed from a live peer .*?at sync #(\d+)",  # type: ignore[union-attr]
-                                   restarted.text()).group(1))  # fmt: skip
-            wait_until(lambda k=rejoin, s=surv: any(int(m.group(3)) == k
-                                                    for m in QUORUM_WAIT.finditer(s.text())),
-                       args.timeout, "the survivor's rejoin sync", job)  # fmt: skip
-            at = next(m for m in QUORUM_WAIT.finditer(surv.text()) if int(m.group(3)) == rejoin)
-            asked = re.search(r"(\d\d:\d\d:\d\d) INFO \[semi-sync\] asking", restarted.text())
+            rejoin = healed(events.of(restarted, HEALED))[0].sync
+
+            def waits_at_rejoin(
+                s: Process = surv, k: int | None = rejoin
+            ) -> list[tuple[int, int, float]]:
+                return [w for w in sync_quorum_waits(events.of(s, SYNC)) if w[0] == k]
+
+            wait_until(waits_at_rejoin, args.timeout, "the survivor's rejoin sync", job)
+            _, rejoin_groups, rejoin_wait = waits_at_rejoin()[0]
+            asked = events.of(restarted, ASKING_FOR_QUORUM)
             sample = {
                 "killed_group": victim,
                 "rejoin_sync": rejoin,
-                "rejoin_sync_groups": int(at.group(2)),
-                "survivor_quorum_wait_at_rejoin_s": float(at.group(4)),
+                "rejoin_sync_groups": rejoin_groups,
+                "survivor_quorum_wait_at_rejoin_s": rejoin_wait,
                 "period_s_before_kill": round(period, 2),
                 "restart_after_s": args.restart_after,
-                "restarted_asked_at": asked.group(1) if asked else None,
+                # The wall-clock time of day, as the console line shows it.
+                "restarted_asked_at": (
+                    time.strftime("%H:%M:%S", time.localtime(asked[0].time)) if asked else None
+                ),
                 "sync_quorum_timeout_s": args.long_period_sync_timeout_s,
             }
             samples.append(sample)
@@ -405,7 +433,7 @@ def long_period_part(folder: Path, args: argparse.Namespace, train_args: list[st
         if crashed(job):
             raise RuntimeError("a group crashed during the long-period part")
         waits = [s["survivor_quorum_wait_at_rejoin_s"] for s in samples]
-        quiet = [float(m.group(4)) for m in QUORUM_WAIT.finditer(job.latest(0).text())]
+        quiet = [w for _, _, w in sync_quorum_waits(events.of(job.latest(0), SYNC))]
     return {
         "sync_steps": args.long_period_steps,
         "period_s_median": round(sorted(periods)[len(periods) // 2], 2) if periods else None,
@@ -417,22 +445,14 @@ def long_period_part(folder: Path, args: argparse.Namespace, train_args: list[st
     }
 
 
-def _committed_syncs(start: Process) -> list[tuple[int, float, int, int]]:
-    times = dict(timings(start))
-    return [
-        (int(m.group(1)), times[int(m.group(1))], int(m.group(3)), int(m.group(4)))
-        for m in SYNC_LINE.finditer(start.text())
-        if m.group(2) == "committed" and int(m.group(1)) in times
-    ]
-
-
 # ---- part 2 --------------------------------------------------------------------------------
 
 
 def soak_part(folder: Path, args: argparse.Namespace, train_args: list[str]) -> dict:
     kills: list[dict] = []
     with two_groups(folder, args, train_args) as job:
-        wait_until(lambda: all(committed_syncs(job.latest(g)) >= 1 for g in (0, 1)),
+        events = common.GroupEvents(job)
+        wait_until(lambda: all(committed_syncs(events.of(job.latest(g), SYNC)) for g in (0, 1)),
                    args.timeout, "a first committed sync in both groups", job)  # fmt: skip
         t_begin = time.monotonic()
         t_end = t_begin + args.minutes * 60
@@ -451,7 +471,7 @@ def soak_part(folder: Path, args: argparse.Namespace, train_args: list[str]) -> 
                 other_ready = (
                     not restarts.pending(1 - victim)
                     and other.alive()
-                    and committed_syncs(other) >= 1
+                    and committed_syncs(events.of(other, SYNC)) >= 1
                 )
                 if restarts.pending(victim) or not other_ready:
                     postponed += 1
@@ -459,14 +479,15 @@ def soak_part(folder: Path, args: argparse.Namespace, train_args: list[str]) -> 
                 else:
                     killed = job.kill_group(victim)
                     assert killed.killed_at is not None
+                    emitted = events.of(killed)
                     kills.append(
                         {
                             "group": victim,
                             "t": round(killed.killed_at - t_begin, 2),
                             # Where the victim was: a restarted group killed before its first
                             # committed sync may have been in a quorum with the survivor.
-                            "victim_steps_since_start": len(timings(killed)),
-                            "victim_committed_syncs_since_start": committed_syncs(killed),
+                            "victim_steps_since_start": len(timings(emitted)),
+                            "victim_committed_syncs_since_start": committed_syncs(emitted),
                             "victim_is_a_restart": killed is not job.starts[victim][0],
                         }
                     )
@@ -481,10 +502,11 @@ def soak_part(folder: Path, args: argparse.Namespace, train_args: list[str]) -> 
         live = [s for s in starts if s.alive()]
         for s in live:  # the end of the soak: stop them (their unfinished period is left out)
             job.kill_group(s.replica_id)  # type: ignore[arg-type]
+        emitted_by = {s.name: events.of(s) for s in starts}
         per_start = []
         for s in starts:
-            acc = step_accounting(s.text(), finished_by_us=s in live)
-            acc.update(group=s.replica_id, name=s.name, healed=bool(HEALED_LINE.search(s.text())))
+            acc = step_accounting(emitted_by[s.name], finished_by_us=s in live)
+            acc.update(group=s.replica_id, name=s.name, healed=bool(healed(emitted_by[s.name])))
             per_start.append(acc)
         totals = {
             k: sum(a[k] for a in per_start)
@@ -495,7 +517,7 @@ def soak_part(folder: Path, args: argparse.Namespace, train_args: list[str]) -> 
         for k in kills:
             t_kill = t_begin + k["t"]
             candidates = [
-                committed_sync_after(s, t_kill)
+                committed_sync_after(emitted_by[s.name], t_kill)
                 for s in starts
                 if s.replica_id != k["group"] and s.started < t_kill
             ]
@@ -503,7 +525,9 @@ def soak_part(folder: Path, args: argparse.Namespace, train_args: list[str]) -> 
             if found:
                 k["survivor_next_committed_sync_s"] = round(min(c[1] for c in found) - t_kill, 3)
                 stalls.append(k["survivor_next_committed_sync_s"])
-        div = divergence(starts)
+        div = divergence(
+            [(s.replica_id, emitted_by[s.name]) for s in starts if s.replica_id is not None]
+        )
     return {
         "minutes": args.minutes,
         "kills": kills,
@@ -564,13 +588,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="keep the logs in this folder (default: a temporary one)")  # fmt: skip
     args = p.parse_args(argv)
     if args.smoke:
-        args.flavor, args.seq_len, args.batch, args.sync_steps = "debugmodel_small", 32, 2, 4
-        args.kills, args.minutes, args.kill_every, args.restart_after = 1, 0.5, 12.0, 2.0
-        args.joiner_kills = 1
+        # The smoke's defaults; what the command line gives is kept. A 6 s soak with a kill
+        # every 1.5-4.5 s kills at least once.
+        p.set_defaults(flavor="debugmodel_small", seq_len=32, batch=2, sync_steps=4, kills=1,
+                       joiner_kills=1, minutes=0.1, kill_every=3.0, restart_after=1.0,
+                       max_load=float("inf"))  # fmt: skip
+        args = p.parse_args(argv)
         # Part 3 is part 1 with longer periods: tests/integration_tests/
         # test_semi_sync_reliability.py runs that scenario (and CI's time is short).
         args.skip_long_period = True
-        args.max_load = float("inf")
     args.out = args.out or provenance.default_output("recovery.json", args.smoke)
     return args
 

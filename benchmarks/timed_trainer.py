@@ -4,23 +4,25 @@
 
 Its config is the semi-sync experiment's; the trainer is the core one, or the semi-sync one
 when ``fault_tolerance.semi_sync_method`` is set, each extended through its extension points.
-After every committed step it logs
+After every committed step it emits the event ``bench.timing`` (``TIMING``), whose line is
 
     [timing] step N compute_s C t T
 
-``C``: seconds spent so far in forward + backward (``forward_backward``), gradient clipping
-(``clip_gradients``) and the inner optimizer's own update (from a step pre-hook to the
-optimizer's first post-hook, which runs before torchft's sync hooks), summed over all steps of
-this process. ``T``: ``time.monotonic()`` at the end of the step (the same clock in every
-process of the machine, also across network namespaces). Compute utilisation over steps (a, b]
-is ``(C_b - C_a) / (T_b - T_a)``; everything else in that wall time (quorums, all-reduces,
-waiting for peers, data loading, logging) is the non-compute part.
+``C`` (field ``compute_s``): seconds spent so far in forward + backward
+(``forward_backward``), gradient clipping (``clip_gradients``) and the inner optimizer's own
+update (from a step pre-hook to the optimizer's first post-hook, which runs before torchft's
+sync hooks), summed over all steps of this process. ``T`` (field ``t``): ``time.monotonic()``
+at the end of the step (the same clock in every process of the machine, also across network
+namespaces). Compute utilisation over steps (a, b] is ``(C_b - C_a) / (T_b - T_a)``;
+everything else in that wall time (quorums, all-reduces, waiting for peers, data loading,
+logging) is the non-compute part.
 
-When this process heals, it logs
+When this process heals, it emits ``bench.heal_transfer`` (``HEAL_TRANSFER``)
 
     [timing] heal recv_bytes B seconds S
 
-(``B``: bytes of the tensors received; ``S``: time in torchft's ``recv_checkpoint``).
+(field ``bytes``: of the tensors received; ``seconds``: time in torchft's ``recv_checkpoint``).
+The benchmarks read these events from the trainers' event files (``torchtitan.tools.events``).
 """
 
 from __future__ import annotations
@@ -33,10 +35,25 @@ import torch
 from torchtitan.config.job_config import JobConfig as CoreJobConfig
 from torchtitan.experiments.fault_tolerance.job_config import JobConfig
 from torchtitan.experiments.fault_tolerance.trainer import SemiSyncTrainer
-from torchtitan.tools.logging import logger
+from torchtitan.tools.events import EventKind
 from torchtitan.trainer import StepResult, Trainer
 
-__all__ = ["JobConfig", "TimedSemiSyncTrainer", "TimedTrainer", "trainer_for"]
+__all__ = [
+    "HEAL_TRANSFER",
+    "TIMING",
+    "JobConfig",
+    "TimedSemiSyncTrainer",
+    "TimedTrainer",
+    "trainer_for",
+]
+
+#: After each committed step: ``compute_s`` so far in this process, ``t`` (``time.monotonic()``,
+#: comparable across the machine's processes) at the step's end.
+TIMING = EventKind("bench.timing", "[timing] step {step} compute_s {compute_s:.4f} t {t:.4f}")
+#: A checkpoint received from a peer (a heal): ``bytes`` of its tensors, ``seconds`` to receive.
+HEAL_TRANSFER = EventKind(
+    "bench.heal_transfer", "[timing] heal recv_bytes {bytes} seconds {seconds:.3f}"
+)
 
 
 def trainer_for(config: CoreJobConfig) -> str:
@@ -46,7 +63,7 @@ def trainer_for(config: CoreJobConfig) -> str:
 
 
 def _time_heal_transfers() -> None:
-    """Log the bytes and seconds of every checkpoint this process receives from a peer.
+    """Report the bytes and seconds of every checkpoint this process receives from a peer.
 
     The transport is built inside the core's ``build_ft_manager`` and offers no extension
     point, so its receive method is wrapped, once per process; the trainer is untouched.
@@ -54,7 +71,7 @@ def _time_heal_transfers() -> None:
     from torchft.checkpointing.pg_transport import PGTransport
 
     receive = PGTransport.recv_checkpoint
-    if getattr(receive, "logs_heal_timing", False):
+    if getattr(receive, "reports_heal_timing", False):
         return
 
     def timed_receive(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -63,15 +80,15 @@ def _time_heal_transfers() -> None:
         seconds = time.perf_counter() - start
         leaves = torch.utils._pytree.tree_leaves(state)
         nbytes = sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
-        logger.info(f"[timing] heal recv_bytes {nbytes} seconds {seconds:.3f}")
+        HEAL_TRANSFER.emit(bytes=nbytes, seconds=seconds)
         return state
 
-    timed_receive.logs_heal_timing = True  # type: ignore[attr-defined]
+    timed_receive.reports_heal_timing = True  # type: ignore[attr-defined]
     PGTransport.recv_checkpoint = timed_receive  # type: ignore[method-assign]
 
 
 class ComputeTiming:
-    """Adds the ``[timing]`` lines to a trainer (mixed in before it)."""
+    """Adds the timing events to a trainer (mixed in before it)."""
 
     train_state: Any
 
@@ -109,16 +126,13 @@ class ComputeTiming:
         self.compute_s += time.perf_counter() - self._optimizer_step_start
 
     def after_step(self, result: StepResult) -> None:
-        logger.info(
-            f"[timing] step {self.train_state.step} compute_s {self.compute_s:.4f} "
-            f"t {time.monotonic():.4f}"
-        )
+        TIMING.emit(step=self.train_state.step, compute_s=self.compute_s, t=time.monotonic())
         super().after_step(result)  # type: ignore[misc]
 
 
 class TimedTrainer(ComputeTiming, Trainer):
-    """The core trainer (no FT, or synchronous FT) with timing lines."""
+    """The core trainer (no FT, or synchronous FT) with timing events."""
 
 
 class TimedSemiSyncTrainer(ComputeTiming, SemiSyncTrainer):
-    """The semi-sync trainer (LocalSGD, DiLoCo) with timing lines."""
+    """The semi-sync trainer (LocalSGD, DiLoCo) with timing events."""

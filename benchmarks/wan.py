@@ -12,9 +12,10 @@ core i (``taskset``), one thread each.
 
 Compute utilisation = time in forward/backward, gradient clipping and the inner optimizer
 update ÷ wall time, per group, over the steps after the first ``--warmup`` ones (the
-``[timing]`` lines of the trainers in ``benchmarks/timed_trainer.py``). Bytes per group per
+``bench.timing`` events of the trainers in ``benchmarks/timed_trainer.py``). Bytes per group per
 step: the payload (sync FT: the fp32 gradients of every parameter each step; semi-sync: the
-``sent X MiB`` of each sync line, summed, ÷ steps) and what the group's interface actually sent
+``bytes_sent`` of each ``semi_sync.sync`` event, summed, ÷ steps) and what the group's
+interface actually sent
 (its ``tx_bytes`` over the run ÷ steps, IP headers and lighthouse traffic included). ``no_ft``
 (one group alone, no torchft) is the ceiling of the metric on this machine.
 """
@@ -24,9 +25,9 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import re
 import sys
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -35,14 +36,12 @@ import ft_common as common  # noqa: E402
 import netns  # noqa: E402
 import provenance  # noqa: E402
 
+from benchmarks.timed_trainer import TIMING  # noqa: E402
+from torchtitan.experiments.fault_tolerance.events import SYNC  # noqa: E402
 from torchtitan.tools.cluster import Launch, LighthouseSettings, ProcessSpec  # noqa: E402
+from torchtitan.tools.events import Event  # noqa: E402
+from torchtitan.trainer import TRAINING_STARTED  # noqa: E402
 
-TIMING_LINE = re.compile(r"\[timing\] step (\d+) compute_s ([0-9.]+) t ([0-9.]+)")
-SENT_LINE = re.compile(
-    r"\[semi-sync\] step (\d+) sync: .*?(NOT committed|committed)\s+time (\d+) ms\s+"
-    r"sent ([0-9.]+) MiB"
-)
-PARAMS_LINE = re.compile(r"Model \S+: ([0-9,]+) parameters")
 LIGHTHOUSE_PORT = 19610  # inside the hub namespace only (a fresh network stack: always free)
 ORDER = ["no_ft", "sync_ft", "diloco", "streaming_diloco"]
 TARGETS = {"streaming_diloco": 0.95, "diloco": 0.80}
@@ -113,12 +112,16 @@ def method_args(method: str, args: argparse.Namespace) -> tuple[list[str], int, 
     return flags, args.periods * args.sync_steps, args.sync_steps
 
 
-def utilisation(text: str, warmup: int) -> dict[str, float]:
-    """Compute utilisation over the steps after ``warmup`` from a group's ``[timing]`` lines."""
-    rows = {int(m.group(1)): (float(m.group(2)), float(m.group(3))) for m in
-            TIMING_LINE.finditer(text)}  # fmt: skip
+def utilisation(events: Iterable[Event], warmup: int) -> dict[str, float]:
+    """Compute utilisation over the steps after ``warmup`` from a group's ``bench.timing``
+    events."""
+    rows = {
+        e.step: (e["compute_s"], e["t"])
+        for e in events
+        if e.name == TIMING.name and e.step is not None
+    }
     if warmup not in rows or len(rows) < 2:
-        raise ValueError(f"no [timing] line for step {warmup} (have {sorted(rows)[:5]}...)")
+        raise ValueError(f"no timing event of step {warmup} (have {sorted(rows)[:5]}...)")
     last = max(rows)
     (c0, t0), (c1, t1) = rows[warmup], rows[last]
     return {
@@ -173,21 +176,22 @@ def run_one(
         qdisc = wan.qdisc(0) if rate is not None else ""
     per_group = []
     for i, proc in enumerate(procs):
-        text = proc.text()
-        row: dict[str, object] = utilisation(text, warmup)
-        params = PARAMS_LINE.search(text)
-        n_params = int(params.group(1).replace(",", "")) if params else 0
+        events = common.trainer_events(proc, TIMING, SYNC, TRAINING_STARTED)
+        row: dict[str, object] = utilisation(events, warmup)
+        started = [e for e in events if e.name == TRAINING_STARTED.name]
+        n_params = started[0]["parameters"] if started else 0
+        sent = [e for e in events if e.name == SYNC.name]
         syncs = [
-            {"step": int(m.group(1)), "committed": m.group(2) == "committed",
-             "ms": int(m.group(3)), "mib": float(m.group(4))}
-            for m in SENT_LINE.finditer(text)
+            {"step": e.step, "committed": e["committed"], "ms": 1000 * e["seconds"],
+             "mib": e["bytes_sent"] / 2**20}
+            for e in sent
         ]  # fmt: skip
         if method == "sync_ft":
             payload_per_step = n_params * 4.0  # one fp32 gradient all-reduce per step
         elif method == "no_ft":
             payload_per_step = 0.0
         else:
-            payload_per_step = sum(s["mib"] for s in syncs) * 2**20 / steps
+            payload_per_step = sum(e["bytes_sent"] for e in sent) / steps
         row.update(
             parameters=n_params,
             payload_bytes_per_step=payload_per_step,

@@ -1,16 +1,37 @@
 """Smoke runs of the fault-tolerance benchmarks (``benchmarks/{peer_throughput,ft_overhead,
 memory,convergence}.py --smoke``): each starts real trainer processes (and a lighthouse) on a
 tiny model for a few steps and must write a JSON with the figures the README quotes. The
-numbers themselves are not checked: CI machines are noisy; the real runs are in the README."""
+numbers themselves are not checked: CI machines are noisy; the real runs are in the README.
+What the benchmarks read from the trainers is their events, checked here on events written
+by the real event kinds and event file."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import importlib
 import json
+import logging
 import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from torchtitan.components.metrics import TRAIN_STEP
+from torchtitan.experiments.fault_tolerance.events import SYNC
+from torchtitan.tools.cluster import LocalJob
+from torchtitan.tools.events import (
+    EVENTS_FOLDER,
+    EventFile,
+    attach_event_file,
+    detach_event_file,
+    read_events,
+)
+from torchtitan.tools.logging import logger
+from torchtitan.trainer import VALIDATION
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -37,20 +58,89 @@ def test_tokens_per_second_weighs_slow_intervals_by_their_time() -> None:
         common.interval_tokens_per_second(lines, after_step=30)
 
 
-def test_step_validation_and_sync_lines_are_parsed() -> None:
+@contextlib.contextmanager
+def event_file(dump: Path, replica: int | None) -> Iterator[EventFile]:
+    """Events emitted inside go to rank 0's file under ``dump``, as in a trainer."""
+    level = logger.level
+    logger.setLevel(logging.INFO)  # emit() skips a kind whose level is not enabled
+    handler = attach_event_file(dump, replica, rank=0)
+    try:
+        yield handler
+    finally:
+        detach_event_file(handler)
+        logger.setLevel(level)
+
+
+def emit_step(step: int, tps: float, loss: float = 3.5) -> None:
+    TRAIN_STEP.emit(step=step, loss=loss, grad_norm=2.25, memory_gib=0.42, tps=tps,
+                    tflops=0.03, mfu_pct=None, groups=2)  # fmt: skip
+
+
+def emit_sync(step: int, committed: bool = True, seconds: float = 0.153) -> None:
+    SYNC.emit(step=step, sync=step // 4, method="diloco", fragment=0, fragments=1,
+              committed=committed, seconds=seconds, bytes_sent=18 * 2**20, groups=2,
+              quorum_id=1, pseudo_grad_norm=None, quorum_wait_s=0.01, agreement=None,
+              uncommitted_in_a_row=0)  # fmt: skip
+
+
+def test_steps_validations_and_syncs_are_read_from_events(tmp_path: Path) -> None:
     common = _module("ft_common")
-    text = (
-        "04:23:59 INFO \x1b[31mstep:    20\x1b[0m  \x1b[32mloss:   3.5304\x1b[0m  grad_norm:  "
-        "2.2574  memory:  0.42 GiB  tps: 1,069  tflops: 0.032  mfu: 31.6%\n"
-        "04:24:00 INFO validation: step 20  loss: 3.4567  (0.4s)\n"
-        "04:24:00 INFO [semi-sync] step 20 sync: diloco fragment 0/1  committed  time 153 ms  "
-        "sent 18.52 MiB  groups 2\n"
-    )
-    assert common.step_lines(text) == [
-        {"step": 20, "loss": 3.5304, "memory_gib": 0.42, "tps": 1069.0}
+    with event_file(tmp_path, replica=0):
+        emit_step(20, tps=1069.4, loss=3.5304)
+        VALIDATION.emit(step=20, loss=3.4567, seconds=0.4)
+        emit_sync(20, committed=True, seconds=0.153)
+        emit_sync(24, committed=False, seconds=2.5)
+        logger.info("step:    21  loss: 9.9  (a plain line is no step)")
+    events = read_events(tmp_path / EVENTS_FOLDER)
+    # tps unrounded (the console line shows 1,069); sync times in ms, committed or not.
+    assert common.step_rows(events) == [
+        {"step": 20, "loss": 3.5304, "memory_gib": 0.42, "tps": 1069.4}
     ]
-    assert common.validation_losses(text) == {20: 3.4567}
-    assert common.sync_times_ms(text) == [153]
+    assert common.validation_losses(events) == {20: 3.4567}
+    assert common.sync_times_ms(events) == pytest.approx([153.0, 2500.0])
+
+
+@dataclass
+class FakeStart:
+    """What the readers use of a started trainer (``torchtitan.tools.cluster.Process``)."""
+
+    name: str
+    log: Path
+    started_at: float
+    replica_id: int | None = None
+
+
+def test_a_start_of_a_group_has_the_events_between_its_start_and_the_next(
+    tmp_path: Path,
+) -> None:
+    common = _module("ft_common")
+    dump = tmp_path / common.GROUPS_DUMP
+    job = LocalJob(tmp_path)
+    first = FakeStart("group1_start0", tmp_path / "group1_start0.log", time.time(), 1)
+    job.starts[1] = [first]  # type: ignore[list-item]  # what the readers use of a Process
+    events = common.GroupEvents(job)
+    with event_file(dump, replica=1):
+        emit_step(1, tps=100.0)
+        emit_sync(4)
+    with event_file(dump, replica=0):
+        emit_step(1, tps=300.0)  # another group's
+    assert [e.step for e in events.of(first, TRAIN_STEP)] == [1]
+    time.sleep(0.01)
+    second = FakeStart("group1_start1", tmp_path / "group1_start1.log", time.time(), 1)
+    job.starts[1].append(second)  # type: ignore[arg-type]  # as above
+    with event_file(dump, replica=1):  # a restart appends to the group's file
+        emit_step(5, tps=200.0)
+        emit_step(6, tps=200.0)
+    assert [e.step for e in events.of(first)] == [1, 4]
+    assert [e.step for e in events.of(second, TRAIN_STEP)] == [5, 6]
+    # Read at once: the latest start of a group (its events since its start), a trainer alone.
+    assert [e.step for e in common.trainer_events(second)] == [5, 6]
+    alone = FakeStart("no_ft_g0", tmp_path / "no_ft_g0.log", first.started_at)
+    with event_file(tmp_path / "no_ft_g0", replica=None):
+        emit_step(2, tps=400.0)
+    assert common.step_rows(common.trainer_events(alone)) == [
+        {"step": 2, "loss": 3.5, "memory_gib": 0.42, "tps": 400.0}
+    ]
 
 
 def test_peer_step_lines_are_parsed() -> None:
@@ -108,20 +198,55 @@ def test_memory_smoke_reports_extra_over_parameter_bytes(tmp_path: Path) -> None
 def test_convergence_smoke_writes_curves_and_png_then_rates_a_sweep(tmp_path: Path) -> None:
     out, png = tmp_path / "conv.json", tmp_path / "conv.png"
     conv = _module("convergence")
-    args = ["--smoke", "--configs", "single_group", "sync_dp", "diloco"]
+    # DiLoCo runs in the sweep below (a two-group run like sync_dp: the same code path).
+    args = ["--smoke", "--configs", "single_group", "sync_dp"]
     assert conv.main([*args, "--out", str(out), "--png", str(png)]) == 0
     data = _read(out)
     # Equal tokens: the single group's eval points fall on the two-group runs' token counts.
-    assert set(data["curves"]["single_group"]["0"]) == set(data["curves"]["diloco"]["0"])
+    assert set(data["curves"]["single_group"]["0"]) == set(data["curves"]["sync_dp"]["0"])
+    assert len(data["curves"]["sync_dp"]["0"]) == 2  # an evaluation at each sync
     assert data["summary"]["sync_dp"]["ratio_to_sync_dp"] == 1.0
     if data["png"].endswith(".png"):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # The outer-lr sweep, rated against the synchronous DP run just made.
+    # A sweep point (its grid and its file: test_a_sweep_rates_each_pair...), rated against the
+    # synchronous DP run just made.
     sweep_out = tmp_path / "sweep.json"
-    sweep = ["--sweep-outer-lr", "0.5", "1.0", "--sweep-outer-momentum", "0.0"]
+    sweep = ["--sweep-outer-lr", "0.5", "--sweep-outer-momentum", "0.0"]
     assert conv.main(["--smoke", *sweep, "--out", str(out), "--sweep-out", str(sweep_out)]) == 0
-    rows = _read(sweep_out)["rows"]
-    assert [(r["outer_lr"], r["outer_momentum"]) for r in rows] == [(0.5, 0.0), (1.0, 0.0)]
+    (row,) = _read(sweep_out)["rows"]
+    assert (row["outer_lr"], row["outer_momentum"]) == (0.5, 0.0)
     base = _read(out)["summary"]["sync_dp"]["final_eval_loss_mean"]
-    for row in rows:
-        assert row["ratio_to_sync_dp"] == pytest.approx(row["final_eval_loss_mean"] / base, 1e-3)
+    assert row["ratio_to_sync_dp"] == pytest.approx(row["final_eval_loss_mean"] / base, 1e-3)
+
+
+def test_a_sweep_rates_each_pair_against_sync_dp_and_extends_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conv = _module("convergence")
+    out, sweep_out = tmp_path / "conv.json", tmp_path / "sweep.json"
+    smoke = conv.parse_args(["--smoke"])
+    summary = {"sync_dp": {"final_eval_loss_per_seed": {"0": 2.0}}}
+    out.write_text(json.dumps({"settings": conv.settings(smoke), "summary": summary}))
+    runs: list[tuple[float, float]] = []
+
+    def run_all(args: argparse.Namespace, tmp: Path, curves: dict[str, dict], save: object) -> None:
+        # A DiLoCo run whose final loss tells its outer lr and momentum apart.
+        runs.append((args.outer_lr, args.outer_momentum))
+        curves["diloco"] = {0: {64: 3.0, 128: 2.0 + args.outer_lr + args.outer_momentum / 10}}
+
+    monkeypatch.setattr(conv, "run_all", run_all)
+    files = ["--out", str(out), "--sweep-out", str(sweep_out)]
+    grid = ["--sweep-outer-lr", "0.5", "1.0", "--sweep-outer-momentum", "0.0", "0.9"]
+    assert conv.main(["--smoke", *grid, *files]) == 0
+    pairs = [(0.5, 0.0), (1.0, 0.0), (0.5, 0.9), (1.0, 0.9)]
+    assert runs == pairs
+    rows = _read(sweep_out)["rows"]
+    assert [(r["outer_lr"], r["outer_momentum"]) for r in rows] == pairs
+    assert [r["ratio_to_sync_dp"] for r in rows] == pytest.approx([1.25, 1.5, 1.295, 1.545])
+    # Another sweep with the same settings adds its pairs (a pair run again moves to the end).
+    more = ["--sweep-outer-lr", "0.5", "2.0", "--sweep-outer-momentum", "0.9"]
+    assert conv.main(["--smoke", *more, *files]) == 0
+    rows = _read(sweep_out)["rows"]
+    again = [(0.5, 0.0), (1.0, 0.0), (1.0, 0.9), (0.5, 0.9), (2.0, 0.9)]
+    assert [(r["outer_lr"], r["outer_momentum"]) for r in rows] == again
+    assert len(_read(sweep_out)["commands"]) == 2

@@ -4,10 +4,13 @@ sanity: CI machines are noisy."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+from torchtitan.trainer import TRAINING_STARTED
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,4 +35,6 @@ def test_throughput_smoke_writes_its_figures(tmp_path: Path) -> None:
     assert figures["matmul_peak_flops"] > 1e8
     assert figures["flops_per_token"] > 0
     assert 0 < figures["mfu_pct"] < 100
-    assert figures["trainer_matmul_peak_flops"] > 1e8
+    assert figures["trainer_matmul_peak_flops"] > 1e8  # read from its train.started event
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    assert importlib.import_module("throughput").TRAINING_STARTED == TRAINING_STARTED.name

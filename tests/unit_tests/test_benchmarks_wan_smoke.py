@@ -1,5 +1,6 @@
 """Smoke runs of ``benchmarks/wan.py`` (emulated WAN: network namespaces + ``tc tbf``) and
-``benchmarks/recovery.py`` (SIGKILLed DiLoCo groups, soak), plus their log accounting.
+``benchmarks/recovery.py`` (SIGKILLed DiLoCo groups, soak), plus their accounting of the
+trainers' events.
 
 The WAN run needs root and ``ip``/``tc`` (it creates and deletes its own namespaces); it is
 skipped, with the reason, where they are missing. The figures themselves are not checked (CI
@@ -9,11 +10,24 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from benchmarks.timed_trainer import HEAL_TRANSFER, TIMING
+from torchtitan.experiments.fault_tolerance.events import GLOBAL_DIGEST, HEALED, SYNC
+from torchtitan.tools.events import (
+    EVENTS_FOLDER,
+    Event,
+    attach_event_file,
+    detach_event_file,
+    read_events,
+)
+from torchtitan.tools.logging import logger
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -23,22 +37,29 @@ def _module(name: str):  # noqa: ANN202
     return importlib.import_module(name)
 
 
+def _timing(step: int, compute_s: float, t: float) -> Event:
+    return Event(TIMING.name, step=step, fields={"compute_s": compute_s, "t": t})
+
+
 # ---- pure helpers ------------------------------------------------------------------------
 
 
 def test_utilisation_is_compute_over_wall_after_warmup() -> None:
     wan = _module("wan")
-    text = (
-        "[timing] step 1 compute_s 0.5000 t 100.0000\n"
-        "[timing] step 2 compute_s 1.0000 t 101.0000\n"
-        "[timing] step 3 compute_s 1.5000 t 103.0000\n"
-        "[timing] step 4 compute_s 2.0000 t 104.0000\n"
-    )
-    row = wan.utilisation(text, warmup=2)
+    events = [_timing(1, 0.5, 100.0), _timing(2, 1.0, 101.0), _timing(3, 1.5, 103.0)]
+    events += [Event(SYNC.name, step=4, sync=1), _timing(4, 2.0, 104.0)]
+    row = wan.utilisation(events, warmup=2)
     assert row["compute_utilisation"] == pytest.approx(1.0 / 3.0)
     assert row["steps"] == 2 and row["wall_s_per_step"] == pytest.approx(1.5)
     with pytest.raises(ValueError):
-        wan.utilisation(text, warmup=9)
+        wan.utilisation(events, warmup=9)
+
+
+def test_the_timed_trainer_keeps_its_console_lines() -> None:
+    line = TIMING.render({"step": 7, "compute_s": 1.23456, "t": 100.5})
+    assert line == "[timing] step 7 compute_s 1.2346 t 100.5000"
+    line = HEAL_TRANSFER.render({"bytes": 4096, "seconds": 0.01234})
+    assert line == "[timing] heal recv_bytes 4096 seconds 0.012"
 
 
 def test_tbf_bucket_holds_at_least_a_timer_tick() -> None:
@@ -49,23 +70,19 @@ def test_tbf_bucket_holds_at_least_a_timer_tick() -> None:
     assert netns.tbf_args(1)[4] == str(64 * 1024)
 
 
-def _sync(step: int, committed: bool = True) -> str:
-    verdict = "committed" if committed else "NOT committed"
-    return (
-        f"[semi-sync] step {step} sync: diloco fragment 0/1  {verdict}  time 5 ms  sent 1.00 MiB"
-        f"  groups 2  quorum 1  pseudo_grad_norm n/a  sync #{step}\n"
-    )
+def _sync(step: int, committed: bool = True) -> list[Event]:
+    return [Event(SYNC.name, step=step, sync=step, fields={"committed": committed})]
 
 
-def _steps(first: int, last: int) -> str:
-    return "".join(f"[timing] step {s} compute_s 0.1 t {s}.0\n" for s in range(first, last + 1))
+def _steps(first: int, last: int) -> list[Event]:
+    return [_timing(s, 0.1, float(s)) for s in range(first, last + 1)]
 
 
 def test_step_accounting_counts_periods_by_their_sync() -> None:
     rec = _module("recovery")
     # Period 1 committed, period 2 failed, then 2 steps of an unfinished period.
-    text = _steps(1, 3) + _sync(4) + _steps(4, 7) + _sync(8, False) + _steps(8, 10)
-    killed = rec.step_accounting(text, finished_by_us=False)
+    events = _steps(1, 3) + _sync(4) + _steps(4, 7) + _sync(8, False) + _steps(8, 10)
+    killed = rec.step_accounting(events, finished_by_us=False)
     assert killed == {
         "attempted_steps": 4 + 4 + 2,
         "committed_steps": 4,
@@ -73,30 +90,26 @@ def test_step_accounting_counts_periods_by_their_sync() -> None:
         "committed_syncs": 1,
         "unfinished_period_steps": 0,
     }
-    stopped = rec.step_accounting(text, finished_by_us=True)
+    stopped = rec.step_accounting(events, finished_by_us=True)
     assert stopped["attempted_steps"] == 8 and stopped["unfinished_period_steps"] == 2
     # A restarted group's first period is overwritten by its heal: not committed work.
-    healed = _steps(1, 3) + "[semi-sync] healed from a live peer (replica group 0)\n"
-    healed += _sync(40) + _steps(40, 43) + _sync(44)
+    heal = Event(HEALED.name, step=40, sync=10, fields={"peer": 0, "case": "join_sync"})
+    healed = _steps(1, 3) + [heal] + _sync(40) + _steps(40, 43) + _sync(44)
     acc = rec.step_accounting(healed, finished_by_us=True)
     assert (acc["attempted_steps"], acc["committed_steps"]) == (8, 4)
 
 
-def test_divergence_compares_syncs_logged_by_both_groups(tmp_path: Path) -> None:
+def _digests(*pairs: tuple[int, str]) -> list[Event]:
+    return [Event(GLOBAL_DIGEST.name, sync=k, fields={"digest": d}) for k, d in pairs]
+
+
+def test_divergence_compares_syncs_reported_by_both_groups() -> None:
     rec = _module("recovery")
-
-    class FakeStart:
-        def __init__(self, replica_id: int, text: str) -> None:
-            self.replica_id, self._text = replica_id, text
-
-        def text(self) -> str:
-            return self._text
-
     starts = [
-        FakeStart(0, "global_digest sync 1: aa\nglobal_digest sync 2: bb\n"),
-        FakeStart(1, "global_digest sync 2: bb\nglobal_digest sync 3: cc\n"),
-        FakeStart(1, "global_digest sync 4: dd\n"),
-        FakeStart(0, "global_digest sync 3: cc\nglobal_digest sync 4: de\n"),
+        (0, _digests((1, "aa"), (2, "bb"))),
+        (1, _digests((2, "bb"), (3, "cc"))),
+        (1, _digests((4, "dd"))),
+        (0, _digests((3, "cc"), (4, "de"))),
     ]
     result = rec.divergence(starts)
     assert result == {"syncs_logged": 4, "syncs_compared": 3, "mismatched": [4]}
@@ -126,8 +139,7 @@ def test_wan_smoke_shapes_links_and_reports_utilisation(tmp_path: Path) -> None:
 
 def test_recovery_smoke_heals_and_soaks_without_divergence(tmp_path: Path) -> None:
     out = tmp_path / "recovery.json"
-    args = ["--smoke", "--minutes", "0.25", "--kill-every", "7", "--out", str(out)]
-    assert _module("recovery").main(args) == 0
+    assert _module("recovery").main(["--smoke", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     sample, joiner = data["recovery"]["samples"]
     assert sample["healed_line"] and sample["heal_bytes"] > 0
@@ -136,6 +148,7 @@ def test_recovery_smoke_heals_and_soaks_without_divergence(tmp_path: Path) -> No
     assert joiner["joiner_had_healed"] and joiner["survivor_next_committed_sync_after_kill_s"] > 0
     assert "long_period" not in data  # not in a smoke run (see recovery.parse_args)
     soak = data["soak"]
+    assert soak["minutes"] == 0.1  # the smoke's soak
     assert soak["kills"], "the soak killed no group"
     assert all(k["victim_steps_since_start"] >= 0 for k in soak["kills"])
     assert "--fault_tolerance.process_group_timeout_ms=10000" in data["settings"]["ft_args"]
@@ -143,12 +156,23 @@ def test_recovery_smoke_heals_and_soaks_without_divergence(tmp_path: Path) -> No
     assert 0 < soak["committed_over_attempted_steps"] <= 1
 
 
-def test_the_rejoin_wait_is_read_from_the_sync_line() -> None:
+def test_the_rejoin_wait_is_read_from_the_sync_event(tmp_path: Path) -> None:
     recovery = _module("recovery")
-    line = (
-        "12:52:56 INFO [semi-sync] step 600 sync: diloco fragment 0/1  committed  time 612 ms  "
-        "sent 18.52 MiB  groups 2  quorum 4  pseudo_grad_norm 75.3401  sync #2  "
-        "quorum_wait 0.58s"
-    )
-    match = recovery.QUORUM_WAIT.search(line)
-    assert match and match.groups() == ("600", "2", "2", "0.58")
+    sync: dict[str, Any] = dict(method="diloco", fragment=0, fragments=1, seconds=0.612,
+                                bytes_sent=19_419_136, quorum_id=4, pseudo_grad_norm=75.3401,
+                                agreement=None, uncommitted_in_a_row=0)  # fmt: skip
+    level = logger.level
+    logger.setLevel(logging.INFO)  # emit() skips a kind whose level is not enabled
+    handler = attach_event_file(tmp_path, replica=0, rank=0)
+    try:
+        SYNC.emit(step=300, sync=1, committed=True, groups=1, quorum_wait_s=0.01, **sync)
+        SYNC.emit(step=600, sync=2, committed=True, groups=2, quorum_wait_s=0.58, **sync)
+    finally:
+        detach_event_file(handler)
+        logger.setLevel(level)
+    events = read_events(tmp_path / EVENTS_FOLDER)
+    assert recovery.sync_quorum_waits(events) == [(1, 1, 0.01), (2, 2, 0.58)]
+    # Committed syncs carry the step's timing, which follows the sync.
+    timed = [events[0], _timing(300, 1.0, 50.0), events[1], _timing(600, 2.0, 80.0)]
+    assert recovery.committed_sync_after(timed, 60.0) == (600, 80.0, 612.0, 2)
+    assert recovery.committed_sync_after(timed, 90.0) is None

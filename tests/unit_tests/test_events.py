@@ -15,6 +15,7 @@ import pytest
 from torchtitan.components.metrics import TRAIN_STEP
 from torchtitan.tools.events import (
     EventKind,
+    EventTail,
     attach_event_file,
     detach_event_file,
     event_file_path,
@@ -126,6 +127,34 @@ def test_the_event_file_appends_each_start_and_reads_back(tmp_path: Path) -> Non
     assert [e.sync for e in read_events(folder, WAITING, rank=1)] == [4]
     assert read_events(folder, SAVED, replica=0) == []
     assert read_events(tmp_path / "missing") == []
+
+
+def test_a_tail_reads_what_was_appended_since_it_last_looked(tmp_path: Path) -> None:
+    path = event_file_path(tmp_path, 0, 0)
+    missing = EventTail(path)
+    assert missing.read() == []  # no file yet
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        handler = attach_event_file(tmp_path, replica=0, rank=0)
+        SAVED.emit(step=1, folder="a")
+        new = EventTail(path)  # from the end: step 1 was there before it
+        whole = EventTail(path, whole_file=True)
+        SAVED.emit(step=2, folder="b")
+        WAITING.emit(sync=3)
+        assert [e.step for e in missing.read()] == [1, 2, None]
+        assert [e.step for e in new.read(SAVED)] == [2]  # the others are passed over
+        assert [e.step for e in whole.read("test.saved")] == [1, 2]
+        with path.open("a") as f:  # a line being written: held back until it is complete
+            f.write('{"event": "test.saved", "time": 1.0, "rank": 0, "pid": 1, "st')
+        assert new.read() == []
+        with path.open("a") as f:
+            f.write('ep": 4, "fields": {}}\n{"torn\n')
+        assert [(e.name, e.step) for e in new.read()] == [("test.saved", 4)]
+        assert new.read() == []
+        detach_event_file(handler)
+    finally:
+        logger.setLevel(level)
 
 
 def test_a_run_without_fault_tolerance_writes_per_rank_files(tmp_path: Path) -> None:

@@ -1,11 +1,18 @@
-"""The launcher's pieces that need no training job: arguments and step lines."""
+"""The launcher's pieces that need no training job: arguments, where the groups' events are,
+and acting on the steps they report."""
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import pytest
 
+from torchtitan.components.metrics import TRAIN_STEP
 from torchtitan.experiments.fault_tolerance import launcher
-from torchtitan.tools.cluster import strip_ansi
+from torchtitan.tools.cluster import REPO_ROOT
+from torchtitan.tools.events import attach_event_file, detach_event_file
+from torchtitan.tools.logging import logger
 
 
 def test_parse_args_splits_train_args_and_kill_specs():
@@ -32,7 +39,54 @@ def test_parse_args_rejects_bad_values(argv, capsys):
     assert argv[0].lstrip("-").split("-")[0] in capsys.readouterr().err
 
 
-def test_step_line_is_found_in_coloured_output():
-    line = "[group 1] 04:17:24 INFO \x1b[31mstep:    10\x1b[0m  \x1b[32mloss:   5.2964\x1b[0m"
-    match = launcher._STEP_LINE.search(strip_ansi(line))
-    assert match and match.group(1) == "10"
+def test_the_groups_dump_folder_is_the_one_their_trainer_takes(tmp_path: Path) -> None:
+    folder = launcher.groups_dump_folder
+    assert folder(["--job.dump_folder=/a", "--job.dump-folder", "/b"], env={}) == Path("/b")
+    assert folder(["--job.dump_folder=out/x"], env={}) == REPO_ROOT / "out/x"
+    # No flag: run_train.sh's TOML (the debug model's) says ./outputs.
+    assert folder(["--training.steps=5"], env={}) == REPO_ROOT / "outputs"
+    toml = tmp_path / "job.toml"
+    toml.write_text('[job]\ndump_folder = "/from/toml"\n')
+    assert folder([f"--job.config_file={toml}"], env={}) == Path("/from/toml")
+    assert folder([], env={"CONFIG_FILE": str(toml)}) == Path("/from/toml")
+    # A TOML the groups will reject: they say why; the launcher still starts them.
+    assert folder(["--job.config_file=/missing.toml"], env={}) == REPO_ROOT / "outputs"
+
+
+def test_kill_at_a_step_acts_on_the_step_events_of_the_latest_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The kind's name, without importing torch into the launcher.
+    assert launcher.STEP_EVENT == TRAIN_STEP.name
+    args = launcher.parse_args(["--groups", "2", "--kill", "1@3", "--",
+                                f"--job.dump_folder={tmp_path}"])  # fmt: skip
+    run = launcher.Launcher(args, tmp_path / "logs")
+    kills: list[tuple[int, str]] = []
+    monkeypatch.setattr(run, "kill", lambda group, why: kills.append((group.replica_id, why)))
+    group = run.groups[1]
+    level = logger.level
+    logger.setLevel(logging.INFO)  # emit() skips a kind whose level is not enabled
+    try:
+
+        def steps(*numbers: int) -> None:
+            handler = attach_event_file(tmp_path, replica=1, rank=0)
+            for step in numbers:
+                TRAIN_STEP.emit(step=step, loss=5.0, grad_norm=1.0, memory_gib=0.4, tps=900.0,
+                                tflops=0.01, mfu_pct=None, groups=2, color=True)  # fmt: skip
+            detach_event_file(handler)
+
+        steps(7, 8)  # an earlier start's (or an earlier job's): not this start's steps
+        group.steps = run.step_events(group)
+        run.read_steps(group)
+        assert (group.steps_this_start, kills) == (0, [])
+        steps(1, 2)
+        run.read_steps(group)
+        assert (group.last_step, group.steps_this_start, kills) == (2, 2, [])
+        steps(3)
+        run.read_steps(group)
+        assert kills == [(1, "at step 3 (--kill)")]
+        steps(4)
+        run.read_steps(group)
+        assert len(kills) == 1 and group.last_step == 4  # each --kill fires once
+    finally:
+        logger.setLevel(level)

@@ -51,6 +51,7 @@ __all__ = [
     "ConfigManager",
     "apply_toml",
     "check_value",
+    "flag_value",
     "load_toml",
     "merge_configs",
     "parse_nested_list",
@@ -78,11 +79,11 @@ class ConfigManager:
         and prints help (SystemExit 0) for ``--help``.
         """
         args = list(sys.argv[1:] if argv is None else argv)
-        config_file = _flag_value(args, "job.config_file")
+        config_file = flag_value(args, "job.config_file")
         toml_data = load_toml(config_file) if config_file else {}
 
         config_cls = self.config_cls
-        module_name = _flag_value(args, "job.custom_args_module")
+        module_name = flag_value(args, "job.custom_args_module")
         if module_name is None:
             job_table = toml_data.get("job")
             in_toml = job_table.get("custom_args_module") if isinstance(job_table, dict) else None
@@ -451,9 +452,10 @@ def _toml_value(value: Any, where: str) -> str:
 # Command line
 
 
-def _flag_value(argv: Sequence[str], name: str) -> str | None:
+def flag_value(argv: Sequence[str], name: str) -> str | None:
     """The value of ``--name=v`` or ``--name v`` in argv (last one wins, as in argparse), read
-    before tyro runs because it decides what tyro parses."""
+    before tyro runs because it decides what tyro parses (and by a launcher that needs one
+    value of its groups' config without parsing the rest)."""
     value = None
     for i, arg in enumerate(argv):
         if not arg.startswith("--"):

@@ -11,7 +11,8 @@ renders to (a ``str.format`` template over ``step``, ``sync`` and the fields, or
 Emitting is one call on the project logger: the record's message is the rendered line and the
 record also carries the :class:`Event`, so the console and the event file cannot disagree.
 :class:`EventFile` (a logging handler that the trainer attaches when training starts) appends
-each such record as one JSON line to this rank's file; :func:`read_events` reads them back.
+each such record as one JSON line to this rank's file; :func:`read_events` reads them back,
+:class:`EventTail` follows one file as it grows.
 Tests and benchmarks read events, never the console text, so a line's wording may change.
 """
 
@@ -200,19 +201,56 @@ def read_events(
 def _parse(files: Iterable[Path]) -> Iterable[Event]:
     for file in files:
         for line in file.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                entry = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if not isinstance(entry, dict) or "event" not in entry:
-                continue
-            yield Event(
-                name=entry["event"],
-                step=entry.get("step"),
-                sync=entry.get("sync"),
-                fields=entry.get("fields", {}),
-                time=entry.get("time", 0.0),
-                replica=entry.get("replica"),
-                rank=entry.get("rank", 0),
-                pid=entry.get("pid", 0),
-            )
+            event = _event_of_line(line)
+            if event is not None:
+                yield event
+
+
+def _event_of_line(line: str) -> Event | None:
+    """The event of one line of an event file; None for a line that is not one (torn)."""
+    try:
+        entry = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(entry, dict) or "event" not in entry:
+        return None
+    return Event(
+        name=entry["event"],
+        step=entry.get("step"),
+        sync=entry.get("sync"),
+        fields=entry.get("fields", {}),
+        time=entry.get("time", 0.0),
+        replica=entry.get("replica"),
+        rank=entry.get("rank", 0),
+        pid=entry.get("pid", 0),
+    )
+
+
+class EventTail:
+    """Follows one event file as it grows, for a program that acts on a running job's events
+    (the launcher's ``--kill R@S``, a benchmark waiting for a sync): each :meth:`read` returns
+    the events appended since the previous one, starting from the end of what the file holds
+    when the tail is made (events of earlier starts and earlier jobs are skipped), or from its
+    beginning with ``whole_file``. Re-reading the whole file with :func:`read_events` at every
+    poll would cost time in proportion to everything it holds. A line still being written is
+    kept back until it is complete; a torn one is skipped."""
+
+    def __init__(self, path: str | os.PathLike[str], whole_file: bool = False) -> None:
+        self.path = Path(path)
+        self._offset = self.path.stat().st_size if self.path.is_file() and not whole_file else 0
+        self._partial = b""
+
+    def read(self, name: str | EventKind | None = None) -> list[Event]:
+        """The events (of ``name``, or a kind; the others are passed over) completed since
+        the last read, oldest first."""
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self._offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        wanted = name.name if isinstance(name, EventKind) else name
+        events = (_event_of_line(line.decode("utf-8", errors="replace")) for line in lines)
+        return [e for e in events if e is not None and (wanted is None or e.name == wanted)]

@@ -15,6 +15,8 @@ workers in sessions of their own, so killing the process group alone would leave
 Everything listens on 127.0.0.1 only; ports are picked free, never torchft's defaults, so two
 launchers on one machine cannot join each other's quorum.
 
+Which step a group has reached is read from its event file (rank 0's ``train.step`` events in
+``<job.dump_folder>/events``, the dump folder the groups are given), not from its output.
 Starting, killing and stopping the processes is ``torchtitan.tools.cluster``'s; this module is
 the command line, the prefixed output and the exit status.
 """
@@ -23,28 +25,35 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import signal
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from torchtitan.config.job_config import ConfigError
+from torchtitan.config.job_config import JobConfig as CoreJobConfig
+from torchtitan.config.manager import flag_value, load_toml
 from torchtitan.tools.cluster import (
     JOB_ENV,
+    REPO_ROOT,
+    RUN_TRAIN_CONFIG,
     LighthouseSettings,
     LocalJob,
     PeriodicKills,
     Process,
     Restarts,
     StepKills,
-    strip_ansi,
 )
+from torchtitan.tools.events import EventTail, event_file_path
 
-_STEP_LINE = re.compile(r"step:\s+(\d+)\s")
+# The name of ``torchtitan.components.metrics.TRAIN_STEP``: importing the kind would bring torch
+# into the launcher, which does without it (a unit test checks that the two agree).
+STEP_EVENT = "train.step"
 # At the end and after Ctrl-C, how long the job's processes have to exit on SIGTERM (torchrun
 # passes it on to its workers) before they are SIGKILLed.
 _STOP_GRACE_S = 10.0
@@ -63,6 +72,8 @@ class Group:
     process: Process | None = None
     #: Prints the latest start's output; done once that start has exited and all is printed.
     follower: threading.Thread = field(default_factory=threading.Thread)
+    #: The step events of the latest start (its rank 0's event file).
+    steps: EventTail | None = None
     last_step: int = 0
     steps_this_start: int = 0
     restarts: int = 0
@@ -88,7 +99,7 @@ class Launcher:
             ),
             job_id=os.environ.get(JOB_ENV),
         )
-        self.lock = threading.Lock()
+        self.dump_folder = groups_dump_folder(args.train_args)
         self.step_kills = StepKills(args.kill)
         self.restarts = Restarts(args.restart_after)
 
@@ -111,7 +122,11 @@ class Launcher:
             _print("[lighthouse]", line)
 
     def start_group(self, group: Group) -> None:
+        # Made before the start: what the file holds by then is an earlier start's (or an
+        # earlier job's, in a dump folder used before), never this start's.
+        steps = self.step_events(group)
         group.process = self.job.start_group(group.replica_id)
+        group.steps = steps
         group.steps_this_start = 0
         what = "started" if group.restarts == 0 else f"restarted (#{group.restarts})"
         _print("[launcher]", f"group {group.replica_id} {what}, pid {group.process.pid}")
@@ -120,20 +135,26 @@ class Launcher:
         )
         group.follower.start()
 
+    def step_events(self, group: Group) -> EventTail:
+        """Follows the group's rank 0 event file from its current end."""
+        return EventTail(event_file_path(self.dump_folder, group.replica_id, 0))
+
     def _follow(self, group: Group, process: Process) -> None:
         for line in process.lines():
             _print(f"[group {group.replica_id}]", line)
-            match = _STEP_LINE.search(strip_ansi(line))
-            if match is None:
+
+    def read_steps(self, group: Group) -> None:
+        """Take in the steps the group's latest start has logged since the last call, and kill
+        it if ``--kill`` says so."""
+        if group.steps is None:
+            return
+        for event in group.steps.read(STEP_EVENT):
+            if event.step is None:
                 continue
-            step = int(match.group(1))
-            with self.lock:
-                if group.process is not process:
-                    continue
-                group.last_step = max(group.last_step, step)
-                group.steps_this_start += 1
-                if self.step_kills.due(group.replica_id, step):
-                    self.kill(group, f"at step {step} (--kill)")
+            group.last_step = max(group.last_step, event.step)
+            group.steps_this_start += 1
+            if self.step_kills.due(group.replica_id, event.step):
+                self.kill(group, f"at step {event.step} (--kill)")
 
     def kill(self, group: Group, why: str) -> None:
         """SIGKILL the group's whole process tree, and schedule its restart."""
@@ -159,20 +180,20 @@ class Launcher:
         while True:
             time.sleep(0.2)
             now = time.monotonic()
-            with self.lock:
-                for group in self.groups:
-                    self._check(group, now)
-                # A group that failed on its own is reported at the end; the others are fault
-                # tolerant and go on without it (one slow or broken group never takes the job).
-                live = [g for g in self.groups if not g.done and not g.failed]
-                if not live:
-                    break
-                if random_kills.due(now):
-                    running = [g for g in live if g.process and g.process.alive()]
-                    if len(running) > 1:  # never kill the last group standing
-                        victim = random_kills.choose([g.replica_id for g in running])
-                        self.kill(self.groups[victim], "(--kill-every)")
-                    random_kills.reschedule(now)
+            for group in self.groups:
+                self.read_steps(group)
+                self._check(group, now)
+            # A group that failed on its own is reported at the end; the others are fault
+            # tolerant and go on without it (one slow or broken group never takes the job).
+            live = [g for g in self.groups if not g.done and not g.failed]
+            if not live:
+                break
+            if random_kills.due(now):
+                running = [g for g in live if g.process and g.process.alive()]
+                if len(running) > 1:  # never kill the last group standing
+                    victim = random_kills.choose([g.replica_id for g in running])
+                    self.kill(self.groups[victim], "(--kill-every)")
+                random_kills.reschedule(now)
         failed = [g.replica_id for g in self.groups if g.failed]
         self.stop_all()
         if failed:
@@ -218,6 +239,26 @@ class Launcher:
             _print("[launcher]", f"group {group.replica_id} exited with code {code}")
             if any(not g.done and not g.failed for g in self.groups):
                 _print("[launcher]", f"the other groups go on without group {group.replica_id}")
+
+
+def groups_dump_folder(train_args: Sequence[str], env: Mapping[str, str] = os.environ) -> Path:
+    """The ``job.dump_folder`` of groups started with ``train_args`` (their event files are in
+    its ``events/``), taken as their trainer takes it: the last ``--job.dump_folder`` flag,
+    else the TOML's (``--job.config_file``, else ``run_train.sh``'s ``CONFIG_FILE``), else the
+    default; relative to the repository root, where ``run_train.sh`` runs. Only that one field
+    is read: parsing the whole config would import the custom args module (torch) and reject
+    a bad value that the groups themselves must report."""
+    folder = flag_value(train_args, "job.dump_folder")
+    if folder is None:
+        config_file = flag_value(train_args, "job.config_file") or env.get("CONFIG_FILE")
+        try:
+            table = load_toml(REPO_ROOT / (config_file or RUN_TRAIN_CONFIG)).get("job", {})
+        except (OSError, ConfigError):
+            table = {}  # the groups fail on it and say why; no step of theirs is awaited
+        folder = table.get("dump_folder") if isinstance(table, dict) else None
+        if not isinstance(folder, str):
+            folder = CoreJobConfig().job.dump_folder
+    return REPO_ROOT / folder
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

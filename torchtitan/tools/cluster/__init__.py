@@ -15,7 +15,13 @@ machine, for the launcher, the integration tests and the benchmarks alike.
 """
 
 from torchtitan.tools.cluster.faults import PeriodicKills, Restarts, StepKills
-from torchtitan.tools.cluster.job import JOB_ENV, REPO_ROOT, GroupLaunch, LocalJob
+from torchtitan.tools.cluster.job import (
+    JOB_ENV,
+    REPO_ROOT,
+    RUN_TRAIN_CONFIG,
+    GroupLaunch,
+    LocalJob,
+)
 from torchtitan.tools.cluster.lighthouse import LighthouseSettings
 from torchtitan.tools.cluster.listeners import listening_sockets
 from torchtitan.tools.cluster.ports import LOOPBACK, free_port
@@ -26,6 +32,7 @@ __all__ = [
     "JOB_ENV",
     "LOOPBACK",
     "REPO_ROOT",
+    "RUN_TRAIN_CONFIG",
     "GroupLaunch",
     "Launch",
     "LighthouseSettings",

@@ -34,6 +34,8 @@ from torchtitan.tools.cluster.process_tree import (
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 RUN_TRAIN = REPO_ROOT / "run_train.sh"
+#: The TOML ``run_train.sh`` passes (before the caller's flags) unless ``CONFIG_FILE`` names one.
+RUN_TRAIN_CONFIG = REPO_ROOT / "torchtitan/models/llama3/train_configs/debug_model.toml"
 
 #: In the environment of every process a job starts: its value is the job's id.
 JOB_ENV = "TORCHTITAN_LOCAL_JOB"
