@@ -7,10 +7,7 @@ from __future__ import annotations
 import importlib
 import logging
 import time
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from torchtitan.components.metrics import TRAIN_STEP
 from torchtitan.tools.events import (
@@ -38,23 +35,6 @@ EMITTING_MODULES = [
     "torchtitan.components.ft.manager",
     "torchtitan.experiments.fault_tolerance.events",
 ]
-
-
-@pytest.fixture
-def records() -> Iterator[list[logging.LogRecord]]:
-    kept: list[logging.LogRecord] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            kept.append(record)
-
-    handler = Keep()
-    logger.addHandler(handler)
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    yield kept
-    logger.removeHandler(handler)
-    logger.setLevel(level)
 
 
 def test_one_call_gives_the_line_and_the_event(records: list[logging.LogRecord]) -> None:

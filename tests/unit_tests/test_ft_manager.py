@@ -3,10 +3,8 @@ quorums it trains in, how it waits (bounded, and visibly), and what it reports a
 
 from __future__ import annotations
 
-import logging
 import socket
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -14,8 +12,6 @@ from torchtitan.components.ft import FaultToleranceError, FTManager
 from torchtitan.components.ft.manager import COMMITTED_AFTER_STALL, QUORUM_WAITING
 from torchtitan.components.ft.watchdog import QuorumWaitWatchdog
 from torchtitan.config import JobConfig
-from torchtitan.tools.events import Event, event_of
-from torchtitan.tools.logging import logger
 
 
 class ScriptedManager:
@@ -73,26 +69,6 @@ def make_ft(
     ft_manager = FTManager(config, lambda: manager, poll_s=0.01)
     ft_manager.start()
     return ft_manager
-
-
-@pytest.fixture
-def events() -> Iterator[list[Event]]:
-    """The events emitted during the test."""
-    found: list[Event] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            event = event_of(record)
-            if event is not None:
-                found.append(event)
-
-    handler = Keep()
-    logger.addHandler(handler)
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    yield found
-    logger.removeHandler(handler)
-    logger.setLevel(level)
 
 
 def test_new_job_skips_quorums_until_every_group_is_in():
