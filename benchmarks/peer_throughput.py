@@ -244,16 +244,9 @@ def _result(rates: list[tuple[int, float]], rss: float, seconds: float, args) ->
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    from torchtitan.models.llama3 import llama3_configs
-
-    n_params, flops_per_token = llama3_configs["debugmodel"].num_flops_per_token(args.seq_len)
-    peer_python = None
-    if not args.no_peer:
-        peer_python = args.peer_python or ensure_peer_venv()
-    load_start = common.wait_for_quiet_machine(args.max_load, 120)
-    peaks_before = matmul_peaks(args.threads, args.mm_sizes, args.mm_seconds)
+def run_repeats(args: argparse.Namespace, peer_python: Path | None) -> list[dict]:
+    """Ours and each peer variant, ``args.repeats`` times in alternating order; one row per
+    repeat with each run's figures and ours / peer ratios."""
     runs = []
     with tempfile.TemporaryDirectory(prefix="peer_throughput_") as tmp:
         folder = Path(tmp)
@@ -283,11 +276,14 @@ def main(argv: list[str] | None = None) -> int:
                     ratio = row["ours"]["tokens_per_s"] / row[who]["tokens_per_s"]
                     row[f"ratio_ours_over_{who}"] = ratio
             runs.append(row)
-    # Again after the runs (the best of both counts), unless a smoke run checks the plumbing.
-    peaks_after = (
-        peaks_before if args.smoke else matmul_peaks(args.threads, args.mm_sizes, args.mm_seconds)
-    )
-    peak = {k: max(peaks_before[k], peaks_after[k]) for k in peaks_before}
+    return runs
+
+
+def summarize(
+    runs: list[dict], peak: dict[str, float], flops_per_token: float, peer_variants: list[str]
+) -> dict:
+    """Medians over the repeats: tokens/s, peak RSS, model FLOP/s and MFU of ours; tokens/s,
+    peak RSS and ours / peer of each peer variant that ran."""
     ours_tps = common.median([r["ours"]["tokens_per_s"] for r in runs])
     mfus = [100 * r["ours"]["tokens_per_s"] * flops_per_token / (peak["fp32"] * 1e9) for r in runs]
     summary = {
@@ -297,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         "ours_mfu_pct_vs_fp32_mm_peak": round(common.median(mfus), 1),
         "mm_peak_gflops": {k: round(v, 1) for k, v in peak.items()},
     }
-    for variant in args.peer_variants if peer_python is not None else []:
+    for variant in peer_variants:
         who = f"peer_{variant}"
         summary[f"{who}_tokens_per_s"] = round(
             common.median([r[who]["tokens_per_s"] for r in runs]), 1
@@ -308,6 +304,27 @@ def main(argv: list[str] | None = None) -> int:
         summary[f"ratio_ours_over_{who}"] = round(
             common.median([r[f"ratio_ours_over_{who}"] for r in runs]), 3
         )
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from torchtitan.models.llama3 import llama3_configs
+
+    n_params, flops_per_token = llama3_configs["debugmodel"].num_flops_per_token(args.seq_len)
+    peer_python = None
+    if not args.no_peer:
+        peer_python = args.peer_python or ensure_peer_venv()
+    load_start = common.wait_for_quiet_machine(args.max_load, 120)
+    peaks_before = matmul_peaks(args.threads, args.mm_sizes, args.mm_seconds)
+    runs = run_repeats(args, peer_python)
+    # Again after the runs (the best of both counts), unless a smoke run checks the plumbing.
+    peaks_after = (
+        peaks_before if args.smoke else matmul_peaks(args.threads, args.mm_sizes, args.mm_seconds)
+    )
+    peak = {k: max(peaks_before[k], peaks_after[k]) for k in peaks_before}
+    variants = list(args.peer_variants) if peer_python is not None else []
+    summary = summarize(runs, peak, flops_per_token, variants)
     result = {
         "benchmark": "peer_throughput",
         "settings": {

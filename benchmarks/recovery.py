@@ -448,6 +448,43 @@ def long_period_part(folder: Path, args: argparse.Namespace, train_args: list[st
 # ---- part 2 --------------------------------------------------------------------------------
 
 
+def survivor_stalls(
+    kills: list[dict], t_begin: float, starts: list[Process], emitted_by: dict[str, list[Event]]
+) -> list[float]:
+    """For each kill, the seconds from the kill to the survivor's next committed sync (also
+    written into the kill's record); kills after which the survivor committed none are left
+    out."""
+    stalls = []
+    for k in kills:
+        t_kill = t_begin + k["t"]
+        candidates = [
+            committed_sync_after(emitted_by[s.name], t_kill)
+            for s in starts
+            if s.replica_id != k["group"] and s.started < t_kill
+        ]
+        found = [c for c in candidates if c is not None]
+        if found:
+            k["survivor_next_committed_sync_s"] = round(min(c[1] for c in found) - t_kill, 3)
+            stalls.append(k["survivor_next_committed_sync_s"])
+    return stalls
+
+
+def kill_and_record(job: LocalJob, events: common.GroupEvents, victim: int, t_begin: float) -> dict:
+    """SIGKILL the latest start of ``victim``; what it had done since it started."""
+    killed = job.kill_group(victim)
+    assert killed.killed_at is not None
+    emitted = events.of(killed)
+    return {
+        "group": victim,
+        "t": round(killed.killed_at - t_begin, 2),
+        # Where the victim was: a restarted group killed before its first committed sync may
+        # have been in a quorum with the survivor.
+        "victim_steps_since_start": len(timings(emitted)),
+        "victim_committed_syncs_since_start": committed_syncs(emitted),
+        "victim_is_a_restart": killed is not job.starts[victim][0],
+    }
+
+
 def soak_part(folder: Path, args: argparse.Namespace, train_args: list[str]) -> dict:
     kills: list[dict] = []
     with two_groups(folder, args, train_args) as job:
@@ -477,20 +514,7 @@ def soak_part(folder: Path, args: argparse.Namespace, train_args: list[str]) -> 
                     postponed += 1
                     schedule.reschedule(now, delay_s=1.0)
                 else:
-                    killed = job.kill_group(victim)
-                    assert killed.killed_at is not None
-                    emitted = events.of(killed)
-                    kills.append(
-                        {
-                            "group": victim,
-                            "t": round(killed.killed_at - t_begin, 2),
-                            # Where the victim was: a restarted group killed before its first
-                            # committed sync may have been in a quorum with the survivor.
-                            "victim_steps_since_start": len(timings(emitted)),
-                            "victim_committed_syncs_since_start": committed_syncs(emitted),
-                            "victim_is_a_restart": killed is not job.starts[victim][0],
-                        }
-                    )
+                    kills.append(kill_and_record(job, events, victim, t_begin))
                     restarts.schedule(victim, now)
                     print(f"[soak] {now - t_begin:6.1f}s SIGKILL group {victim}", flush=True)
                     schedule.reschedule(now)
@@ -512,19 +536,7 @@ def soak_part(folder: Path, args: argparse.Namespace, train_args: list[str]) -> 
             k: sum(a[k] for a in per_start)
             for k in ("attempted_steps", "committed_steps", "attempted_syncs", "committed_syncs")
         }
-        # Stall of the survivor after each kill: kill -> its next committed sync.
-        stalls = []
-        for k in kills:
-            t_kill = t_begin + k["t"]
-            candidates = [
-                committed_sync_after(emitted_by[s.name], t_kill)
-                for s in starts
-                if s.replica_id != k["group"] and s.started < t_kill
-            ]
-            found = [c for c in candidates if c is not None]
-            if found:
-                k["survivor_next_committed_sync_s"] = round(min(c[1] for c in found) - t_kill, 3)
-                stalls.append(k["survivor_next_committed_sync_s"])
+        stalls = survivor_stalls(kills, t_begin, starts, emitted_by)
         div = divergence(
             [(s.replica_id, emitted_by[s.name]) for s in starts if s.replica_id is not None]
         )

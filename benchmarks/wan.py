@@ -38,7 +38,7 @@ import provenance  # noqa: E402
 
 from benchmarks.timed_trainer import TIMING  # noqa: E402
 from torchtitan.experiments.fault_tolerance.events import SYNC  # noqa: E402
-from torchtitan.tools.cluster import Launch, LighthouseSettings, ProcessSpec  # noqa: E402
+from torchtitan.tools.cluster import Launch, LighthouseSettings, Process, ProcessSpec  # noqa: E402
 from torchtitan.tools.events import Event  # noqa: E402
 from torchtitan.trainer import TRAINING_STARTED  # noqa: E402
 
@@ -134,6 +134,36 @@ def utilisation(events: Iterable[Event], warmup: int) -> dict[str, float]:
     }
 
 
+def group_figures(
+    proc: Process, method: str, steps: int, warmup: int, tx_bytes: int
+) -> dict[str, object]:
+    """One group's compute utilisation, payload and wire bytes per step, from its events and
+    its interface's ``tx_bytes`` over the run."""
+    events = common.trainer_events(proc, TIMING, SYNC, TRAINING_STARTED)
+    row: dict[str, object] = utilisation(events, warmup)
+    started = [e for e in events if e.name == TRAINING_STARTED.name]
+    n_params = started[0]["parameters"] if started else 0
+    sent = [e for e in events if e.name == SYNC.name]
+    syncs = [
+        {"step": e.step, "committed": e["committed"], "ms": 1000 * e["seconds"],
+         "mib": e["bytes_sent"] / 2**20}
+        for e in sent
+    ]  # fmt: skip
+    if method == "sync_ft":
+        payload_per_step = n_params * 4.0  # one fp32 gradient all-reduce per step
+    elif method == "no_ft":
+        payload_per_step = 0.0
+    else:
+        payload_per_step = sum(e["bytes_sent"] for e in sent) / steps
+    row.update(
+        parameters=n_params,
+        payload_bytes_per_step=payload_per_step,
+        wire_tx_bytes_per_step=tx_bytes / steps,
+        syncs=syncs,
+    )
+    return row
+
+
 def run_one(
     folder: Path, method: str, rate: float | None, args: argparse.Namespace
 ) -> dict[str, object]:
@@ -174,31 +204,7 @@ def run_one(
             common.wait_all(procs, args.timeout)
         tx = [wan.tx_bytes(i) for i in range(groups)]
         qdisc = wan.qdisc(0) if rate is not None else ""
-    per_group = []
-    for i, proc in enumerate(procs):
-        events = common.trainer_events(proc, TIMING, SYNC, TRAINING_STARTED)
-        row: dict[str, object] = utilisation(events, warmup)
-        started = [e for e in events if e.name == TRAINING_STARTED.name]
-        n_params = started[0]["parameters"] if started else 0
-        sent = [e for e in events if e.name == SYNC.name]
-        syncs = [
-            {"step": e.step, "committed": e["committed"], "ms": 1000 * e["seconds"],
-             "mib": e["bytes_sent"] / 2**20}
-            for e in sent
-        ]  # fmt: skip
-        if method == "sync_ft":
-            payload_per_step = n_params * 4.0  # one fp32 gradient all-reduce per step
-        elif method == "no_ft":
-            payload_per_step = 0.0
-        else:
-            payload_per_step = sum(e["bytes_sent"] for e in sent) / steps
-        row.update(
-            parameters=n_params,
-            payload_bytes_per_step=payload_per_step,
-            wire_tx_bytes_per_step=tx[i] / steps,
-            syncs=syncs,
-        )
-        per_group.append(row)
+    per_group = [group_figures(proc, method, steps, warmup, tx[i]) for i, proc in enumerate(procs)]
     mean = sum(g["compute_utilisation"] for g in per_group) / len(per_group)  # type: ignore[misc]
     return {
         "method": method,
