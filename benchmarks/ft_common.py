@@ -7,7 +7,6 @@ syncs); waiting for a quiet machine before measuring.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import signal
 import statistics
@@ -206,14 +205,12 @@ class GroupEvents:
             self._tails[replica] = EventTail(path, whole_file=True)
         events = self._events.setdefault(replica, [])
         events.extend(self._tails[replica].read())
-        starts = self.job.starts[replica]
-        later = starts[starts.index(start) + 1 :]
-        until = later[0].started_at if later else math.inf
+        since, until = self.job.time_window(start)
         names = {kind.name for kind in kinds}
         return [
             event
             for event in events
-            if start.started_at <= event.time < until and (not names or event.name in names)
+            if since <= event.time < until and (not names or event.name in names)
         ]
 
 

@@ -111,17 +111,13 @@ class FTJob(LocalJob):
         """The group's events (of ``kind``, of ``rank``; default every rank), oldest first:
         those of its latest start, of ``start``, or of all its starts in this job."""
         runs = self.starts[replica_id]
-        first = runs[0] if all_starts else start or runs[-1]
+        since, until = self.time_window(start or runs[-1])
+        if all_starts:
+            since = runs[0].started_at
         found = read_events(
-            self.dump_folder / EVENTS_FOLDER,
-            kind,
-            replica=replica_id,
-            rank=rank,
-            since=first.started_at,
+            self.dump_folder / EVENTS_FOLDER, kind, replica=replica_id, rank=rank, since=since
         )
-        if start is not None and start is not runs[-1]:
-            end = runs[runs.index(start) + 1].started_at
-            found = [event for event in found if event.time < end]
+        found = [event for event in found if event.time < until]
         return found
 
     def wait_for_event(

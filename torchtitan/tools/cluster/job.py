@@ -14,6 +14,7 @@ Nothing else is ever signalled, and every signal goes to one PID.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -218,6 +219,15 @@ class LocalJob:
     def latest(self, replica_id: int) -> Process:
         """The latest start of a group."""
         return self.starts[replica_id][-1]
+
+    def time_window(self, start: Process) -> tuple[float, float]:
+        """Wall-clock times (``time.time()``) from a group's start until its next start (inf
+        for the latest): the events in a group's file that this start wrote, since every
+        start of a group appends to the same file."""
+        assert start.replica_id is not None, f"{start.name} is no replica group"
+        starts = self.starts[start.replica_id]
+        later = starts[starts.index(start) + 1 :]
+        return start.started_at, later[0].started_at if later else math.inf
 
     def kill_group(self, replica_id: int) -> Process:
         """SIGKILL the latest start of a group, its whole process tree; returns that start
