@@ -9,8 +9,8 @@ public constructors, verbs and context managers. What torchft 0.2.0 does not off
   :func:`manager_server_bound_to`;
 * a way to build DiLoCo on a stand-in for its Manager without the Manager's private
   ``_use_async_quorum``: :class:`ManagerStandIn`;
-* a switch for messages it emits on every heal or quorum that tell a user nothing:
-  :func:`quiet_known_noise`;
+* a switch for messages it emits on every heal or quorum that tell a user nothing, and for
+  the tracebacks it logs with errors it handles itself: :func:`quiet_known_noise`;
 * the inner-step position in the sync period, DiLoCo's per-fragment global copies, outer
   optimizer and in-flight all-reduce, and the two steps of a fragment sync (so that a group
   that joins at a peer's sync point can take part in that sync);
@@ -93,18 +93,39 @@ def manager_server_bound_to(ip: str) -> Iterator[None]:
         torchft_manager.ManagerServer = original
 
 
+class _HandledErrorsInOneLine(logging.Filter):
+    """torchft's Manager logs the errors it handles itself (a process group that could not be
+    configured, a failed all-reduce or recovery: ``got exception in ...``) with a full
+    traceback, although the run goes on: the error is recorded, this step or sync is not
+    committed and the next quorum starts over. Such a record becomes one WARNING line; a
+    traceback on the console then always means a crash."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and "got exception in" in str(record.msg):
+            record.msg = f"{record.getMessage()} (handled: not committed, retried at next quorum)"
+            record.args = None
+            record.exc_info = None
+            record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+class _NoFlightRecorderNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "flight recorder" not in record.getMessage()
+
+
 def quiet_known_noise() -> None:
-    """Drop messages torchft 0.2.0 prints on every heal or quorum that say nothing to a user:
-    a non-writable-buffer warning and a pytree deprecation inside its checkpoint transport,
-    and a flight-recorder notice that only concerns NCCL."""
+    """Drop messages torchft 0.2.0 prints on every heal or quorum that say nothing to a user
+    (a non-writable-buffer warning and a pytree deprecation inside its checkpoint transport, a
+    flight-recorder notice that only concerns NCCL), and shorten the errors its Manager handles
+    itself to one line each. Calling it again adds nothing twice."""
     warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
     warnings.filterwarnings("ignore", r".*isinstance\(treespec, LeafSpec\)", FutureWarning)
-
-    class _NoFlightRecorderNotice(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            return "flight recorder" not in record.getMessage()
-
-    logging.getLogger("torchft.manager").addFilter(_NoFlightRecorderNotice())
+    manager_logger = logging.getLogger("torchft.manager")
+    for kind in (_NoFlightRecorderNotice, _HandledErrorsInOneLine):
+        if not any(isinstance(f, kind) for f in manager_logger.filters):
+            manager_logger.addFilter(kind())
 
 
 class ManagerStandIn:
