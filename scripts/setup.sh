@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Make .venv/ ready to run the project: create it, install torch 2.13.0 (CPU wheel on machines
 # without CUDA) when torch is missing, then this package with its dependencies. Re-running is
-# cheap: it reinstalls only when pyproject.toml changed.
+# cheap: it reinstalls only when pyproject.toml changed. No .pyc files are compiled at install
+# (most of torch is never imported here); Python writes them on first import.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON_FOR_VENV:-python3}
@@ -11,11 +12,11 @@ if [[ ! -x .venv/bin/python ]]; then
 fi
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   echo "[setup] installing torch==2.13.0"
-  .venv/bin/pip install --quiet --disable-pip-version-check torch==2.13.0
+  .venv/bin/pip install --quiet --disable-pip-version-check --no-compile torch==2.13.0
 fi
 stamp=.venv/.torchtitan-installed
 if [[ ! -f $stamp || pyproject.toml -nt $stamp ]]; then
   echo "[setup] installing torchtitan and its dependencies into .venv"
-  .venv/bin/pip install --quiet --disable-pip-version-check -e ".[dev]"
+  .venv/bin/pip install --quiet --disable-pip-version-check --no-compile -e ".[dev]"
   touch "$stamp"
 fi

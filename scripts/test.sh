@@ -3,7 +3,8 @@
 #   lint        ruff check .
 #   format      ruff format --check .
 #   typecheck   mypy (on torchtitan/, as configured in pyproject.toml)
-#   tests       pytest tests (unit + integration); collecting no tests is a failure
+#   tests       pytest tests (unit + integration) in TEST_WORKERS processes (default 2,
+#               pytest-xdist; one file's tests stay in one process); no tests is a failure
 # Extra args go to pytest, e.g. scripts/test.sh tests/unit_tests -k config; the three checks
 # run then too (seconds, once mypy's cache is warm).
 set -uo pipefail
@@ -26,8 +27,9 @@ check lint .venv/bin/ruff check .
 check format .venv/bin/ruff format --check .
 check typecheck .venv/bin/mypy
 
-echo "[test] tests: pytest ${*:-tests}"
-.venv/bin/python -m pytest "${@:-tests}" -q -p no:cacheprovider
+workers=${TEST_WORKERS:-2}
+echo "[test] tests: pytest ${*:-tests} ($workers workers)"
+.venv/bin/python -m pytest "${@:-tests}" -q -p no:cacheprovider -n "$workers" --dist loadfile
 code=$?
 if [[ $code == 5 ]]; then
   fail tests "$code" "pytest collected no tests"
