@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchtitan.components.ft import torchft_adapter as tft
 from torchtitan.config.job_config import JobConfig as CoreJobConfig
 from torchtitan.experiments.fault_tolerance.job_config import JobConfig as SemiSyncJobConfig
 from torchtitan.experiments.fault_tolerance.trainer import SemiSyncTrainer
@@ -172,7 +171,6 @@ class StallingTrainer(StepFaults, SemiSyncTrainer):
         super()._report_sync(step)
         sync = self.ft.manager.current_step()  # type: ignore[union-attr]
         if sync == self.faults.corrupt_global_after_sync and self.method == "diloco":
-            globals_ = next(iter(tft.fragments(self.algorithm)))
-            first = next(iter(tft.global_parameters(globals_).values()))
+            first = next(iter(self.algorithm.global_parameters(0).values()))
             first.view(-1)[0] += 1e-3
             CORRUPTED.emit(sync=sync)

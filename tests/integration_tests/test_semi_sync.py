@@ -48,6 +48,12 @@ METHODS = {
         "--fault_tolerance.fragment_sync_delay=1",
         "--fault_tolerance.fragment_update_alpha=0.5",
     ],
+    "async_eager": ["--fault_tolerance.semi_sync_method=async_diloco"],
+    "async_delayed_streaming": [
+        "--fault_tolerance.semi_sync_method=async_diloco",
+        "--fault_tolerance.async_update=delayed",
+        "--fault_tolerance.num_fragments=2",
+    ],
 }
 
 
@@ -206,7 +212,7 @@ def _check_tensorboard(folder: Path, logged: list[Sync], method: str) -> None:
 # ---- faults ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", ["localsgd", "diloco", "streaming"])
+@pytest.mark.parametrize("method", ["localsgd", "diloco", "streaming", "async_eager"])
 def test_kill_mid_inner_steps_and_during_sync_then_heal(
     ft_job: Callable[..., FTJob], tmp_path: Path, method: str
 ) -> None:
@@ -304,16 +310,18 @@ def _wait_heal(job: FTJob) -> Sync:
 # ---- whole-job restart -----------------------------------------------------------------------
 
 
-def test_diloco_whole_job_restart_reproduces_global_params(tmp_path: Path) -> None:
+@pytest.mark.parametrize("method", ["diloco", "async_eager"])
+def test_diloco_whole_job_restart_reproduces_global_params(tmp_path: Path, method: str) -> None:
     """Both groups crash after step 7 (checkpoint at step 6, two inner steps into a sync
     period) and restart from their checkpoints: the global parameters at the next syncs equal
     those of the same job run without interruption, bit for bit. The checkpoint carries the
     model, inner optimizer, LR schedule, data position and step (core), the Manager's step
     (``ft_manager``) and ``semi_sync``: DiLoCo's global parameters, outer momentum and the
-    inner-step position."""
+    inner-step position; async DiLoCo's also the start of the local period and the summed
+    result of the sync in flight (started at step 4, applied at step 8)."""
     train_args = args(
         FAULTS_MODULE,
-        "diloco",
+        method,
         "--training.steps=12",
         "--checkpoint.enable",
         "--checkpoint.interval=6",
@@ -346,19 +354,29 @@ def test_diloco_whole_job_restart_reproduces_global_params(tmp_path: Path) -> No
         for r in range(2):
             assert [e.step for e in resumed[r] if e.name == CHECKPOINT_RESUMED.name] == [6]
             found = syncs(resumed[r])
-            # Two inner steps were left in the period: the first sync is at step 8.
-            assert [(s.step, s.number, s.groups) for s in found] == [(8, 2, 2), (12, 3, 2)]
             got = global_digests(resumed[r])
-            assert got == {2: expected[2], 3: expected[3]}, (r, got, expected)
-        first_start = job.events(0, GLOBAL_DIGEST, start=job.starts[0][0])
-        assert global_digests(first_start)[1] == expected[1]
+            if method == "diloco":
+                # Two inner steps were left in the period: the first sync is at step 8.
+                assert [(s.step, s.number, s.groups) for s in found] == [(8, 2, 2), (12, 3, 2)]
+                assert got == {2: expected[2], 3: expected[3]}, (r, got, expected)
+            else:
+                # Sync 1 (in flight in the checkpoint) is applied at step 8, sync 3 at the end.
+                assert [(s.step, s.number, s.groups) for s in found] == [
+                    (8, 1, 2),
+                    (12, 2, 2),
+                    (12, 3, 2),
+                ]
+                assert got == expected, (r, got, expected)
+        if method == "diloco":
+            first_start = job.events(0, GLOBAL_DIGEST, start=job.starts[0][0])
+            assert global_digests(first_start)[1] == expected[1]
         # Compared as the step line prints them (4 decimals), as this test always has.
         resumed_losses = losses(resumed[0])
         reference_losses = losses(reference.events(0, TRAIN_STEP))
         assert {s: round(resumed_losses[s], 4) for s in range(7, 13)} == {
             s: round(reference_losses[s], 4) for s in range(7, 13)
         }
-    print(f"diloco resume from step 6: syncs #2, #3 identical to the uninterrupted run {expected}")
+    print(f"{method} resume from step 6: syncs identical to the uninterrupted run {expected}")
 
 
 def _folder(path: Path) -> Path:

@@ -789,6 +789,56 @@ def test_local_sgd_is_an_alias(alias: str) -> None:
             [*FT_ON, "--fault_tolerance.max_consecutive_failures=-1"],
             "fault_tolerance.max_consecutive_failures",
         ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=diloco",
+                "--fault_tolerance.async_update=delayed",
+            ],
+            "fault_tolerance.async_update",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=localsgd",
+                "--fault_tolerance.outer_state_device=device",
+            ],
+            "fault_tolerance.outer_state_device",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=async_diloco",
+                "--fault_tolerance.async_update=late",
+            ],
+            "fault_tolerance.async_update",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=async_diloco",
+                "--fault_tolerance.outer_state_device=gpu",
+            ],
+            "fault_tolerance.outer_state_device",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=async_diloco",
+                "--fault_tolerance.num_fragments=2",
+                "--fault_tolerance.sync_steps=4",
+                "--fault_tolerance.fragment_sync_delay=1",
+            ],
+            "fault_tolerance.fragment_sync_delay",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=async_diloco",
+                "--fault_tolerance.fragment_update_alpha=0.5",
+            ],
+            "fault_tolerance.fragment_update_alpha",
+        ),
     ],
 )
 def test_semi_sync_bad_value_names_the_field(argv: list[str], field: str) -> None:
@@ -796,6 +846,23 @@ def test_semi_sync_bad_value_names_the_field(argv: list[str], field: str) -> Non
         parse_semi_sync(*argv)
     assert info.value.field == field
     assert str(info.value).startswith(f"{field}: ") and "is not allowed; " in str(info.value)
+
+
+def test_async_diloco_parses_with_its_fields() -> None:
+    config = parse_semi_sync(
+        *FT_ON,
+        "--fault_tolerance.semi_sync_method=async_diloco",
+        "--fault_tolerance.async_update=delayed",
+        "--fault_tolerance.outer_state_device=device",
+        "--fault_tolerance.num_fragments=2",
+        "--fault_tolerance.sync_steps=4",
+    )
+    ft = config.fault_tolerance
+    assert (ft.method, ft.async_update, ft.outer_state_device) == (  # type: ignore[attr-defined]
+        "async_diloco",
+        "delayed",
+        "device",
+    )
 
 
 def test_should_quantize_needs_cuda_and_triton() -> None:

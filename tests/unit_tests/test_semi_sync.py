@@ -17,6 +17,7 @@ from torchtitan.components.ft import FaultToleranceError
 from torchtitan.components.ft.torchft_adapter import ManagerStandIn
 from torchtitan.config import ConfigManager
 from torchtitan.experiments.fault_tolerance.events import HEALED
+from torchtitan.experiments.fault_tolerance.outer_loop import TorchftDiLoCo
 from torchtitan.experiments.fault_tolerance.sync_quorum import (
     FRESH,
     RESUMED,
@@ -128,6 +129,13 @@ def diloco(model: nn.Module, fragments: int, delay: int = 0) -> tuple[Any, FakeM
     return algo, manager
 
 
+def as_trainer(algo: Any) -> Any:
+    """What SemiSyncState sees of the trainer: its outer loop around ``algo``."""
+    parts = [f._model_fragment for f in algo._fragments]
+    loop = TorchftDiLoCo(algo, parts, algo._sync_every, algo._fragment_sync_delay)
+    return SimpleNamespace(algorithm=loop)
+
+
 def _outer_step(algo: Any) -> None:
     """One outer step of every fragment on a made-up pseudo-gradient."""
     for fragment in algo._fragments:
@@ -153,12 +161,12 @@ def test_semi_sync_state_round_trips_through_dcp_into_a_fresh_process(tmp_path: 
         ]
         for f in algo._fragments
     ]
-    dcp.save({"semi_sync": SemiSyncState(SimpleNamespace(algorithm=algo))}, checkpoint_id=tmp_path)
+    dcp.save({"semi_sync": SemiSyncState(as_trainer(algo))}, checkpoint_id=tmp_path)
 
     # A new process: same model init, an outer optimizer that never stepped (no momentum).
     fresh, _ = diloco(small_model(), fragments=2)
     assert not fresh._fragments[0]._outer_optimizer.state
-    dcp.load({"semi_sync": SemiSyncState(SimpleNamespace(algorithm=fresh))}, checkpoint_id=tmp_path)
+    dcp.load({"semi_sync": SemiSyncState(as_trainer(fresh))}, checkpoint_id=tmp_path)
     assert fresh._local_step == 1
     for i, fragment in enumerate(fresh._fragments):
         for name, value in fragment.original_parameters.items():
@@ -170,9 +178,9 @@ def test_semi_sync_state_round_trips_through_dcp_into_a_fresh_process(tmp_path: 
 
 def test_checkpoint_without_outer_momentum_loads_none(tmp_path: Path) -> None:
     algo, _ = diloco(small_model(), fragments=1)
-    dcp.save({"s": SemiSyncState(SimpleNamespace(algorithm=algo))}, checkpoint_id=tmp_path)
+    dcp.save({"s": SemiSyncState(as_trainer(algo))}, checkpoint_id=tmp_path)
     fresh, _ = diloco(small_model(), fragments=1)
-    dcp.load({"s": SemiSyncState(SimpleNamespace(algorithm=fresh))}, checkpoint_id=tmp_path)
+    dcp.load({"s": SemiSyncState(as_trainer(fresh))}, checkpoint_id=tmp_path)
     assert not fresh._fragments[0]._outer_optimizer.state
 
 
@@ -187,7 +195,7 @@ def test_checkpoint_taken_with_a_sync_in_flight_drops_that_sync() -> None:
             p.add_(1.0)  # inner steps moved the model away from the global copies
     algo._local_step = 1
     algo._fragments[1]._allreduce_work = ["in flight"]  # what prepare_sync leaves behind
-    state = SemiSyncState(SimpleNamespace(algorithm=algo))
+    state = SemiSyncState(as_trainer(algo))
     saved = state.state_dict()
     assert saved["in_flight_fragment"] == 1
 
@@ -220,7 +228,7 @@ def test_healing_state_is_read_when_sent_not_at_start_up() -> None:
 
 def _stub(local_step: int, starting: bool = False) -> SimpleNamespace:
     return SimpleNamespace(
-        algorithm=SimpleNamespace(_local_step=local_step),
+        algorithm=SimpleNamespace(local_step=lambda: local_step),
         ft=SimpleNamespace(manager=SimpleNamespace(current_step=lambda: 7)),
         train_state=SimpleNamespace(step=30),
         period=4,

@@ -14,13 +14,17 @@ from torchtitan.tools.events import EventKind
 
 def _sync_line(v: dict[str, Any], _: bool) -> str:
     norm = v["pseudo_grad_norm"]
+    weighted = ""
+    if v.get("tokens") is not None:
+        share = "n/a" if v["weight"] is None else f"{v['weight']:.3f}"
+        weighted = f"  inner_steps {v['inner_steps']}  tokens {v['tokens']}  weight {share}"
     return (
         f"[semi-sync] step {v['step']} sync: {v['method']} fragment {v['fragment']}/"
         f"{v['fragments']}  {'committed' if v['committed'] else 'NOT committed'}  "
         f"time {v['seconds'] * 1000:.0f} ms  sent {v['bytes_sent'] / 2**20:.2f} MiB  "
         f"groups {v['groups']}  quorum {v['quorum_id']}  "
         f"pseudo_grad_norm {'n/a' if norm is None else f'{norm:.4f}'}  sync #{v['sync']}  "
-        f"quorum_wait {v['quorum_wait_s']:.2f}s"
+        f"quorum_wait {v['quorum_wait_s']:.2f}s{weighted}"
     )
 
 
@@ -28,6 +32,9 @@ def _sync_line(v: dict[str, Any], _: bool) -> str:
 #: sync hooks; ``bytes_sent``: this rank's all-reduced payload; ``quorum_wait_s``: time in the
 #: sync's quorum; ``pseudo_grad_norm``: None for LocalSGD and for a sync not committed;
 #: ``agreement``: ``"agree"``/``"disagree"`` when the sync's quorum compared digests, else None.
+#: Async DiLoCo: the sync decided at a sync point is the one started at the previous one;
+#: ``inner_steps``/``tokens``: this group's part of it, ``weight``: its share of all groups'
+#: tokens (None: not committed). Other methods weigh groups equally: these are None.
 SYNC = EventKind("semi_sync.sync", _sync_line)
 
 #: With ``metrics.log_param_digest``: digest of the global parameters after a committed sync.

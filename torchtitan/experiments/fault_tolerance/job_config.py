@@ -23,7 +23,14 @@ SEMI_SYNC_TRAINER = "torchtitan.experiments.fault_tolerance.trainer:SemiSyncTrai
 CORE_TRAINER = "torchtitan.trainer:Trainer"
 MODULE = "torchtitan.experiments.fault_tolerance.job_config"
 
-SEMI_SYNC_METHODS = {"localsgd": "localsgd", "local_sgd": "localsgd", "diloco": "diloco"}
+SEMI_SYNC_METHODS = {
+    "localsgd": "localsgd",
+    "local_sgd": "localsgd",
+    "diloco": "diloco",
+    "async_diloco": "async_diloco",
+}
+ASYNC_UPDATES = ("eager", "delayed")
+OUTER_STATE_DEVICES = ("cpu", "device")
 
 
 def trainer_for(config: CoreJobConfig) -> str:
@@ -48,7 +55,10 @@ class FaultTolerance(CoreFaultTolerance):
     every step). ``localsgd`` (or ``local_sgd``): groups train alone for ``sync_steps`` steps,
     then average parameters. ``diloco``: groups train alone for ``sync_steps`` steps, then
     average pseudo-gradients (global - local parameters) and apply the outer optimizer;
-    Streaming DiLoCo when there is more than one fragment."""
+    Streaming DiLoCo when there is more than one fragment. ``async_diloco``: DiLoCo whose
+    pseudo-gradient all-reduce runs behind the next period's inner steps, its average applied
+    at the next sync point (see ``async_update``); the average is weighted by the tokens each
+    group trained on."""
 
     sync_steps: int = 5
     """Inner steps between two syncs (DiLoCo's H). With fragments, each fragment syncs once
@@ -99,6 +109,18 @@ class FaultTolerance(CoreFaultTolerance):
     """Streaming DiLoCo: mix of local and global parameters after a sync, in [0, 1]:
     new = (1 - alpha) * global + alpha * local. 0: take the global parameters."""
 
+    async_update: str = "eager"
+    """async_diloco: where a group's next period starts while its pseudo-gradient is being
+    averaged. ``eager``: from the global parameters moved by the outer step this group's own
+    pseudo-gradient would make (the estimate of the average), corrected when the average
+    arrives. ``delayed``: from the global parameters, which take each average one period
+    late."""
+
+    outer_state_device: str = "cpu"
+    """async_diloco: where the global copy of the parameters, the outer momentum and the start
+    of the local period live (3x the parameters). ``cpu`` (pinned when a GPU is present) keeps
+    them off the accelerator; ``device`` keeps them next to the model."""
+
     should_quantize: bool = False
     """DiLoCo: quantize pseudo-gradients to fp8 for the all-reduce (torchft's Triton kernels:
     needs CUDA, the nccl process group and an importable triton; refused elsewhere, where
@@ -120,8 +142,8 @@ class FaultTolerance(CoreFaultTolerance):
                 raise ConfigError(
                     f"fault_tolerance.{name}",
                     getattr(self, name),
-                    "only applies to semi-synchronous training: set "
-                    "fault_tolerance.semi_sync_method=localsgd or diloco, or drop this field",
+                    "only applies to semi-synchronous training: set fault_tolerance."
+                    "semi_sync_method=localsgd, diloco or async_diloco, or drop this field",
                 )
             return
         choices = ", ".join(SEMI_SYNC_METHODS)
@@ -147,20 +169,30 @@ class FaultTolerance(CoreFaultTolerance):
             "fragment_sync_delay": self.fragment_sync_delay != 0,
             "fragment_update_alpha": self.fragment_update_alpha != 0.0,
         }
+        if self.method == "async_diloco":
+            self._validate_async()
+        else:
+            for name in self._changed(ASYNC_FIELDS):
+                raise ConfigError(
+                    f"fault_tolerance.{name}",
+                    getattr(self, name),
+                    "only applies to semi_sync_method=async_diloco",
+                )
         if self.method == "localsgd":
             for name, is_set in streaming.items():
                 if is_set:
                     raise ConfigError(
                         f"fault_tolerance.{name}",
                         getattr(self, name),
-                        "only applies to semi_sync_method=diloco (LocalSGD has no fragments)",
+                        "only applies to semi_sync_method=diloco or async_diloco (LocalSGD has no "
+                        "fragments)",
                     )
             for name in self._changed(OUTER_FIELDS):
                 raise ConfigError(
                     f"fault_tolerance.{name}",
                     getattr(self, name),
-                    "only applies to semi_sync_method=diloco (LocalSGD averages parameters; "
-                    "it has no outer optimizer and sends no pseudo-gradients)",
+                    "only applies to semi_sync_method=diloco or async_diloco (LocalSGD averages "
+                    "parameters; it has no outer optimizer and sends no pseudo-gradients)",
                 )
         self._validate_fragments(config)
         if self.outer_lr <= 0:
@@ -178,6 +210,28 @@ class FaultTolerance(CoreFaultTolerance):
                     f"torchft's fp8 all-reduce needs CUDA, the nccl process group and triton; "
                     f"{missing}, and torchft would silently send full precision instead",
                 )
+
+    def _validate_async(self) -> None:
+        if self.async_update not in ASYNC_UPDATES:
+            raise ConfigError(
+                "fault_tolerance.async_update",
+                self.async_update,
+                f"choose {', '.join(ASYNC_UPDATES)}",
+            )
+        if self.outer_state_device not in OUTER_STATE_DEVICES:
+            raise ConfigError(
+                "fault_tolerance.outer_state_device",
+                self.outer_state_device,
+                f"choose {', '.join(OUTER_STATE_DEVICES)}",
+            )
+        not_async = {
+            "fragment_sync_delay": "async_diloco overlaps each all-reduce with a whole period "
+            "already; fragment_sync_delay is blocking Streaming DiLoCo's shorter overlap",
+            "fragment_update_alpha": "async_diloco takes the global parameters (alpha 0)",
+            "should_quantize": "async_diloco sends full precision",
+        }
+        for name in self._changed(tuple(not_async)):
+            raise ConfigError(f"fault_tolerance.{name}", getattr(self, name), not_async[name])
 
     def _changed(self, names: tuple[str, ...]) -> list[str]:
         """The fields among ``names`` whose value is not their default."""
@@ -270,6 +324,8 @@ def _meta_model(config: CoreJobConfig) -> nn.Module:
 
 #: Fields that mean something only with a semi_sync_method, and only with DiLoCo.
 OUTER_FIELDS = ("outer_lr", "outer_momentum", "outer_nesterov", "should_quantize")
+#: Fields that mean something only with semi_sync_method=async_diloco.
+ASYNC_FIELDS = ("async_update", "outer_state_device")
 SEMI_SYNC_FIELDS = (
     "sync_steps",
     "sync_quorum_timeout_s",
@@ -279,6 +335,7 @@ SEMI_SYNC_FIELDS = (
     "module_fqns_per_model_fragment",
     "fragment_sync_delay",
     "fragment_update_alpha",
+    *ASYNC_FIELDS,
 )
 
 

@@ -35,7 +35,15 @@ from torchtitan.components.ft import FaultToleranceError, FTManager, build_ft_ma
 from torchtitan.components.ft import torchft_adapter as tft
 from torchtitan.config.job_config import ConfigError, JobConfig
 from torchtitan.experiments.fault_tolerance import events
+from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
 from torchtitan.experiments.fault_tolerance.job_config import SEMI_SYNC_METHODS, semi_sync_config
+from torchtitan.experiments.fault_tolerance.outer_loop import (
+    OuterLoop,
+    TorchftDiLoCo,
+    TorchftLocalSGD,
+    as_param_layout,
+    local_tensor,
+)
 from torchtitan.experiments.fault_tolerance.sync_quorum import (
     FRESH,
     RESUMED,
@@ -48,11 +56,6 @@ from torchtitan.experiments.fault_tolerance.sync_quorum import (
 from torchtitan.tools.digest import device_digest, tensor_digest
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import StepResult, Trainer
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
 
 # ---- model fragments -----------------------------------------------------------------------
 
@@ -110,16 +113,6 @@ def build_model_fragments(model: nn.Module, job_config: JobConfig) -> list[nn.Mo
 # ---- checkpointed state --------------------------------------------------------------------
 
 
-def _as_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` (this rank's shard) as a DTensor laid out like ``param`` (sharing storage), so
-    DCP stores one logical tensor instead of one per rank and loads in place."""
-    if isinstance(param, DTensor):
-        return DTensor.from_local(
-            local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
-        )
-    return local
-
-
 class SemiSyncState:
     """Checkpoint view of the algorithm: the inner-step position in the sync period and, for
     DiLoCo, each fragment's global parameters and outer-optimizer momentum.
@@ -135,58 +128,75 @@ class SemiSyncState:
         self.trainer = trainer
         self.loaded = False
 
-    def _fragments(self) -> list[Any]:
-        return tft.fragments(self.trainer.algorithm)
+    def _fragments(self) -> range:
+        loop = self.trainer.algorithm
+        return range(len(loop.fragments) if loop.has_global_copies else 0)
 
     def state_dict(self) -> dict[str, Any]:
-        algo = self.trainer.algorithm
-        in_flight = [i for i, f in enumerate(self._fragments()) if tft.in_flight(f)]
+        loop: OuterLoop = self.trainer.algorithm
+        extra = loop.extra_state()  # first: it may take in a sync's result
+        in_flight = [i for i in self._fragments() if loop.in_flight(i)]
         state: dict[str, Any] = {
-            "local_step": tft.local_step(algo),
+            "local_step": loop.local_step(),
             "in_flight_fragment": in_flight[0] if in_flight else -1,
         }
-        for i, fragment in enumerate(self._fragments()):
-            outer = tft.outer_optimizer(fragment)
-            params = tft.fragment_parameters(fragment)
+        if extra:
+            state["extra"] = extra
+        for i in self._fragments():
+            outer = loop.outer_optimizer(i)
+            params = loop.fragment_parameters(i)
+            stepped = loop.outer_parameters(i)
             momentum = {
-                name: outer.state.get(p, {}).get("momentum_buffer") for name, p in params.items()
+                name: outer.state.get(t, {}).get("momentum_buffer") for name, t in stepped.items()
             }
             state[f"fragment_{i}"] = {
                 "global_parameters": {
-                    name: _as_like(p, tft.global_parameters(fragment)[name])
+                    name: as_param_layout(p, loop.global_parameters(i)[name])
                     for name, p in params.items()
                 },
                 "has_momentum": all(m is not None for m in momentum.values()),
                 # Placeholders where the outer optimizer has not stepped yet, so that a fresh
                 # process offers DCP a tensor to load the saved momentum into.
                 "outer_momentum": {
-                    name: m if m is not None else torch.zeros_like(params[name].detach())
+                    name: (
+                        torch.zeros_like(params[name].detach())
+                        if m is None
+                        else m
+                        if isinstance(m, DTensor)
+                        else as_param_layout(params[name], m)
+                    )
                     for name, m in momentum.items()
                 },
             }
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        algo = self.trainer.algorithm
-        tft.set_local_step(algo, int(state["local_step"]))
-        fragments = self._fragments()
-        for i, fragment in enumerate(fragments):
+        loop: OuterLoop = self.trainer.algorithm
+        loop.set_local_step(int(state["local_step"]))
+        if "extra" in state:
+            loop.load_extra_state(state["extra"])
+        for i in self._fragments():
             saved = state[f"fragment_{i}"]
             for name, value in saved["global_parameters"].items():
-                tft.global_parameters(fragment)[name].copy_(_local(value))
-            outer = tft.outer_optimizer(fragment)
+                loop.global_parameters(i)[name].copy_(local_tensor(value))
+            outer = loop.outer_optimizer(i)
             outer.state.clear()
             if saved["has_momentum"]:
-                params = tft.fragment_parameters(fragment)
+                stepped = loop.outer_parameters(i)
                 for name, value in saved["outer_momentum"].items():
-                    outer.state[params[name]]["momentum_buffer"] = value.detach().clone()
+                    target = stepped[name]
+                    outer.state[target]["momentum_buffer"] = (
+                        value.detach().clone()
+                        if isinstance(target, DTensor)
+                        else local_tensor(value).detach().to(target.device, copy=True)
+                    )
         in_flight = int(state.get("in_flight_fragment", -1))
         if in_flight >= 0:
             # Saved while a fragment's all-reduce was in flight (fragment_sync_delay > 0): its
             # result is lost. Do what torchft does for a failed sync: put the fragment back to
             # its global parameters and start the period again; the fragment is retried.
-            tft.restore_global_copies(fragments[in_flight])
-            tft.set_local_step(algo, 0)
+            loop.restore_global_copies(in_flight)
+            loop.set_local_step(0)
             events.IN_FLIGHT_SYNC_DROPPED.emit(fragment=in_flight)
         self.loaded = True
 
@@ -220,15 +230,15 @@ class SemiSyncTrainer(Trainer):
         self.sync = SyncManager(
             self.ft, ft.min_replica_size, ft.sync_quorum_timeout_s, self._on_quorum
         )
-        self.fragments: list[nn.Module]
+        self.algorithm: OuterLoop
         if self.method == "localsgd":
-            from torchft.local_sgd import LocalSGD
-
-            self.algorithm: Any = LocalSGD(self.sync, self.model, self.optimizer, ft.sync_steps)
-            self.fragments = [self.model]
-            self.period, self.delay = ft.sync_steps, 0
+            self.algorithm = TorchftLocalSGD(self.sync, self.model, self.optimizer, ft.sync_steps)
+        elif self.method == "async_diloco":
+            self.algorithm = self._build_async_diloco()
         else:
             self.algorithm = self._build_diloco()
+        self.fragments = self.algorithm.fragments
+        self.period, self.delay = self.algorithm.period, self.algorithm.delay
         self.state = SemiSyncState(self)
         self.register_state("semi_sync", self.state, heal=False)
         # Not a checkpointed state: where in the sync period the sending group is, so that a
@@ -253,8 +263,15 @@ class SemiSyncTrainer(Trainer):
             f"{len(self.fragments)} fragment(s)"
             + (
                 f", outer SGD lr {ft.outer_lr} momentum {ft.outer_momentum} "
-                f"nesterov {ft.outer_nesterov}, delay {ft.fragment_sync_delay}, "
-                f"alpha {ft.fragment_update_alpha}"
+                f"nesterov {ft.outer_nesterov}"
+                if self.algorithm.has_global_copies
+                else ""
+            )
+            + (
+                f", {ft.async_update} update overlapped with the next period, outer state on "
+                f"{ft.outer_state_device}"
+                if self.method == "async_diloco"
+                else f", delay {ft.fragment_sync_delay}, alpha {ft.fragment_update_alpha}"
                 if self.method == "diloco"
                 else ""
             )
@@ -274,11 +291,11 @@ class SemiSyncTrainer(Trainer):
                 "sync is not part of the final model (every group ends with the global one)"
             )
 
-    def _build_diloco(self) -> Any:
+    def _build_diloco(self) -> OuterLoop:
         from torchft.local_sgd import DiLoCo
 
         ft = semi_sync_config(self.job_config)
-        self.fragments = build_model_fragments(self.model, self.job_config)
+        fragments = build_model_fragments(self.model, self.job_config)
         outer = [
             torch.optim.SGD(
                 fragment.parameters(),
@@ -287,13 +304,13 @@ class SemiSyncTrainer(Trainer):
                 # torch refuses Nesterov without momentum; with 0 it is plain SGD anyway.
                 nesterov=ft.outer_nesterov and ft.outer_momentum > 0,
             )
-            for fragment in self.fragments
+            for fragment in fragments
         ]
         # torchft registers each fragment's global parameters and outer optimizer for healing
         # itself (under fixed keys: build it once per Manager).
         algorithm = DiLoCo(
             self.sync,
-            self.fragments,
+            fragments,
             self.optimizer,
             outer,
             sync_every=ft.sync_steps,
@@ -302,11 +319,32 @@ class SemiSyncTrainer(Trainer):
             fragment_sync_delay=ft.fragment_sync_delay,
             fragment_update_alpha=ft.fragment_update_alpha,
         )
-        self.period = ft.sync_steps // len(self.fragments)
-        self.delay = ft.fragment_sync_delay
         for optimizer in outer:
             optimizer.register_step_pre_hook(self._measure_pseudo_gradient)
-        return algorithm
+        return TorchftDiLoCo(
+            algorithm, fragments, ft.sync_steps // len(fragments), ft.fragment_sync_delay
+        )
+
+    def _build_async_diloco(self) -> OuterLoop:
+        ft = semi_sync_config(self.job_config)
+        training = self.job_config.training
+        loop = AsyncDiLoCo(
+            self.sync,
+            build_model_fragments(self.model, self.job_config),
+            self.optimizer,
+            sync_steps=ft.sync_steps,
+            update=ft.async_update,
+            outer_lr=ft.outer_lr,
+            outer_momentum=ft.outer_momentum,
+            outer_nesterov=ft.outer_nesterov,
+            state_device=torch.device("cpu") if ft.outer_state_device == "cpu" else self.device,
+            tokens_per_step=training.local_batch_size
+            * training.seq_len
+            * self.parallel_dims.world_size,
+        )
+        for index in range(len(loop.fragments)):
+            loop.outer_optimizer(index).register_step_pre_hook(self._measure_pseudo_gradient)
+        return loop
 
     # ---- extension points of the core trainer ------------------------------------------------
 
@@ -325,12 +363,10 @@ class SemiSyncTrainer(Trainer):
     def join_replica_groups(self) -> None:
         """After the checkpoint is loaded: make sure DiLoCo's global parameters are the
         loaded ones, start the Manager and join the job (see :meth:`_start`)."""
-        if not self.state.loaded and self.method == "diloco":
+        if not self.state.loaded and self.algorithm.has_global_copies:
             # DiLoCo copied the global parameters when it was built, before any checkpoint was
             # loaded: take them again from the model as loaded, with fresh outer momentum.
-            tft.take_global_copies(self.algorithm)
-            for fragment in tft.fragments(self.algorithm):
-                tft.outer_optimizer(fragment).state.clear()
+            self.algorithm.take_global_copies()
             cfg = self.job_config.checkpoint
             if self.train_state.step > 0 or (cfg.enable and cfg.initial_load_path):
                 events.GLOBAL_FROM_LOADED_MODEL.emit(step=self.train_state.step)
@@ -343,7 +379,7 @@ class SemiSyncTrainer(Trainer):
         # Post-hooks run in registration order: ours before torchft's starts the clock of a
         # sync, ours after it reports the result.
         stack.callback(self.optimizer.register_step_post_hook(self._before_torchft).remove)
-        stack.enter_context(self.algorithm)
+        stack.enter_context(self.algorithm.hooks())
         stack.callback(self.optimizer.register_step_post_hook(self._after_torchft).remove)
         return stack
 
@@ -378,7 +414,7 @@ class SemiSyncTrainer(Trainer):
         manager = self.ft.manager
         true_step = manager.current_step()
         self._start_role = RESUMED if (true_step > 0 or self.train_state.step > 0) else FRESH
-        if self.method == "localsgd" and tft.local_step(self.algorithm) == 0:
+        if self.method == "localsgd" and self.algorithm.local_step() == 0:
             # At a period's start the model is the global parameters (the last average).
             self._localsgd_digest = device_digest(self.model.parameters())
         self._announce(true_step - 1)
@@ -425,7 +461,7 @@ class SemiSyncTrainer(Trainer):
             return
         self._announce(manager.current_step() + 1)
         if peer is not None:  # healed from a starting group, whose step was announced low
-            tft.set_local_step(self.algorithm, peer["local_step"])
+            self.algorithm.set_local_step(peer["local_step"])
             events.HEALED.emit(
                 step=self.train_state.step + 1,
                 sync=manager.current_step() + 1,
@@ -439,7 +475,7 @@ class SemiSyncTrainer(Trainer):
             step=self.train_state.step + 1,
             sync=manager.current_step() + 1,
             groups=manager.num_participants(),
-            inner_step=tft.local_step(self.algorithm),
+            inner_step=self.algorithm.local_step(),
             period=self.period,
         )
 
@@ -451,7 +487,7 @@ class SemiSyncTrainer(Trainer):
         """Healed from a running group inside its sync quorum: do that sync's part of this
         group now (the running groups are all-reducing with it), then go on from there."""
         assert self._peer is not None
-        tft.set_local_step(self.algorithm, self._peer["local_step"])
+        self.algorithm.set_local_step(self._peer["local_step"])
         events.HEALED.emit(
             step=self.train_state.step + 1,
             sync=self.ft.manager.current_step() + 1,
@@ -465,17 +501,7 @@ class SemiSyncTrainer(Trainer):
         self._pseudo_grad_norm = None
         self.sync.last_wait = waited  # this group's wait for the others' sync point
         start = time.perf_counter()
-        if self.method == "localsgd":
-            tft.localsgd_average(self.algorithm)
-            tft.set_local_step(self.algorithm, 0)
-            performed = True
-        else:
-            fragment = tft.fragments(self.algorithm)[tft.current_fragment(self.algorithm)]
-            tft.prepare_sync(fragment)
-            performed = self.delay == 0
-            if performed:
-                tft.perform_sync(fragment)
-                tft.set_local_step(self.algorithm, 0)
+        performed = self.algorithm.join_sync()
         self._sync_seconds = time.perf_counter() - start
         # The running groups are inside this step's optimizer.step(); finish it as they will.
         self.lr_scheduler.step()
@@ -556,12 +582,12 @@ class SemiSyncTrainer(Trainer):
         if not due:
             return None
         self._checked_quorum = quorum
-        if self.method == "localsgd":
+        if not self.algorithm.has_global_copies:
             return self._localsgd_digest
         return device_digest(
             t
-            for fragment in tft.fragments(self.algorithm)
-            for t in tft.global_parameters(fragment).values()
+            for i in range(len(self.fragments))
+            for t in self.algorithm.global_parameters(i).values()
         )
 
     def _act_on_disagreement(self, digests: list[int], no_majority: bool, minority: bool) -> None:
@@ -588,7 +614,7 @@ class SemiSyncTrainer(Trainer):
     def _position(self) -> dict[str, int]:
         """Sent to a group that heals from this one: where this group is."""
         return {
-            "local_step": tft.local_step(self.algorithm),
+            "local_step": self.algorithm.local_step(),
             "at_sync": int(self.sync.in_quorum and not self.starting),
             "starting": int(self.starting),
             "replica_id": self.job_config.fault_tolerance.replica_id,
@@ -603,7 +629,7 @@ class SemiSyncTrainer(Trainer):
         if self.starting:
             self._peer = dict(peer)
             return
-        mine = tft.local_step(self.algorithm)
+        mine = self.algorithm.local_step()
         if peer["starting"] or peer["local_step"] != mine:
             raise FaultToleranceError(
                 f"[semi-sync] healed from replica group {peer['replica_id']} at inner step "
@@ -628,28 +654,19 @@ class SemiSyncTrainer(Trainer):
         checkpoint and validation). DiLoCo puts every fragment's global copy back into the
         model (a started all-reduce is let finish and dropped, alike in every group); LocalSGD
         runs a closing sync if the last step was not one."""
-        steps_since = tft.local_step(self.algorithm)
         manager = self.ft.manager
-        if self.method == "localsgd":
-            if steps_since:
-                self._sync_seconds, start = 0.0, time.perf_counter()
-                self.algorithm.sync()
-                self._sync_seconds = time.perf_counter() - start
-                self._report_sync(self.train_state.step + 1)
-            closing, dropped = steps_since, None
-        else:
-            for fragment in tft.fragments(self.algorithm):
-                if tft.in_flight(fragment):
-                    tft.wait_in_flight(fragment)
-                tft.restore_global_copies(fragment)
-            closing, dropped = 0, steps_since if steps_since or self.delay else None
+        self._sync_seconds, start = 0.0, time.perf_counter()
+        ending = self.algorithm.finish()
+        self._sync_seconds = time.perf_counter() - start
+        if ending.synced:
+            self._report_sync(self.train_state.step + 1)
         step = self.train_state.step + 1
         events.FINAL_MODEL.emit(
             step=step,
             sync=manager.current_step(),
             method=self.method,
-            closing_sync_steps=closing,
-            dropped_inner_steps=dropped,
+            closing_sync_steps=ending.closing_sync_steps,
+            dropped_inner_steps=ending.dropped_inner_steps,
         )
         if self.job_config.metrics.log_param_digest:
             events.FINAL_DIGEST.emit(step=step, digest=tensor_digest(self.model.parameters()))
@@ -658,7 +675,7 @@ class SemiSyncTrainer(Trainer):
 
     def _position_in_period(self) -> tuple[bool, bool]:
         """(prepares, performs): what torchft's hook, which runs next, does at this step."""
-        local_step = tft.local_step(self.algorithm) + 1
+        local_step = self.algorithm.local_step() + 1
         return local_step == self.period - self.delay, local_step == self.period
 
     def _before_torchft(self, *_: Any) -> None:
@@ -678,7 +695,7 @@ class SemiSyncTrainer(Trainer):
         """Outer-optimizer pre-hook: the fragment's gradients are now the pseudo-gradients
         averaged over the groups (the same in every group), whatever the delay."""
         grads = [
-            _local(p.grad)
+            local_tensor(p.grad)
             for group in optimizer.param_groups
             for p in group["params"]
             if p.grad is not None
@@ -691,7 +708,7 @@ class SemiSyncTrainer(Trainer):
         self._pseudo_grad_norm = squares.sqrt().item()
 
     def _after_torchft(self, *_: Any) -> None:
-        local_step = tft.local_step(self.algorithm)
+        local_step = self.algorithm.local_step()
         prepared = local_step == self.period - self.delay  # only reachable when delay > 0
         performed = local_step == 0  # torchft resets the position after a sync
         if not (prepared or performed):
@@ -702,17 +719,13 @@ class SemiSyncTrainer(Trainer):
 
     def _report_sync(self, step: int) -> None:
         manager = self.ft.manager
-        # The failure count is reset to 0 by a commit and raised by a failed one, so right
-        # after should_commit it is the verdict of this sync.
-        committed = tft.commit_failures(manager) == 0
+        outcome = self.algorithm.last_outcome(manager)
+        if outcome is None:  # async DiLoCo's first sync point: it only started a sync
+            return
+        committed, sync_number = outcome.committed, outcome.number
+        fragment_index, payload = outcome.fragment, outcome.bytes_sent
+        groups = outcome.groups
         quorum_id = tft.quorum_id(manager)
-        # The number of this sync: the Manager's step it makes (a failed one is retried
-        # under the same number).
-        sync_number = manager.current_step() + (0 if committed else 1)
-        fragment_index = (sync_number - 1) % len(self.fragments)
-        fragment = self.fragments[fragment_index]
-        payload = sum(_local(p).numel() * p.element_size() for p in fragment.parameters())
-        groups = manager.num_participants()
         norm = self._pseudo_grad_norm if committed else None
         wait = self.sync.last_wait
         events.SYNC.emit(
@@ -730,6 +743,9 @@ class SemiSyncTrainer(Trainer):
             quorum_wait_s=wait,
             agreement=self._agreement,
             uncommitted_in_a_row=self.ft.uncommitted_in_a_row,
+            inner_steps=outcome.inner_steps,
+            tokens=outcome.tokens,
+            weight=outcome.weight,
         )
         scalars = {
             "sync/seconds": self._sync_seconds,
@@ -742,6 +758,10 @@ class SemiSyncTrainer(Trainer):
         }
         if norm is not None:
             scalars["sync/pseudo_grad_norm"] = norm
+        for name in ("inner_steps", "tokens", "weight"):
+            value = getattr(outcome, name)
+            if value is not None:
+                scalars[f"sync/{name}"] = float(value)
         self.metrics.write_scalars(step, scalars)
         if committed and self.method == "localsgd":
             self._localsgd_digest = device_digest(self.model.parameters())
@@ -767,10 +787,10 @@ class SemiSyncTrainer(Trainer):
     def global_digest(self) -> str:
         """Digest of the global parameters every group holds after a sync: DiLoCo's global
         copies of all fragments, or LocalSGD's averaged model parameters (this rank's shards)."""
-        if self.method == "diloco":
+        if self.algorithm.has_global_copies:
             return tensor_digest(
                 t
-                for fragment in tft.fragments(self.algorithm)
-                for t in tft.global_parameters(fragment).values()
+                for i in range(len(self.fragments))
+                for t in self.algorithm.global_parameters(i).values()
             )
         return tensor_digest(self.model.parameters())

@@ -1,0 +1,74 @@
+"""Async DiLoCo with real replica groups: a real ``torchft_lighthouse`` and two ``run_train.sh``
+groups on 127.0.0.1 with the tiny debug model. A sync point finishes the sync started one
+period earlier (its ``semi_sync.sync`` event) and starts the next; after every committed sync
+both groups hold the same global parameters (``semi_sync.global_digest``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from tests.integration_tests.harness import SEMI_SYNC_MODULE, FTJob, tail
+from tests.integration_tests.test_semi_sync import (
+    SYNC_STEPS,
+    args,
+    assert_loss_falls,
+    assert_same_global_params,
+    global_digests,
+    syncs,
+)
+from torchtitan.components.metrics import TRAIN_STEP
+from torchtitan.experiments.fault_tolerance.events import (
+    FINAL_DIGEST,
+    FINAL_MODEL,
+    GLOBAL_DIGEST,
+    SYNC,
+)
+
+
+@pytest.mark.parametrize("method, fragments", [("async_eager", 1), ("async_delayed_streaming", 2)])
+def test_clean_run_syncs_identical_global_params(
+    ft_job: Callable[..., FTJob], method: str, fragments: int
+) -> None:
+    """12 steps, sync_steps=4: sync points every 4 / fragments steps. Each finishes the sync
+    started at the previous one, the end of training finishes the last: every sync is
+    committed by both groups, fragments take turns, both groups log the same global digest
+    and the same averaged pseudo-gradient norm for every sync, the loss falls, and both end
+    with the same model."""
+    steps = 12
+    job = ft_job(groups=2, train_args=args(SEMI_SYNC_MODULE, method, f"--training.steps={steps}"))
+    job.start()
+    for r in range(2):
+        assert job.wait_exit(r, timeout=240) == 0, tail(job.latest(r).text())
+    period = SYNC_STEPS // fragments
+    expected = steps // period
+    per_group = [syncs(job.events(r, SYNC)) for r in range(2)]
+    for found in per_group:
+        assert [s.number for s in found] == list(range(1, expected + 1)), found
+        assert all(s.committed and s.groups == 2 for s in found), found
+        assert [s.fragment for s in found] == [i % fragments for i in range(expected)]
+        # Sync K is started at step K * period and applied one sync point later; the last one
+        # is started and finished in the last step.
+        assert [s.step for s in found] == [*range(2 * period, steps + 1, period), steps]
+        assert all(s.pseudo_grad_norm is not None and s.pseudo_grad_norm > 0 for s in found)
+    for r in range(2):  # equal steps and batches: equal token weights
+        raw = job.events(r, SYNC)
+        # A fragment's inner steps since its last sync (the first: since the start).
+        steps_in = [min(SYNC_STEPS, (i + 1) * period) for i in range(expected)]
+        assert [e["inner_steps"] for e in raw] == steps_in
+        assert [e["weight"] for e in raw] == [0.5] * expected
+    norms = [[s.pseudo_grad_norm for s in found] for found in per_group]
+    assert norms[0] == norms[1]
+    digests = assert_same_global_params(job)
+    assert sorted(digests) == list(range(1, expected + 1))
+    for r in range(2):
+        assert sorted(global_digests(job.events(r, GLOBAL_DIGEST))) == sorted(digests)
+    first, last = assert_loss_falls(job.events(0, TRAIN_STEP))
+    final = [[e["digest"] for e in job.events(r, FINAL_DIGEST)] for r in range(2)]
+    assert len(final[0]) == 1 and final[0] == final[1], final
+    assert job.events(0, FINAL_MODEL)[0]["dropped_inner_steps"] is None
+    print(
+        f"{method}: {expected} syncs, each applied one sync point later, identical digests; "
+        f"loss {first:.3f} -> {last:.3f}; both groups end with {final[0][0]}"
+    )

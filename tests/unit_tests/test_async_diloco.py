@@ -1,0 +1,328 @@
+"""Async DiLoCo's outer loop, two or three groups in one process: the groups' Managers share an
+in-memory SUM all-reduce, so the tests see the exact numbers each group applies. The real
+Manager, lighthouse and process groups are in tests/integration_tests/test_async_diloco.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo, outer_sgd_direction
+from torchtitan.experiments.fault_tolerance.trainer import SemiSyncState
+
+
+class Work:
+    def __init__(self, cluster: Cluster, round_: int) -> None:
+        self.cluster, self.round = cluster, round_
+
+    def wait(self) -> None:
+        self.cluster.reduce(self.round)
+
+
+class Cluster:
+    """An all-reduce among the groups' Managers: round ``r`` is every group's ``r``-th call."""
+
+    def __init__(self) -> None:
+        self.rounds: dict[int, list[torch.Tensor]] = {}
+        self.done: set[int] = set()
+
+    def reduce(self, round_: int) -> None:
+        if round_ in self.done:
+            return
+        buffers = self.rounds[round_]
+        total = torch.stack(buffers).sum(0)
+        for b in buffers:
+            b.copy_(total)
+        self.done.add(round_)
+
+
+class FakeManager:
+    """What AsyncDiLoCo asks of the sync Manager, for one group."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.calls = 0
+        self.step = 0
+        self.commit = True
+        self.fns: dict[str, tuple[Any, Any]] = {}
+        self.heal_from: FakeManager | None = None
+
+    def register_state_dict_fn(self, key: str, load: Any, save: Any) -> None:
+        self.fns[key] = (load, save)
+
+    def start_quorum(self) -> None:
+        if self.heal_from is not None:
+            for key, (load, _) in self.fns.items():
+                load(self.heal_from.fns[key][1]())
+            self.step = self.heal_from.step
+            self.heal_from = None
+
+    def allreduce(self, buffer: torch.Tensor, reduce_op: Any = None) -> Work:
+        self.cluster.rounds.setdefault(self.calls, []).append(buffer)
+        self.calls += 1
+        return Work(self.cluster, self.calls - 1)
+
+    def should_commit(self) -> bool:
+        if self.commit:
+            self.step += 1
+        return self.commit
+
+    def current_step(self) -> int:
+        return self.step
+
+    def num_participants(self) -> int:
+        return 2
+
+    def errored(self) -> None:
+        return None
+
+    def allow_state_dict_read(self) -> None:
+        pass
+
+    def disallow_state_dict_read(self) -> None:
+        pass
+
+
+class Group:
+    def __init__(self, cluster: Cluster, seed: int, fragments: int = 1, **kwargs: Any) -> None:
+        torch.manual_seed(0)  # every group starts from the same model
+        self.model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        self.manager = FakeManager(cluster)
+        parts = [self.model] if fragments == 1 else list(self.model)
+        options = dict(
+            sync_steps=4,
+            update="eager",
+            outer_lr=0.7,
+            outer_momentum=0.9,
+            outer_nesterov=True,
+            state_device=torch.device("cpu"),
+            tokens_per_step=10,
+        )
+        options.update(kwargs)
+        # The options dict mixes value types, which mypy cannot match to the keywords.
+        self.loop = AsyncDiLoCo(self.manager, parts, self.optimizer, **options)  # type: ignore[arg-type]
+        self.data = torch.Generator().manual_seed(seed)
+
+    def step(self) -> None:
+        x = torch.randn(8, 4, generator=self.data)
+        loss = self.model(x).pow(2).mean()
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+
+    def globals_(self) -> list[torch.Tensor]:
+        return [
+            t.clone()
+            for i in range(len(self.loop.fragments))
+            for t in self.loop.global_parameters(i).values()
+        ]
+
+
+def run(groups: list[Group], steps: int) -> list[list[list[torch.Tensor]]]:
+    """Lock-step inner steps; the global copies of each group after every sync point."""
+    seen: list[list[list[torch.Tensor]]] = [[] for _ in groups]
+    with torch.enable_grad():
+        hooks = [g.loop.hooks() for g in groups]
+        for h in hooks:
+            h.__enter__()
+        try:
+            for _ in range(steps):
+                for i, g in enumerate(groups):
+                    g.step()
+                    if g.loop.local_step() == 0:
+                        seen[i].append(g.globals_())
+        finally:
+            for h in hooks:
+                h.__exit__(None, None, None)
+    return seen
+
+
+@pytest.mark.parametrize("update", ["eager", "delayed"])
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_groups_hold_identical_global_parameters_after_every_sync(update, fragments):
+    cluster = Cluster()
+    groups = [Group(cluster, seed, fragments, update=update) for seed in (1, 2, 3)]
+    seen = run(groups, 24)
+    assert len(seen[0]) == 24 // (4 // fragments)
+    for a, b, c in zip(*seen, strict=True):
+        assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a, b, c, strict=True))
+    first, last = seen[0][0], seen[0][-1]
+    assert not all(torch.equal(x, y) for x, y in zip(first, last, strict=True))  # they did train
+    for g in groups:
+        g.loop.finish()
+    final = [torch.cat([p.detach().flatten() for p in g.model.parameters()]) for g in groups]
+    assert torch.equal(final[0], final[1]) and torch.equal(final[0], final[2])
+
+
+def models_at_sync_points(group: Group) -> list[list[torch.Tensor]]:
+    """The group's model parameters as each sync point finds them (after the inner step)."""
+    seen: list[list[torch.Tensor]] = []
+    sync_point = group.loop.sync_point
+
+    def recording() -> None:
+        seen.append([p.detach().clone() for p in group.model.parameters()])
+        sync_point()
+
+    group.loop.sync_point = recording  # type: ignore[method-assign]  # a spy on the method
+    return seen
+
+
+def test_delayed_parameter_averaging_is_local_sgd_one_period_late():
+    """outer_lr 1, no momentum: the global copy becomes the average of the groups' models at
+    the end of the period, applied at the next sync point; meanwhile each group restarted
+    from the old global copy."""
+    cluster = Cluster()
+    groups = [
+        Group(cluster, seed, update="delayed", outer_lr=1.0, outer_momentum=0.0) for seed in (1, 2)
+    ]
+    start = [p.detach().clone() for p in groups[0].model.parameters()]
+    ends = [models_at_sync_points(g) for g in groups]
+    run(groups, 4)
+    for g in groups:
+        assert all(torch.equal(p, s) for p, s in zip(g.model.parameters(), start, strict=True))
+        assert g.loop.in_flight(0)
+    assert all(g.loop.finish().synced for g in groups)
+    for g in groups:
+        for p, a, b in zip(g.model.parameters(), ends[0][0], ends[1][0], strict=True):
+            torch.testing.assert_close(p.detach(), (a + b) / 2, rtol=0, atol=1e-6)
+
+
+def test_pseudo_gradients_are_weighted_by_tokens():
+    """A group that trained on 3x the tokens counts 3x in the average."""
+    cluster = Cluster()
+    plain = dict(update="delayed", outer_lr=1.0, outer_momentum=0.0)
+    groups = [
+        Group(cluster, 1, tokens_per_step=30, **plain),
+        Group(cluster, 2, tokens_per_step=10, **plain),
+    ]
+    ends = [models_at_sync_points(g) for g in groups]
+    run(groups, 4)
+    for g in groups:
+        g.loop.finish()
+        for p, a, b in zip(g.model.parameters(), ends[0][0], ends[1][0], strict=True):
+            torch.testing.assert_close(p.detach(), 0.75 * a + 0.25 * b, rtol=0, atol=1e-6)
+
+
+def test_eager_starts_where_the_outer_optimizer_would_go_on_its_own_pseudo_gradient():
+    group = Group(Cluster(), 1, update="eager")
+    before = [p.detach().clone() for p in group.model.parameters()]
+    ends = models_at_sync_points(group)
+    run([group], 4)
+    reference = [b.clone().requires_grad_() for b in before]
+    outer = torch.optim.SGD(reference, lr=0.7, momentum=0.9, nesterov=True)
+    for r, b, e in zip(reference, before, ends[0], strict=True):
+        r.grad = b - e  # this group's pseudo-gradient
+    outer.step()
+    for p, r in zip(group.model.parameters(), reference, strict=True):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=0, atol=1e-6)
+    # The global copy itself has not moved: the average is not there yet.
+    for g, b in zip(group.loop.global_parameters(0).values(), before, strict=True):
+        assert torch.equal(g, b)
+
+
+def test_outer_sgd_direction_matches_torch_sgd():
+    torch.manual_seed(0)
+    for momentum, nesterov in ((0.0, False), (0.9, False), (0.9, True)):
+        p = torch.randn(5, requires_grad=True)
+        sgd = torch.optim.SGD([p], lr=1.0, momentum=momentum, nesterov=nesterov)
+        for _ in range(3):  # a momentum buffer with history
+            p.grad = torch.randn(5)
+            before = p.detach().clone()
+            buf = sgd.state.get(p, {}).get("momentum_buffer")
+            buf = None if buf is None else buf.clone()
+            expected = outer_sgd_direction(p.grad, buf, momentum, nesterov)
+            sgd.step()
+            torch.testing.assert_close(before - p.detach(), expected)
+
+
+def test_an_uncommitted_sync_is_dropped_alike_and_the_local_copy_follows():
+    cluster = Cluster()
+    groups = [Group(cluster, seed) for seed in (1, 2)]
+    run(groups, 4)  # sync point 1: sync 1 started
+    before = [g.globals_() for g in groups]
+    for g in groups:
+        g.manager.commit = False
+    run(groups, 4)  # sync point 2: sync 1 not committed, sync 2 started
+    for g, b in zip(groups, before, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(g.globals_(), b, strict=True))
+        outcome = g.loop.last_outcome(g.manager)
+        assert outcome is not None and outcome.committed is False
+        g.manager.commit = True
+    seen = run(groups, 8)
+    assert all(torch.equal(x, y) for x, y in zip(seen[0][-1], seen[1][-1], strict=True))
+
+
+def test_a_group_that_heals_sends_weight_zero_and_takes_the_global_copy():
+    cluster = Cluster()
+    groups = [Group(cluster, seed) for seed in (1, 2)]
+    run(groups, 8)
+    groups[1].manager.heal_from = groups[0].manager
+    with torch.no_grad():
+        for p in groups[1].loop.global_parameters(0).values():
+            p.add_(1.0)  # state the heal must replace
+    run(groups, 4)
+    flight = groups[1].loop._in_flight
+    assert flight is not None
+    flight.work.wait()
+    assert float(flight.buffer[-1]) == 40.0  # group 0's 4 steps x 10 tokens; its own: 0
+    healed = groups[1]
+    assert all(
+        torch.equal(x, y) for x, y in zip(groups[0].globals_(), healed.globals_(), strict=True)
+    )
+    global_copy = healed.loop.global_parameters(0).values()
+    for p, g in zip(healed.model.parameters(), global_copy, strict=True):
+        assert torch.equal(p.detach(), g)
+
+
+def _save(group: Group, folder: Any) -> dict[str, Any]:
+    """A checkpoint of ``group``: the semi-sync state through DCP, the rest in memory."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(
+        {"semi_sync": SemiSyncState(SimpleNamespace(algorithm=group.loop))}, checkpoint_id=folder
+    )
+    return {
+        "model": {k: v.clone() for k, v in group.model.state_dict().items()},
+        "step": group.manager.step,
+        "data": group.data.get_state(),
+    }
+
+
+def _load(group: Group, folder: Any, rest: dict[str, Any]) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    state = SemiSyncState(SimpleNamespace(algorithm=group.loop))
+    dcp.load({"semi_sync": state}, checkpoint_id=folder)
+    group.model.load_state_dict(rest["model"])
+    group.manager.step = rest["step"]
+    group.data.set_state(rest["data"])
+    assert state.loaded
+
+
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_a_restart_from_checkpoints_taken_mid_period_continues_bit_for_bit(tmp_path, fragments):
+    """Checkpoints of both groups taken while a sync is in flight (step 7; sync_steps 4) hold
+    its summed result, the local-period starts and the token counts: groups restarted from them
+    in fresh processes apply that sync at their next sync point and hold, at every later sync,
+    the global parameters of the uninterrupted run."""
+    cluster = Cluster()
+    groups = [Group(cluster, seed, fragments) for seed in (1, 2)]
+    run(groups, 7)
+    assert all(g.loop._in_flight is not None for g in groups)  # sync 1 (or 3) started
+    saved = [_save(g, tmp_path / f"group{i}") for i, g in enumerate(groups)]
+    uninterrupted = run(groups, 9)
+
+    fresh_cluster = Cluster()
+    fresh = [Group(fresh_cluster, seed, fragments) for seed in (1, 2)]
+    for i, g in enumerate(fresh):
+        _load(g, tmp_path / f"group{i}", saved[i])
+        g.loop.set_local_step(7 % (4 // fragments))
+    resumed = run(fresh, 9)
+    assert len(resumed[0]) == len(uninterrupted[0]) > 0
+    for before, after in zip(uninterrupted[0], resumed[0], strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))

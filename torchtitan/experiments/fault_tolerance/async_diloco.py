@@ -1,0 +1,480 @@
+"""Async DiLoCo: the outer step overlaps the next period's compute.
+
+Blocking DiLoCo stops every group at a sync point until the pseudo-gradient all-reduce is done.
+Here a group starts that all-reduce and goes straight on with its inner steps; the average is
+applied at the next sync point, where it has had a whole period to arrive. torchft's Manager
+does what it does for the blocking methods (quorum, the managed all-reduce, ``should_commit``,
+state transfer to a healing group); this module is only the outer algorithm torchft lacks.
+
+One sync point ``j`` (every ``period`` inner steps; with fragments, fragment ``j mod F``):
+
+1. finish sync ``j - 1``: wait for its all-reduce, ``should_commit``; if committed, apply the
+   outer step (the outer optimizer on the global copy, with the token-weighted average as
+   gradient), else drop it alike in every group. The local copy of that fragment is then
+   corrected by how far the global copy moved from where this group's local period started,
+   so inner progress made since is kept and the estimate (below) is replaced by the truth;
+2. this group's pseudo-gradient of the fragment due now: where its local period started minus
+   where the model is;
+3. the fragment's next local period starts from the global copy (``delayed``), or from the
+   global copy plus the outer step this group's own pseudo-gradient would make (``eager``,
+   arXiv 2502.12996: the own pseudo-gradient as the estimate of the average);
+4. the sync quorum (a joining group heals here: it gets the global copies and outer state);
+5. start the all-reduce of ``[tokens x pseudo-gradient, tokens]`` (a SUM), so the average is
+   weighted by the tokens each group processed in the fragment's period (arXiv 2401.09135);
+   a group that has just healed sends zeros and weight 0.
+
+Every group applies the same averages in the same order to the same global copies, so after
+every committed sync all live groups hold identical global parameters (the trainer checks a
+digest of them). Nothing is in flight while a quorum forms, so a heal carries only the global
+copies and outer optimizer state. The global copies, the outer momentum and the start of the
+local period live on ``state_device`` (the CPU by default: 3x the parameters off the
+accelerator; pinned when a GPU is present).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed import ReduceOp
+
+from torchtitan.experiments.fault_tolerance.outer_loop import (
+    Ending,
+    OuterLoop,
+    SyncOutcome,
+    as_param_layout,
+    local_tensor,
+)
+
+#: How a group's next local period starts while its pseudo-gradient is being averaged.
+UPDATES = ("eager", "delayed")
+
+
+def _state_tensor(like: torch.Tensor, device: torch.device) -> torch.Tensor:
+    t = torch.empty(like.shape, dtype=torch.float32, device=device)
+    if t.device.type == "cpu" and torch.cuda.is_available():
+        t = t.pin_memory()
+    return t
+
+
+class _Fragment:
+    """One fragment's outer state: its global copy, where this group's local period started,
+    and the outer optimizer over the global copy."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device: torch.device,
+        lr: float,
+        momentum: float,
+        nesterov: bool,
+    ) -> None:
+        self.params = dict(module.named_parameters())
+        self.global_ = {n: _state_tensor(local_tensor(p), device) for n, p in self.params.items()}
+        self.start = {n: _state_tensor(local_tensor(p), device) for n, p in self.params.items()}
+        self.outer = torch.optim.SGD(
+            list(self.global_.values()),
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov and momentum > 0,
+        )
+        #: Inner steps this group took since the fragment's last sync point.
+        self.steps = 0
+
+    def numel(self) -> int:
+        return sum(t.numel() for t in self.global_.values())
+
+    @torch.no_grad()
+    def model_to_global(self) -> None:
+        """The model's current values become the global copy and the local start."""
+        for name, p in self.params.items():
+            self.global_[name].copy_(local_tensor(p.data))
+            self.start[name].copy_(self.global_[name])
+
+    @torch.no_grad()
+    def pseudo_gradient(self, out: torch.Tensor) -> None:
+        """Write start - model (this group's progress since its local period started, with
+        the sign of a gradient) into the flat ``out``."""
+        offset = 0
+        for name, p in self.params.items():
+            local = local_tensor(p.data)
+            n = local.numel()
+            view = out[offset : offset + n].view_as(local)
+            view.copy_(self.start[name])
+            view.sub_(local)
+            offset += n
+
+    @torch.no_grad()
+    def apply_average(self, flat: torch.Tensor) -> None:
+        """One outer step on the global copy with the averaged pseudo-gradient ``flat``."""
+        offset = 0
+        for t in self.global_.values():
+            n = t.numel()
+            t.grad = flat[offset : offset + n].view_as(t).to(t.device)
+            offset += n
+        self.outer.step()
+        self.outer.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def follow_global(self) -> None:
+        """Shift the local copy by how far the global copy is from the local start, and start
+        the local period there: inner progress since is kept, what the period assumed about
+        the global copy is replaced by what it is."""
+        for name, p in self.params.items():
+            local = local_tensor(p.data)
+            shift = self.global_[name] - self.start[name]
+            local.add_(shift.to(local.device))
+            self.start[name].copy_(self.global_[name])
+
+    @torch.no_grad()
+    def start_period(self, estimate: torch.Tensor | None) -> None:
+        """Start the fragment's next local period at the global copy, moved by the outer step
+        ``estimate`` (a flat pseudo-gradient) would make when given (``eager``)."""
+        offset = 0
+        group = self.outer.param_groups[0]
+        lr, mu, nesterov = group["lr"], group["momentum"], group["nesterov"]
+        for name, p in self.params.items():
+            target = self.start[name]
+            target.copy_(self.global_[name])
+            n = target.numel()
+            if estimate is not None:
+                grad = estimate[offset : offset + n].view_as(target).to(target.device)
+                target.sub_(outer_sgd_direction(grad, self._momentum(name), mu, nesterov), alpha=lr)
+            offset += n
+            local_tensor(p.data).copy_(target.to(p.device))
+
+    def _momentum(self, name: str) -> torch.Tensor | None:
+        return self.outer.state.get(self.global_[name], {}).get("momentum_buffer")
+
+    def state_for_heal(self) -> dict[str, Any]:
+        return {
+            "global": dict(self.global_),
+            "start": dict(self.start),
+            "outer": self.outer.state_dict(),
+        }
+
+    @torch.no_grad()
+    def load_from_heal(self, state: dict[str, Any]) -> None:
+        """The peer's global copy, outer state and local start (which goes with the model the
+        peer sends alongside): this group goes on exactly as the peer."""
+        for name, value in state["global"].items():
+            self.global_[name].copy_(value)
+            self.start[name].copy_(state["start"][name])
+        self.outer.load_state_dict(state["outer"])
+        self.steps = 0
+
+
+def outer_sgd_direction(
+    grad: torch.Tensor, momentum_buffer: torch.Tensor | None, momentum: float, nesterov: bool
+) -> torch.Tensor:
+    """The direction ``torch.optim.SGD`` (no weight decay, no dampening) steps along for
+    ``grad`` with this momentum buffer, without changing the buffer: the estimate ``eager``
+    applies is exactly the step the outer optimizer would take if every group had sent the
+    same pseudo-gradient as this one."""
+    if momentum == 0:
+        return grad
+    buf = grad.clone() if momentum_buffer is None else momentum_buffer * momentum + grad
+    return grad + momentum * buf if nesterov else buf
+
+
+@dataclass
+class _InFlight:
+    """A started all-reduce: ``buffer`` holds [sum of tokens x pseudo-gradient, sum of tokens]
+    once ``work`` is done."""
+
+    fragment: int
+    buffer: torch.Tensor
+    work: Any
+    #: This group's inner steps and tokens in the sync (its weight before normalizing).
+    inner_steps: int
+    tokens: int
+    #: The result is in ``buffer`` (waited for; or loaded from a checkpoint).
+    arrived: bool = False
+
+
+class _Arrived:
+    """The work of an all-reduce whose result is already in its buffer."""
+
+    def wait(self) -> None:
+        pass
+
+
+class AsyncDiLoCo(OuterLoop):
+    """DiLoCo whose outer step is applied one sync point later, overlapped with compute."""
+
+    method = "async_diloco"
+
+    def __init__(
+        self,
+        manager: Any,
+        fragments: list[nn.Module],
+        inner_optimizer: torch.optim.Optimizer,
+        *,
+        sync_steps: int,
+        update: str,
+        outer_lr: float,
+        outer_momentum: float,
+        outer_nesterov: bool,
+        state_device: torch.device,
+        tokens_per_step: int,
+    ) -> None:
+        """``manager``: the sync Manager (quorum, all-reduce, should_commit, state for
+        healing); ``sync_steps``: inner steps between two syncs of one fragment; ``update``:
+        ``eager`` or ``delayed``; ``tokens_per_step``: tokens this group trains on per inner
+        step (the weight of its pseudo-gradients)."""
+        if update not in UPDATES:
+            raise ValueError(f"update must be one of {UPDATES}, not {update!r}")
+        self.manager = manager
+        self.fragments = fragments
+        self.period = sync_steps // len(fragments)
+        self.update = update
+        self.tokens_per_step = tokens_per_step
+        self.inner_optimizer = inner_optimizer
+        self._states = [
+            _Fragment(f, state_device, outer_lr, outer_momentum, outer_nesterov) for f in fragments
+        ]
+        self._local_step = 0
+        self._in_flight: _InFlight | None = None
+        self._outcome: SyncOutcome | None = None
+        #: Set when torchft loaded a peer's state into this group in the last quorum.
+        self._healed = False
+        self.take_global_copies()
+        for index, state in enumerate(self._states):
+            manager.register_state_dict_fn(
+                f"async_diloco_fragment_{index}",
+                lambda saved, state=state: self._load_from_heal(state, saved),
+                state.state_for_heal,
+            )
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _installed(self) -> Iterator[AsyncDiLoCo]:
+        handles = [
+            self.inner_optimizer.register_step_pre_hook(self._before_step),
+            self.inner_optimizer.register_step_post_hook(self._after_step),
+        ]
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def hooks(self) -> contextlib.AbstractContextManager:
+        return self._installed()
+
+    def _before_step(self, *_: Any) -> None:
+        # Parameters change in the step: a peer must not read them for a heal meanwhile.
+        self.manager.disallow_state_dict_read()
+
+    def _after_step(self, *_: Any) -> None:
+        self.manager.allow_state_dict_read()
+        for state in self._states:
+            state.steps += 1
+        self._local_step += 1
+        if self._local_step == self.period:
+            self.sync_point()
+
+    def sync_point(self) -> None:
+        """Finish the sync in flight, start this fragment's (see the module docstring)."""
+        self._outcome = self._finish_in_flight()
+        index = self.current_fragment()
+        state = self._states[index]
+        buffer = self._buffer(state)
+        state.pseudo_gradient(buffer[:-1])
+        state.start_period(buffer[:-1] if self.update == "eager" else None)
+        steps, state.steps = state.steps, 0
+        self._healed = False
+        self.manager.start_quorum()
+        if self._healed:  # this group's progress was replaced by a peer's state
+            self._after_heal()
+            steps = 0
+        self._start_all_reduce(index, buffer, steps)
+        self._local_step = 0
+
+    def _buffer(self, state: _Fragment) -> torch.Tensor:
+        device = local_tensor(next(iter(state.params.values()))).device
+        return torch.empty(state.numel() + 1, dtype=torch.float32, device=device)
+
+    def _start_all_reduce(self, index: int, buffer: torch.Tensor, steps: int) -> None:
+        """All-reduce (SUM) ``[tokens x pseudo-gradient, tokens]`` for the pseudo-gradient in
+        ``buffer[:-1]``, from ``steps`` inner steps (0: this group sends zeros)."""
+        tokens = steps * self.tokens_per_step
+        if tokens == 0:
+            buffer.zero_()
+        else:
+            buffer[:-1].mul_(tokens)
+            buffer[-1] = tokens
+        work = self.manager.allreduce(buffer, reduce_op=ReduceOp.SUM)
+        self._in_flight = _InFlight(index, buffer, work, steps, tokens)
+
+    def _finish_in_flight(self) -> SyncOutcome | None:
+        """Wait for the sync in flight, commit it or not, apply it or not (alike in every
+        group), and let its fragment's local copy follow the global copy."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return None
+        flight.work.wait()  # a failed all-reduce is recorded by the Manager, not raised
+        committed = bool(self.manager.should_commit())
+        state = self._states[flight.fragment]
+        total = float(flight.buffer[-1])
+        if committed and total > 0:
+            state.apply_average(flight.buffer[:-1].div_(total))
+        state.follow_global()
+        number = self.manager.current_step() + (0 if committed else 1)
+        return SyncOutcome(
+            number,
+            flight.fragment,
+            committed,
+            flight.buffer.numel() * flight.buffer.element_size(),
+            self.manager.num_participants(),
+            inner_steps=flight.inner_steps,
+            tokens=flight.tokens,
+            weight=flight.tokens / total if committed and total > 0 else None,
+        )
+
+    # ---- healing -----------------------------------------------------------------------------
+
+    def _load_from_heal(self, state: _Fragment, saved: dict[str, Any]) -> None:
+        state.load_from_heal(saved)
+        self._healed = True
+
+    def _after_heal(self) -> None:
+        """The global copies are the peer's: every fragment's local period starts there, and
+        nothing this group did before counts."""
+        for state in self._states:
+            state.start_period(None)
+            state.steps = 0
+
+    def join_sync(self) -> bool:
+        """A group healed in the running groups' sync quorum: start from the global copies
+        and take part in the all-reduce they started, with weight 0."""
+        self._in_flight = None
+        self._after_heal()
+        index = self.current_fragment()
+        self._start_all_reduce(index, self._buffer(self._states[index]), 0)
+        self._healed = False
+        self._local_step = 0
+        return False
+
+    # ---- what the trainer asks -----------------------------------------------------------------
+
+    def local_step(self) -> int:
+        return self._local_step
+
+    def set_local_step(self, step: int) -> None:
+        self._local_step = step
+
+    def current_fragment(self) -> int:
+        return self.manager.current_step() % len(self.fragments)
+
+    def global_parameters(self, index: int) -> dict[str, torch.Tensor]:
+        return self._states[index].global_
+
+    def outer_optimizer(self, index: int) -> torch.optim.Optimizer:
+        return self._states[index].outer
+
+    def outer_parameters(self, index: int) -> dict[str, torch.Tensor]:
+        return self._states[index].global_
+
+    def in_flight(self, index: int) -> bool:
+        flight = self._in_flight
+        return flight is not None and flight.fragment == index and not flight.arrived
+
+    def extra_state(self) -> dict[str, Any]:
+        """Per fragment the start of the local period and its inner-step count, and the sync
+        in flight: waited for here (a checkpoint blocks anyway), its summed result kept, so that
+        a job restarted from the checkpoint applies it at its next sync point as the
+        uninterrupted job does. Unless the all-reduce failed: then nothing is kept, and the
+        restarted job drops that sync (``in_flight`` stays true)."""
+        flight = self._in_flight
+        if flight is not None and not flight.arrived:
+            flight.work.wait()
+            flight.arrived = self.manager.errored() is None
+        kept = flight if flight is not None and flight.arrived else None
+        state: dict[str, Any] = {}
+        for index, fs in enumerate(self._states):
+            state[f"fragment_{index}"] = {
+                "local_start": {
+                    name: as_param_layout(p, fs.start[name]) for name, p in fs.params.items()
+                },
+                "steps": fs.steps,
+            }
+        # Every parameter of the model has an entry (zeros outside the kept fragment), so the
+        # keys do not depend on which fragment was in flight.
+        arrived_sum: dict[str, dict[str, torch.Tensor]] = {}
+        for index, fs in enumerate(self._states):
+            offset = 0
+            part_of = arrived_sum[f"fragment_{index}"] = {}
+            for name, p in fs.params.items():
+                local = local_tensor(p.data)
+                part = (
+                    kept.buffer[offset : offset + local.numel()].view_as(local)
+                    if kept is not None and kept.fragment == index
+                    else torch.zeros(local.shape, dtype=torch.float32, device=local.device)
+                )
+                part_of[name] = as_param_layout(p, part)
+                offset += local.numel()
+        state["arrived"] = {
+            "fragment": kept.fragment if kept is not None else -1,
+            "inner_steps": kept.inner_steps if kept is not None else 0,
+            "own_tokens": kept.tokens if kept is not None else 0,
+            "sum": arrived_sum,
+            "tokens": float(kept.buffer[-1]) if kept is not None else 0.0,
+        }
+        return state
+
+    @torch.no_grad()
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        for index, fs in enumerate(self._states):
+            saved = state[f"fragment_{index}"]
+            for name, value in saved["local_start"].items():
+                fs.start[name].copy_(local_tensor(value))
+            fs.steps = int(saved["steps"])
+        arrived = state["arrived"]
+        self._in_flight = None
+        fragment = int(arrived["fragment"])
+        if fragment >= 0:
+            sums = arrived["sum"][f"fragment_{fragment}"]
+            parts = [
+                local_tensor(sums[n]).reshape(-1).float() for n in self._states[fragment].params
+            ]
+            tokens = torch.tensor([float(arrived["tokens"])], device=parts[0].device)
+            buffer = torch.cat([*parts, tokens])
+            self._in_flight = _InFlight(
+                fragment,
+                buffer,
+                _Arrived(),
+                int(arrived["inner_steps"]),
+                int(arrived["own_tokens"]),
+                arrived=True,
+            )
+
+    def drop_in_flight(self, index: int) -> None:
+        if self.in_flight(index):
+            assert self._in_flight is not None
+            self._in_flight.work.wait()
+            self._in_flight = None
+
+    def restore_global_copies(self, index: int) -> None:
+        self._states[index].start_period(None)
+
+    def take_global_copies(self) -> None:
+        for state in self._states:
+            state.model_to_global()
+            state.outer.state.clear()
+
+    def last_outcome(self, manager: Any) -> SyncOutcome | None:
+        return self._outcome
+
+    def finish(self) -> Ending:
+        """Finish the sync in flight (the job's last average counts), then every fragment's
+        global copy goes into the model."""
+        self._outcome = self._finish_in_flight()
+        for index in range(len(self.fragments)):
+            self.restore_global_copies(index)
+        return Ending(self._outcome is not None, 0, self._local_step or None)

@@ -1,0 +1,268 @@
+"""The outer loops ``SemiSyncTrainer`` drives: what a semi-sync method is to the trainer.
+
+A method syncs the replica groups from optimizer hooks (entered with ``hooks()``), every
+``period`` inner steps, over the model's ``fragments``. The trainer needs a few more verbs from
+it around start-up, healing, checkpoints and the end of training; :class:`OuterLoop` names them,
+so that the trainer never depends on how a method keeps its state. Two of them are torchft's
+own algorithms, driven through the adapter (:class:`TorchftLocalSGD`, :class:`TorchftDiLoCo`);
+``async_diloco.AsyncDiLoCo`` is ours.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from torchtitan.components.ft import torchft_adapter as tft
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a parameter (the tensor itself when it is not sharded)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def as_param_layout(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (this rank's shard) as a DTensor laid out like ``param``, so DCP stores one
+    logical tensor instead of one per rank. It shares ``local``'s storage unless ``local`` is
+    on another device than the parameter (outer state kept on the CPU): loading then goes
+    through a copy on the parameter's device, which ``load_state_dict`` copies back."""
+    if isinstance(param, DTensor):
+        return DTensor.from_local(
+            local.to(param.device),
+            param.device_mesh,
+            param.placements,
+            shape=param.shape,
+            stride=param.stride(),
+        )
+    return local
+
+
+@dataclass
+class SyncOutcome:
+    """What the last sync point did, as the trainer reports it."""
+
+    #: The sync whose verdict is known: the Manager step it makes (a failed one is retried
+    #: under the same number).
+    number: int
+    fragment: int
+    committed: bool
+    #: Bytes of this group's payload for that sync.
+    bytes_sent: int
+    #: Replica groups in that sync's quorum.
+    groups: int
+    #: Token weighting (async DiLoCo): this group's inner steps and tokens in the sync, and
+    #: its share of all groups' tokens (its weight in the average). None: equal weights.
+    inner_steps: int | None = None
+    tokens: int | None = None
+    weight: float | None = None
+
+
+@dataclass
+class Ending:
+    """What ``OuterLoop.finish`` did."""
+
+    #: A sync was decided on the way (report it like one at a sync point).
+    synced: bool
+    #: Inner steps a closing sync took in (LocalSGD's sync of the last partial period).
+    closing_sync_steps: int
+    #: Inner steps since the last sync that are not in the final model (None: nothing).
+    dropped_inner_steps: int | None
+
+
+class OuterLoop:
+    """A semi-sync method: the model's ``fragments`` (one: the model itself) sync in turn,
+    one every ``period`` inner steps; a fragment's sync is started ``delay`` steps before it
+    is applied (0: at once)."""
+
+    method: str
+    fragments: list[nn.Module]
+    period: int
+    delay: int = 0
+    #: Whether the method keeps global copies of the parameters and an outer optimizer
+    #: (DiLoCo); LocalSGD's global parameters are the model's right after a sync.
+    has_global_copies: bool = True
+
+    def hooks(self) -> contextlib.AbstractContextManager:
+        """Installs the optimizer hooks that sync (entered around the training loop)."""
+        raise NotImplementedError
+
+    def local_step(self) -> int:
+        """Inner steps since the last sync point."""
+        raise NotImplementedError
+
+    def set_local_step(self, step: int) -> None:
+        raise NotImplementedError
+
+    def current_fragment(self) -> int:
+        """The fragment the next sync point syncs (alike in every group)."""
+        return 0
+
+    def global_parameters(self, index: int) -> dict[str, torch.Tensor]:
+        """A fragment's global copy (this rank's shards), by fragment parameter name."""
+        raise NotImplementedError
+
+    def fragment_parameters(self, index: int) -> dict[str, nn.Parameter]:
+        """The model parameters of a fragment (the model's own objects), by the same names."""
+        return dict(self.fragments[index].named_parameters())
+
+    def outer_optimizer(self, index: int) -> torch.optim.Optimizer:
+        raise NotImplementedError
+
+    def outer_parameters(self, index: int) -> dict[str, torch.Tensor]:
+        """The tensors the outer optimizer steps (its momentum is keyed by them), by the same
+        names: the model's parameters in torchft's DiLoCo."""
+        return dict(self.fragment_parameters(index))
+
+    def in_flight(self, index: int) -> bool:
+        """Whether a fragment's pseudo-gradient all-reduce has been started and its result is
+        not in this process (a checkpoint taken now cannot hold that sync)."""
+        return False
+
+    def extra_state(self) -> dict[str, Any]:
+        """What else a checkpoint must hold to resume exactly (checkpointed with the global
+        copies, outer momentum and position; tensors laid out like the parameters). The same
+        keys in every process, so that a fresh one offers DCP something to load into."""
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """Take back what :meth:`extra_state` gave, as loaded."""
+
+    def drop_in_flight(self, index: int) -> None:
+        """Let a started all-reduce finish (every group started it) and drop its result."""
+
+    def restore_global_copies(self, index: int) -> None:
+        """Put a fragment's global copy back into the model."""
+        raise NotImplementedError
+
+    def take_global_copies(self) -> None:
+        """Make the model's current parameters every fragment's global copy (fresh outer
+        state), e.g. after weights were loaded into the model."""
+        raise NotImplementedError
+
+    def join_sync(self) -> bool:
+        """A group healed inside the running groups' sync quorum takes part in that sync
+        now. Returns whether the sync was applied (False: started, applied later)."""
+        raise NotImplementedError
+
+    def finish(self) -> Ending:
+        """After the last inner step: leave the model with the global parameters."""
+        raise NotImplementedError
+
+    def last_outcome(self, manager: Any) -> SyncOutcome | None:
+        """The sync the last sync point decided, right after it (None: it decided none)."""
+        # The failure count is reset to 0 by a commit and raised by a failed one, so right
+        # after should_commit it is the verdict of this sync.
+        committed = tft.commit_failures(manager) == 0
+        number = manager.current_step() + (0 if committed else 1)
+        fragment = (number - 1) % len(self.fragments)
+        payload = sum(
+            local_tensor(p).numel() * p.element_size()
+            for p in self.fragments[fragment].parameters()
+        )
+        return SyncOutcome(number, fragment, committed, payload, manager.num_participants())
+
+
+class TorchftLocalSGD(OuterLoop):
+    """torchft's LocalSGD: every ``sync_every`` steps the groups average their parameters."""
+
+    method = "localsgd"
+    has_global_copies = False
+
+    def __init__(self, manager: Any, model: nn.Module, optimizer: Any, sync_every: int) -> None:
+        from torchft.local_sgd import LocalSGD
+
+        self.algorithm = LocalSGD(manager, model, optimizer, sync_every)
+        self.fragments = [model]
+        self.period = sync_every
+
+    def hooks(self) -> contextlib.AbstractContextManager:
+        return self.algorithm
+
+    def local_step(self) -> int:
+        return tft.local_step(self.algorithm)
+
+    def set_local_step(self, step: int) -> None:
+        tft.set_local_step(self.algorithm, step)
+
+    def join_sync(self) -> bool:
+        tft.localsgd_average(self.algorithm)
+        self.set_local_step(0)
+        return True
+
+    def finish(self) -> Ending:
+        steps_since = self.local_step()
+        if steps_since:
+            self.algorithm.sync()
+        return Ending(bool(steps_since), steps_since, None)
+
+
+class TorchftDiLoCo(OuterLoop):
+    """torchft's DiLoCo (Streaming DiLoCo with more than one fragment)."""
+
+    method = "diloco"
+
+    def __init__(self, algorithm: Any, fragments: list[nn.Module], period: int, delay: int) -> None:
+        """``algorithm``: a built ``torchft.local_sgd.DiLoCo`` over ``fragments``, syncing one
+        fragment every ``period`` steps with ``fragment_sync_delay=delay``."""
+        self.algorithm = algorithm
+        self.fragments = fragments
+        self._states = tft.fragments(algorithm)
+        self.period = period
+        self.delay = delay
+
+    def hooks(self) -> contextlib.AbstractContextManager:
+        return self.algorithm
+
+    def local_step(self) -> int:
+        return tft.local_step(self.algorithm)
+
+    def set_local_step(self, step: int) -> None:
+        tft.set_local_step(self.algorithm, step)
+
+    def current_fragment(self) -> int:
+        return tft.current_fragment(self.algorithm)
+
+    def global_parameters(self, index: int) -> dict[str, torch.Tensor]:
+        return tft.global_parameters(self._states[index])
+
+    def fragment_parameters(self, index: int) -> dict[str, nn.Parameter]:
+        return tft.fragment_parameters(self._states[index])
+
+    def outer_optimizer(self, index: int) -> torch.optim.Optimizer:
+        return tft.outer_optimizer(self._states[index])
+
+    def in_flight(self, index: int) -> bool:
+        return tft.in_flight(self._states[index])
+
+    def drop_in_flight(self, index: int) -> None:
+        tft.wait_in_flight(self._states[index])
+
+    def restore_global_copies(self, index: int) -> None:
+        tft.restore_global_copies(self._states[index])
+
+    def take_global_copies(self) -> None:
+        tft.take_global_copies(self.algorithm)
+        for index in range(len(self.fragments)):
+            self.outer_optimizer(index).state.clear()
+
+    def join_sync(self) -> bool:
+        state = self._states[self.current_fragment()]
+        tft.prepare_sync(state)
+        if self.delay:
+            return False
+        tft.perform_sync(state)
+        self.set_local_step(0)
+        return True
+
+    def finish(self) -> Ending:
+        steps_since = self.local_step()
+        for index in range(len(self.fragments)):
+            if self.in_flight(index):
+                self.drop_in_flight(index)
+            self.restore_global_copies(index)
+        return Ending(False, 0, steps_since if steps_since or self.delay else None)
