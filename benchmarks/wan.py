@@ -1,4 +1,4 @@
-"""Compute utilisation over an emulated WAN: synchronous FT vs DiLoCo vs Streaming DiLoCo.
+"""Compute utilisation over an emulated WAN: synchronous FT vs (Streaming, async) DiLoCo.
 
     sudo .venv/bin/python benchmarks/wan.py            # the README's figures (~10 min)
     sudo .venv/bin/python benchmarks/wan.py --smoke    # tens of seconds; checks the plumbing
@@ -11,11 +11,14 @@ only bandwidth is limited. Groups bind and advertise their namespace address
 core i (``taskset``), one thread each.
 
 Compute utilisation = time in forward/backward, gradient clipping and the inner optimizer
-update ÷ wall time, per group, over the steps after the first ``--warmup`` ones (the
-``bench.timing`` events of the trainers in ``benchmarks/timed_trainer.py``). Bytes per group per
-step: the payload (sync FT: the fp32 gradients of every parameter each step; semi-sync: the
-``bytes_sent`` of each ``semi_sync.sync`` event, summed, ÷ steps) and what the group's
-interface actually sent
+update ÷ wall time, per group, over the measured steps (the ``bench.timing`` events of the
+trainers in ``benchmarks/timed_trainer.py``). Synchronous FT: the steps after the first
+``--sync-ft-warmup``. Semi-sync: ``--periods`` + 1 periods of H steps are run and periods 2 to
+``--periods`` measured, whole periods, each with one sync point (the first period warms up; the
+last holds the end of training, where async DiLoCo's closing sync waits for its all-reduce).
+Bytes per group per step: the payload (sync FT: the fp32 gradients of every parameter each
+step; semi-sync: the ``bytes_sent`` of each ``semi_sync.sync`` event, summed, ÷ steps) and what
+the group's interface actually sent
 (its ``tx_bytes`` over the run ÷ steps, IP headers and lighthouse traffic included). ``no_ft``
 (one group alone, no torchft) is the ceiling of the metric on this machine.
 """
@@ -43,8 +46,8 @@ from torchtitan.tools.events import Event  # noqa: E402
 from torchtitan.trainer import TRAINING_STARTED  # noqa: E402
 
 LIGHTHOUSE_PORT = 19610  # inside the hub namespace only (a fresh network stack: always free)
-ORDER = ["no_ft", "sync_ft", "diloco", "streaming_diloco"]
-TARGETS = {"streaming_diloco": 0.95, "diloco": 0.80}
+ORDER = ["no_ft", "sync_ft", "diloco", "streaming_diloco", "async_diloco"]
+TARGETS = {"streaming_diloco": 0.95, "diloco": 0.80, "async_diloco": 0.98}
 
 
 def in_namespace(wan: netns.Wan, namespace: str) -> Launch:
@@ -68,13 +71,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rates", type=float, nargs="+", default=[100.0, 1000.0],
                    help="link rates to emulate, Mbit/s (default 100 1000)")  # fmt: skip
     p.add_argument("--methods", nargs="+", default=ORDER, choices=ORDER)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each method and rate, interleaved; the summary takes the "
+                   "median run (by utilisation)")  # fmt: skip
     p.add_argument("--flavor", default="debugmodel")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--sync-steps", type=int, default=20, help="H of DiLoCo and Streaming DiLoCo")
     p.add_argument("--fragments", type=int, default=2, help="Streaming DiLoCo fragments")
     p.add_argument("--delay", type=int, default=2, help="Streaming DiLoCo fragment_sync_delay")
-    p.add_argument("--periods", type=int, default=3, help="semi-sync run length, in H")
+    p.add_argument("--periods", type=int, default=3,
+                   help="semi-sync: measured periods + 1 (one more runs after them)")  # fmt: skip
     p.add_argument("--sync-ft-steps", type=int, default=20)
     p.add_argument("--sync-ft-warmup", type=int, default=5)
     p.add_argument("--max-load", type=float, default=1.5,
@@ -96,12 +103,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def method_args(method: str, args: argparse.Namespace) -> tuple[list[str], int, int]:
-    """(trainer flags, steps, warm-up steps) of one method."""
+def method_args(method: str, args: argparse.Namespace) -> tuple[list[str], int, int, int]:
+    """(trainer flags, steps, warm-up steps, last measured step) of one method."""
     if method in ("no_ft", "sync_ft"):
-        return [], args.sync_ft_steps, args.sync_ft_warmup
+        return [], args.sync_ft_steps, args.sync_ft_warmup, args.sync_ft_steps
+    semi_sync_method = "async_diloco" if method == "async_diloco" else "diloco"
     flags = [
-        "--fault_tolerance.semi_sync_method=diloco",
+        f"--fault_tolerance.semi_sync_method={semi_sync_method}",
         f"--fault_tolerance.sync_steps={args.sync_steps}",
     ]
     if method == "streaming_diloco":
@@ -109,20 +117,20 @@ def method_args(method: str, args: argparse.Namespace) -> tuple[list[str], int, 
             f"--fault_tolerance.num_fragments={args.fragments}",
             f"--fault_tolerance.fragment_sync_delay={args.delay}",
         ]
-    return flags, args.periods * args.sync_steps, args.sync_steps
+    h = args.sync_steps
+    return flags, (args.periods + 1) * h, h, args.periods * h
 
 
-def utilisation(events: Iterable[Event], warmup: int) -> dict[str, float]:
-    """Compute utilisation over the steps after ``warmup`` from a group's ``bench.timing``
-    events."""
+def utilisation(events: Iterable[Event], warmup: int, last: int) -> dict[str, float]:
+    """Compute utilisation over steps ``warmup`` + 1 .. ``last`` from a group's
+    ``bench.timing`` events."""
     rows = {
         e.step: (e["compute_s"], e["t"])
         for e in events
         if e.name == TIMING.name and e.step is not None
     }
-    if warmup not in rows or len(rows) < 2:
-        raise ValueError(f"no timing event of step {warmup} (have {sorted(rows)[:5]}...)")
-    last = max(rows)
+    if warmup not in rows or last not in rows:
+        raise ValueError(f"no timing event of step {warmup} or {last} (have {sorted(rows)})")
     (c0, t0), (c1, t1) = rows[warmup], rows[last]
     return {
         "compute_utilisation": (c1 - c0) / (t1 - t0),
@@ -135,12 +143,12 @@ def utilisation(events: Iterable[Event], warmup: int) -> dict[str, float]:
 
 
 def group_figures(
-    proc: Process, method: str, steps: int, warmup: int, tx_bytes: int
+    proc: Process, method: str, steps: int, window: tuple[int, int], tx_bytes: int
 ) -> dict[str, object]:
     """One group's compute utilisation, payload and wire bytes per step, from its events and
     its interface's ``tx_bytes`` over the run."""
     events = common.trainer_events(proc, TIMING, SYNC, TRAINING_STARTED)
-    row: dict[str, object] = utilisation(events, warmup)
+    row: dict[str, object] = utilisation(events, *window)
     started = [e for e in events if e.name == TRAINING_STARTED.name]
     n_params = started[0]["parameters"] if started else 0
     sent = [e for e in events if e.name == SYNC.name]
@@ -167,7 +175,7 @@ def group_figures(
 def run_one(
     folder: Path, method: str, rate: float | None, args: argparse.Namespace
 ) -> dict[str, object]:
-    flags, steps, warmup = method_args(method, args)
+    flags, steps, warmup, last = method_args(method, args)
     train = [
         f"--model.flavor={args.flavor}",
         f"--training.seq_len={args.seq_len}",
@@ -204,13 +212,15 @@ def run_one(
             common.wait_all(procs, args.timeout)
         tx = [wan.tx_bytes(i) for i in range(groups)]
         qdisc = wan.qdisc(0) if rate is not None else ""
-    per_group = [group_figures(proc, method, steps, warmup, tx[i]) for i, proc in enumerate(procs)]
+    per_group = [
+        group_figures(proc, method, steps, (warmup, last), tx[i]) for i, proc in enumerate(procs)
+    ]
     mean = sum(g["compute_utilisation"] for g in per_group) / len(per_group)  # type: ignore[misc]
     return {
         "method": method,
         "rate_mbit": rate,
         "steps": steps,
-        "measured_steps": f"{warmup + 1}..{steps}",
+        "measured_steps": f"{warmup + 1}..{last}",
         "compute_utilisation": round(mean, 4),
         "payload_mib_per_group_per_step": round(
             sum(g["payload_bytes_per_step"] for g in per_group) / len(per_group) / 2**20,
@@ -253,34 +263,43 @@ def main(argv: list[str] | None = None) -> int:
             "local_batch_size": args.batch,
             "sync_steps_H": args.sync_steps,
             "streaming": f"{args.fragments} fragments, fragment_sync_delay={args.delay}",
+            "async_diloco": "async_update=eager (the default), 1 fragment",
             "sync_ft_steps": args.sync_ft_steps,
-            "semi_sync_steps": args.periods * args.sync_steps,
+            "semi_sync_steps": (args.periods + 1) * args.sync_steps,
+            "semi_sync_measured": f"periods 2..{args.periods} (steps {args.sync_steps + 1}.."
+            f"{args.periods * args.sync_steps})",
             "compute": "forward+backward, gradient clipping, inner optimizer update "
             "(benchmarks/timed_trainer.py)",
         },
-        "targets": {"streaming_diloco": ">= 0.95", "diloco": ">= 0.80"},
+        "targets": {k: f">= {v}" for k, v in TARGETS.items()},
         "runs": runs,
     }
+    plan = [
+        (repeat, rate, method)
+        for repeat in range(args.repeats)
+        for rate in args.rates
+        for method in args.methods
+        if method != "no_ft" or rate == args.rates[0]  # no network traffic: one rate is enough
+    ]
     with tempfile.TemporaryDirectory(prefix="wan_") as tmp:
-        for rate in args.rates:
-            for method in args.methods:
-                if method == "no_ft" and rate != args.rates[0]:
-                    continue  # no network traffic: once is enough
-                load = common.wait_for_quiet_machine(args.max_load, 120)
-                run = run_one(Path(tmp) / f"{method}_{rate:g}", method, rate, args)
-                run["load_avg_1min_before"] = round(load, 2)
-                run["load_avg_1min_after"] = round(common.load_average(), 2)
-                runs.append(run)
-                print(
-                    f"[wan] {rate:6g} Mbit/s {method:17s} compute utilisation "
-                    f"{run['compute_utilisation']:.3f}  payload "
-                    f"{run['payload_mib_per_group_per_step']:.2f} MiB/step  wire "
-                    f"{run['wire_tx_mib_per_group_per_step']:.2f} MiB/step  (load {load:.2f})",
-                    flush=True,
-                )
-                result["summary"] = summarize(runs)
-                # After every run: partial results survive.
-                provenance.write_result(args.out, result, command)
+        for repeat, rate, method in plan:
+            load = common.wait_for_quiet_machine(args.max_load, 120)
+            run = run_one(Path(tmp) / f"{method}_{rate:g}_{repeat}", method, rate, args)
+            run["repeat"] = repeat
+            run["load_avg_1min_before"] = round(load, 2)
+            run["load_avg_1min_after"] = round(common.load_average(), 2)
+            runs.append(run)
+            print(
+                f"[wan] {rate:6g} Mbit/s {method:17s} (run {repeat + 1}/{args.repeats}) "
+                f"compute utilisation "
+                f"{run['compute_utilisation']:.3f}  payload "
+                f"{run['payload_mib_per_group_per_step']:.2f} MiB/step  wire "
+                f"{run['wire_tx_mib_per_group_per_step']:.2f} MiB/step  (load {load:.2f})",
+                flush=True,
+            )
+            result["summary"] = summarize(runs)
+            # After every run: partial results survive.
+            provenance.write_result(args.out, result, command)
     result["png"] = plot(runs, args.png)
     path = provenance.write_result(args.out, result, command)
     print(f"[wan] wrote {path} and {result['png']}")
@@ -288,8 +307,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plot(runs: list[dict[str, object]], path: Path) -> str:
-    """Bar chart of compute utilisation per method and link rate; the PNG's path, or why none
-    was written (matplotlib is the optional ``bench`` extra)."""
+    """Bar chart of compute utilisation per method and link rate (the median repeat); the
+    PNG's path, or why none was written (matplotlib is the optional ``bench`` extra)."""
+    runs = median_runs(runs)
     try:
         import matplotlib
 
@@ -326,13 +346,30 @@ def plot(runs: list[dict[str, object]], path: Path) -> str:
     return str(path)
 
 
+def median_runs(runs: list[dict[str, object]]) -> list[dict[str, object]]:
+    """Of the repeats of each method and rate, the run with the median utilisation (the lower
+    middle one for an even count), in first-run order."""
+    by_key: dict[tuple[object, object], list[dict[str, object]]] = {}
+    for run in runs:
+        by_key.setdefault((run["method"], run["rate_mbit"]), []).append(run)
+    picked = []
+    for repeats in by_key.values():
+        ordered = sorted(repeats, key=lambda r: float(r["compute_utilisation"]))  # type: ignore[arg-type]
+        median = dict(ordered[(len(ordered) - 1) // 2])
+        median["repeats_utilisation"] = [r["compute_utilisation"] for r in repeats]
+        picked.append(median)
+    return picked
+
+
 def summarize(runs: list[dict[str, object]]) -> dict[str, dict[str, object]]:
-    """Per method and rate: the measured utilisation, bytes, and the target. Where a ``no_ft``
-    run exists, also ``utilisation_at_no_ft_compute_speed``: the utilisation had each step's
-    compute taken as long as in ``no_ft`` while the non-compute time per step stayed as
-    measured, i.e. ``c0 / (c0 + (wall - compute) per step)`` (other load on the machine slows
-    compute and so flatters the measured figure; this estimate corrects for that)."""
+    """Per method and rate, of its median run: the measured utilisation, bytes, and the
+    target. Where a ``no_ft`` run exists, also ``utilisation_at_no_ft_compute_speed``: the
+    utilisation had each step's compute taken as long as in ``no_ft`` while the non-compute
+    time per step stayed as measured, i.e. ``c0 / (c0 + (wall - compute) per step)`` (other
+    load on the machine slows compute and so flatters the measured figure; this estimate
+    corrects for that). With repeats, every repeat's utilisation is listed too."""
     summary: dict[str, dict[str, object]] = {}
+    runs = median_runs(runs)
     base = [r for r in runs if r["method"] == "no_ft"]
     c0 = None
     if base:
@@ -345,6 +382,8 @@ def summarize(runs: list[dict[str, object]]) -> dict[str, dict[str, object]]:
         other = sum(g["wall_s_per_step"] - g["compute_s_per_step"] for g in groups) / len(groups)  # type: ignore[misc,union-attr,arg-type]
         summary[key] = {
             "compute_utilisation": run["compute_utilisation"],
+            "repeats_utilisation": run["repeats_utilisation"],
+            "per_group_utilisation": [g["compute_utilisation"] for g in groups],  # type: ignore[union-attr,index]
             "compute_s_per_step": round(
                 sum(g["compute_s_per_step"] for g in groups) / len(groups),
                 4,  # type: ignore[misc,union-attr,arg-type]

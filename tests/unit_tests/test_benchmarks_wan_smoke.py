@@ -48,11 +48,28 @@ def test_utilisation_is_compute_over_wall_after_warmup() -> None:
     wan = _module("wan")
     events = [_timing(1, 0.5, 100.0), _timing(2, 1.0, 101.0), _timing(3, 1.5, 103.0)]
     events += [Event(SYNC.name, step=4, sync=1), _timing(4, 2.0, 104.0)]
-    row = wan.utilisation(events, warmup=2)
+    row = wan.utilisation(events, warmup=2, last=4)
     assert row["compute_utilisation"] == pytest.approx(1.0 / 3.0)
     assert row["steps"] == 2 and row["wall_s_per_step"] == pytest.approx(1.5)
+    # The window ends where it is told (a semi-sync run's last period is not measured).
+    assert wan.utilisation(events, warmup=1, last=3)["compute_utilisation"] == pytest.approx(1 / 3)
     with pytest.raises(ValueError):
-        wan.utilisation(events, warmup=9)
+        wan.utilisation(events, warmup=9, last=10)
+
+
+def test_repeats_are_summarized_by_their_median_run() -> None:
+    wan = _module("wan")
+    runs = [
+        {"method": "diloco", "rate_mbit": 100.0, "compute_utilisation": u, "repeat": i}
+        for i, u in enumerate([0.90, 0.80, 0.95])
+    ]
+    runs.append({"method": "no_ft", "rate_mbit": 100.0, "compute_utilisation": 0.99, "repeat": 0})
+    picked = wan.median_runs(runs)
+    assert [(r["method"], r["compute_utilisation"]) for r in picked] == [
+        ("diloco", 0.90),
+        ("no_ft", 0.99),
+    ]
+    assert picked[0]["repeats_utilisation"] == [0.90, 0.80, 0.95]
 
 
 def test_the_timed_trainer_keeps_its_console_lines() -> None:
@@ -124,15 +141,17 @@ def test_wan_smoke_shapes_links_and_reports_utilisation(tmp_path: Path) -> None:
     if why is not None:
         pytest.skip(f"emulated WAN unavailable: {why}")
     out = tmp_path / "wan.json"
-    assert _module("wan").main(["--smoke", "--methods", "diloco", "--out", str(out)]) == 0
+    argv = ["--smoke", "--methods", "diloco", "async_diloco", "--out", str(out)]
+    assert _module("wan").main(argv) == 0
     data = json.loads(out.read_text())
-    (run,) = data["runs"]
-    assert run["method"] == "diloco" and run["rate_mbit"] == 100
-    assert "tbf" in run["qdisc"] and "100Mbit" in run["qdisc"]
-    assert 0 < run["compute_utilisation"] <= 1.05
-    assert run["payload_mib_per_group_per_step"] > 0
-    assert run["wire_tx_mib_per_group_per_step"] > 0
-    assert all(s["committed"] for g in run["groups"] for s in g["syncs"])
+    assert [r["method"] for r in data["runs"]] == ["diloco", "async_diloco"]
+    for run in data["runs"]:
+        assert run["rate_mbit"] == 100
+        assert "tbf" in run["qdisc"] and "100Mbit" in run["qdisc"]
+        assert 0 < run["compute_utilisation"] <= 1.05
+        assert run["payload_mib_per_group_per_step"] > 0
+        assert run["wire_tx_mib_per_group_per_step"] > 0
+        assert all(s["committed"] for g in run["groups"] for s in g["syncs"])
     assert "netem" in data["settings"]["latency"]
     assert netns.leftover_namespaces(f"ttwan{os.getpid() % 100000}-") == []
 
