@@ -387,13 +387,17 @@ def _folder(path: Path) -> Path:
 # ---- FSDP2 inside the groups -----------------------------------------------------------------
 
 
-def test_diloco_with_fsdp2_inside_each_group(ft_job: Callable[..., FTJob], tmp_path: Path) -> None:
+@pytest.mark.parametrize("method", ["diloco", "async_eager"])
+def test_diloco_with_fsdp2_inside_each_group(
+    ft_job: Callable[..., FTJob], tmp_path: Path, method: str
+) -> None:
     """2 groups x 2 ranks (FSDP2, DTensor parameters; 4 processes): DiLoCo syncs each rank's
     shard with the same rank of the other group. Group 1 is killed between inner steps and
     restarted: every rank heals its shard from its peer rank, and afterwards rank r of both
-    groups holds the same global shard."""
+    groups holds the same global shard. (Async DiLoCo: its global copies are plain tensors of
+    the rank's shard, on the CPU.)"""
     pause = tmp_path / "pause_group0"
-    job = ft_job(groups=2, ngpu=2, train_args=args(FAULTS_MODULE, "diloco", "--training.steps=40"))
+    job = ft_job(groups=2, ngpu=2, train_args=args(FAULTS_MODULE, method, "--training.steps=40"))
     job.start_lighthouse()
     job.start_group(0, [f"--fault_injection.pause_file={pause}"])
     job.start_group(1, ["--fault_injection.stall_after_step=6"])
@@ -420,6 +424,6 @@ def test_diloco_with_fsdp2_inside_each_group(ft_job: Callable[..., FTJob], tmp_p
     assert all(rank0[n] != rank1[n] for n in common[0])
     healed = syncs(job.events(1, SYNC, rank=0))[0]
     print(
-        f"fsdp2 2x2 diloco: group 1 healed at sync #{healed.number}; per-rank shards identical "
+        f"fsdp2 2x2 {method}: group 1 healed at sync #{healed.number}; per-rank shards identical "
         f"at syncs {common[0][0]}..{common[0][-1]} (common: {len(common[0])})"
     )
