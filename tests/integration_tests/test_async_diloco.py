@@ -13,16 +13,14 @@ from tests.integration_tests.harness import SEMI_SYNC_MODULE, FTJob, tail
 from tests.integration_tests.test_semi_sync import (
     SYNC_STEPS,
     args,
+    assert_clean_syncs_agree,
     assert_loss_falls,
-    assert_same_global_params,
-    global_digests,
     syncs,
 )
 from torchtitan.components.metrics import TRAIN_STEP
 from torchtitan.experiments.fault_tolerance.events import (
     FINAL_DIGEST,
     FINAL_MODEL,
-    GLOBAL_DIGEST,
     SYNC,
 )
 
@@ -58,12 +56,7 @@ def test_clean_run_syncs_identical_global_params(
         steps_in = [min(SYNC_STEPS, (i + 1) * period) for i in range(expected)]
         assert [e["inner_steps"] for e in raw] == steps_in
         assert [e["weight"] for e in raw] == [0.5] * expected
-    norms = [[s.pseudo_grad_norm for s in found] for found in per_group]
-    assert norms[0] == norms[1]
-    digests = assert_same_global_params(job)
-    assert sorted(digests) == list(range(1, expected + 1))
-    for r in range(2):
-        assert sorted(global_digests(job.events(r, GLOBAL_DIGEST))) == sorted(digests)
+    assert_clean_syncs_agree(job, per_group, expected)
     first, last = assert_loss_falls(job.events(0, TRAIN_STEP))
     final = [[e["digest"] for e in job.events(r, FINAL_DIGEST)] for r in range(2)]
     assert len(final[0]) == 1 and final[0] == final[1], final

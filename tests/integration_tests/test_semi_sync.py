@@ -115,6 +115,17 @@ def assert_same_global_params(job: FTJob, groups: int = 2) -> dict[int, str]:
     return merged
 
 
+def assert_clean_syncs_agree(job: FTJob, per_group: list[list[Sync]], expected: int) -> None:
+    """Both groups of a clean run: the same averaged pseudo-gradient norm at every sync, and
+    the same global digest for each of syncs 1..``expected``, each logged by both."""
+    norms = [[s.pseudo_grad_norm for s in found] for found in per_group]
+    assert norms[0] == norms[1]
+    digests = assert_same_global_params(job)
+    assert sorted(digests) == list(range(1, expected + 1))
+    for r in range(2):
+        assert sorted(global_digests(job.events(r, GLOBAL_DIGEST))) == sorted(digests)
+
+
 def assert_loss_falls(events: Iterable[Event]) -> tuple[float, float]:
     values = [loss for _, loss in sorted(losses(events).items())]
     first, last = sum(values[:3]) / 3, sum(values[-3:]) / 3
@@ -165,13 +176,7 @@ def test_clean_run_syncs_identical_global_params(
             assert all(s.pseudo_grad_norm is not None and s.pseudo_grad_norm > 0 for s in found)
         else:
             assert all(s.pseudo_grad_norm is None for s in found)
-    # The averaged pseudo-gradient is the same number in every group.
-    norms = [[s.pseudo_grad_norm for s in found] for found in per_group]
-    assert norms[0] == norms[1]
-    digests = assert_same_global_params(job)
-    assert sorted(digests) == list(range(1, expected + 1))
-    for r in range(2):
-        assert sorted(global_digests(job.events(r, GLOBAL_DIGEST))) == sorted(digests)
+    assert_clean_syncs_agree(job, per_group, expected)
     first, last = assert_loss_falls(job.events(0, TRAIN_STEP))
     for r in range(2):
         # A start-up warning, before the event file: its wording is what the user reads.

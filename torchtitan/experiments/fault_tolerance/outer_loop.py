@@ -167,7 +167,23 @@ class OuterLoop:
         return SyncOutcome(number, fragment, committed, payload, manager.num_participants())
 
 
-class TorchftLocalSGD(OuterLoop):
+class _TorchftLoop(OuterLoop):
+    """One of torchft's algorithms (``algorithm``): a context manager that hooks the inner
+    optimizer, and keeps the inner-step position itself."""
+
+    algorithm: Any
+
+    def hooks(self) -> contextlib.AbstractContextManager:
+        return self.algorithm
+
+    def local_step(self) -> int:
+        return tft.local_step(self.algorithm)
+
+    def set_local_step(self, step: int) -> None:
+        tft.set_local_step(self.algorithm, step)
+
+
+class TorchftLocalSGD(_TorchftLoop):
     """torchft's LocalSGD: every ``sync_every`` steps the groups average their parameters."""
 
     method = "localsgd"
@@ -179,15 +195,6 @@ class TorchftLocalSGD(OuterLoop):
         self.algorithm = LocalSGD(manager, model, optimizer, sync_every)
         self.fragments = [model]
         self.period = sync_every
-
-    def hooks(self) -> contextlib.AbstractContextManager:
-        return self.algorithm
-
-    def local_step(self) -> int:
-        return tft.local_step(self.algorithm)
-
-    def set_local_step(self, step: int) -> None:
-        tft.set_local_step(self.algorithm, step)
 
     def join_sync(self) -> bool:
         tft.localsgd_average(self.algorithm)
@@ -201,7 +208,7 @@ class TorchftLocalSGD(OuterLoop):
         return Ending(bool(steps_since), steps_since, None)
 
 
-class TorchftDiLoCo(OuterLoop):
+class TorchftDiLoCo(_TorchftLoop):
     """torchft's DiLoCo (Streaming DiLoCo with more than one fragment)."""
 
     method = "diloco"
@@ -214,15 +221,6 @@ class TorchftDiLoCo(OuterLoop):
         self._states = tft.fragments(algorithm)
         self.period = period
         self.delay = delay
-
-    def hooks(self) -> contextlib.AbstractContextManager:
-        return self.algorithm
-
-    def local_step(self) -> int:
-        return tft.local_step(self.algorithm)
-
-    def set_local_step(self, step: int) -> None:
-        tft.set_local_step(self.algorithm, step)
 
     def current_fragment(self) -> int:
         return tft.current_fragment(self.algorithm)
