@@ -356,7 +356,7 @@ class Trainer:
         if self.ft is not None:
             self.join_replica_groups()
         with self.train_context():
-            while self.train_state.step < total_steps:
+            while not self.training_done():
                 inputs, labels = next(batches)
                 self.metrics.count(inputs.numel())
                 result = self.train_step(inputs, labels)
@@ -376,11 +376,16 @@ class Trainer:
             self.ft.check_progress()
         TRAINING_FINISHED.emit(step=self.train_state.step)
 
+    def training_done(self) -> bool:
+        """Extension point: whether training is over (``training.steps`` steps taken). Asked
+        before every step and after it (the last step logs, validates and checkpoints)."""
+        return self.train_state.step >= self.job_config.training.steps
+
     def after_step(self, result: StepResult) -> None:
         """Logging, validation, checkpointing and housekeeping after a committed step."""
         cfg = self.job_config
         step = self.train_state.step
-        last = step == cfg.training.steps
+        last = self.training_done()
         if step == 1 or step % cfg.metrics.log_freq == 0 or last:
             # Groups in the last quorum (semi-sync: the last sync; none before the first).
             groups = self.ft.manager.num_participants() if self.ft else None

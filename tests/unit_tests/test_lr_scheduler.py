@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from torchtitan.components.lr_scheduler import build_lr_scheduler, lr_factor
+from torchtitan.components.lr_scheduler import build_lr_scheduler, lr_factor, move_schedule_to
 from torchtitan.config.job_config import JobConfig
 
 
@@ -131,3 +131,16 @@ def test_state_dict_resumes_the_schedule() -> None:
         fresh_optimizer.step()
         fresh.step()
     assert resumed == pytest.approx(expected[4:10])
+
+
+def test_move_schedule_to_gives_the_lr_of_that_many_steps_in_any_order() -> None:
+    config = _config(steps=10, warmup=3, decay_ratio=0.5)
+    expected = _lrs_of_steps(config)
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    scheduler = build_lr_scheduler(optimizer, config)
+    optimizer.step()  # as in training: the schedule moves after an optimizer step
+    for steps_taken in (4, 0, 10, 7, 7, 1):
+        move_schedule_to(scheduler, steps_taken)
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(expected[steps_taken])
+        assert scheduler.state_dict()["last_epoch"] == steps_taken

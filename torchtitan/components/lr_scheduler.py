@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from torchtitan.config.job_config import JobConfig
 
@@ -74,3 +74,11 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, job_config: JobConfig) 
         )
 
     return LambdaLR(optimizer, factor)
+
+
+def move_schedule_to(scheduler: LRScheduler, steps_taken: int) -> None:
+    """Set the optimizer's learning rate to what it is after ``steps_taken`` calls of
+    ``scheduler.step()``: for a process whose progress through the schedule is not its own
+    step count (a replica group taking fewer inner steps per period than the others)."""
+    scheduler.last_epoch = steps_taken - 1
+    scheduler.step()
