@@ -21,8 +21,10 @@ from torchtitan.components.metrics import TRAIN_STEP
 from torchtitan.experiments.fault_tolerance.events import (
     FINAL_DIGEST,
     FINAL_MODEL,
+    INNER_STEPS_PLANNED,
     SYNC,
 )
+from torchtitan.trainer import TRAINING_FINISHED
 
 
 @pytest.mark.parametrize("method, fragments", [("async_eager", 1), ("async_delayed_streaming", 2)])
@@ -64,4 +66,53 @@ def test_clean_run_syncs_identical_global_params(
     print(
         f"{method}: {expected} syncs, each applied one sync point later, identical digests; "
         f"loss {first:.3f} -> {last:.3f}; both groups end with {final[0][0]}"
+    )
+
+
+def test_groups_of_different_speeds_take_different_inner_steps_and_agree(
+    ft_job: Callable[..., FTJob],
+) -> None:
+    """DyLU (and Delayed Nesterov) with a straggler: group 1 computes 4x the work of a step
+    (``emulate_slowdown``, real compute). After its first period it takes fewer inner steps
+    per period than group 0 (which takes sync_steps=8), both pass the same 6 sync points,
+    every sync is committed by both with identical global digests, each sync's two weights
+    are the groups' token shares and add up to 1, and both end with the same model; group 0
+    has taken all 48 training steps, group 1 fewer."""
+    periods, sync_steps = 6, 8
+    steps = periods * sync_steps
+    base = [
+        *args(SEMI_SYNC_MODULE, "async_eager", f"--training.steps={steps}"),
+        f"--fault_tolerance.sync_steps={sync_steps}",
+        "--fault_tolerance.dynamic_local_steps",
+        "--fault_tolerance.outer_momentum_every=2",  # Delayed Nesterov, in a real run too
+    ]
+    job = ft_job(groups=2, train_args=base)
+    job.start_lighthouse()
+    job.start_group(0)
+    job.start_group(1, ["--fault_tolerance.emulate_slowdown=4"])
+    for r in range(2):
+        assert job.wait_exit(r, timeout=300) == 0, tail(job.latest(r).text())
+    per_group = [syncs(job.events(r, SYNC)) for r in range(2)]
+    for found in per_group:
+        assert [s.number for s in found] == list(range(1, periods + 1)), found
+        assert all(s.committed and s.groups == 2 for s in found), found
+    assert_clean_syncs_agree(job, per_group, periods)
+    raw = [job.events(r, SYNC) for r in range(2)]
+    inner = [[e["inner_steps"] for e in raw[r]] for r in range(2)]
+    assert inner[0] == [sync_steps] * periods, inner
+    assert inner[1][0] == sync_steps and all(n < sync_steps for n in inner[1][1:]), inner
+    for e0, e1 in zip(raw[0], raw[1], strict=True):
+        assert e0["weight"] + e1["weight"] == pytest.approx(1.0)
+        assert e1["weight"] == pytest.approx(e1["tokens"] / (e0["tokens"] + e1["tokens"]))
+    planned = job.events(1, INNER_STEPS_PLANNED)
+    assert planned and all(e["steps"] < sync_steps for e in planned), planned
+    assert not job.events(0, INNER_STEPS_PLANNED)
+    final = [[e["digest"] for e in job.events(r, FINAL_DIGEST)] for r in range(2)]
+    assert len(final[0]) == 1 and final[0] == final[1], final
+    last_steps = [job.events(r, TRAINING_FINISHED)[-1].step for r in range(2)]
+    assert last_steps[0] == steps and last_steps[1] == sum(inner[1]) < steps, last_steps
+    print(
+        f"DyLU, group 1 at 4x the work per step: inner steps per period {inner[0]} and "
+        f"{inner[1]}; group 1's weights {[round(e['weight'], 3) for e in raw[1]]}; "
+        f"{periods} syncs with identical digests; both end with {final[0][0]}"
     )

@@ -11,7 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo, outer_sgd_direction
+from torchtitan.experiments.fault_tolerance.async_diloco import (
+    AsyncDiLoCo,
+    dylu_inner_steps,
+    outer_sgd_direction,
+)
 from torchtitan.experiments.fault_tolerance.trainer import SemiSyncState
 
 
@@ -274,6 +278,7 @@ def test_a_group_that_heals_sends_weight_zero_and_takes_the_global_copy():
     assert all(
         torch.equal(x, y) for x, y in zip(groups[0].globals_(), healed.globals_(), strict=True)
     )
+    assert healed.loop.sync_points == groups[0].loop.sync_points == 3
     global_copy = healed.loop.global_parameters(0).values()
     for p, g in zip(healed.model.parameters(), global_copy, strict=True):
         assert torch.equal(p.detach(), g)
@@ -304,25 +309,114 @@ def _load(group: Group, folder: Any, rest: dict[str, Any]) -> None:
     assert state.loaded
 
 
-@pytest.mark.parametrize("fragments", [1, 2])
-def test_a_restart_from_checkpoints_taken_mid_period_continues_bit_for_bit(tmp_path, fragments):
-    """Checkpoints of both groups taken while a sync is in flight (step 7; sync_steps 4) hold
-    its summed result, the local-period starts and the token counts: groups restarted from them
-    in fresh processes apply that sync at their next sync point and hold, at every later sync,
-    the global parameters of the uninterrupted run."""
+@pytest.mark.parametrize(
+    "fragments, momentum_every, before", [(1, 1, 7), (2, 1, 7), (1, 3, 15), (2, 2, 13)]
+)
+def test_a_restart_from_checkpoints_taken_mid_period_continues_bit_for_bit(
+    tmp_path, fragments, momentum_every, before
+):
+    """Checkpoints of both groups taken while a sync is in flight (sync_steps 4) hold its
+    summed result, the local-period starts, the token counts and (Delayed Nesterov) the outer
+    optimizer's place in its window and the pseudo-gradients summed in it: groups restarted
+    from them in fresh processes apply that sync at their next sync point and hold, at every
+    later sync, the global parameters of the uninterrupted run."""
     cluster = Cluster()
-    groups = [Group(cluster, seed, fragments) for seed in (1, 2)]
-    run(groups, 7)
-    assert all(g.loop._in_flight is not None for g in groups)  # sync 1 (or 3) started
+    options = dict(outer_momentum_every=momentum_every)
+    groups = [Group(cluster, seed, fragments, **options) for seed in (1, 2)]
+    run(groups, before)
+    assert all(g.loop._in_flight is not None for g in groups)
+    if momentum_every > 1:  # mid-window: the checkpoint must carry the partial sum
+        outer = groups[0].loop.outer_optimizer(0)
+        assert outer.param_groups[0]["step"] % momentum_every != 0
     saved = [_save(g, tmp_path / f"group{i}") for i, g in enumerate(groups)]
-    uninterrupted = run(groups, 9)
+    uninterrupted = run(groups, 12)
 
     fresh_cluster = Cluster()
-    fresh = [Group(fresh_cluster, seed, fragments) for seed in (1, 2)]
+    fresh = [Group(fresh_cluster, seed, fragments, **options) for seed in (1, 2)]
+    period = 4 // fragments
     for i, g in enumerate(fresh):
         _load(g, tmp_path / f"group{i}", saved[i])
-        g.loop.set_local_step(7 % (4 // fragments))
-    resumed = run(fresh, 9)
+        g.loop.set_local_step(before % period)
+    assert [g.loop.sync_points for g in fresh] == [before // period] * 2
+    resumed = run(fresh, 12)
     assert len(resumed[0]) == len(uninterrupted[0]) > 0
-    for before, after in zip(uninterrupted[0], resumed[0], strict=True):
-        assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
+    for before_, after in zip(uninterrupted[0], resumed[0], strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(before_, after, strict=True))
+
+
+def test_delayed_nesterov_groups_agree_and_eager_starts_where_its_next_step_goes():
+    """outer_momentum_every=2: the groups' global copies stay identical, and the eager start
+    of a period is the global copy moved by the step Delayed Nesterov would take on this
+    group's own pseudo-gradient."""
+    cluster = Cluster()
+    groups = [Group(cluster, seed, outer_momentum_every=2) for seed in (1, 2)]
+    seen = run(groups, 20)
+    for a, b in zip(*seen, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    from torchtitan.experiments.fault_tolerance.outer_optimizer import DelayedNesterov
+
+    assert isinstance(groups[0].loop.outer_optimizer(0), DelayedNesterov)
+    alone = Group(Cluster(), 1, outer_momentum_every=2)
+    before = [p.detach().clone() for p in alone.model.parameters()]
+    ends = models_at_sync_points(alone)
+    run([alone], 4)
+    outer = alone.loop.outer_optimizer(0)
+    for p, g, b, e in zip(
+        alone.model.parameters(),
+        alone.loop.global_parameters(0).values(),
+        before,
+        ends[0],
+        strict=True,
+    ):
+        expected = g.sub(outer.direction(g, b - e), alpha=0.7)  # type: ignore[attr-defined]
+        assert torch.equal(p.detach(), expected)
+
+
+def test_dylu_gives_each_group_the_steps_that_take_the_fastest_groups_period():
+    assert dylu_inner_steps(20, [0.1, 0.2], 0.2) == 10
+    assert dylu_inner_steps(20, [0.1, 0.2], 0.1) == 20
+    assert dylu_inner_steps(20, [0.1, 0.15], 0.15) == 13  # 13.3: the nearest whole step
+    assert dylu_inner_steps(20, [0.001, 1.0], 1.0) == 1  # never fewer than one step
+    assert dylu_inner_steps(20, [0.0, 0.3], 0.3) == 20  # the other group is not measured yet
+    assert dylu_inner_steps(20, [0.1, 0.0], 0.0) == 20  # this one is not
+    assert dylu_inner_steps(20, [], 0.0) == 20
+
+
+def run_periods(groups: list[Group], periods: int) -> list[list[list[torch.Tensor]]]:
+    """Each group takes the inner steps of its period, then all meet at the sync point (as the
+    sync quorum makes them); the global copies of each group after every sync point."""
+    seen: list[list[list[torch.Tensor]]] = [[] for _ in groups]
+    with torch.enable_grad():
+        hooks = [g.loop.hooks() for g in groups]
+        for h in hooks:
+            h.__enter__()
+        try:
+            for _ in range(periods):
+                for i, g in enumerate(groups):
+                    g.step()
+                    while g.loop.local_step() != 0:
+                        g.step()
+                    seen[i].append(g.globals_())
+        finally:
+            for h in hooks:
+                h.__exit__(None, None, None)
+    return seen
+
+
+@pytest.mark.parametrize("update", ["eager", "delayed"])
+def test_groups_taking_different_inner_steps_agree_and_weigh_by_tokens(update):
+    """DyLU: group 1 takes 2 inner steps per period, group 0 the full 4; they pass sync points
+    together, hold identical global copies after each, and group 1 weighs 1/3 in the average."""
+    cluster = Cluster()
+    groups = [Group(cluster, seed, update=update) for seed in (1, 2)]
+    groups[1].loop.plan_period(2)
+    seen = run_periods(groups, 5)
+    for a, b in zip(*seen, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert [g.loop.sync_points for g in groups] == [5, 5]
+    outcomes = [g.loop.last_outcome(g.manager) for g in groups]
+    assert [o.inner_steps for o in outcomes if o is not None] == [4, 2]
+    weights = [o.weight for o in outcomes if o is not None]
+    assert weights == pytest.approx([2 / 3, 1 / 3])
+    with pytest.raises(ValueError, match="1 to 4 inner steps"):
+        groups[0].loop.plan_period(5)

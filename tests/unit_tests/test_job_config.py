@@ -839,6 +839,61 @@ def test_local_sgd_is_an_alias(alias: str) -> None:
             ],
             "fault_tolerance.fragment_update_alpha",
         ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=diloco",
+                "--fault_tolerance.dynamic_local_steps",
+            ],
+            "fault_tolerance.dynamic_local_steps",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=async_diloco",
+                "--fault_tolerance.dynamic_local_steps",
+                "--fault_tolerance.sync_steps=6",
+                "--training.steps=10",
+            ],
+            "fault_tolerance.dynamic_local_steps",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=localsgd",
+                "--fault_tolerance.emulate_slowdown=0.5",
+            ],
+            "fault_tolerance.emulate_slowdown",
+        ),
+        (
+            [*FT_ON, "--fault_tolerance.emulate_slowdown=2"],
+            "fault_tolerance.emulate_slowdown",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=async_diloco",
+                "--fault_tolerance.outer_momentum_every=0",
+            ],
+            "fault_tolerance.outer_momentum_every",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=async_diloco",
+                "--fault_tolerance.outer_momentum_every=4",
+                "--fault_tolerance.outer_momentum=0",
+            ],
+            "fault_tolerance.outer_momentum_every",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=diloco",
+                "--fault_tolerance.outer_momentum_every=4",
+            ],
+            "fault_tolerance.outer_momentum_every",
+        ),
     ],
 )
 def test_semi_sync_bad_value_names_the_field(argv: list[str], field: str) -> None:
@@ -856,6 +911,10 @@ def test_async_diloco_parses_with_its_fields() -> None:
         "--fault_tolerance.outer_state_device=device",
         "--fault_tolerance.num_fragments=2",
         "--fault_tolerance.sync_steps=4",
+        "--fault_tolerance.dynamic_local_steps",
+        "--fault_tolerance.emulate_slowdown=1.5",
+        "--fault_tolerance.outer_momentum_every=3",
+        "--training.steps=12",
     )
     ft = config.fault_tolerance
     assert (ft.method, ft.async_update, ft.outer_state_device) == (  # type: ignore[attr-defined]
@@ -863,6 +922,8 @@ def test_async_diloco_parses_with_its_fields() -> None:
         "delayed",
         "device",
     )
+    assert (ft.dynamic_local_steps, ft.emulate_slowdown) == (True, 1.5)  # type: ignore[attr-defined]
+    assert ft.outer_momentum_every == 3  # type: ignore[attr-defined]
 
 
 def test_should_quantize_needs_cuda_and_triton() -> None:

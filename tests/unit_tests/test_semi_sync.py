@@ -34,6 +34,7 @@ from torchtitan.experiments.fault_tolerance.trainer import (
 from torchtitan.models import get_train_spec
 from torchtitan.tools.digest import device_digest
 from torchtitan.tools.events import event_of
+from torchtitan.trainer import Trainer
 
 SEMI_SYNC = "torchtitan.experiments.fault_tolerance.job_config"
 
@@ -337,3 +338,36 @@ def test_device_digest_sees_one_changed_element_and_not_the_device_order() -> No
     changed[2][2**20 + 1] += 1e-3  # in the second chunk of the big tensor
     assert device_digest(changed) != digest
     assert device_digest(tensors[::-1]) != digest  # order matters
+
+
+# ---- the emulated straggler -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("slowdown, passes", [(1.0, [4]), (2.0, [4, 4]), (2.5, [4, 2, 4])])
+def test_emulated_slowdown_computes_more_and_leaves_the_gradients_alone(
+    slowdown: float, passes: list[int]
+) -> None:
+    """``emulate_slowdown`` runs extra forward and backward passes (real compute: whole
+    batches, then a fraction of one) before the step's own; the gradients the step applies are
+    bit for bit those of a normal step."""
+    from torchtitan.components.loss import build_cross_entropy_loss
+
+    job = config(f"--fault_tolerance.emulate_slowdown={slowdown}")
+    model = small_model()
+    reference = small_model()
+    trainer = SemiSyncTrainer.__new__(SemiSyncTrainer)  # only what forward_backward uses
+    trainer.job_config = job
+    trainer.model = model
+    trainer.loss_fn = build_cross_entropy_loss(job)
+    trainer.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: list[int] = []
+    model.register_forward_pre_hook(lambda _, inputs: seen.append(inputs[0].shape[0]))
+    tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    loss = trainer.forward_backward(inputs, labels)
+    assert seen == passes
+    trainer.model = reference
+    expected = Trainer.forward_backward(trainer, inputs, labels)  # the core trainer's
+    assert torch.equal(loss, expected)
+    for p, r in zip(model.parameters(), reference.parameters(), strict=True):
+        assert p.grad is not None and torch.equal(p.grad, r.grad)

@@ -23,6 +23,12 @@ One sync point ``j`` (every ``period`` inner steps; with fragments, fragment ``j
    weighted by the tokens each group processed in the fragment's period (arXiv 2401.09135);
    a group that has just healed sends zeros and weight 0.
 
+With DyLU (``dynamic_local_steps``, arXiv 2401.09135) a group's period is not ``period`` inner
+steps but as many as its speed allows (:func:`dylu_inner_steps`, decided in each sync quorum
+by the trainer, :meth:`AsyncDiLoCo.plan_period`); the token weights then give each group's
+pseudo-gradient its share. Groups still pass sync points together (every sync point is a
+quorum), so ``sync_points`` counts the job's progress alike in every group.
+
 Every group applies the same averages in the same order to the same global copies, so after
 every committed sync all live groups hold identical global parameters (the trainer checks a
 digest of them). Nothing is in flight while a quorum forms, so a heal carries only the global
@@ -34,6 +40,7 @@ accelerator; pinned when a GPU is present).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +56,7 @@ from torchtitan.experiments.fault_tolerance.outer_loop import (
     as_param_layout,
     local_tensor,
 )
+from torchtitan.experiments.fault_tolerance.outer_optimizer import DelayedNesterov
 
 #: How a group's next local period starts while its pseudo-gradient is being averaged.
 UPDATES = ("eager", "delayed")
@@ -72,16 +80,23 @@ class _Fragment:
         lr: float,
         momentum: float,
         nesterov: bool,
+        momentum_every: int,
     ) -> None:
         self.params = dict(module.named_parameters())
         self.global_ = {n: _state_tensor(local_tensor(p), device) for n, p in self.params.items()}
         self.start = {n: _state_tensor(local_tensor(p), device) for n, p in self.params.items()}
-        self.outer = torch.optim.SGD(
-            list(self.global_.values()),
-            lr=lr,
-            momentum=momentum,
-            nesterov=nesterov and momentum > 0,
-        )
+        self.outer: torch.optim.Optimizer
+        if momentum_every > 1:
+            self.outer = DelayedNesterov(
+                list(self.global_.values()), lr=lr, momentum=momentum, delay=momentum_every
+            )
+        else:
+            self.outer = torch.optim.SGD(
+                list(self.global_.values()),
+                lr=lr,
+                momentum=momentum,
+                nesterov=nesterov and momentum > 0,
+            )
         #: Inner steps this group took since the fragment's last sync point.
         self.steps = 0
 
@@ -135,20 +150,49 @@ class _Fragment:
         """Start the fragment's next local period at the global copy, moved by the outer step
         ``estimate`` (a flat pseudo-gradient) would make when given (``eager``)."""
         offset = 0
-        group = self.outer.param_groups[0]
-        lr, mu, nesterov = group["lr"], group["momentum"], group["nesterov"]
+        lr = self.outer.param_groups[0]["lr"]
         for name, p in self.params.items():
             target = self.start[name]
             target.copy_(self.global_[name])
             n = target.numel()
             if estimate is not None:
                 grad = estimate[offset : offset + n].view_as(target).to(target.device)
-                target.sub_(outer_sgd_direction(grad, self._momentum(name), mu, nesterov), alpha=lr)
+                target.sub_(self._outer_direction(name, grad), alpha=lr)
             offset += n
             local_tensor(p.data).copy_(target.to(p.device))
 
-    def _momentum(self, name: str) -> torch.Tensor | None:
-        return self.outer.state.get(self.global_[name], {}).get("momentum_buffer")
+    def _outer_direction(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """The direction the outer optimizer's next step takes the global copy ``name`` along
+        for gradient ``grad``, its state left as it is."""
+        global_ = self.global_[name]
+        if isinstance(self.outer, DelayedNesterov):
+            return self.outer.direction(global_, grad)
+        group = self.outer.param_groups[0]
+        momentum = self.outer.state.get(global_, {}).get("momentum_buffer")
+        return outer_sgd_direction(grad, momentum, group["momentum"], group["nesterov"])
+
+    def delayed_state(self) -> dict[str, Any]:
+        """Delayed Nesterov's state besides the momentum (a checkpoint needs it): where in
+        its window the optimizer is, and the pseudo-gradients summed in the window so far
+        (zeros where nothing is summed, so that every checkpoint has the same keys)."""
+        if not isinstance(self.outer, DelayedNesterov):
+            return {}
+        sums = {}
+        for name, p in self.params.items():
+            summed = self.outer.state.get(self.global_[name], {}).get("grad_sum")
+            if summed is None:
+                summed = torch.zeros_like(self.global_[name])
+            sums[name] = as_param_layout(p, summed)
+        return {"outer_step": self.outer.param_groups[0]["step"], "grad_sum": sums}
+
+    @torch.no_grad()
+    def load_delayed_state(self, saved: dict[str, Any]) -> None:
+        if not isinstance(self.outer, DelayedNesterov):
+            return
+        self.outer.param_groups[0]["step"] = int(saved["outer_step"])
+        for name, value in saved["grad_sum"].items():
+            target = self.global_[name]
+            self.outer.state[target]["grad_sum"] = local_tensor(value).to(target.device, copy=True)
 
     def state_for_heal(self) -> dict[str, Any]:
         return {
@@ -181,6 +225,17 @@ def outer_sgd_direction(
     return grad + momentum * buf if nesterov else buf
 
 
+def dylu_inner_steps(period: int, step_seconds: list[float], mine: float) -> int:
+    """DyLU: this group's inner steps for the next period, so that it reaches the sync point
+    when the fastest group, taking ``period`` steps, does. ``step_seconds``: every group's
+    seconds per inner step in its last period (0: not measured yet, e.g. just (re)started);
+    ``mine``: this group's. Unmeasured groups take ``period`` steps."""
+    measured = [s for s in step_seconds if s > 0]
+    if mine <= 0 or not measured:
+        return period
+    return max(1, min(period, round(period * min(measured) / mine)))
+
+
 @dataclass
 class _InFlight:
     """A started all-reduce: ``buffer`` holds [sum of tokens x pseudo-gradient, sum of tokens]
@@ -207,6 +262,7 @@ class AsyncDiLoCo(OuterLoop):
     """DiLoCo whose outer step is applied one sync point later, overlapped with compute."""
 
     method = "async_diloco"
+    dynamic_periods = True
 
     def __init__(
         self,
@@ -219,6 +275,7 @@ class AsyncDiLoCo(OuterLoop):
         outer_lr: float,
         outer_momentum: float,
         outer_nesterov: bool,
+        outer_momentum_every: int = 1,
         state_device: torch.device,
         tokens_per_step: int,
     ) -> None:
@@ -235,9 +292,19 @@ class AsyncDiLoCo(OuterLoop):
         self.tokens_per_step = tokens_per_step
         self.inner_optimizer = inner_optimizer
         self._states = [
-            _Fragment(f, state_device, outer_lr, outer_momentum, outer_nesterov) for f in fragments
+            _Fragment(
+                f, state_device, outer_lr, outer_momentum, outer_nesterov, outer_momentum_every
+            )
+            for f in fragments
         ]
         self._local_step = 0
+        #: Inner steps of the current period (``period`` unless DyLU planned fewer).
+        self._steps_this_period = self.period
+        self.sync_points = 0
+        #: When the current period's inner steps began, and this group's seconds per inner
+        #: step in the last period that ended (0: none yet).
+        self._period_began: float | None = None
+        self._step_seconds = 0.0
         self._in_flight: _InFlight | None = None
         self._outcome: SyncOutcome | None = None
         #: Set when torchft loaded a peer's state into this group in the last quorum.
@@ -249,11 +316,15 @@ class AsyncDiLoCo(OuterLoop):
                 lambda saved, state=state: self._load_from_heal(state, saved),
                 state.state_for_heal,
             )
+        manager.register_state_dict_fn(
+            "async_diloco_progress", self._load_progress, lambda: {"sync_points": self.sync_points}
+        )
 
     # ---- the loop ----------------------------------------------------------------------------
 
     @contextlib.contextmanager
     def _installed(self) -> Iterator[AsyncDiLoCo]:
+        self._period_began = time.perf_counter()
         handles = [
             self.inner_optimizer.register_step_pre_hook(self._before_step),
             self.inner_optimizer.register_step_post_hook(self._after_step),
@@ -276,11 +347,17 @@ class AsyncDiLoCo(OuterLoop):
         for state in self._states:
             state.steps += 1
         self._local_step += 1
-        if self._local_step == self.period:
+        if self._local_step >= self._steps_this_period:
             self.sync_point()
 
     def sync_point(self) -> None:
         """Finish the sync in flight, start this fragment's (see the module docstring)."""
+        if self._period_began is not None and self._local_step > 0:
+            self._step_seconds = (time.perf_counter() - self._period_began) / self._local_step
+        self.sync_points += 1
+        # At the quorum every group is at inner step 0 of its next period, whatever the length
+        # of the one it ended (DyLU): a group healing from it continues from there.
+        self._local_step = 0
         self._outcome = self._finish_in_flight()
         index = self.current_fragment()
         state = self._states[index]
@@ -294,7 +371,7 @@ class AsyncDiLoCo(OuterLoop):
             self._after_heal()
             steps = 0
         self._start_all_reduce(index, buffer, steps)
-        self._local_step = 0
+        self._period_began = time.perf_counter()
 
     def _buffer(self, state: _Fragment) -> torch.Tensor:
         device = local_tensor(next(iter(state.params.values()))).device
@@ -337,7 +414,25 @@ class AsyncDiLoCo(OuterLoop):
             weight=flight.tokens / total if committed and total > 0 else None,
         )
 
+    # ---- DyLU ---------------------------------------------------------------------------------
+
+    def step_seconds(self) -> float:
+        """This group's seconds per inner step in its last period (0: no period yet)."""
+        return self._step_seconds
+
+    def plan_period(self, steps: int) -> None:
+        """The next period (which starts after this quorum) takes ``steps`` inner steps."""
+        if not 1 <= steps <= self.period:
+            raise ValueError(f"a period takes 1 to {self.period} inner steps, not {steps}")
+        self._steps_this_period = steps
+
+    def steps_this_period(self) -> int:
+        return self._steps_this_period
+
     # ---- healing -----------------------------------------------------------------------------
+
+    def _load_progress(self, saved: dict[str, int]) -> None:
+        self.sync_points = int(saved["sync_points"])
 
     def _load_from_heal(self, state: _Fragment, saved: dict[str, Any]) -> None:
         state.load_from_heal(saved)
@@ -359,6 +454,7 @@ class AsyncDiLoCo(OuterLoop):
         self._start_all_reduce(index, self._buffer(self._states[index]), 0)
         self._healed = False
         self._local_step = 0
+        self._period_began = time.perf_counter()
         return False
 
     # ---- what the trainer asks -----------------------------------------------------------------
@@ -396,13 +492,14 @@ class AsyncDiLoCo(OuterLoop):
             flight.work.wait()
             flight.arrived = self.manager.errored() is None
         kept = flight if flight is not None and flight.arrived else None
-        state: dict[str, Any] = {}
+        state: dict[str, Any] = {"sync_points": self.sync_points}
         for index, fs in enumerate(self._states):
             state[f"fragment_{index}"] = {
                 "local_start": {
                     name: as_param_layout(p, fs.start[name]) for name, p in fs.params.items()
                 },
                 "steps": fs.steps,
+                **fs.delayed_state(),
             }
         # Every parameter of the model has an entry (zeros outside the kept fragment), so the
         # keys do not depend on which fragment was in flight.
@@ -430,11 +527,13 @@ class AsyncDiLoCo(OuterLoop):
 
     @torch.no_grad()
     def load_extra_state(self, state: dict[str, Any]) -> None:
+        self.sync_points = int(state["sync_points"])
         for index, fs in enumerate(self._states):
             saved = state[f"fragment_{index}"]
             for name, value in saved["local_start"].items():
                 fs.start[name].copy_(local_tensor(value))
             fs.steps = int(saved["steps"])
+            fs.load_delayed_state(saved)
         arrived = state["arrived"]
         self._in_flight = None
         fragment = int(arrived["fragment"])

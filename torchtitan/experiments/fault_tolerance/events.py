@@ -60,6 +60,14 @@ def _final_model_line(v: dict[str, Any], _: bool) -> str:
 #: (None when nothing was dropped and no sync was in flight).
 FINAL_MODEL = EventKind("semi_sync.final_model", _final_model_line)
 
+#: DyLU: this group's periods now take ``steps`` inner steps (of ``period`` for the fastest
+#: group), from its speed and the fastest group's in their last periods (0: not measured).
+INNER_STEPS_PLANNED = EventKind(
+    "semi_sync.inner_steps_planned",
+    "[semi-sync] DyLU: periods now take {steps}/{period} inner steps (this group "
+    "{ms_per_step:.1f} ms per step, the fastest {fastest_ms_per_step:.1f} ms)",
+)
+
 #: A (re)started group has started its Manager and asks for its first quorum.
 ASKING_FOR_QUORUM = EventKind(
     "semi_sync.asking_for_quorum",

@@ -121,6 +121,32 @@ class FaultTolerance(CoreFaultTolerance):
     of the local period live (3x the parameters). ``cpu`` (pinned when a GPU is present) keeps
     them off the accelerator; ``device`` keeps them next to the model."""
 
+    outer_momentum_every: int = 1
+    """async_diloco: Delayed Nesterov (arXiv 2401.09135) when > 1. The outer momentum is
+    updated once every this many outer steps, from the mean of their averaged
+    pseudo-gradients; in between each outer step applies its own average divided by this
+    number, so a window of them moves as one Nesterov step on their mean. Stale averages
+    (applied one period late) then do not compound through the momentum. 1: Nesterov SGD
+    (``outer_nesterov``) at every outer step. Needs ``outer_momentum`` > 0 and
+    ``outer_nesterov``."""
+
+    dynamic_local_steps: bool = False
+    """async_diloco: DyLU (arXiv 2401.09135). Each group takes as many inner steps per period as
+    its speed allows, so that all groups reach the sync point at about the same time: the
+    fastest group takes ``sync_steps`` (per fragment: ``sync_steps / fragments``), a group whose
+    last period ran at ``k`` times the fastest one's seconds per step takes ``sync_steps / k``
+    (rounded, at least 1), decided at every sync quorum from speeds the groups exchange.
+    Training then ends after ``training.steps / sync_steps`` periods (every group at the same
+    sync point; slower groups have taken fewer steps), and each group's learning rate follows
+    the job's progress through the schedule, not its own step count. The number of steps then
+    depends on measured time: runs are not bit-for-bit repeatable."""
+
+    emulate_slowdown: float = 1.0
+    """Benchmarks and tests: make this group a straggler that computes this many times the
+    work of a step (extra forward and backward passes over the step's batch, the last one on
+    part of it; their gradients are discarded, so the training itself is unchanged). It takes
+    real compute time, as a slower machine would, not idle time. 1: off."""
+
     should_quantize: bool = False
     """DiLoCo: quantize pseudo-gradients to fp8 for the all-reduce (torchft's Triton kernels:
     needs CUDA, the nccl process group and an importable triton; refused elsewhere, where
@@ -153,6 +179,12 @@ class FaultTolerance(CoreFaultTolerance):
             raise ConfigError("fault_tolerance.semi_sync_method", method, _how_to_run(method))
         if self.sync_steps < 1:
             raise ConfigError("fault_tolerance.sync_steps", self.sync_steps, "must be >= 1")
+        if not self.emulate_slowdown >= 1.0:
+            raise ConfigError(
+                "fault_tolerance.emulate_slowdown",
+                self.emulate_slowdown,
+                "must be >= 1 (1: off; 2: twice the compute per step)",
+            )
         if self.sync_quorum_timeout_s <= 0:
             raise ConfigError(
                 "fault_tolerance.sync_quorum_timeout_s", self.sync_quorum_timeout_s, "must be > 0"
@@ -170,7 +202,7 @@ class FaultTolerance(CoreFaultTolerance):
             "fragment_update_alpha": self.fragment_update_alpha != 0.0,
         }
         if self.method == "async_diloco":
-            self._validate_async()
+            self._validate_async(config)
         else:
             for name in self._changed(ASYNC_FIELDS):
                 raise ConfigError(
@@ -211,7 +243,7 @@ class FaultTolerance(CoreFaultTolerance):
                     f"{missing}, and torchft would silently send full precision instead",
                 )
 
-    def _validate_async(self) -> None:
+    def _validate_async(self, config: CoreJobConfig) -> None:
         if self.async_update not in ASYNC_UPDATES:
             raise ConfigError(
                 "fault_tolerance.async_update",
@@ -232,6 +264,28 @@ class FaultTolerance(CoreFaultTolerance):
         }
         for name in self._changed(tuple(not_async)):
             raise ConfigError(f"fault_tolerance.{name}", getattr(self, name), not_async[name])
+        if self.outer_momentum_every < 1:
+            raise ConfigError(
+                "fault_tolerance.outer_momentum_every",
+                self.outer_momentum_every,
+                "must be >= 1 (1: Nesterov every outer step; N > 1: Delayed Nesterov)",
+            )
+        if self.outer_momentum_every > 1 and not (self.outer_nesterov and self.outer_momentum):
+            raise ConfigError(
+                "fault_tolerance.outer_momentum_every",
+                self.outer_momentum_every,
+                "Delayed Nesterov needs fault_tolerance.outer_nesterov=true and "
+                f"outer_momentum > 0 (is {self.outer_momentum}); or set it to 1",
+            )
+        steps = config.training.steps
+        if self.dynamic_local_steps and steps % self.sync_steps:
+            raise ConfigError(
+                "fault_tolerance.dynamic_local_steps",
+                True,
+                f"training then ends after training.steps / sync_steps periods: make "
+                f"training.steps ({steps}) a multiple of fault_tolerance.sync_steps "
+                f"({self.sync_steps})",
+            )
 
     def _changed(self, names: tuple[str, ...]) -> list[str]:
         """The fields among ``names`` whose value is not their default."""
@@ -325,7 +379,12 @@ def _meta_model(config: CoreJobConfig) -> nn.Module:
 #: Fields that mean something only with a semi_sync_method, and only with DiLoCo.
 OUTER_FIELDS = ("outer_lr", "outer_momentum", "outer_nesterov", "should_quantize")
 #: Fields that mean something only with semi_sync_method=async_diloco.
-ASYNC_FIELDS = ("async_update", "outer_state_device")
+ASYNC_FIELDS = (
+    "async_update",
+    "outer_state_device",
+    "outer_momentum_every",
+    "dynamic_local_steps",
+)
 SEMI_SYNC_FIELDS = (
     "sync_steps",
     "sync_quorum_timeout_s",
@@ -336,6 +395,7 @@ SEMI_SYNC_FIELDS = (
     "fragment_sync_delay",
     "fragment_update_alpha",
     *ASYNC_FIELDS,
+    "emulate_slowdown",
 )
 
 

@@ -86,6 +86,20 @@ class OuterLoop:
     #: Whether the method keeps global copies of the parameters and an outer optimizer
     #: (DiLoCo); LocalSGD's global parameters are the model's right after a sync.
     has_global_copies: bool = True
+    #: Sync points passed in this job (kept by methods that support DyLU, alike in every
+    #: group: they pass sync points together).
+    sync_points: int = 0
+    #: Whether the method can take a different number of inner steps per period (DyLU:
+    #: ``step_seconds`` and ``plan_period``).
+    dynamic_periods: bool = False
+
+    def step_seconds(self) -> float:
+        """DyLU: this group's seconds per inner step in its last period (0: not measured)."""
+        return 0.0
+
+    def plan_period(self, steps: int) -> None:
+        """DyLU: the period that starts after this quorum takes ``steps`` inner steps."""
+        raise NotImplementedError(f"{self.method} takes the same inner steps every period")
 
     def hooks(self) -> contextlib.AbstractContextManager:
         """Installs the optimizer hooks that sync (entered around the training loop)."""
@@ -94,6 +108,11 @@ class OuterLoop:
     def local_step(self) -> int:
         """Inner steps since the last sync point."""
         raise NotImplementedError
+
+    def steps_this_period(self) -> int:
+        """Inner steps between the last sync point and the next: ``period``, unless the
+        method adapts it to this group's speed (DyLU)."""
+        return self.period
 
     def set_local_step(self, step: int) -> None:
         raise NotImplementedError

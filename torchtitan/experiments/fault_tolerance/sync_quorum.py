@@ -41,6 +41,8 @@ class Member:
     #: 1 when ``digest`` is given: a 64-bit digest of the global parameters of the last sync.
     has_digest: int = 0
     digest: int = 0
+    #: DyLU: this group's microseconds per inner step in its last period (0: not measured).
+    step_us: int = 0
 
 
 def exchange(manager: Any, mine: Member, device: torch.device) -> list[Member] | None:

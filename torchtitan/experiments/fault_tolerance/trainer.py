@@ -33,9 +33,10 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.components.ft import FaultToleranceError, FTManager, build_ft_manager
 from torchtitan.components.ft import torchft_adapter as tft
+from torchtitan.components.lr_scheduler import move_schedule_to
 from torchtitan.config.job_config import ConfigError, JobConfig
 from torchtitan.experiments.fault_tolerance import events
-from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
+from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo, dylu_inner_steps
 from torchtitan.experiments.fault_tolerance.job_config import SEMI_SYNC_METHODS, semi_sync_config
 from torchtitan.experiments.fault_tolerance.outer_loop import (
     OuterLoop,
@@ -173,8 +174,6 @@ class SemiSyncState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         loop: OuterLoop = self.trainer.algorithm
         loop.set_local_step(int(state["local_step"]))
-        if "extra" in state:
-            loop.load_extra_state(state["extra"])
         for i in self._fragments():
             saved = state[f"fragment_{i}"]
             for name, value in saved["global_parameters"].items():
@@ -190,6 +189,8 @@ class SemiSyncState:
                         if isinstance(target, DTensor)
                         else local_tensor(value).detach().to(target.device, copy=True)
                     )
+        if "extra" in state:  # after the outer state above, which it may add to
+            loop.load_extra_state(state["extra"])
         in_flight = int(state.get("in_flight_fragment", -1))
         if in_flight >= 0:
             # Saved while a fragment's all-reduce was in flight (fragment_sync_delay > 0): its
@@ -239,6 +240,11 @@ class SemiSyncTrainer(Trainer):
             self.algorithm = self._build_diloco()
         self.fragments = self.algorithm.fragments
         self.period, self.delay = self.algorithm.period, self.algorithm.delay
+        # DyLU: groups take different numbers of inner steps, so training ends after a number
+        # of sync points (the fastest group's steps), and the learning rate follows the job's
+        # progress through them.
+        self.dynamic = ft.dynamic_local_steps
+        self.total_sync_points = job_config.training.steps // self.period
         self.state = SemiSyncState(self)
         self.register_state("semi_sync", self.state, heal=False)
         # Not a checkpointed state: where in the sync period the sending group is, so that a
@@ -262,14 +268,25 @@ class SemiSyncTrainer(Trainer):
             f"[semi-sync] {self.method}: sync every {ft.sync_steps} inner steps, "
             f"{len(self.fragments)} fragment(s)"
             + (
-                f", outer SGD lr {ft.outer_lr} momentum {ft.outer_momentum} "
-                f"nesterov {ft.outer_nesterov}"
+                (
+                    f", outer Delayed Nesterov lr {ft.outer_lr} momentum {ft.outer_momentum} "
+                    f"every {ft.outer_momentum_every} outer steps"
+                    if ft.outer_momentum_every > 1
+                    else f", outer SGD lr {ft.outer_lr} momentum {ft.outer_momentum} "
+                    f"nesterov {ft.outer_nesterov}"
+                )
                 if self.algorithm.has_global_copies
                 else ""
             )
             + (
                 f", {ft.async_update} update overlapped with the next period, outer state on "
                 f"{ft.outer_state_device}"
+                + (
+                    f", DyLU (inner steps per period from each group's speed; training ends "
+                    f"after {self.total_sync_points} sync points)"
+                    if self.dynamic
+                    else ""
+                )
                 if self.method == "async_diloco"
                 else f", delay {ft.fragment_sync_delay}, alpha {ft.fragment_update_alpha}"
                 if self.method == "diloco"
@@ -337,6 +354,7 @@ class SemiSyncTrainer(Trainer):
             outer_lr=ft.outer_lr,
             outer_momentum=ft.outer_momentum,
             outer_nesterov=ft.outer_nesterov,
+            outer_momentum_every=ft.outer_momentum_every,
             state_device=torch.device("cpu") if ft.outer_state_device == "cpu" else self.device,
             tokens_per_step=training.local_batch_size
             * training.seq_len
@@ -388,10 +406,49 @@ class SemiSyncTrainer(Trainer):
         loss = self.forward_backward(inputs, labels)
         grad_norm = self.clip_gradients()
         self.optimizer.step()  # torchft's hook syncs here at the end of each sync period
-        self.lr_scheduler.step()
-        if self.train_state.step + 1 == self.job_config.training.steps:
+        self._advance_schedule()
+        if self._last_step_taken(self.train_state.step + 1):
             self._finish()
         return StepResult(self._mean_over_job(loss), grad_norm.item())
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        slowdown = semi_sync_config(self.job_config).emulate_slowdown
+        if slowdown > 1:
+            self._emulate_slower_group(inputs, labels, slowdown - 1)
+        return super().forward_backward(inputs, labels)
+
+    def _emulate_slower_group(
+        self, inputs: torch.Tensor, labels: torch.Tensor, extra: float
+    ) -> None:
+        """``extra`` times a step's forward and backward work, whose gradients are dropped
+        (``fault_tolerance.emulate_slowdown``): whole passes over the batch, then one over
+        the matching fraction of its sequences."""
+        whole, part = int(extra), extra - int(extra)
+        rows = round(part * inputs.shape[0])
+        for batch in [slice(None)] * whole + ([slice(0, rows)] if rows else []):
+            super().forward_backward(inputs[batch], labels[batch])
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def training_done(self) -> bool:
+        if self.dynamic:
+            return self.algorithm.sync_points >= self.total_sync_points
+        return super().training_done()
+
+    def _last_step_taken(self, step: int) -> bool:
+        """Whether the step just taken (``step``, not yet counted) ends training."""
+        if self.dynamic:
+            return self.training_done() and self.algorithm.local_step() == 0
+        return step == self.job_config.training.steps
+
+    def _advance_schedule(self) -> None:
+        """After an inner step: one step along the learning-rate schedule, or with DyLU to the
+        job's progress, counted in the steps of a group that takes whole periods."""
+        if not self.dynamic:
+            self.lr_scheduler.step()
+            return
+        loop = self.algorithm
+        within = loop.local_step() * self.period // loop.steps_this_period()
+        move_schedule_to(self.lr_scheduler, loop.sync_points * self.period + within)
 
     # ---- joining the job ---------------------------------------------------------------------
 
@@ -504,10 +561,14 @@ class SemiSyncTrainer(Trainer):
         performed = self.algorithm.join_sync()
         self._sync_seconds = time.perf_counter() - start
         # The running groups are inside this step's optimizer.step(); finish it as they will.
-        self.lr_scheduler.step()
+        self._advance_schedule()
+        last = self._last_step_taken(self.train_state.step + 1)
         self.train_state.step += 1
         if performed:
             self._report_sync(self.train_state.step)
+        if last:
+            # The running groups end the job at this sync point: end it with them.
+            self._finish()
         if self.checkpointer.should_save(self.train_state.step, False):
             self.checkpointer.save(self.train_state.step)
 
@@ -528,6 +589,8 @@ class SemiSyncTrainer(Trainer):
         digest = self._digest_if_due()
         if digest is not None:
             mine.has_digest, mine.digest = 1, digest
+        if self.dynamic:
+            mine.step_us = round(self.algorithm.step_seconds() * 1e6)
         members = exchange(manager, mine, self.device)
         verdict = compare_digests(members or [])
         own = mine.digest if mine.has_digest else None
@@ -537,17 +600,23 @@ class SemiSyncTrainer(Trainer):
             not verdict.agree and verdict.majority is None,
             not verdict.agree and own is not None and own != verdict.majority,
         ]
+        speeds = [m.step_us / 1e6 for m in members or []]
+        plan = dylu_inner_steps(self.period, speeds, mine.step_us / 1e6) if self.dynamic else 0
         if self.parallel_dims.world_size > 1:
             # Each rank exchanged with the same rank of the other groups (and compared its own
-            # shard): the group acts on what any of its ranks found.
-            found = torch.tensor(flags, dtype=torch.int64, device=self.device)
+            # shard): the group acts on what any of its ranks found, and all its ranks take
+            # the same number of inner steps.
+            found = torch.tensor([*flags, plan], dtype=torch.int64, device=self.device)
             dist.all_reduce(found, op=dist.ReduceOp.MAX)
-            flags = [bool(v) for v in found.tolist()]
+            *found_flags, plan = found.tolist()
+            flags = [bool(v) for v in found_flags]
         failed, disagree, no_majority, minority = flags
         self._agreement = None if not verdict.digests else "disagree" if disagree else "agree"
         if failed:
             return True
         assert members is not None
+        if self.dynamic:
+            self._plan_period(plan, speeds, mine.step_us / 1e6)
         running = any(m.role == RUNNING for m in members)
         if not running and len(members) < ft.group_size:
             # Only starting groups, not all of them: a new job waits for all; a restarted one
@@ -567,6 +636,19 @@ class SemiSyncTrainer(Trainer):
         if disagree:
             self._act_on_disagreement(verdict.digests, no_majority, minority)
         return True
+
+    def _plan_period(self, steps: int, speeds: list[float], mine: float) -> None:
+        """DyLU: the next period's inner steps (said in the log when they change)."""
+        if steps != self.algorithm.steps_this_period():
+            fastest = min((s for s in speeds if s > 0), default=0.0)
+            events.INNER_STEPS_PLANNED.emit(
+                step=self.train_state.step,
+                steps=steps,
+                period=self.period,
+                ms_per_step=mine * 1e3,
+                fastest_ms_per_step=fastest * 1e3,
+            )
+        self.algorithm.plan_period(steps)
 
     def _digest_if_due(self) -> int | None:
         """A digest of the global parameters of the last sync, every ``agreement_check_every``
@@ -676,7 +758,8 @@ class SemiSyncTrainer(Trainer):
     def _position_in_period(self) -> tuple[bool, bool]:
         """(prepares, performs): what torchft's hook, which runs next, does at this step."""
         local_step = self.algorithm.local_step() + 1
-        return local_step == self.period - self.delay, local_step == self.period
+        period = self.algorithm.steps_this_period()
+        return local_step == period - self.delay, local_step == period
 
     def _before_torchft(self, *_: Any) -> None:
         prepares, performs = self._position_in_period()
