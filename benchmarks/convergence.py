@@ -1,8 +1,9 @@
-"""Convergence at equal tokens: held-out loss of one group, synchronous DP, LocalSGD, DiLoCo and
-Streaming DiLoCo on the embedded corpus.
+"""Convergence at equal tokens: held-out loss of one group, synchronous DP, LocalSGD, DiLoCo,
+Streaming DiLoCo and async DiLoCo on the embedded corpus; or, with a straggler, against time.
 
     .venv/bin/python benchmarks/convergence.py             # the README's figures (~35 min)
     .venv/bin/python benchmarks/convergence.py --smoke     # seconds; checks the plumbing only
+    .venv/bin/python benchmarks/convergence.py --straggler 2   # blocking vs async + DyLU
     .venv/bin/python benchmarks/convergence.py --sweep-outer-lr 0.5 1.0 \
         --sweep-outer-momentum 0.5 0.9                     # DiLoCo only, one run per pair
 
@@ -16,6 +17,17 @@ group, AdamW lr 2e-3 with 20 warmup steps and linear decay (the debug TOML), see
 * ``localsgd``, ``diloco`` (outer Nesterov SGD, ``--outer-lr`` and ``--outer-momentum``),
   ``streaming_diloco`` (the same outer optimizer, 2 fragments, ``fragment_sync_delay=1``):
   2 groups, H = ``--sync-steps``.
+
+* ``async_eager``, ``async_delayed``: async DiLoCo (``semi_sync_method=async_diloco``,
+  ``async_update`` eager or delayed), the same outer optimizer, 1 fragment. Their summary rows
+  add ``ratio_to_diloco``.
+
+``--straggler F`` runs a different comparison: group 1 computes F times the work of each step
+(``fault_tolerance.emulate_slowdown``), and blocking DiLoCo (``diloco``) is compared with async
+DiLoCo with DyLU (``async_dylu``) by group 0's held-out loss against wall-clock time (seconds
+since its start of training; it evaluates at each of its sync points). The summary gives each
+method's loss when the faster of the two runs ended (equal wall-clock time). It writes
+``convergence_straggler.json`` and a plot of loss against seconds.
 
 ``--sweep-outer-lr`` / ``--sweep-outer-momentum`` run DiLoCo alone for every pair of values
 (seeds ``--seeds``) and write ``--sweep-out``: how the outer optimizer was chosen.
@@ -42,11 +54,15 @@ import ft_common as common  # noqa: E402
 import provenance  # noqa: E402
 
 from torchtitan.tools.cluster import LocalJob  # noqa: E402
-from torchtitan.trainer import VALIDATION  # noqa: E402
+from torchtitan.trainer import TRAINING_STARTED, VALIDATION  # noqa: E402
 
-CONFIGS = ["single_group", "sync_dp", "localsgd", "diloco", "streaming_diloco"]
+CONFIGS = ["single_group", "sync_dp", "localsgd", "diloco", "streaming_diloco", "async_eager",
+           "async_delayed"]  # fmt: skip
 BASE_METHOD = {"sync_dp": "sync_ft", "localsgd": "localsgd", "diloco": "diloco",
-               "streaming_diloco": "streaming_diloco"}  # fmt: skip
+               "streaming_diloco": "streaming_diloco", "async_eager": "async_diloco",
+               "async_delayed": "async_delayed", "async_dylu": "async_dylu"}  # fmt: skip
+#: With --straggler: blocking DiLoCo against async DiLoCo with DyLU.
+STRAGGLER_CONFIGS = ["diloco", "async_dylu"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,6 +83,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sweep-out", type=Path, help=provenance.output_help("convergence_sweep.json"))
     p.add_argument("--out", type=Path, help=provenance.output_help("convergence.json"))
     p.add_argument("--png", type=Path, help="chart (default: --out, as .png)")
+    p.add_argument("--straggler", type=float, default=None,
+                   help="group 1 computes this many times the work per step "
+                   "(fault_tolerance.emulate_slowdown): compare blocking DiLoCo and async "
+                   "DiLoCo with DyLU by held-out loss against wall-clock time")  # fmt: skip
     p.add_argument("--reuse", action="store_true",
                    help="keep the runs in --out (same settings); run the rest")  # fmt: skip
     args = p.parse_args(argv)
@@ -74,7 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.smoke:
         args.seeds, args.steps, args.sync_steps, args.eval_batches = [0], 8, 4, 2
         args.flavor, args.seq_len, args.batch = "debugmodel_small", 32, 2
-    args.out = args.out or provenance.default_output("convergence.json", args.smoke)
+    if args.straggler is not None:
+        args.configs = STRAGGLER_CONFIGS
+    name = "convergence.json" if args.straggler is None else "convergence_straggler.json"
+    args.out = args.out or provenance.default_output(name, args.smoke)
     args.sweep_out = args.sweep_out or provenance.default_output(
         "convergence_sweep.json", args.smoke
     )
@@ -170,6 +193,11 @@ def summarize(curves: dict[str, dict[int, dict[int, float]]]) -> dict[str, dict]
         base = table["sync_dp"]["final_eval_loss_mean"]
         for row in table.values():
             row["ratio_to_sync_dp"] = round(row["final_eval_loss_mean"] / base, 4)
+    if "diloco" in table:
+        base = table["diloco"]["final_eval_loss_mean"]
+        for config, row in table.items():
+            if config.startswith("async"):
+                row["ratio_to_diloco"] = round(row["final_eval_loss_mean"] / base, 4)
     return table
 
 
@@ -316,10 +344,145 @@ def sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def straggler_curves(
+    args: argparse.Namespace, tmp: Path
+) -> dict[str, dict[int, dict[float, float]]]:
+    """{config: {seed: {wall seconds: held-out loss}}} of group 0 (the fast group) with group
+    1 a straggler; seconds from group 0's start of training to each validation."""
+    curves: dict[str, dict[int, dict[float, float]]] = {}
+    slow = [[], [f"--fault_tolerance.emulate_slowdown={args.straggler}"]]
+    for seed in args.seeds:
+        for config in args.configs:
+            procs = common.run_method(
+                tmp / f"{config}_seed{seed}",
+                BASE_METHOD[config],
+                train_args(args, seed, single=False),
+                semi_sync_args=semi_sync_args(args),
+                group_args=slow,
+                timeout=7200,
+            )
+            events = common.trainer_events(procs[0], VALIDATION, TRAINING_STARTED)
+            start = next(e.time for e in events if e.name == TRAINING_STARTED.name)
+            curve = {
+                round(e.time - start, 2): e["loss"] for e in events if e.name == VALIDATION.name
+            }
+            curves.setdefault(config, {})[seed] = curve
+            end = max(curve)
+            print(
+                f"[convergence] straggler {config} seed {seed}: eval loss {curve[end]:.4f} "
+                f"after {end:.0f} s",
+                flush=True,
+            )
+    return curves
+
+
+def loss_at(curve: dict[float, float], seconds: float) -> float | None:
+    """The last held-out loss measured at or before ``seconds`` (None: none by then)."""
+    before = [t for t in curve if t <= seconds]
+    return round(curve[max(before)], 4) if before else None
+
+
+def straggler_summary(curves: dict[str, dict[int, dict[float, float]]]) -> dict[str, object]:
+    """Per seed, both methods' loss when the first of them finished (equal wall-clock time),
+    and each one's final loss and time."""
+    per_seed = {}
+    for seed in curves[STRAGGLER_CONFIGS[0]]:
+        runs = {c: curves[c][seed] for c in STRAGGLER_CONFIGS}
+        equal = min(max(curve) for curve in runs.values())
+        per_seed[str(seed)] = {
+            "equal_wall_clock_s": equal,
+            **{
+                c: {
+                    "loss_at_equal_wall_clock": loss_at(curve, equal),
+                    "final_loss": round(curve[max(curve)], 4),
+                    "final_s": max(curve),
+                }
+                for c, curve in runs.items()
+            },
+        }
+    mean: dict[str, float | None] = {}
+    for c in STRAGGLER_CONFIGS:
+        values = [row[c]["loss_at_equal_wall_clock"] for row in per_seed.values()]
+        mean[c] = None if None in values else round(sum(values) / len(values), 4)
+    fast, blocking = mean["async_dylu"], mean["diloco"]
+    return {
+        "per_seed": per_seed,
+        "mean_loss_at_equal_wall_clock": mean,
+        # Blocking DiLoCo with no evaluation by then is still at its initial loss.
+        "target_met": None if fast is None else blocking is None or fast < blocking,
+    }
+
+
+def plot_wall_clock(
+    curves: dict[str, dict[int, dict[float, float]]], path: Path, title: str
+) -> str:
+    """Held-out loss vs wall-clock seconds, one line per config and seed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install -e '.[bench]'): no PNG written"
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    for index, (config, by_seed) in enumerate(curves.items()):
+        for n, (_, curve) in enumerate(sorted(by_seed.items())):
+            xs = sorted(curve)
+            ax.plot(xs, [curve[x] for x in xs], color=f"C{index}", marker="o", ms=3,
+                    alpha=1.0 if n == 0 else 0.5,
+                    label=config if n == 0 else None)  # fmt: skip
+    ax.set_xlabel("wall-clock seconds since the start of training")
+    ax.set_ylabel("held-out loss of group 0 (nats/token)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return str(path)
+
+
+def straggler_main(args: argparse.Namespace, argv: list[str] | None) -> int:
+    load = common.load_average()
+    with tempfile.TemporaryDirectory(prefix="convergence_straggler_") as tmp:
+        curves = straggler_curves(args, Path(tmp))
+    title = (
+        f"{args.flavor}, 2 groups, group 1 at {args.straggler:g}x the work per step, "
+        f"H={args.sync_steps}, {args.steps} steps of the fast group, seeds {args.seeds}"
+    )
+    result = {
+        "benchmark": "convergence_straggler",
+        "settings": {
+            **settings(args),
+            "straggler": f"group 1: fault_tolerance.emulate_slowdown={args.straggler}",
+            "loss": "group 0's held-out loss (K batches), at each of its sync points",
+            "load_avg_1min_at_start": round(load, 2),
+        },
+        "summary": straggler_summary(curves),
+        "target": "async_dylu's loss at equal wall-clock time below diloco's",
+        "curves": {
+            c: {
+                str(seed): {str(t): v for t, v in sorted(curve.items())}
+                for seed, curve in by_seed.items()
+            }
+            for c, by_seed in curves.items()
+        },  # fmt: skip
+        "png": plot_wall_clock(curves, args.png, title),
+    }
+    path = provenance.write_result(args.out, result, provenance.command_line(__file__, argv))
+    summary = result["summary"]
+    print(f"[convergence] straggler: {json.dumps(summary['mean_loss_at_equal_wall_clock'])}")  # type: ignore[index]
+    print(f"[convergence] wrote {path} and {result['png']}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.sweep_outer_lr or args.sweep_outer_momentum:
         return sweep(args)
+    if args.straggler is not None:
+        return straggler_main(args, argv)
     load = common.load_average()
     curves = load_reusable(args)
     command = provenance.command_line(__file__, argv)
@@ -331,7 +494,10 @@ def main(argv: list[str] | None = None) -> int:
             "settings": {**settings(args), "load_avg_1min_at_start": round(load, 2)},
             "seeds": sorted({s for by_seed in done.values() for s in by_seed}),
             "summary": summarize(done),
-            "target": {"diloco ratio_to_sync_dp": "<= 1.01"},
+            "target": {
+                "diloco ratio_to_sync_dp": "<= 1.01",
+                "async_eager ratio_to_diloco": "<= 1.02",
+            },
             "curves": {
                 config: {
                     str(seed): {str(t): v for t, v in sorted(c.items())}

@@ -66,6 +66,17 @@ METHODS: dict[str, list[str]] = {
         "--fault_tolerance.num_fragments=2",
         "--fault_tolerance.fragment_sync_delay=1",
     ],
+    "async_diloco": [SEMI_SYNC_MODULE, "--fault_tolerance.semi_sync_method=async_diloco"],
+    "async_delayed": [
+        SEMI_SYNC_MODULE,
+        "--fault_tolerance.semi_sync_method=async_diloco",
+        "--fault_tolerance.async_update=delayed",
+    ],
+    "async_dylu": [
+        SEMI_SYNC_MODULE,
+        "--fault_tolerance.semi_sync_method=async_diloco",
+        "--fault_tolerance.dynamic_local_steps",
+    ],
 }
 
 
@@ -148,13 +159,14 @@ def run_method(
     train_args: list[str],
     *,
     semi_sync_args: Sequence[str] = (),
+    group_args: Sequence[Sequence[str]] = (),
     groups: int = 2,
     timeout: float = 1800,
 ) -> list[Process]:
     """Run one method to the end: ``no_ft`` as ``groups`` independent processes, the others
     as a lighthouse plus ``groups`` replica groups; process i runs on core i. ``semi_sync_args``
-    go to the LocalSGD and DiLoCo methods only. Raises with the log tail if any process
-    fails."""
+    go to the LocalSGD and DiLoCo methods only; ``group_args[i]``, when given, to group i only.
+    Raises with the log tail if any process fails."""
     extra = list(semi_sync_args) if SEMI_SYNC_MODULE in METHODS[method] else []
     args = [*METHODS[method], *train_args, *extra]
     with trainer_job(folder, groups, args) as job:
@@ -164,7 +176,9 @@ def run_method(
                 for i in range(groups)
             ]
         else:
-            job.start()
+            job.start_lighthouse()
+            for i in range(groups):
+                job.start_group(i, list(group_args[i]) if group_args else [])
             trainers = [job.latest(i) for i in range(groups)]
         wait_all(trainers, timeout)
         return trainers

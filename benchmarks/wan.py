@@ -46,8 +46,10 @@ from torchtitan.tools.events import Event  # noqa: E402
 from torchtitan.trainer import TRAINING_STARTED  # noqa: E402
 
 LIGHTHOUSE_PORT = 19610  # inside the hub namespace only (a fresh network stack: always free)
-ORDER = ["no_ft", "sync_ft", "diloco", "streaming_diloco", "async_diloco"]
-TARGETS = {"streaming_diloco": 0.95, "diloco": 0.80, "async_diloco": 0.98}
+ORDER = ["no_ft", "sync_ft", "diloco", "streaming_diloco", "async_diloco", "async_dylu"]
+TARGETS = {"streaming_diloco": 0.95, "diloco": 0.80, "async_diloco": 0.98, "async_dylu": 0.98}
+#: With ``--straggler``: every group of async DiLoCo with DyLU computes at least this share.
+STRAGGLER_TARGET = 0.95
 
 
 def in_namespace(wan: netns.Wan, namespace: str) -> Launch:
@@ -82,6 +84,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--delay", type=int, default=2, help="Streaming DiLoCo fragment_sync_delay")
     p.add_argument("--periods", type=int, default=3,
                    help="semi-sync: measured periods + 1 (one more runs after them)")  # fmt: skip
+    p.add_argument("--straggler", type=float, default=1.0,
+                   help="group 1 computes this many times the work of each step "
+                   "(fault_tolerance.emulate_slowdown; 1: no straggler)")  # fmt: skip
     p.add_argument("--sync-ft-steps", type=int, default=20)
     p.add_argument("--sync-ft-warmup", type=int, default=5)
     p.add_argument("--max-load", type=float, default=1.5,
@@ -107,11 +112,13 @@ def method_args(method: str, args: argparse.Namespace) -> tuple[list[str], int, 
     """(trainer flags, steps, warm-up steps, last measured step) of one method."""
     if method in ("no_ft", "sync_ft"):
         return [], args.sync_ft_steps, args.sync_ft_warmup, args.sync_ft_steps
-    semi_sync_method = "async_diloco" if method == "async_diloco" else "diloco"
+    semi_sync_method = "async_diloco" if method.startswith("async") else "diloco"
     flags = [
         f"--fault_tolerance.semi_sync_method={semi_sync_method}",
         f"--fault_tolerance.sync_steps={args.sync_steps}",
     ]
+    if method == "async_dylu":
+        flags.append("--fault_tolerance.dynamic_local_steps")
     if method == "streaming_diloco":
         flags += [
             f"--fault_tolerance.num_fragments={args.fragments}",
@@ -119,6 +126,25 @@ def method_args(method: str, args: argparse.Namespace) -> tuple[list[str], int, 
         ]
     h = args.sync_steps
     return flags, (args.periods + 1) * h, h, args.periods * h
+
+
+def straggler_args(method: str, group: int, args: argparse.Namespace) -> list[str]:
+    """Group 1 of a semi-sync method is the straggler (``--straggler``): real extra compute
+    per step, not a sleep (``fault_tolerance.emulate_slowdown``)."""
+    if group != 1 or args.straggler == 1.0 or method in ("no_ft", "sync_ft"):
+        return []
+    return [f"--fault_tolerance.emulate_slowdown={args.straggler}"]
+
+
+def sync_point_steps(method: str, events: Iterable[Event], h: int) -> list[int]:
+    """The steps at which a semi-sync group passed its sync points. Blocking DiLoCo reports
+    each sync at its sync point; async DiLoCo reports sync k at sync point k + 1 (the first
+    sync point, after a full period of ``h`` steps, reports nothing) and the last sync once
+    more at the end of training."""
+    steps = [e.step for e in events if e.name == SYNC.name and e.step is not None]
+    if method.startswith("async"):
+        return [h, *steps[:-1]]
+    return steps
 
 
 def utilisation(events: Iterable[Event], warmup: int, last: int) -> dict[str, float]:
@@ -143,18 +169,29 @@ def utilisation(events: Iterable[Event], warmup: int, last: int) -> dict[str, fl
 
 
 def group_figures(
-    proc: Process, method: str, steps: int, window: tuple[int, int], tx_bytes: int
+    proc: Process,
+    method: str,
+    steps: int,
+    window: tuple[int, int],
+    tx_bytes: int,
+    args: argparse.Namespace,
 ) -> dict[str, object]:
     """One group's compute utilisation, payload and wire bytes per step, from its events and
-    its interface's ``tx_bytes`` over the run."""
+    its interface's ``tx_bytes`` over the run. Semi-sync: over whole periods, from its first
+    sync point to its ``--periods``-th (with DyLU a group's periods have its own lengths)."""
     events = common.trainer_events(proc, TIMING, SYNC, TRAINING_STARTED)
+    if method not in ("no_ft", "sync_ft"):
+        points = sync_point_steps(method, events, args.sync_steps)
+        window = (points[0], points[args.periods - 1])
+        steps = max(e.step for e in events if e.name == TIMING.name and e.step is not None)
     row: dict[str, object] = utilisation(events, *window)
     started = [e for e in events if e.name == TRAINING_STARTED.name]
     n_params = started[0]["parameters"] if started else 0
     sent = [e for e in events if e.name == SYNC.name]
     syncs = [
         {"step": e.step, "committed": e["committed"], "ms": 1000 * e["seconds"],
-         "mib": e["bytes_sent"] / 2**20}
+         "mib": e["bytes_sent"] / 2**20, "inner_steps": e["inner_steps"],
+         "weight": e["weight"]}
         for e in sent
     ]  # fmt: skip
     if method == "sync_ft":
@@ -206,19 +243,27 @@ def run_one(
             else:
                 job.start_lighthouse(LIGHTHOUSE_PORT)
                 procs = [
-                    job.start_group(i, [f"--fault_tolerance.hostname={netns.group_ip(i)}"])
+                    job.start_group(
+                        i,
+                        [
+                            f"--fault_tolerance.hostname={netns.group_ip(i)}",
+                            *straggler_args(method, i, args),
+                        ],
+                    )
                     for i in range(groups)
                 ]
             common.wait_all(procs, args.timeout)
         tx = [wan.tx_bytes(i) for i in range(groups)]
         qdisc = wan.qdisc(0) if rate is not None else ""
     per_group = [
-        group_figures(proc, method, steps, (warmup, last), tx[i]) for i, proc in enumerate(procs)
+        group_figures(proc, method, steps, (warmup, last), tx[i], args)
+        for i, proc in enumerate(procs)
     ]
     mean = sum(g["compute_utilisation"] for g in per_group) / len(per_group)  # type: ignore[misc]
     return {
         "method": method,
         "rate_mbit": rate,
+        "straggler": args.straggler,
         "steps": steps,
         "measured_steps": f"{warmup + 1}..{last}",
         "compute_utilisation": round(mean, 4),
@@ -230,6 +275,7 @@ def run_one(
             sum(g["wire_tx_bytes_per_step"] for g in per_group) / len(per_group) / 2**20,
             3,  # type: ignore[misc]
         ),
+        "min_group_utilisation": round(min(g["compute_utilisation"] for g in per_group), 4),  # type: ignore[type-var]
         "qdisc": qdisc,
         "groups": per_group,
     }
@@ -264,6 +310,13 @@ def main(argv: list[str] | None = None) -> int:
             "sync_steps_H": args.sync_steps,
             "streaming": f"{args.fragments} fragments, fragment_sync_delay={args.delay}",
             "async_diloco": "async_update=eager (the default), 1 fragment",
+            "async_dylu": "async_diloco with dynamic_local_steps (DyLU)",
+            "straggler": (
+                f"group 1 computes {args.straggler:g}x the forward/backward work per step "
+                "(fault_tolerance.emulate_slowdown: extra passes, real compute on its core)"
+                if args.straggler != 1.0
+                else "none"
+            ),
             "sync_ft_steps": args.sync_ft_steps,
             "semi_sync_steps": (args.periods + 1) * args.sync_steps,
             "semi_sync_measured": f"periods 2..{args.periods} (steps {args.sync_steps + 1}.."
@@ -378,12 +431,24 @@ def summarize(runs: list[dict[str, object]]) -> dict[str, dict[str, object]]:
     for run in runs:
         key = f"{run['method']}@{run['rate_mbit']:g}mbit"
         target = TARGETS.get(str(run["method"]))
+        measured = run["compute_utilisation"]
+        straggler = float(run.get("straggler", 1.0))  # type: ignore[arg-type]
+        if straggler != 1.0:  # every group must keep computing: the slowest group counts
+            key += f"_straggler{straggler:g}"
+            target = STRAGGLER_TARGET if str(run["method"]).startswith("async") else None
+            measured = run["min_group_utilisation"]
         groups = run["groups"]
         other = sum(g["wall_s_per_step"] - g["compute_s_per_step"] for g in groups) / len(groups)  # type: ignore[misc,union-attr,arg-type]
         summary[key] = {
             "compute_utilisation": run["compute_utilisation"],
             "repeats_utilisation": run["repeats_utilisation"],
             "per_group_utilisation": [g["compute_utilisation"] for g in groups],  # type: ignore[union-attr,index]
+            "min_group_utilisation": run.get("min_group_utilisation"),
+            "per_group_compute_s_per_step": [round(g["compute_s_per_step"], 4) for g in groups],  # type: ignore[union-attr,index]
+            "per_group_inner_steps": [
+                [s["inner_steps"] for s in g["syncs"]]
+                for g in groups  # type: ignore[union-attr,index]
+            ],
             "compute_s_per_step": round(
                 sum(g["compute_s_per_step"] for g in groups) / len(groups),
                 4,  # type: ignore[misc,union-attr,arg-type]
@@ -395,7 +460,7 @@ def summarize(runs: list[dict[str, object]]) -> dict[str, dict[str, object]]:
             "payload_mib_per_group_per_step": run["payload_mib_per_group_per_step"],
             "wire_tx_mib_per_group_per_step": run["wire_tx_mib_per_group_per_step"],
             "target": target,
-            "target_met": None if target is None else run["compute_utilisation"] >= target,  # type: ignore[operator]
+            "target_met": None if target is None else measured >= target,  # type: ignore[operator]
             "target_met_at_no_ft_compute_speed": (
                 None if target is None or c0 is None else c0 / (c0 + max(other, 0.0)) >= target
             ),

@@ -165,6 +165,27 @@ def test_convergence_summary_ratios_to_sync_dp() -> None:
     assert table["diloco"]["final_tokens"] == 200
 
 
+def test_straggler_summary_compares_losses_when_the_faster_run_ended() -> None:
+    conv = _module("convergence")
+    curves = {
+        "diloco": {0: {10.0: 3.0, 40.0: 2.5, 80.0: 2.0}},
+        "async_dylu": {0: {10.0: 3.0, 30.0: 2.4, 45.0: 2.2}},
+    }
+    summary = conv.straggler_summary(curves)
+    row = summary["per_seed"]["0"]
+    assert row["equal_wall_clock_s"] == 45.0
+    assert row["diloco"]["loss_at_equal_wall_clock"] == 2.5  # its last eval before 45 s
+    assert row["async_dylu"]["loss_at_equal_wall_clock"] == 2.2
+    assert summary["mean_loss_at_equal_wall_clock"] == {"diloco": 2.5, "async_dylu": 2.2}
+    assert summary["target_met"] is True
+
+
+def test_convergence_summary_rates_async_against_diloco() -> None:
+    conv = _module("convergence")
+    curves = {"diloco": {0: {100: 2.0}}, "async_eager": {0: {100: 2.04}}}
+    assert conv.summarize(curves)["async_eager"]["ratio_to_diloco"] == pytest.approx(1.02)
+
+
 # ---- smoke runs (real processes) -----------------------------------------------------------
 
 
@@ -217,6 +238,18 @@ def test_convergence_smoke_writes_curves_and_png_then_rates_a_sweep(tmp_path: Pa
     assert (row["outer_lr"], row["outer_momentum"]) == (0.5, 0.0)
     base = _read(out)["summary"]["sync_dp"]["final_eval_loss_mean"]
     assert row["ratio_to_sync_dp"] == pytest.approx(row["final_eval_loss_mean"] / base, 1e-3)
+
+
+def test_convergence_straggler_smoke_times_both_methods(tmp_path: Path) -> None:
+    out, png = tmp_path / "straggler.json", tmp_path / "straggler.png"
+    conv = _module("convergence")
+    assert conv.main(["--smoke", "--straggler", "2", "--out", str(out), "--png", str(png)]) == 0
+    data = _read(out)
+    assert set(data["curves"]) == {"diloco", "async_dylu"}
+    row = data["summary"]["per_seed"]["0"]
+    assert row["equal_wall_clock_s"] > 0
+    assert all(row[c]["final_s"] > 0 for c in ("diloco", "async_dylu"))
+    assert "emulate_slowdown=2" in data["settings"]["straggler"]
 
 
 def test_a_sweep_rates_each_pair_against_sync_dp_and_extends_its_file(

@@ -57,6 +57,16 @@ def test_utilisation_is_compute_over_wall_after_warmup() -> None:
         wan.utilisation(events, warmup=9, last=10)
 
 
+def test_sync_points_of_blocking_and_async_groups() -> None:
+    """Blocking DiLoCo reports each sync at its sync point; async DiLoCo reports sync k at
+    sync point k + 1, and the last one again at the end (here DyLU periods of 4, 3, 3)."""
+    wan = _module("wan")
+    blocking = [Event(SYNC.name, step=s, sync=k) for k, s in enumerate((4, 8, 12), 1)]
+    assert wan.sync_point_steps("diloco", blocking, 4) == [4, 8, 12]
+    async_ = [Event(SYNC.name, step=s, sync=k) for k, s in enumerate((7, 10, 10), 1)]
+    assert wan.sync_point_steps("async_dylu", async_, 4) == [4, 7, 10]
+
+
 def test_repeats_are_summarized_by_their_median_run() -> None:
     wan = _module("wan")
     runs = [
@@ -141,10 +151,13 @@ def test_wan_smoke_shapes_links_and_reports_utilisation(tmp_path: Path) -> None:
     if why is not None:
         pytest.skip(f"emulated WAN unavailable: {why}")
     out = tmp_path / "wan.json"
-    argv = ["--smoke", "--methods", "diloco", "async_diloco", "--out", str(out)]
+    argv = ["--smoke", "--methods", "diloco", "async_dylu", "--straggler", "2", "--out", str(out)]
     assert _module("wan").main(argv) == 0
     data = json.loads(out.read_text())
-    assert [r["method"] for r in data["runs"]] == ["diloco", "async_diloco"]
+    assert [r["method"] for r in data["runs"]] == ["diloco", "async_dylu"]
+    assert "2x" in data["settings"]["straggler"]
+    summary = data["summary"]["async_dylu@100mbit_straggler2"]
+    assert summary["target"] == 0.95 and len(summary["per_group_utilisation"]) == 2
     for run in data["runs"]:
         assert run["rate_mbit"] == 100
         assert "tbf" in run["qdisc"] and "100Mbit" in run["qdisc"]
