@@ -54,6 +54,16 @@ METHODS = {
         "--fault_tolerance.async_update=delayed",
         "--fault_tolerance.num_fragments=2",
     ],
+    # Compressed pseudo-gradients (compression.py): blocking DiLoCo through torchft, and async.
+    "diloco_int8": [
+        "--fault_tolerance.semi_sync_method=diloco",
+        "--fault_tolerance.pseudo_grad_dtype=int8",
+    ],
+    "async_int4": [
+        "--fault_tolerance.semi_sync_method=async_diloco",
+        "--fault_tolerance.pseudo_grad_dtype=int4",
+        "--fault_tolerance.error_feedback",
+    ],
 }
 
 
@@ -217,7 +227,7 @@ def _check_tensorboard(folder: Path, logged: list[Sync], method: str) -> None:
 # ---- faults ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", ["localsgd", "diloco", "streaming", "async_eager"])
+@pytest.mark.parametrize("method", ["localsgd", "diloco", "streaming", "async_eager", "async_int4"])
 def test_kill_mid_inner_steps_and_during_sync_then_heal(
     ft_job: Callable[..., FTJob], tmp_path: Path, method: str
 ) -> None:

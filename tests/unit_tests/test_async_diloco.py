@@ -372,14 +372,23 @@ def test_delayed_nesterov_groups_agree_and_eager_starts_where_its_next_step_goes
         assert torch.equal(p.detach(), expected)
 
 
-def test_dylu_gives_each_group_the_steps_that_take_the_fastest_groups_period():
-    assert dylu_inner_steps(20, [0.1, 0.2], 0.2) == 10
+def test_dylu_plans_periods_that_end_together():
+    # Group 1 at 1.9x group 0's step time (0.85 s vs 1.615 s), period 20: group 1 takes 11
+    # steps (17.8 s), the closest to group 0's 20 x 0.85 = 17 s; group 0 fills that time.
+    assert dylu_inner_steps(20, [0.85, 1.615], 1.615) == 11
+    assert dylu_inner_steps(20, [0.85, 1.615], 0.85) == 21
+    assert dylu_inner_steps(20, [0.1, 0.2], 0.2) == 10  # exactly twice as slow
     assert dylu_inner_steps(20, [0.1, 0.2], 0.1) == 20
-    assert dylu_inner_steps(20, [0.1, 0.15], 0.15) == 13  # 13.3: the nearest whole step
+    assert dylu_inner_steps(20, [0.1, 0.1], 0.1) == 20  # equal speeds: nothing changes
     assert dylu_inner_steps(20, [0.001, 1.0], 1.0) == 1  # never fewer than one step
+    assert dylu_inner_steps(20, [0.001, 1.0], 0.001) == 40  # nor more than 2 x period
     assert dylu_inner_steps(20, [0.0, 0.3], 0.3) == 20  # the other group is not measured yet
     assert dylu_inner_steps(20, [0.1, 0.0], 0.0) == 20  # this one is not
     assert dylu_inner_steps(20, [], 0.0) == 20
+    # Three groups: every group's planned time is within half of its own step of the others'.
+    speeds = [0.31, 0.5, 0.77]
+    ends = [dylu_inner_steps(20, speeds, s) * s for s in speeds]
+    assert max(ends) - min(ends) <= max(speeds) / 2 + min(speeds) / 2
 
 
 def run_periods(groups: list[Group], periods: int) -> list[list[list[torch.Tensor]]]:
@@ -418,5 +427,5 @@ def test_groups_taking_different_inner_steps_agree_and_weigh_by_tokens(update):
     assert [o.inner_steps for o in outcomes if o is not None] == [4, 2]
     weights = [o.weight for o in outcomes if o is not None]
     assert weights == pytest.approx([2 / 3, 1 / 3])
-    with pytest.raises(ValueError, match="1 to 4 inner steps"):
-        groups[0].loop.plan_period(5)
+    with pytest.raises(ValueError, match="1 to 8 inner steps"):
+        groups[0].loop.plan_period(9)

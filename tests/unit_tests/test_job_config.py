@@ -880,6 +880,34 @@ def test_local_sgd_is_an_alias(alias: str) -> None:
         (
             [
                 *FT_ON,
+                "--fault_tolerance.semi_sync_method=diloco",
+                "--fault_tolerance.pseudo_grad_dtype=int2",
+            ],
+            "fault_tolerance.pseudo_grad_dtype",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=localsgd",
+                "--fault_tolerance.pseudo_grad_dtype=int8",
+            ],
+            "fault_tolerance.pseudo_grad_dtype",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=diloco",
+                "--fault_tolerance.error_feedback",
+            ],
+            "fault_tolerance.error_feedback",
+        ),
+        (
+            [*FT_ON, "--fault_tolerance.pseudo_grad_dtype=int4"],
+            "fault_tolerance.pseudo_grad_dtype",
+        ),
+        (
+            [
+                *FT_ON,
                 "--fault_tolerance.semi_sync_method=async_diloco",
                 "--fault_tolerance.outer_momentum_every=4",
                 "--fault_tolerance.outer_momentum=0",
@@ -991,3 +1019,15 @@ def test_list_fields_take_comma_separated_items() -> None:
     assert config.checkpoint.exclude_from_loading == ["optimizer", "lr_scheduler", "dataloader"]
     config = parse("--checkpoint.exclude_from_loading=optimizer,lr_scheduler")
     assert config.checkpoint.exclude_from_loading == ["optimizer", "lr_scheduler"]
+
+
+@pytest.mark.parametrize("method", ["diloco", "async_diloco"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4"])
+def test_compressed_pseudo_gradients_parse_with_error_feedback(method: str, dtype: str) -> None:
+    ft = parse_semi_sync(
+        *FT_ON,
+        f"--fault_tolerance.semi_sync_method={method}",
+        f"--fault_tolerance.pseudo_grad_dtype={dtype}",
+        "--fault_tolerance.error_feedback",
+    ).fault_tolerance
+    assert (ft.pseudo_grad_dtype, ft.error_feedback) == (dtype, True)  # type: ignore[attr-defined]

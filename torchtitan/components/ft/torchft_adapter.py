@@ -236,6 +236,13 @@ def quorum_id(manager: Any) -> int:
     return int(getattr(manager, "_quorum_id", -1))
 
 
+def replica_process_group(manager: Any) -> Any:
+    """The process group across replica groups the Manager's own all-reduces run on (torchft
+    reconfigures it at every quorum that changes membership): for collectives the Manager does
+    not offer, such as compressed all-reduces."""
+    return manager._pg
+
+
 # ---- the lighthouse ------------------------------------------------------------------------
 
 # The lighthouse's HTML status page names the groups waiting for a quorum like "[1/2

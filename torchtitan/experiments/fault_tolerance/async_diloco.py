@@ -226,14 +226,23 @@ def outer_sgd_direction(
 
 
 def dylu_inner_steps(period: int, step_seconds: list[float], mine: float) -> int:
-    """DyLU: this group's inner steps for the next period, so that it reaches the sync point
-    when the fastest group, taking ``period`` steps, does. ``step_seconds``: every group's
-    seconds per inner step in its last period (0: not measured yet, e.g. just (re)started);
-    ``mine``: this group's. Unmeasured groups take ``period`` steps."""
+    """DyLU: this group's inner steps for the next period, so that every group reaches the sync
+    point at about the same time. ``step_seconds``: every group's seconds per inner step in its
+    last period (0: not measured yet, e.g. just (re)started); ``mine``: this group's.
+
+    The slowest group takes the whole steps closest to the time the fastest group needs for
+    ``period`` steps; that time (its steps x its step time) is the period's length, and every
+    other group takes the whole steps closest to it (up to ``2 * period``). A group then waits
+    at most about half of its own step for the others, whatever the speeds. Every group
+    computes this from the same exchanged numbers, so the plans fit together. Unmeasured
+    groups take ``period`` steps."""
     measured = [s for s in step_seconds if s > 0]
     if mine <= 0 or not measured:
         return period
-    return max(1, min(period, round(period * min(measured) / mine)))
+    fastest, slowest = min(measured), max(measured)
+    slowest_steps = max(1, round(period * fastest / slowest))
+    length = slowest_steps * slowest
+    return max(1, min(2 * period, round(length / mine)))
 
 
 @dataclass
@@ -249,6 +258,25 @@ class _InFlight:
     tokens: int
     #: The result is in ``buffer`` (waited for; or loaded from a checkpoint).
     arrived: bool = False
+
+
+class _AllOf:
+    """The works of one sync's all-reduce (with compression: the pseudo-gradient and, exact,
+    the token count)."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+    def compression(self) -> tuple[int, float] | None:
+        """(bytes sent, seconds compressing and decompressing) of compressed works."""
+        stats = [w.stats for w in self.works if getattr(w, "stats", None) is not None]
+        if not stats:
+            return None
+        return sum(s.bytes_sent for s in stats), sum(s.encode_s + s.decode_s for s in stats)
 
 
 class _Arrived:
@@ -278,11 +306,13 @@ class AsyncDiLoCo(OuterLoop):
         outer_momentum_every: int = 1,
         state_device: torch.device,
         tokens_per_step: int,
+        compressed: bool = False,
     ) -> None:
         """``manager``: the sync Manager (quorum, all-reduce, should_commit, state for
         healing); ``sync_steps``: inner steps between two syncs of one fragment; ``update``:
         ``eager`` or ``delayed``; ``tokens_per_step``: tokens this group trains on per inner
-        step (the weight of its pseudo-gradients)."""
+        step (the weight of its pseudo-gradients); ``compressed``: the Manager compresses
+        pseudo-gradients (``SyncManager.compress``), and the token count goes uncompressed."""
         if update not in UPDATES:
             raise ValueError(f"update must be one of {UPDATES}, not {update!r}")
         self.manager = manager
@@ -290,6 +320,7 @@ class AsyncDiLoCo(OuterLoop):
         self.period = sync_steps // len(fragments)
         self.update = update
         self.tokens_per_step = tokens_per_step
+        self.compressed = compressed
         self.inner_optimizer = inner_optimizer
         self._states = [
             _Fragment(
@@ -386,8 +417,16 @@ class AsyncDiLoCo(OuterLoop):
         else:
             buffer[:-1].mul_(tokens)
             buffer[-1] = tokens
-        work = self.manager.allreduce(buffer, reduce_op=ReduceOp.SUM)
-        self._in_flight = _InFlight(index, buffer, work, steps, tokens)
+        if self.compressed:
+            works = [
+                self.manager.allreduce(
+                    buffer[:-1], reduce_op=ReduceOp.SUM, key=f"async_fragment_{index}"
+                ),
+                self.manager.allreduce(buffer[-1:], reduce_op=ReduceOp.SUM, exact=True),
+            ]
+        else:
+            works = [self.manager.allreduce(buffer, reduce_op=ReduceOp.SUM)]
+        self._in_flight = _InFlight(index, buffer, _AllOf(works), steps, tokens)
 
     def _finish_in_flight(self) -> SyncOutcome | None:
         """Wait for the sync in flight, commit it or not, apply it or not (alike in every
@@ -403,12 +442,17 @@ class AsyncDiLoCo(OuterLoop):
             state.apply_average(flight.buffer[:-1].div_(total))
         state.follow_global()
         number = self.manager.current_step() + (0 if committed else 1)
+        sent = flight.buffer.numel() * flight.buffer.element_size()
+        compression = flight.work.compression() if isinstance(flight.work, _AllOf) else None
+        if compression is not None:
+            sent = compression[0]
         return SyncOutcome(
             number,
             flight.fragment,
             committed,
-            flight.buffer.numel() * flight.buffer.element_size(),
+            sent,
             self.manager.num_participants(),
+            compression_s=None if compression is None else compression[1],
             inner_steps=flight.inner_steps,
             tokens=flight.tokens,
             weight=flight.tokens / total if committed and total > 0 else None,
@@ -422,8 +466,8 @@ class AsyncDiLoCo(OuterLoop):
 
     def plan_period(self, steps: int) -> None:
         """The next period (which starts after this quorum) takes ``steps`` inner steps."""
-        if not 1 <= steps <= self.period:
-            raise ValueError(f"a period takes 1 to {self.period} inner steps, not {steps}")
+        if not 1 <= steps <= 2 * self.period:
+            raise ValueError(f"a period takes 1 to {2 * self.period} inner steps, not {steps}")
         self._steps_this_period = steps
 
     def steps_this_period(self) -> int:
@@ -440,7 +484,9 @@ class AsyncDiLoCo(OuterLoop):
 
     def _after_heal(self) -> None:
         """The global copies are the peer's: every fragment's local period starts there, and
-        nothing this group did before counts."""
+        nothing this group did before counts (nor what its compression still owed)."""
+        if self.compressed:
+            self.manager.reset_error_feedback()
         for state in self._states:
             state.start_period(None)
             state.steps = 0

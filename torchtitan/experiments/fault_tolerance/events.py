@@ -18,13 +18,16 @@ def _sync_line(v: dict[str, Any], _: bool) -> str:
     if v.get("tokens") is not None:
         share = "n/a" if v["weight"] is None else f"{v['weight']:.3f}"
         weighted = f"  inner_steps {v['inner_steps']}  tokens {v['tokens']}  weight {share}"
+    compressed = ""
+    if v.get("compression_s") is not None:
+        compressed = f"  {v['pseudo_grad_dtype']} (compression {v['compression_s'] * 1000:.0f} ms)"
     return (
         f"[semi-sync] step {v['step']} sync: {v['method']} fragment {v['fragment']}/"
         f"{v['fragments']}  {'committed' if v['committed'] else 'NOT committed'}  "
         f"time {v['seconds'] * 1000:.0f} ms  sent {v['bytes_sent'] / 2**20:.2f} MiB  "
         f"groups {v['groups']}  quorum {v['quorum_id']}  "
         f"pseudo_grad_norm {'n/a' if norm is None else f'{norm:.4f}'}  sync #{v['sync']}  "
-        f"quorum_wait {v['quorum_wait_s']:.2f}s{weighted}"
+        f"quorum_wait {v['quorum_wait_s']:.2f}s{weighted}{compressed}"
     )
 
 
@@ -34,7 +37,10 @@ def _sync_line(v: dict[str, Any], _: bool) -> str:
 #: ``agreement``: ``"agree"``/``"disagree"`` when the sync's quorum compared digests, else None.
 #: Async DiLoCo: the sync decided at a sync point is the one started at the previous one;
 #: ``inner_steps``/``tokens``: this group's part of it, ``weight``: its share of all groups'
-#: tokens (None: not committed). Other methods weigh groups equally: these are None.
+#: tokens (None: not committed). Other methods weigh groups equally: these are None. With
+#: ``pseudo_grad_dtype`` other than float32, ``bytes_sent`` is what this group really sent
+#: (compressed payload and scales, both phases) and ``compression_s`` the seconds it spent
+#: compressing and decompressing (None: uncompressed).
 SYNC = EventKind("semi_sync.sync", _sync_line)
 
 #: With ``metrics.log_param_digest``: digest of the global parameters after a committed sync.

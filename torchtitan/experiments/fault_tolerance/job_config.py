@@ -30,6 +30,7 @@ SEMI_SYNC_METHODS = {
     "async_diloco": "async_diloco",
 }
 ASYNC_UPDATES = ("eager", "delayed")
+PSEUDO_GRAD_DTYPES = ("float32", "bfloat16", "int8", "int4")
 OUTER_STATE_DEVICES = ("cpu", "device")
 
 
@@ -133,19 +134,35 @@ class FaultTolerance(CoreFaultTolerance):
     dynamic_local_steps: bool = False
     """async_diloco: DyLU (arXiv 2401.09135). Each group takes as many inner steps per period as
     its speed allows, so that all groups reach the sync point at about the same time: the
-    fastest group takes ``sync_steps`` (per fragment: ``sync_steps / fragments``), a group whose
-    last period ran at ``k`` times the fastest one's seconds per step takes ``sync_steps / k``
-    (rounded, at least 1), decided at every sync quorum from speeds the groups exchange.
-    Training then ends after ``training.steps / sync_steps`` periods (every group at the same
-    sync point; slower groups have taken fewer steps), and each group's learning rate follows
-    the job's progress through the schedule, not its own step count. The number of steps then
-    depends on measured time: runs are not bit-for-bit repeatable."""
+    slowest group takes the whole steps closest to the time the fastest one needs for
+    ``sync_steps`` (per fragment: ``sync_steps / fragments``), and every other group the whole
+    steps closest to that time (the fastest about ``sync_steps``, at most twice it); decided at
+    every sync quorum from the speeds the groups exchange (seconds per inner step in their
+    last period). Training then ends after ``training.steps / sync_steps`` periods (every
+    group at the same sync point, after its own number of steps), and each group's learning
+    rate follows the job's progress through the schedule, not its own step count. The number
+    of steps then depends on measured time: runs are not bit-for-bit repeatable."""
 
     emulate_slowdown: float = 1.0
     """Benchmarks and tests: make this group a straggler that computes this many times the
     work of a step (extra forward and backward passes over the step's batch, the last one on
     part of it; their gradients are discarded, so the training itself is unchanged). It takes
     real compute time, as a slower machine would, not idle time. 1: off."""
+
+    pseudo_grad_dtype: str = "float32"
+    """diloco and async_diloco: how pseudo-gradients travel. ``float32``: as they are.
+    ``bfloat16``: half the bytes. ``int8`` / ``int4``: a quarter / an eighth, with one fp32
+    scale per block of 128 values (int4 packs two values per byte). Works on CPU (gloo) and
+    GPU (nccl). The all-reduce keeps the saving for any number of groups (each group reduces
+    one chunk, then the reduced chunks are gathered, compressed again) and every group decodes
+    the same bytes, so global parameters stay identical. A failed compressed all-reduce fails
+    the sync like any other (nothing applied)."""
+
+    error_feedback: bool = False
+    """With a compressed ``pseudo_grad_dtype``: each group adds what its compression dropped
+    from a pseudo-gradient to its next one (of the same fragment), so the error is delivered
+    later instead of lost. The residuals are per group and not checkpointed (a restart or a
+    heal starts them at zero)."""
 
     should_quantize: bool = False
     """DiLoCo: quantize pseudo-gradients to fp8 for the all-reduce (torchft's Triton kernels:
@@ -233,6 +250,7 @@ class FaultTolerance(CoreFaultTolerance):
             raise ConfigError(
                 "fault_tolerance.outer_momentum", self.outer_momentum, "must be in [0, 1)"
             )
+        self._validate_compression()
         if self.should_quantize:
             missing = _missing_for_quantization(self, config)
             if missing:
@@ -242,6 +260,28 @@ class FaultTolerance(CoreFaultTolerance):
                     f"torchft's fp8 all-reduce needs CUDA, the nccl process group and triton; "
                     f"{missing}, and torchft would silently send full precision instead",
                 )
+
+    def _validate_compression(self) -> None:
+        if self.pseudo_grad_dtype not in PSEUDO_GRAD_DTYPES:
+            raise ConfigError(
+                "fault_tolerance.pseudo_grad_dtype",
+                self.pseudo_grad_dtype,
+                f"choose {', '.join(PSEUDO_GRAD_DTYPES)}",
+            )
+        compressed = self.pseudo_grad_dtype != "float32"
+        if self.error_feedback and not compressed:
+            raise ConfigError(
+                "fault_tolerance.error_feedback",
+                True,
+                "needs a compressed fault_tolerance.pseudo_grad_dtype (bfloat16, int8 or int4)",
+            )
+        if compressed and self.should_quantize:
+            raise ConfigError(
+                "fault_tolerance.should_quantize",
+                True,
+                f"pseudo_grad_dtype={self.pseudo_grad_dtype} compresses already; use one of "
+                "the two (should_quantize is torchft's fp8, CUDA and Triton only)",
+            )
 
     def _validate_async(self, config: CoreJobConfig) -> None:
         if self.async_update not in ASYNC_UPDATES:
@@ -377,7 +417,14 @@ def _meta_model(config: CoreJobConfig) -> nn.Module:
 
 
 #: Fields that mean something only with a semi_sync_method, and only with DiLoCo.
-OUTER_FIELDS = ("outer_lr", "outer_momentum", "outer_nesterov", "should_quantize")
+OUTER_FIELDS = (
+    "outer_lr",
+    "outer_momentum",
+    "outer_nesterov",
+    "should_quantize",
+    "pseudo_grad_dtype",
+    "error_feedback",
+)
 #: Fields that mean something only with semi_sync_method=async_diloco.
 ASYNC_FIELDS = (
     "async_update",

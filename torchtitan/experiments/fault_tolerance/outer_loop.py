@@ -60,6 +60,9 @@ class SyncOutcome:
     inner_steps: int | None = None
     tokens: int | None = None
     weight: float | None = None
+    #: With a compressed ``pseudo_grad_dtype``: seconds spent compressing and decompressing
+    #: (``bytes_sent`` is then what was really sent). None: uncompressed.
+    compression_s: float | None = None
 
 
 @dataclass

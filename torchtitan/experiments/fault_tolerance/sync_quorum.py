@@ -22,7 +22,13 @@ import torch
 from torch.distributed import ReduceOp
 
 from torchtitan.components.ft import FTManager
+from torchtitan.components.ft import torchft_adapter as tft
 from torchtitan.components.ft.torchft_adapter import ManagerStandIn
+from torchtitan.experiments.fault_tolerance.compression import (
+    AsyncCompressedAllReduce,
+    CompressedWork,
+    ErrorFeedback,
+)
 
 #: Roles in a quorum: a group at its sync point, and a group that has just (re)started (with
 #: no checkpoint, or resumed from one).
@@ -88,6 +94,11 @@ class SyncManager(ManagerStandIn):
 
     ``on_quorum`` runs in every member of a quorum that has enough groups (it may exchange a
     few numbers) and returns whether the quorum is used; all members must decide alike.
+
+    With :meth:`compress` (``fault_tolerance.pseudo_grad_dtype``), ``allreduce`` sends
+    pseudo-gradients compressed (``compression.py``), in order on one background thread, with
+    torchft's failure semantics: an error is reported to the Manager (the sync is not
+    committed, nothing is applied) and ``wait`` does not raise.
     """
 
     def __init__(
@@ -106,10 +117,93 @@ class SyncManager(ManagerStandIn):
         self.in_quorum = False
         #: Seconds the last sync quorum took (waiting for the others, healing a joiner).
         self.last_wait = 0.0
+        self.dtype = "float32"
+        self._runner: AsyncCompressedAllReduce | None = None
+        self.error_feedback: ErrorFeedback | None = None
+        #: Names the tensors of a sync for error feedback: (fragment, index of the call).
+        self._fragment_of_sync: Callable[[], int] = lambda: 0
+        self._calls = 0
+        #: The compressed collectives started since the last quorum (their stats: the bytes
+        #: this group really sent, the compression time).
+        self.works: list[CompressedWork] = []
+
+    def compress(
+        self, dtype: str, error_feedback: bool, fragment_of_sync: Callable[[], int]
+    ) -> None:
+        """Send pseudo-gradients as ``dtype`` (``float32``: uncompressed, torchft's own
+        all-reduce); with ``error_feedback`` each group adds what its compression dropped
+        to its next pseudo-gradient of the same tensor."""
+        self.dtype = dtype
+        if dtype != "float32":
+            self._runner = AsyncCompressedAllReduce()
+            self.error_feedback = ErrorFeedback() if error_feedback else None
+            self._fragment_of_sync = fragment_of_sync
+
+    def allreduce(
+        self,
+        tensor: torch.Tensor,
+        should_quantize: bool = False,
+        reduce_op: ReduceOp.RedOpType = ReduceOp.AVG,
+        *,
+        key: str | None = None,
+        exact: bool = False,
+    ) -> Any:
+        """torchft's ``Manager.allreduce``, compressed when :meth:`compress` says so. ``key``
+        names the tensor for error feedback (default: the fragment being synced and the
+        order of the call since the quorum, the same in every sync of that fragment);
+        ``exact`` sends it uncompressed (e.g. token counts), still in order with the rest."""
+        manager = self.ft.manager
+        if self._runner is None:
+            return manager.allreduce(tensor, should_quantize=should_quantize, reduce_op=reduce_op)
+        if key is None:
+            key = f"{self._fragment_of_sync()}:{self._calls}"
+        self._calls += 1
+        if manager.errored() is not None:  # torchft: after an error, the rest are no-ops
+            work = CompressedWork(tensor)
+            work.get_future().set_result(tensor)
+            return work
+        if not manager.is_participating():
+            tensor.zero_()  # a healing group sends nothing
+        work = self._runner.submit(
+            tft.replica_process_group(manager),
+            tensor.view(-1),  # the codec takes flat tensors; a view, so results land in place
+            "float32" if exact else self.dtype,
+            divide_by=manager.num_participants() if reduce_op == ReduceOp.AVG else 1,
+            error_feedback=None if exact else self.error_feedback,
+            key=key,
+            on_error=manager.report_error,
+        )
+        if not exact:
+            self.works.append(work)
+        return work
+
+    def compressed_stats(self) -> tuple[int, float] | None:
+        """Bytes this group sent and seconds it spent compressing and decompressing in the
+        compressed all-reduces since the last quorum (waiting for them). None: uncompressed."""
+        if self._runner is None:
+            return None
+        sent, seconds = 0, 0.0
+        for work in self.works:
+            work.wait()
+            if work.stats is not None:
+                sent += work.stats.bytes_sent
+                seconds += work.stats.encode_s + work.stats.decode_s
+        return sent, seconds
+
+    def reset_error_feedback(self) -> None:
+        """Forget the residuals (after a heal: they belong to state this group no longer has)."""
+        if self.error_feedback is not None:
+            self.error_feedback.reset()
+
+    def shutdown(self) -> None:
+        if self._runner is not None:
+            self._runner.shutdown()
 
     def start_quorum(self, *args: Any, **kwargs: Any) -> None:
         self.ft.waiting_sync = self.ft.manager.current_step() + 1
         self.in_quorum = True
+        self._calls = 0
+        self.works = []
         start = time.perf_counter()
         try:
             self.ft.join_quorum(

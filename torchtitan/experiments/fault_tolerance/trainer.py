@@ -231,6 +231,9 @@ class SemiSyncTrainer(Trainer):
         self.sync = SyncManager(
             self.ft, ft.min_replica_size, ft.sync_quorum_timeout_s, self._on_quorum
         )
+        self.sync.compress(
+            ft.pseudo_grad_dtype, ft.error_feedback, lambda: self.algorithm.current_fragment()
+        )
         self.algorithm: OuterLoop
         if self.method == "localsgd":
             self.algorithm = TorchftLocalSGD(self.sync, self.model, self.optimizer, ft.sync_steps)
@@ -292,6 +295,12 @@ class SemiSyncTrainer(Trainer):
                 if self.method == "diloco"
                 else ""
             )
+            + (
+                f"; pseudo-gradients sent as {ft.pseudo_grad_dtype}"
+                + (" with error feedback" if ft.error_feedback else "")
+                if ft.pseudo_grad_dtype != "float32"
+                else ""
+            )
             + f"; sync quorum timeout {ft.sync_quorum_timeout_s:g}s"
         )
         if len(self.fragments) > 1:
@@ -335,6 +344,10 @@ class SemiSyncTrainer(Trainer):
             should_quantize=ft.should_quantize,
             fragment_sync_delay=ft.fragment_sync_delay,
             fragment_update_alpha=ft.fragment_update_alpha,
+            # Compressed: a fragment's pseudo-gradients in buckets of up to 32 MiB, each one
+            # compressed all-reduce (two exchanges), rather than one per parameter.
+            use_bucketization=ft.pseudo_grad_dtype != "float32",
+            bucket_cap_mb=32 if ft.pseudo_grad_dtype != "float32" else None,
         )
         for optimizer in outer:
             optimizer.register_step_pre_hook(self._measure_pseudo_gradient)
@@ -359,6 +372,7 @@ class SemiSyncTrainer(Trainer):
             tokens_per_step=training.local_batch_size
             * training.seq_len
             * self.parallel_dims.world_size,
+            compressed=ft.pseudo_grad_dtype != "float32",
         )
         for index in range(len(loop.fragments)):
             loop.outer_optimizer(index).register_step_pre_hook(self._measure_pseudo_gradient)
@@ -708,6 +722,7 @@ class SemiSyncTrainer(Trainer):
         the same inner step as its peer, or the sync that follows would pair different
         operations (a hang, or a wrong average): stop loudly instead."""
         self._localsgd_digest = None  # a digest of parameters this group no longer holds
+        self.sync.reset_error_feedback()  # owed for state this group no longer has
         if self.starting:
             self._peer = dict(peer)
             return
@@ -730,6 +745,12 @@ class SemiSyncTrainer(Trainer):
         )
 
     # ---- the end -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        sync = getattr(self, "sync", None)  # None: __init__ stopped before building it
+        if sync is not None:
+            sync.shutdown()
+        super().close()
 
     def _finish(self) -> None:
         """After the last step: every group ends with the global parameters (before the last
@@ -807,6 +828,12 @@ class SemiSyncTrainer(Trainer):
             return
         committed, sync_number = outcome.committed, outcome.number
         fragment_index, payload = outcome.fragment, outcome.bytes_sent
+        compression_s = outcome.compression_s
+        if compression_s is None and self.method == "diloco":
+            # torchft's DiLoCo all-reduced through the sync Manager since this sync's quorum.
+            stats = self.sync.compressed_stats()
+            if stats is not None:
+                payload, compression_s = stats
         groups = outcome.groups
         quorum_id = tft.quorum_id(manager)
         norm = self._pseudo_grad_norm if committed else None
@@ -829,6 +856,8 @@ class SemiSyncTrainer(Trainer):
             inner_steps=outcome.inner_steps,
             tokens=outcome.tokens,
             weight=outcome.weight,
+            pseudo_grad_dtype=self.sync.dtype,
+            compression_s=compression_s,
         )
         scalars = {
             "sync/seconds": self._sync_seconds,
@@ -841,6 +870,8 @@ class SemiSyncTrainer(Trainer):
         }
         if norm is not None:
             scalars["sync/pseudo_grad_norm"] = norm
+        if compression_s is not None:
+            scalars["sync/compression_seconds"] = compression_s
         for name in ("inner_steps", "tokens", "weight"):
             value = getattr(outcome, name)
             if value is not None:

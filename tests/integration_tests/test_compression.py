@@ -1,0 +1,72 @@
+"""Compressed pseudo-gradients (``fault_tolerance.pseudo_grad_dtype``) with real replica groups:
+a real ``torchft_lighthouse`` and two groups on 127.0.0.1. Every group decodes the same bytes,
+so after every committed sync both hold the same global parameters; what a sync sends shrinks
+with the dtype. (A group killed inside a compressed sync, then healed:
+test_semi_sync.py::test_kill_mid_inner_steps_and_during_sync_then_heal[async_int4].)"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.integration_tests.harness import SEMI_SYNC_MODULE, FTJob, tail
+from tests.integration_tests.test_semi_sync import (
+    args,
+    assert_clean_syncs_agree,
+    assert_loss_falls,
+    syncs,
+)
+from torchtitan.components.metrics import TRAIN_STEP
+from torchtitan.experiments.fault_tolerance.events import FINAL_DIGEST, SYNC
+
+#: The most bytes a sync of each dtype may send, as a share of float32's (payload + scales).
+MAX_SHARE = {"diloco_int8": 0.27, "async_int4": 0.14}
+
+
+@pytest.mark.parametrize("method", ["diloco_int8", "async_int4"])
+def test_compressed_syncs_keep_the_groups_identical(
+    ft_job: Callable[..., FTJob], tmp_path: Path, method: str
+) -> None:
+    """12 steps, sync_steps 4, int8 (blocking DiLoCo, through torchft's DiLoCo) or int4 with
+    error feedback (async DiLoCo): every sync is committed by both groups with the same global
+    digest, both end with the same model, the loss falls, and each sync sent at most 0.27x
+    (int8) / 0.14x (int4) of what a float32 sync of the same model sends, with its compression
+    time reported."""
+    steps = 12
+    job = ft_job(groups=2, train_args=args(SEMI_SYNC_MODULE, method, f"--training.steps={steps}"))
+    reference = ft_job(
+        tmp_path / "float32",
+        groups=2,
+        train_args=args(SEMI_SYNC_MODULE, "diloco", "--training.steps=4"),
+    )
+    job.start()
+    for r in range(2):
+        assert job.wait_exit(r, timeout=240) == 0, tail(job.latest(r).text())
+    reference.start()  # one float32 sync of the same model: the bytes to compare with
+    for r in range(2):
+        assert reference.wait_exit(r, timeout=240) == 0, tail(reference.latest(r).text())
+    fp32_bytes = reference.events(0, SYNC)[0]["bytes_sent"]
+    expected = steps // 4
+    per_group = [syncs(job.events(r, SYNC)) for r in range(2)]
+    for found in per_group:
+        assert [s.number for s in found] == list(range(1, expected + 1)), found
+        assert all(s.committed and s.groups == 2 for s in found), found
+    assert_clean_syncs_agree(job, per_group, expected)
+    shares = []
+    for r in range(2):
+        for e in job.events(r, SYNC):
+            assert e["pseudo_grad_dtype"] == method.split("_")[1]
+            assert e["compression_s"] is not None and e["compression_s"] > 0
+            share = e["bytes_sent"] / fp32_bytes
+            assert 0 < share <= MAX_SHARE[method], (share, e["bytes_sent"], fp32_bytes)
+            shares.append(share)
+    final = [[e["digest"] for e in job.events(r, FINAL_DIGEST)] for r in range(2)]
+    assert len(final[0]) == 1 and final[0] == final[1], final
+    first, last = assert_loss_falls(job.events(0, TRAIN_STEP))
+    print(
+        f"{method}: {expected} syncs committed with identical digests; bytes per sync "
+        f"{min(shares):.3f}-{max(shares):.3f} x float32 ({fp32_bytes} B); loss {first:.3f} -> "
+        f"{last:.3f}; both end with {final[0][0]}"
+    )

@@ -1,0 +1,456 @@
+"""The compressed pseudo-gradient all-reduce: codecs, error feedback, real gloo groups."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from torchtitan.experiments.fault_tolerance.compression import (
+    BLOCK,
+    PSEUDO_GRAD_DTYPES,
+    AsyncCompressedAllReduce,
+    BlockQuantCodec,
+    ErrorFeedback,
+    compressed_all_reduce,
+    get_codec,
+)
+
+QUANTIZED = ("int8", "int4")
+NUMEL = 10_001  # not a multiple of BLOCK, nor of 2 or 3 ranks
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """A benchmark may share the machine: keep the intra-op pool at one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _varied(numel: int, seed: int) -> torch.Tensor:
+    """Normal values whose magnitude differs from block to block, so that scales differ."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = math.ceil(numel / BLOCK)
+    magnitude = torch.exp(2 * torch.randn(blocks, generator=gen)).repeat_interleave(BLOCK)
+    return torch.randn(numel, generator=gen) * magnitude[:numel]
+
+
+def _per_element(per_block: torch.Tensor, numel: int) -> torch.Tensor:
+    return per_block.repeat_interleave(BLOCK)[:numel]
+
+
+def _block_absmax(x: torch.Tensor) -> torch.Tensor:
+    blocks = math.ceil(x.numel() / BLOCK)
+    return (
+        torch.nn.functional.pad(x.abs(), (0, blocks * BLOCK - x.numel())).view(blocks, -1).amax(1)
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Codecs
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+@pytest.mark.parametrize("numel", [1, 5, 127, 128, 129, 1000, 1001])
+def test_quantized_round_trip_is_within_half_a_step(dtype: str, numel: int) -> None:
+    codec = get_codec(dtype)
+    assert isinstance(codec, BlockQuantCodec)
+    x = _varied(numel, seed=numel)
+    packed = codec.encode(x)
+    assert packed.dtype == torch.uint8 and packed.numel() == codec.wire_bytes(numel)
+    blocks = math.ceil(numel / BLOCK)
+    stored = packed[: 4 * blocks].view(torch.float32)
+    assert torch.equal(stored, _block_absmax(x) / codec.qmax)
+    decoded = codec.decode(packed, numel)
+    step = _per_element(stored, numel)
+    # Half a step, plus the few ulps of the fp32 division and multiply.
+    assert ((decoded - x).abs() <= step * 0.5 * (1 + 1e-5)).all()
+    # The largest element of each block uses the full range (q = +-qmax).
+    assert torch.allclose(_block_absmax(decoded), stored * codec.qmax, rtol=1e-6, atol=0)
+    # Decoding is a pure function of the bytes.
+    assert torch.equal(codec.decode(packed.clone(), numel), decoded)
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+def test_zero_blocks_get_scale_zero_and_decode_to_zero(dtype: str) -> None:
+    codec = get_codec(dtype)
+    x = _varied(3 * BLOCK + 7, seed=1)
+    x[BLOCK : 2 * BLOCK] = 0  # a whole zero block
+    x[3 * BLOCK :] = 0  # a zero short tail block
+    packed = codec.encode(x)
+    scales = packed[:16].view(torch.float32)
+    assert scales[1] == 0 and scales[3] == 0 and (scales[[0, 2]] > 0).all()
+    decoded = codec.decode(packed, x.numel())
+    assert torch.equal(decoded[BLOCK : 2 * BLOCK], torch.zeros(BLOCK))
+    assert torch.equal(decoded[3 * BLOCK :], torch.zeros(7))
+    assert torch.isfinite(decoded).all()
+    assert torch.equal(codec.decode(codec.encode(torch.zeros(300)), 300), torch.zeros(300))
+
+
+def test_int4_packs_two_offset_nibbles_per_byte_low_first() -> None:
+    codec = get_codec("int4")
+    # absmax 1.75: scale 0.25 exactly; x / scale = 7, -3.5, 0, 2.5, -7. Round half to even gives
+    # q = 7, -4, 0, 2, -7, stored +8 as 15, 4, 8, 10, 1 and a padding nibble 8.
+    x = torch.tensor([1.75, -0.875, 0.0, 0.625, -1.75])
+    packed = codec.encode(x)
+    assert packed.numel() == 4 + 3
+    assert packed[:4].view(torch.float32).item() == 0.25
+    assert packed[4:].tolist() == [15 | 4 << 4, 8 | 10 << 4, 1 | 8 << 4]
+    assert codec.decode(packed, 5).tolist() == [1.75, -1.0, 0.0, 0.5, -1.75]
+
+
+def test_int8_layout_is_scales_then_values() -> None:
+    codec = get_codec("int8")
+    # absmax 63.5: scale 0.5; x / scale = 127, -2.5, 1.5, 0 -> q = 127, -2, 2, 0.
+    x = torch.tensor([63.5, -1.25, 0.75, 0.0])
+    packed = codec.encode(x)
+    assert packed[:4].view(torch.float32).item() == 0.5
+    assert packed[4:].view(torch.int8).tolist() == [127, -2, 2, 0]
+    assert codec.decode(packed, 4).tolist() == [63.5, -1.0, 1.0, 0.0]
+
+
+def test_bfloat16_and_float32_codecs() -> None:
+    x = _varied(1001, seed=2)
+    bf16 = get_codec("bfloat16")
+    decoded = bf16.decode(bf16.encode(x), x.numel())
+    assert torch.equal(decoded, x.to(torch.bfloat16).float())
+    assert ((decoded - x).abs() <= x.abs() * 2**-8).all()
+    fp32 = get_codec("float32")
+    original = x.clone()
+    packed = fp32.encode(x)
+    x.add_(1)  # the encoding is a copy, not a view of the input
+    assert torch.equal(fp32.decode(packed, x.numel()), original)
+
+
+@pytest.mark.parametrize("dtype", PSEUDO_GRAD_DTYPES)
+def test_decode_into_out_and_from_unaligned_bytes(dtype: str) -> None:
+    codec = get_codec(dtype)
+    x = _varied(333, seed=3)
+    packed = codec.encode(x)
+    expected = codec.decode(packed, x.numel())
+    shifted = torch.empty(packed.numel() + 1, dtype=torch.uint8)
+    shifted[1:] = packed  # the scales no longer start on a 4-byte boundary
+    out = torch.full((333,), float("nan"))
+    assert codec.decode(shifted[1:], 333, out=out) is out
+    assert torch.equal(out, expected)
+    with pytest.raises(ValueError):
+        codec.decode(packed[:-1], 333)
+    with pytest.raises(ValueError):
+        codec.encode(x.double())
+
+
+def test_unknown_dtype_is_rejected() -> None:
+    with pytest.raises(ValueError, match="int2"):
+        get_codec("int2")
+
+
+@pytest.mark.parametrize("dtype", PSEUDO_GRAD_DTYPES)
+@pytest.mark.parametrize("numel", [0, 1, 2, 255, 256, 1_000_000])
+def test_wire_bytes_is_the_encoded_size(dtype: str, numel: int) -> None:
+    codec = get_codec(dtype)
+    assert codec.encode(torch.randn(numel)).numel() == codec.wire_bytes(numel)
+
+
+def test_wire_ratios_for_a_million_elements() -> None:
+    fp32_bytes = 4 * 1_000_000
+    ratios = {d: get_codec(d).wire_bytes(1_000_000) / fp32_bytes for d in PSEUDO_GRAD_DTYPES}
+    assert ratios["float32"] == 1 and ratios["bfloat16"] == 0.5
+    assert ratios["int8"] <= 0.27 and ratios["int4"] <= 0.14
+    # 7813 blocks of scales plus the values.
+    assert get_codec("int8").wire_bytes(1_000_000) == 4 * 7813 + 1_000_000
+    assert get_codec("int4").wire_bytes(1_000_000) == 4 * 7813 + 500_000
+
+
+# ---------------------------------------------------------------------------------------------
+# Error feedback
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+def test_error_feedback_makes_the_running_mean_converge(dtype: str) -> None:
+    codec = get_codec(dtype)
+    x = _varied(1000, seed=4)
+    rounds = 20
+    plain = codec.decode(codec.encode(x), x.numel())  # the same every round
+    feedback = ErrorFeedback()
+    total = torch.zeros_like(x)
+    for _ in range(rounds):
+        total += codec.decode(feedback.encode("w", x, codec), x.numel())
+    err_plain = (plain - x).norm()
+    err_feedback = (total / rounds - x).norm()
+    assert err_plain > 0
+    assert err_feedback < err_plain / 5
+    # What is still owed is at most half a step of the last (corrected) input.
+    residual = feedback.residual("w")
+    assert residual is not None
+    assert torch.allclose(total + residual, rounds * x, rtol=0, atol=1e-3)
+
+
+def test_error_feedback_state_round_trips_and_keys_are_separate() -> None:
+    codec = get_codec("int4")
+    x, y = _varied(300, seed=5), _varied(300, seed=6)
+    first = ErrorFeedback()
+    first.encode("a", x, codec)
+    first.encode("b", y, codec)
+    assert set(first.state_dict()) == {"a", "b"}
+    assert torch.equal(first.state_dict()["a"], x - codec.decode(codec.encode(x), 300))
+    second = ErrorFeedback()
+    second.load_state_dict(first.state_dict())
+    assert torch.equal(second.encode("a", x, codec), first.encode("a", x, codec))
+    first.reset("a")
+    assert first.residual("a") is None and first.residual("b") is not None
+    with pytest.raises(ValueError):
+        first.correct("b", torch.zeros(7))
+
+
+class _OneRank:
+    """The only thing a one-rank all-reduce asks of its group."""
+
+    def size(self) -> int:
+        return 1
+
+
+@pytest.mark.parametrize("dtype", PSEUDO_GRAD_DTYPES)
+def test_a_single_rank_gets_its_own_round_trip(dtype: str) -> None:
+    codec = get_codec(dtype)
+    x = _varied(500, seed=7)
+    tensor = x.clone()
+    feedback = ErrorFeedback()
+    pg: Any = _OneRank()
+    stats = compressed_all_reduce(pg, tensor, dtype, error_feedback=feedback, key="k")
+    assert torch.equal(tensor, codec.decode(codec.encode(x), 500))
+    assert stats.bytes_sent == 0 and stats.world_size == 1
+    if dtype != "float32":
+        assert torch.equal(feedback.state_dict()["k"], x - tensor)
+
+
+class _BrokenPair:
+    """A two-rank group whose collectives fail, as a group with a dead peer does."""
+
+    def size(self) -> int:
+        return 2
+
+    def alltoall_base(self, *args: Any) -> Any:
+        raise RuntimeError("peer gone")
+
+
+def test_async_failures_go_to_on_error_and_a_raising_handler_reaches_the_future() -> None:
+    runner = AsyncCompressedAllReduce()
+    broken: Any = _BrokenPair()
+    errors: list[Exception] = []
+    tensor = torch.ones(300)
+    work = runner.submit(broken, tensor, "int8", on_error=errors.append)
+    assert work.wait() is True
+    assert work.get_future().value() is tensor and work.stats is None
+    assert [str(e) for e in errors] == ["peer gone"]
+
+    def refuse(e: Exception) -> None:
+        raise KeyError("handler broke")
+
+    work = runner.submit(broken, torch.ones(300), "int4", on_error=refuse)
+    with pytest.raises(KeyError, match="handler broke"):
+        work.get_future().wait()
+    runner.shutdown(timeout=10)
+    with pytest.raises(RuntimeError, match="shut down"):
+        runner.submit(broken, torch.ones(3), "int8", on_error=errors.append)
+    other = AsyncCompressedAllReduce()
+    with pytest.raises(ValueError, match="fp8"):
+        other.submit(broken, torch.ones(3), "fp8", on_error=errors.append)
+    other.shutdown(timeout=10)
+
+
+# ---------------------------------------------------------------------------------------------
+# Real gloo groups (spawned processes)
+
+
+def _rank_tensor(rank: int) -> torch.Tensor:
+    """Rank ``rank``'s input: varied magnitudes, and one block that is zero on every rank."""
+    x = _varied(NUMEL, seed=100 + rank)
+    x[2 * BLOCK : 3 * BLOCK] = 0
+    return x
+
+
+def _init(rank: int, world_size: int, store_path: str, timeout_s: float) -> Any:
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group(
+        "gloo",
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return dist.distributed_c10d._get_default_group()
+
+
+def _collectives_worker(rank: int, world_size: int, store_path: str, out_dir: str) -> None:
+    """Every dtype through the default group, error feedback, then the async runner."""
+    pg = _init(rank, world_size, store_path, timeout_s=20)
+    x = _rank_tensor(rank)
+    out: dict[str, Any] = {}
+    try:
+        for dtype in PSEUDO_GRAD_DTYPES:
+            tensor = x.clone()
+            stats = compressed_all_reduce(pg, tensor, dtype)
+            out[dtype] = tensor
+            out[f"{dtype}.bytes_sent"] = stats.bytes_sent
+            out[f"{dtype}.times"] = (stats.encode_s, stats.decode_s, stats.total_s)
+        reference = x.clone()
+        dist.all_reduce(reference)
+        out["torch_all_reduce"] = reference
+
+        feedback = ErrorFeedback()
+        tensor = x.clone()
+        compressed_all_reduce(pg, tensor, "int4", error_feedback=feedback, key="frag0")
+        out["int4.feedback"] = tensor
+        out["int4.residual"] = feedback.residual("frag0")
+
+        runner = AsyncCompressedAllReduce()
+        errors: list[Exception] = []
+        first = runner.submit(pg, x.clone(), "int8", divide_by=world_size, on_error=errors.append)
+        second = runner.submit(
+            pg, x.clone(), "bfloat16", divide_by=world_size, on_error=errors.append
+        )
+        assert second.wait() is True
+        out["async.first_done_before_second"] = first.get_future().done()
+        first.wait()
+        out["async.int8"] = first.get_future().value()
+        out["async.bfloat16"] = second.get_future().value()
+        out["async.stats"] = (first.stats is not None, second.stats is not None)
+        out["async.errors"] = [repr(e) for e in errors]
+        runner.shutdown(timeout=10)
+    finally:
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+
+
+def _dead_peer_worker(rank: int, world_size: int, store_path: str, out_dir: str) -> None:
+    """Rank 1 leaves right after joining; rank 0's collective must fail into on_error."""
+    pg = _init(rank, world_size, store_path, timeout_s=5)
+    if rank == 1:
+        os._exit(0)  # gone before taking part in any collective
+    runner = AsyncCompressedAllReduce()
+    errors: list[Exception] = []
+    feedback = ErrorFeedback()
+    out: dict[str, Any] = {}
+    tensor = _rank_tensor(rank)
+    start = time.monotonic()
+    try:
+        work = runner.submit(
+            pg, tensor, "int8", error_feedback=feedback, key="frag", on_error=errors.append
+        )
+        out["wait"] = work.wait()
+        out["seconds"] = time.monotonic() - start
+        out["done"] = work.get_future().done()
+        out["value_is_tensor"] = work.get_future().value() is tensor
+        out["errors"] = [repr(e) for e in errors]
+        # From the collective (gloo raises RuntimeError subclasses), not from a bug of ours.
+        out["errors_are_runtime"] = all(isinstance(e, RuntimeError) for e in errors)
+        out["residual"] = feedback.residual("frag")
+        runner.shutdown(timeout=10)
+    finally:
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    # The group is broken; tearing it down is not what this test is about.
+    del pg
+    os._exit(0)
+
+
+def _spawn(
+    fn: Callable[..., None], world_size: int, tmp_path: Path, deadline_s: float = 60
+) -> list[dict[str, Any]]:
+    """Run ``fn(rank, world_size, store_path, out_dir)`` in ``world_size`` processes and return
+    what each rank saved; kills them (they are ours) if they outlive ``deadline_s``."""
+    import torch.multiprocessing as mp
+
+    store_path = str(tmp_path / "store")
+    ctx = mp.start_processes(
+        fn, args=(world_size, store_path, str(tmp_path)), nprocs=world_size, join=False
+    )
+    deadline = time.monotonic() + deadline_s
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in ctx.processes:
+                if process.is_alive():
+                    process.kill()
+            pytest.fail(f"{fn.__name__} ran past {deadline_s} s")
+    saved = [tmp_path / f"rank{r}.pt" for r in range(world_size)]
+    return [torch.load(path) if path.exists() else {} for path in saved]
+
+
+def _expected_chunk(world_size: int) -> int:
+    return math.ceil(NUMEL / (world_size * BLOCK)) * BLOCK
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gloo_all_reduce_is_identical_on_every_rank_and_close_to_the_sum(
+    world_size: int, tmp_path: Path
+) -> None:
+    results = _spawn(_collectives_worker, world_size, tmp_path)
+    inputs = [_rank_tensor(r) for r in range(world_size)]
+    true_sum = torch.stack(inputs).double().sum(0)
+    abs_sum = torch.stack(inputs).abs().double().sum(0)
+
+    for dtype in PSEUDO_GRAD_DTYPES:
+        for r in range(1, world_size):
+            assert torch.equal(results[r][dtype], results[0][dtype]), (dtype, r)
+        result = results[0][dtype].double()
+        error = (result - true_sum).abs()
+        if dtype == "float32":
+            assert torch.equal(results[0][dtype], results[0]["torch_all_reduce"])
+            continue
+        if dtype == "bfloat16":
+            # Each input cast, then the fp32 sum cast once more: 2^-8 relative each time.
+            u = 2**-8
+            tol = u * abs_sum + u * (1 + u) * abs_sum
+        else:
+            codec: Any = get_codec(dtype)
+            qmax = codec.qmax
+            absmax = torch.stack([_block_absmax(x) for x in inputs]).double()
+            steps = (absmax / qmax).sum(0)  # the inputs' scales, summed per block
+            # Half a step per input, plus half a step of the re-encoded sum, whose absmax is at
+            # most the inputs' absmaxes plus their errors.
+            reduced_step = (absmax.sum(0) + steps / 2) / qmax
+            tol = _per_element(steps / 2 + reduced_step / 2, NUMEL)
+        assert (error <= tol * (1 + 1e-4) + 1e-6).all(), (dtype, (error - tol).max().item())
+        assert torch.equal(results[0][dtype][2 * BLOCK : 3 * BLOCK], torch.zeros(BLOCK))
+        chunk = _expected_chunk(world_size)
+        expected_bytes = 2 * (world_size - 1) * get_codec(dtype).wire_bytes(chunk)
+        for r in range(world_size):
+            assert results[r][f"{dtype}.bytes_sent"] == expected_bytes
+            encode_s, decode_s, total_s = results[r][f"{dtype}.times"]
+            assert 0 < encode_s and 0 < decode_s and encode_s + decode_s <= total_s
+
+    assert (results[0]["int8"] - true_sum).abs().max() > 0  # the wire really was lossy
+
+    codec = get_codec("int4")
+    for r in range(world_size):
+        # Nothing owed before the first round: the same result as without feedback ...
+        assert torch.equal(results[r]["int4.feedback"], results[0]["int4"])
+        # ... and the residual is exactly what this rank's own encoding dropped.
+        own = codec.decode(codec.encode(inputs[r]), NUMEL)
+        assert torch.equal(results[r]["int4.residual"], inputs[r] - own)
+
+        assert results[r]["async.errors"] == []
+        assert results[r]["async.first_done_before_second"]
+        assert results[r]["async.stats"] == (True, True)
+        assert torch.equal(results[r]["async.int8"], results[0]["int8"] / world_size)
+        assert torch.equal(results[r]["async.bfloat16"], results[0]["bfloat16"] / world_size)
+
+
+def test_a_dead_peer_goes_to_on_error_and_the_work_still_completes(tmp_path: Path) -> None:
+    rank0 = _spawn(_dead_peer_worker, 2, tmp_path)[0]
+    assert rank0["wait"] is True
+    assert rank0["done"] and rank0["value_is_tensor"]
+    assert len(rank0["errors"]) == 1 and rank0["errors_are_runtime"], rank0["errors"]
+    assert rank0["seconds"] < 15
+    # Nothing was delivered, so the residual was not replaced by this round's.
+    assert rank0["residual"] is None
