@@ -48,6 +48,9 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
             "--fault_tolerance.fragment_sync_delay=1",
         ],
     ),
+    # Global copy, outer momentum, the start of the local period and the all-reduce buffer in
+    # flight: 4 x parameter bytes, on the CPU whatever outer_state_device says (no GPU here).
+    "async_diloco": ("async_diloco", ["--fault_tolerance.sync_steps=4"]),
 }
 SLOPE_VARIANTS = ["no_ft", "diloco"]
 

@@ -87,6 +87,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--straggler", type=float, default=1.0,
                    help="group 1 computes this many times the work of each step "
                    "(fault_tolerance.emulate_slowdown; 1: no straggler)")  # fmt: skip
+    p.add_argument("--groups", type=int, default=2,
+                   help="replica groups (group i on core i mod the cores: with more "
+                   "groups than cores utilisation means little, bytes still do)")  # fmt: skip
+    p.add_argument("--pseudo-grad-dtype", default="float32",
+                   choices=["float32", "bfloat16", "int8", "int4"],
+                   help="fault_tolerance.pseudo_grad_dtype of the semi-sync methods")  # fmt: skip
+    p.add_argument("--error-feedback", action="store_true",
+                   help="fault_tolerance.error_feedback (with a compressed dtype)")  # fmt: skip
     p.add_argument("--sync-ft-steps", type=int, default=20)
     p.add_argument("--sync-ft-warmup", type=int, default=5)
     p.add_argument("--max-load", type=float, default=1.5,
@@ -119,6 +127,10 @@ def method_args(method: str, args: argparse.Namespace) -> tuple[list[str], int, 
     ]
     if method == "async_dylu":
         flags.append("--fault_tolerance.dynamic_local_steps")
+    if args.pseudo_grad_dtype != "float32":
+        flags.append(f"--fault_tolerance.pseudo_grad_dtype={args.pseudo_grad_dtype}")
+    if args.error_feedback:
+        flags.append("--fault_tolerance.error_feedback")
     if method == "streaming_diloco":
         flags += [
             f"--fault_tolerance.num_fragments={args.fragments}",
@@ -191,7 +203,8 @@ def group_figures(
     syncs = [
         {"step": e.step, "committed": e["committed"], "ms": 1000 * e["seconds"],
          "mib": e["bytes_sent"] / 2**20, "inner_steps": e["inner_steps"],
-         "weight": e["weight"]}
+         "weight": e["weight"],
+         "compression_ms": None if e["compression_s"] is None else 1000 * e["compression_s"]}
         for e in sent
     ]  # fmt: skip
     if method == "sync_ft":
@@ -201,6 +214,7 @@ def group_figures(
     else:
         payload_per_step = sum(e["bytes_sent"] for e in sent) / steps
     row.update(
+        wire_tx_bytes_per_sync=tx_bytes / len(sent) if sent else None,
         parameters=n_params,
         payload_bytes_per_step=payload_per_step,
         wire_tx_bytes_per_step=tx_bytes / steps,
@@ -224,7 +238,7 @@ def run_one(
         common.TIMED_MODULE,
         *flags,
     ]
-    groups = 1 if method == "no_ft" else 2
+    groups = 1 if method == "no_ft" else args.groups
     lighthouse = LighthouseSettings(
         min_replicas=groups, heartbeat_timeout_ms=5000, host=netns.HUB_IP
     )
@@ -264,6 +278,9 @@ def run_one(
         "method": method,
         "rate_mbit": rate,
         "straggler": args.straggler,
+        "groups_in_job": groups,
+        "pseudo_grad_dtype": args.pseudo_grad_dtype if flags else None,
+        "error_feedback": args.error_feedback if flags else None,
         "steps": steps,
         "measured_steps": f"{warmup + 1}..{last}",
         "compute_utilisation": round(mean, 4),
@@ -298,7 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, object] = {
         "benchmark": "wan",
         "settings": {
-            "groups": 2,
+            "groups": args.groups,
+            "pseudo_grad_dtype": args.pseudo_grad_dtype,
+            "error_feedback": args.error_feedback,
             "topology": "each group in its own network namespace, veth to a bridge in the "
             "lighthouse's namespace; tc tbf on both ends of each veth (upload and download)",
             "latency": "none added: this kernel has tbf/htb but no netem, so only bandwidth "
@@ -433,6 +452,10 @@ def summarize(runs: list[dict[str, object]]) -> dict[str, dict[str, object]]:
         target = TARGETS.get(str(run["method"]))
         measured = run["compute_utilisation"]
         straggler = float(run.get("straggler", 1.0))  # type: ignore[arg-type]
+        if run.get("pseudo_grad_dtype") not in (None, "float32"):
+            key += f"_{run['pseudo_grad_dtype']}" + ("_ef" if run.get("error_feedback") else "")
+        if run.get("groups_in_job", 2) not in (1, 2):
+            key += f"_{run['groups_in_job']}groups"
         if straggler != 1.0:  # every group must keep computing: the slowest group counts
             key += f"_straggler{straggler:g}"
             target = STRAGGLER_TARGET if str(run["method"]).startswith("async") else None
@@ -458,6 +481,15 @@ def summarize(runs: list[dict[str, object]]) -> dict[str, dict[str, object]]:
                 None if c0 is None else round(c0 / (c0 + max(other, 0.0)), 4)
             ),
             "payload_mib_per_group_per_step": run["payload_mib_per_group_per_step"],
+            "wire_tx_bytes_per_group_per_sync": [g.get("wire_tx_bytes_per_sync") for g in groups],  # type: ignore[union-attr]
+            "sync_ms_per_group": [
+                [round(s["ms"], 1) for s in g["syncs"]]
+                for g in groups  # type: ignore[union-attr,index]
+            ],
+            "compression_ms_per_group": [
+                [s.get("compression_ms") for s in g["syncs"]]
+                for g in groups  # type: ignore[union-attr,index]
+            ],
             "wire_tx_mib_per_group_per_step": run["wire_tx_mib_per_group_per_step"],
             "target": target,
             "target_met": None if target is None else measured >= target,  # type: ignore[operator]
