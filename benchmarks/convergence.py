@@ -19,8 +19,9 @@ group, AdamW lr 2e-3 with 20 warmup steps and linear decay (the debug TOML), see
   2 groups, H = ``--sync-steps``.
 
 * ``async_eager``, ``async_delayed``: async DiLoCo (``semi_sync_method=async_diloco``,
-  ``async_update`` eager or delayed), the same outer optimizer, 1 fragment. Their summary rows
-  add ``ratio_to_diloco``.
+  ``async_update`` eager or delayed), the same outer optimizer, 1 fragment;
+* ``diloco_int8``, ``diloco_int4_ef``: DiLoCo with compressed pseudo-gradients (int8; int4
+  with error feedback). These and the async rows add ``ratio_to_diloco``.
 
 ``--straggler F`` runs a different comparison: group 1 computes F times the work of each step
 (``fault_tolerance.emulate_slowdown``), and blocking DiLoCo (``diloco``) is compared with async
@@ -57,10 +58,11 @@ from torchtitan.tools.cluster import LocalJob  # noqa: E402
 from torchtitan.trainer import TRAINING_STARTED, VALIDATION  # noqa: E402
 
 CONFIGS = ["single_group", "sync_dp", "localsgd", "diloco", "streaming_diloco", "async_eager",
-           "async_delayed"]  # fmt: skip
+           "async_delayed", "diloco_int8", "diloco_int4_ef"]  # fmt: skip
 BASE_METHOD = {"sync_dp": "sync_ft", "localsgd": "localsgd", "diloco": "diloco",
                "streaming_diloco": "streaming_diloco", "async_eager": "async_diloco",
-               "async_delayed": "async_delayed", "async_dylu": "async_dylu"}  # fmt: skip
+               "async_delayed": "async_delayed", "async_dylu": "async_dylu",
+               "diloco_int8": "diloco_int8", "diloco_int4_ef": "diloco_int4_ef"}  # fmt: skip
 #: With --straggler: blocking DiLoCo against async DiLoCo with DyLU.
 STRAGGLER_CONFIGS = ["diloco", "async_dylu"]
 
@@ -196,7 +198,7 @@ def summarize(curves: dict[str, dict[int, dict[int, float]]]) -> dict[str, dict]
     if "diloco" in table:
         base = table["diloco"]["final_eval_loss_mean"]
         for config, row in table.items():
-            if config.startswith("async"):
+            if config.startswith("async") or config.startswith("diloco_"):
                 row["ratio_to_diloco"] = round(row["final_eval_loss_mean"] / base, 4)
     return table
 
@@ -497,6 +499,8 @@ def main(argv: list[str] | None = None) -> int:
             "target": {
                 "diloco ratio_to_sync_dp": "<= 1.01",
                 "async_eager ratio_to_diloco": "<= 1.02",
+                "diloco_int8 ratio_to_diloco": "<= 1.01",
+                "diloco_int4_ef ratio_to_diloco": "<= 1.02",
             },
             "curves": {
                 config: {

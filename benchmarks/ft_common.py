@@ -77,6 +77,17 @@ METHODS: dict[str, list[str]] = {
         "--fault_tolerance.semi_sync_method=async_diloco",
         "--fault_tolerance.dynamic_local_steps",
     ],
+    "diloco_int8": [
+        SEMI_SYNC_MODULE,
+        "--fault_tolerance.semi_sync_method=diloco",
+        "--fault_tolerance.pseudo_grad_dtype=int8",
+    ],
+    "diloco_int4_ef": [
+        SEMI_SYNC_MODULE,
+        "--fault_tolerance.semi_sync_method=diloco",
+        "--fault_tolerance.pseudo_grad_dtype=int4",
+        "--fault_tolerance.error_feedback",
+    ],
 }
 
 
