@@ -4,6 +4,8 @@ Manager, lighthouse and process groups are in tests/integration_tests/test_async
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -127,22 +129,24 @@ class Group:
         ]
 
 
+@contextlib.contextmanager
+def training(groups: list[Group]) -> Iterator[None]:
+    """Every group's outer-loop hooks installed, with gradients on."""
+    with torch.enable_grad(), contextlib.ExitStack() as stack:
+        for g in groups:
+            stack.enter_context(g.loop.hooks())
+        yield
+
+
 def run(groups: list[Group], steps: int) -> list[list[list[torch.Tensor]]]:
     """Lock-step inner steps; the global copies of each group after every sync point."""
     seen: list[list[list[torch.Tensor]]] = [[] for _ in groups]
-    with torch.enable_grad():
-        hooks = [g.loop.hooks() for g in groups]
-        for h in hooks:
-            h.__enter__()
-        try:
-            for _ in range(steps):
-                for i, g in enumerate(groups):
-                    g.step()
-                    if g.loop.local_step() == 0:
-                        seen[i].append(g.globals_())
-        finally:
-            for h in hooks:
-                h.__exit__(None, None, None)
+    with training(groups):
+        for _ in range(steps):
+            for i, g in enumerate(groups):
+                g.step()
+                if g.loop.local_step() == 0:
+                    seen[i].append(g.globals_())
     return seen
 
 
@@ -395,20 +399,13 @@ def run_periods(groups: list[Group], periods: int) -> list[list[list[torch.Tenso
     """Each group takes the inner steps of its period, then all meet at the sync point (as the
     sync quorum makes them); the global copies of each group after every sync point."""
     seen: list[list[list[torch.Tensor]]] = [[] for _ in groups]
-    with torch.enable_grad():
-        hooks = [g.loop.hooks() for g in groups]
-        for h in hooks:
-            h.__enter__()
-        try:
-            for _ in range(periods):
-                for i, g in enumerate(groups):
+    with training(groups):
+        for _ in range(periods):
+            for i, g in enumerate(groups):
+                g.step()
+                while g.loop.local_step() != 0:
                     g.step()
-                    while g.loop.local_step() != 0:
-                        g.step()
-                    seen[i].append(g.globals_())
-        finally:
-            for h in hooks:
-                h.__exit__(None, None, None)
+                seen[i].append(g.globals_())
     return seen
 
 
