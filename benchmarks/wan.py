@@ -501,4 +501,6 @@ def summarize(runs: list[dict[str, object]]) -> dict[str, dict[str, object]]:
 
 
 if __name__ == "__main__":
+    # SIGTERM (and SIGINT in a background shell) must unwind the namespaces and processes.
+    common.stop_cleanly_on_sigterm()
     sys.exit(main())
