@@ -426,21 +426,3 @@ def test_groups_taking_different_inner_steps_agree_and_weigh_by_tokens(update):
     assert weights == pytest.approx([2 / 3, 1 / 3])
     with pytest.raises(ValueError, match="1 to 8 inner steps"):
         groups[0].loop.plan_period(9)
-
-
-def test_a_groups_speed_is_the_median_of_its_steps(monkeypatch: pytest.MonkeyPatch) -> None:
-    """DyLU's speed of a period: the median of its steps' durations, each from the end of the
-    previous step or sync point (a slow first step or one stolen time slice does not count;
-    the time at the sync point is not a step)."""
-    import torchtitan.experiments.fault_tolerance.async_diloco as module
-
-    clock = iter([0.0, 5.0, 6.0, 7.0, 8.0, 8.5, 30.0, 31.0, 32.0, 33.0, 34.0])
-    monkeypatch.setattr(module, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
-    group = Group(Cluster(), 1)
-    with training([group]):  # 0.0: training starts
-        for _ in range(4):  # steps end at 5, 6, 7, 8; the sync point ends at 8.5
-            group.step()
-        assert group.loop.step_seconds() == 1.0  # median of 5, 1, 1, 1
-        for _ in range(4):  # the next period: 30 (21.5 after the sync point), 31, 32, 33
-            group.step()
-        assert group.loop.step_seconds() == 1.0  # median of 21.5, 1, 1, 1

@@ -40,7 +40,6 @@ accelerator; pinned when a GPU is present).
 from __future__ import annotations
 
 import contextlib
-import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -333,10 +332,9 @@ class AsyncDiLoCo(OuterLoop):
         #: Inner steps of the current period (``period`` unless DyLU planned fewer).
         self._steps_this_period = self.period
         self.sync_points = 0
-        #: The durations of this period's inner steps (each from the end of the previous step
-        #: or sync point), and their median in the last period that ended (0: none yet).
-        self._step_durations: list[float] = []
-        self._last_step_end: float | None = None
+        #: When the current period's inner steps began, and this group's seconds per inner
+        #: step in the last period that ended (0: none yet).
+        self._period_began: float | None = None
         self._step_seconds = 0.0
         self._in_flight: _InFlight | None = None
         self._outcome: SyncOutcome | None = None
@@ -357,7 +355,7 @@ class AsyncDiLoCo(OuterLoop):
 
     @contextlib.contextmanager
     def _installed(self) -> Iterator[AsyncDiLoCo]:
-        self._last_step_end = time.perf_counter()
+        self._period_began = time.perf_counter()
         handles = [
             self.inner_optimizer.register_step_pre_hook(self._before_step),
             self.inner_optimizer.register_step_post_hook(self._after_step),
@@ -377,10 +375,6 @@ class AsyncDiLoCo(OuterLoop):
 
     def _after_step(self, *_: Any) -> None:
         self.manager.allow_state_dict_read()
-        now = time.perf_counter()
-        if self._last_step_end is not None:
-            self._step_durations.append(now - self._last_step_end)
-        self._last_step_end = now
         for state in self._states:
             state.steps += 1
         self._local_step += 1
@@ -389,11 +383,8 @@ class AsyncDiLoCo(OuterLoop):
 
     def sync_point(self) -> None:
         """Finish the sync in flight, start this fragment's (see the module docstring)."""
-        if self._step_durations:
-            # The median: a slow first step after a start, a collection or a time slice taken
-            # by another process says little about the next period.
-            self._step_seconds = statistics.median(self._step_durations)
-            self._step_durations = []
+        if self._period_began is not None and self._local_step > 0:
+            self._step_seconds = (time.perf_counter() - self._period_began) / self._local_step
         self.sync_points += 1
         # At the quorum every group is at inner step 0 of its next period, whatever the length
         # of the one it ended (DyLU): a group healing from it continues from there.
@@ -411,7 +402,7 @@ class AsyncDiLoCo(OuterLoop):
             self._after_heal()
             steps = 0
         self._start_all_reduce(index, buffer, steps)
-        self._last_step_end = time.perf_counter()  # the sync point is not a step
+        self._period_began = time.perf_counter()
 
     def _buffer(self, state: _Fragment) -> torch.Tensor:
         device = local_tensor(next(iter(state.params.values()))).device
@@ -470,8 +461,7 @@ class AsyncDiLoCo(OuterLoop):
     # ---- DyLU ---------------------------------------------------------------------------------
 
     def step_seconds(self) -> float:
-        """This group's seconds per inner step in its last period, the median of its steps'
-        durations (0: no period yet)."""
+        """This group's seconds per inner step in its last period (0: no period yet)."""
         return self._step_seconds
 
     def plan_period(self, steps: int) -> None:
@@ -510,8 +500,7 @@ class AsyncDiLoCo(OuterLoop):
         self._start_all_reduce(index, self._buffer(self._states[index]), 0)
         self._healed = False
         self._local_step = 0
-        self._step_durations = []
-        self._last_step_end = time.perf_counter()
+        self._period_began = time.perf_counter()
         return False
 
     # ---- what the trainer asks -----------------------------------------------------------------
