@@ -90,9 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--groups", type=int, default=2,
                    help="replica groups (group i on core i mod the cores: with more "
                    "groups than cores utilisation means little, bytes still do)")  # fmt: skip
-    p.add_argument("--pseudo-grad-dtype", default="float32",
+    p.add_argument("--pseudo-grad-dtypes", nargs="+", default=["float32"],
                    choices=["float32", "bfloat16", "int8", "int4"],
-                   help="fault_tolerance.pseudo_grad_dtype of the semi-sync methods")  # fmt: skip
+                   help="fault_tolerance.pseudo_grad_dtype of the semi-sync methods; each "
+                   "one is a run of every semi-sync method")  # fmt: skip
     p.add_argument("--error-feedback", action="store_true",
                    help="fault_tolerance.error_feedback (with a compressed dtype)")  # fmt: skip
     p.add_argument("--sync-ft-steps", type=int, default=20)
@@ -111,6 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.sync_ft_steps, args.sync_ft_warmup = 4, 2
         args.rates = args.rates if argv and "--rates" in argv else [100.0]
         args.max_load = float("inf")
+    args.pseudo_grad_dtype = args.pseudo_grad_dtypes[0]
     args.out = args.out or provenance.default_output("wan.json", args.smoke)
     args.png = args.png or args.out.with_suffix(".png")
     return args
@@ -316,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "wan",
         "settings": {
             "groups": args.groups,
-            "pseudo_grad_dtype": args.pseudo_grad_dtype,
+            "pseudo_grad_dtypes": args.pseudo_grad_dtypes,
             "error_feedback": args.error_feedback,
             "topology": "each group in its own network namespace, veth to a bridge in the "
             "lighthouse's namespace; tc tbf on both ends of each veth (upload and download)",
@@ -346,23 +348,27 @@ def main(argv: list[str] | None = None) -> int:
         "targets": {k: f">= {v}" for k, v in TARGETS.items()},
         "runs": runs,
     }
+    semi_sync = {"diloco", "streaming_diloco", "async_diloco", "async_dylu"}
     plan = [
-        (repeat, rate, method)
+        (repeat, rate, method, dtype)
         for repeat in range(args.repeats)
         for rate in args.rates
         for method in args.methods
+        for dtype in (args.pseudo_grad_dtypes if method in semi_sync else ["float32"])
         if method != "no_ft" or rate == args.rates[0]  # no network traffic: one rate is enough
     ]
     with tempfile.TemporaryDirectory(prefix="wan_") as tmp:
-        for repeat, rate, method in plan:
+        for repeat, rate, method, dtype in plan:
             load = common.wait_for_quiet_machine(args.max_load, 120)
-            run = run_one(Path(tmp) / f"{method}_{rate:g}_{repeat}", method, rate, args)
+            this = argparse.Namespace(**{**vars(args), "pseudo_grad_dtype": dtype})
+            folder = Path(tmp) / f"{method}_{dtype}_{rate:g}_{repeat}"
+            run = run_one(folder, method, rate, this)
             run["repeat"] = repeat
             run["load_avg_1min_before"] = round(load, 2)
             run["load_avg_1min_after"] = round(common.load_average(), 2)
             runs.append(run)
             print(
-                f"[wan] {rate:6g} Mbit/s {method:17s} (run {repeat + 1}/{args.repeats}) "
+                f"[wan] {rate:6g} Mbit/s {method:17s} {dtype:8s} (run {repeat + 1}/{args.repeats}) "
                 f"compute utilisation "
                 f"{run['compute_utilisation']:.3f}  payload "
                 f"{run['payload_mib_per_group_per_step']:.2f} MiB/step  wire "
@@ -421,9 +427,10 @@ def plot(runs: list[dict[str, object]], path: Path) -> str:
 def median_runs(runs: list[dict[str, object]]) -> list[dict[str, object]]:
     """Of the repeats of each method and rate, the run with the median utilisation (the lower
     middle one for an even count), in first-run order."""
-    by_key: dict[tuple[object, object], list[dict[str, object]]] = {}
+    by_key: dict[tuple[object, object, object], list[dict[str, object]]] = {}
     for run in runs:
-        by_key.setdefault((run["method"], run["rate_mbit"]), []).append(run)
+        key = (run["method"], run["rate_mbit"], run.get("pseudo_grad_dtype"))
+        by_key.setdefault(key, []).append(run)
     picked = []
     for repeats in by_key.values():
         ordered = sorted(repeats, key=lambda r: float(r["compute_utilisation"]))  # type: ignore[arg-type]

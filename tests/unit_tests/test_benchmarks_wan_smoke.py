@@ -166,7 +166,20 @@ def test_wan_smoke_shapes_links_and_reports_utilisation(tmp_path: Path) -> None:
         assert run["wire_tx_mib_per_group_per_step"] > 0
         assert all(s["committed"] for g in run["groups"] for s in g["syncs"])
     assert "netem" in data["settings"]["latency"]
+    # int8 pseudo-gradients: the interfaces' counters see a fraction of float32's bytes.
+    out8 = tmp_path / "wan_int8.json"
+    argv8 = ["--smoke", "--methods", "diloco", "--pseudo-grad-dtypes", "int8", "--out", str(out8)]
+    assert _module("wan").main(argv8) == 0
+    (run8,) = _read_runs(out8)
+    fp32 = next(r for r in data["runs"] if r["method"] == "diloco")
+    per_sync = [[g["wire_tx_bytes_per_sync"] for g in r["groups"]] for r in (fp32, run8)]
+    assert run8["pseudo_grad_dtype"] == "int8"
+    assert all(b8 < 0.5 * b32 for b32, b8 in zip(*per_sync, strict=True)), per_sync
     assert netns.leftover_namespaces(f"ttwan{os.getpid() % 100000}-") == []
+
+
+def _read_runs(path: Path) -> list[dict[str, Any]]:
+    return json.loads(path.read_text())["runs"]
 
 
 def test_recovery_smoke_heals_and_soaks_without_divergence(tmp_path: Path) -> None:

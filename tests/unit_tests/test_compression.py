@@ -233,6 +233,28 @@ def test_a_single_rank_gets_its_own_round_trip(dtype: str) -> None:
         assert torch.equal(feedback.state_dict()["k"], x - tensor)
 
 
+def test_wait_returns_after_the_callbacks_chained_on_the_future() -> None:
+    """torchft's bucketed DiLoCo copies each bucket back into its gradients in a callback on
+    the work's future and then waits on the work: ``wait`` must not return before that
+    callback has run (a future's own ``wait`` does)."""
+    runner = AsyncCompressedAllReduce()
+    pg: Any = _OneRank()
+    copied: list[torch.Tensor] = []
+
+    def copy_back(fut: torch.futures.Future[torch.Tensor]) -> None:
+        time.sleep(0.3)  # a slow copy
+        copied.append(fut.value().clone())
+
+    try:
+        for done in range(3):
+            work = runner.submit(pg, torch.ones(256), "int8", on_error=pytest.fail)
+            work.get_future().then(copy_back)
+            work.wait()
+            assert len(copied) == done + 1
+    finally:
+        runner.shutdown(timeout=10)
+
+
 class _BrokenPair:
     """A two-rank group whose collectives fail, as a group with a dead peer does."""
 

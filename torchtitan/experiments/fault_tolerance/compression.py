@@ -490,11 +490,25 @@ class CompressedWork:
         self.tensor = tensor
         self.stats: CompressionStats | None = None
         self._future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self._done = threading.Event()
 
     def wait(self) -> bool:
-        """Block until done. True, as torchft's works return (a failure went to ``on_error``)."""
-        self._future.wait()
+        """Block until done, callbacks chained on the future included (torchft's DiLoCo copies
+        a bucket back into its gradients in one: a future's ``wait`` returns before its
+        callbacks have run). True, as torchft's works return (a failure went to
+        ``on_error``)."""
+        self._done.wait()
         return True
+
+    def complete(self, error: BaseException | None = None) -> None:
+        """Complete the future (running its callbacks), then release ``wait``."""
+        try:
+            if error is None:
+                self._future.set_result(self.tensor)
+            else:
+                self._future.set_exception(error)  # type: ignore[arg-type]  # stub says T
+        finally:
+            self._done.set()
 
     def get_future(self) -> torch.futures.Future[torch.Tensor]:
         """Completes with the tensor when done."""
@@ -598,10 +612,9 @@ class AsyncCompressedAllReduce:
                 job.on_error(e)
             except Exception as handler_error:
                 # Nobody else would see it: hand it to the waiter rather than hang or drop it.
-                future = job.work.get_future()
-                future.set_exception(handler_error)  # type: ignore[arg-type]  # stub says T
+                job.work.complete(handler_error)
                 return
-        job.work.get_future().set_result(job.tensor)
+        job.work.complete()
 
     @staticmethod
     def _reduce(job: _Job) -> None:

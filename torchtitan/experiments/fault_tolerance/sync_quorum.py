@@ -160,7 +160,7 @@ class SyncManager(ManagerStandIn):
         self._calls += 1
         if manager.errored() is not None:  # torchft: after an error, the rest are no-ops
             work = CompressedWork(tensor)
-            work.get_future().set_result(tensor)
+            work.complete()
             return work
         if not manager.is_participating():
             tensor.zero_()  # a healing group sends nothing
