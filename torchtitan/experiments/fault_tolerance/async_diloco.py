@@ -49,6 +49,7 @@ import torch
 from torch import nn
 from torch.distributed import ReduceOp
 
+from torchtitan.experiments.fault_tolerance.compression import sent_and_seconds
 from torchtitan.experiments.fault_tolerance.outer_loop import (
     Ending,
     OuterLoop,
@@ -273,10 +274,7 @@ class _AllOf:
 
     def compression(self) -> tuple[int, float] | None:
         """(bytes sent, seconds compressing and decompressing) of compressed works."""
-        stats = [w.stats for w in self.works if getattr(w, "stats", None) is not None]
-        if not stats:
-            return None
-        return sum(s.bytes_sent for s in stats), sum(s.encode_s + s.decode_s for s in stats)
+        return sent_and_seconds(self.works)
 
 
 class _Arrived:

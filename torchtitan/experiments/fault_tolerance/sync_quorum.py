@@ -28,6 +28,7 @@ from torchtitan.experiments.fault_tolerance.compression import (
     AsyncCompressedAllReduce,
     CompressedWork,
     ErrorFeedback,
+    sent_and_seconds,
 )
 
 #: Roles in a quorum: a group at its sync point, and a group that has just (re)started (with
@@ -182,13 +183,9 @@ class SyncManager(ManagerStandIn):
         compressed all-reduces since the last quorum (waiting for them). None: uncompressed."""
         if self._runner is None:
             return None
-        sent, seconds = 0, 0.0
         for work in self.works:
             work.wait()
-            if work.stats is not None:
-                sent += work.stats.bytes_sent
-                seconds += work.stats.encode_s + work.stats.decode_s
-        return sent, seconds
+        return sent_and_seconds(self.works) or (0, 0.0)
 
     def reset_error_feedback(self) -> None:
         """Forget the residuals (after a heal: they belong to state this group no longer has)."""
