@@ -20,6 +20,8 @@ group, AdamW lr 2e-3 with 20 warmup steps and linear decay (the debug TOML), see
 
 * ``async_eager``, ``async_delayed``: async DiLoCo (``semi_sync_method=async_diloco``,
   ``async_update`` eager or delayed), the same outer optimizer, 1 fragment;
+* ``async_eager_dn``, ``async_delayed_dn``: the same with Delayed Nesterov
+  (``outer_momentum_every=2``, momentum ``--dn-momentum``);
 * ``diloco_int8``, ``diloco_int4_ef``: DiLoCo with compressed pseudo-gradients (int8; int4
   with error feedback). These and the async rows add ``ratio_to_diloco``.
 
@@ -58,10 +60,12 @@ from torchtitan.tools.cluster import LocalJob  # noqa: E402
 from torchtitan.trainer import TRAINING_STARTED, VALIDATION  # noqa: E402
 
 CONFIGS = ["single_group", "sync_dp", "localsgd", "diloco", "streaming_diloco", "async_eager",
-           "async_delayed", "diloco_int8", "diloco_int4_ef"]  # fmt: skip
+           "async_delayed", "async_eager_dn", "async_delayed_dn", "diloco_int8",
+           "diloco_int4_ef"]  # fmt: skip
 BASE_METHOD = {"sync_dp": "sync_ft", "localsgd": "localsgd", "diloco": "diloco",
                "streaming_diloco": "streaming_diloco", "async_eager": "async_diloco",
-               "async_delayed": "async_delayed", "async_dylu": "async_dylu",
+               "async_delayed": "async_delayed", "async_eager_dn": "async_eager_dn",
+               "async_delayed_dn": "async_delayed_dn", "async_dylu": "async_dylu",
                "diloco_int8": "diloco_int8", "diloco_int4_ef": "diloco_int4_ef"}  # fmt: skip
 #: With --straggler: blocking DiLoCo against async DiLoCo with DyLU.
 STRAGGLER_CONFIGS = ["diloco", "async_dylu"]
@@ -79,7 +83,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
     p.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer SGD lr")
-    p.add_argument("--outer-momentum", type=float, default=0.9, help="its Nesterov momentum")
+    p.add_argument("--outer-momentum", type=float, default=0.0,
+                   help="its Nesterov momentum (0: the best of the sweep at this length)")
+    p.add_argument("--dn-momentum", type=float, default=0.9,
+                   help="the *_dn rows: Delayed Nesterov's momentum (every 2 outer steps)")
     p.add_argument("--sweep-outer-lr", type=float, nargs="+", help="sweep: DiLoCo only")
     p.add_argument("--sweep-outer-momentum", type=float, nargs="+", help="sweep: DiLoCo only")
     p.add_argument("--sweep-out", type=Path, help=provenance.output_help("convergence_sweep.json"))
@@ -151,7 +158,7 @@ def run_all(
                     tmp / f"{config}_seed{seed}",
                     BASE_METHOD[config],
                     train_args(args, seed, single=False),
-                    semi_sync_args=semi_sync_args(args),
+                    semi_sync_args=semi_sync_args(args, config),
                     timeout=7200,
                 )
                 per_group = [
@@ -166,12 +173,14 @@ def run_all(
             save(curves)
 
 
-def semi_sync_args(args: argparse.Namespace) -> list[str]:
-    """Flags of the semi-sync runs (the outer optimizer's only matter to DiLoCo)."""
+def semi_sync_args(args: argparse.Namespace, config: str = "diloco") -> list[str]:
+    """Flags of the semi-sync runs (the outer optimizer's only matter to DiLoCo); the
+    Delayed Nesterov rows (``*_dn``) take ``--dn-momentum``, which that optimizer needs."""
+    momentum = args.dn_momentum if config.endswith("_dn") else args.outer_momentum
     return [
         f"--fault_tolerance.sync_steps={args.sync_steps}",
         f"--fault_tolerance.outer_lr={args.outer_lr}",
-        f"--fault_tolerance.outer_momentum={args.outer_momentum}",
+        f"--fault_tolerance.outer_momentum={momentum}",
     ]
 
 
@@ -249,6 +258,7 @@ def settings(args: argparse.Namespace) -> dict:
         f"{2 * args.eval_batches}), every {args.sync_steps} steps",
         "lr": "AdamW 2e-3, warmup 20, linear decay (debug_model.toml)",
         "outer_optimizer": f"SGD lr {args.outer_lr}, momentum {args.outer_momentum}, Nesterov",
+        "delayed_nesterov_rows": f"momentum {args.dn_momentum}, applied every 2 outer steps",
         "streaming": "2 fragments, fragment_sync_delay=1",
         "threads": "1 per process; 2-group runs: group i on core i; single group unpinned",
     }
@@ -257,7 +267,8 @@ def settings(args: argparse.Namespace) -> dict:
 def same_run_settings(saved: dict, args: argparse.Namespace) -> bool:
     """Whether a saved result was run with these settings (the outer optimizer aside)."""
     old = saved.get("settings", {})
-    return all(old.get(k) == v for k, v in settings(args).items() if k != "outer_optimizer")
+    outer = ("outer_optimizer", "delayed_nesterov_rows")
+    return all(old.get(k) == v for k, v in settings(args).items() if k not in outer)
 
 
 def load_reusable(args: argparse.Namespace) -> dict[str, dict[int, dict[int, float]]]:
@@ -268,12 +279,14 @@ def load_reusable(args: argparse.Namespace) -> dict[str, dict[int, dict[int, flo
     if not same_run_settings(old, args):
         print("[convergence] --reuse: settings differ from the saved run; starting afresh")
         return {}
-    # The outer optimizer only matters to the DiLoCo runs.
-    same_outer = old["settings"].get("outer_optimizer") == settings(args)["outer_optimizer"]
+    # The outer optimizer matters to every run but these.
+    outer = ("outer_optimizer", "delayed_nesterov_rows")
+    same_outer = all(old["settings"].get(k) == settings(args)[k] for k in outer)
     return {
         config: {int(seed): {int(t): v for t, v in c.items()} for seed, c in by_seed.items()}
         for config, by_seed in old.get("curves", {}).items()
-        if config in args.configs and (same_outer or config not in ("diloco", "streaming_diloco"))
+        if config in args.configs
+        and (same_outer or config in ("single_group", "sync_dp", "localsgd"))
     }
 
 

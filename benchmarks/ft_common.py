@@ -72,6 +72,17 @@ METHODS: dict[str, list[str]] = {
         "--fault_tolerance.semi_sync_method=async_diloco",
         "--fault_tolerance.async_update=delayed",
     ],
+    "async_eager_dn": [
+        SEMI_SYNC_MODULE,
+        "--fault_tolerance.semi_sync_method=async_diloco",
+        "--fault_tolerance.outer_momentum_every=2",
+    ],
+    "async_delayed_dn": [
+        SEMI_SYNC_MODULE,
+        "--fault_tolerance.semi_sync_method=async_diloco",
+        "--fault_tolerance.async_update=delayed",
+        "--fault_tolerance.outer_momentum_every=2",
+    ],
     "async_dylu": [
         SEMI_SYNC_MODULE,
         "--fault_tolerance.semi_sync_method=async_diloco",
