@@ -83,10 +83,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
     p.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer SGD lr")
-    p.add_argument("--outer-momentum", type=float, default=0.0,
-                   help="its Nesterov momentum (0: the best of the sweep at this length)")
-    p.add_argument("--dn-momentum", type=float, default=0.9,
-                   help="the *_dn rows: Delayed Nesterov's momentum (every 2 outer steps)")
+    p.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=0.0,
+        help="its Nesterov momentum (0: the best of the sweep at this length)",
+    )
+    p.add_argument(
+        "--dn-momentum",
+        type=float,
+        default=0.9,
+        help="the *_dn rows: Delayed Nesterov's momentum (every 2 outer steps)",
+    )
     p.add_argument("--sweep-outer-lr", type=float, nargs="+", help="sweep: DiLoCo only")
     p.add_argument("--sweep-outer-momentum", type=float, nargs="+", help="sweep: DiLoCo only")
     p.add_argument("--sweep-out", type=Path, help=provenance.output_help("convergence_sweep.json"))

@@ -20,6 +20,9 @@ from torchtitan.experiments.fault_tolerance.async_diloco import (
 )
 from torchtitan.experiments.fault_tolerance.trainer import SemiSyncState
 
+#: The trainer's sync Manager as the checkpoint sees it when nothing is compressed.
+NO_COMPRESSION = SimpleNamespace(error_feedback=None)
+
 
 class Work:
     def __init__(self, cluster: Cluster, round_: int) -> None:
@@ -293,7 +296,8 @@ def _save(group: Group, folder: Any) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     dcp.save(
-        {"semi_sync": SemiSyncState(SimpleNamespace(algorithm=group.loop))}, checkpoint_id=folder
+        {"semi_sync": SemiSyncState(SimpleNamespace(algorithm=group.loop, sync=NO_COMPRESSION))},
+        checkpoint_id=folder,
     )
     return {
         "model": {k: v.clone() for k, v in group.model.state_dict().items()},
@@ -305,7 +309,7 @@ def _save(group: Group, folder: Any) -> dict[str, Any]:
 def _load(group: Group, folder: Any, rest: dict[str, Any]) -> None:
     import torch.distributed.checkpoint as dcp
 
-    state = SemiSyncState(SimpleNamespace(algorithm=group.loop))
+    state = SemiSyncState(SimpleNamespace(algorithm=group.loop, sync=NO_COMPRESSION))
     dcp.load({"semi_sync": state}, checkpoint_id=folder)
     group.model.load_state_dict(rest["model"])
     group.manager.step = rest["step"]

@@ -134,7 +134,7 @@ def as_trainer(algo: Any) -> Any:
     """What SemiSyncState sees of the trainer: its outer loop around ``algo``."""
     parts = [f._model_fragment for f in algo._fragments]
     loop = TorchftDiLoCo(algo, parts, algo._sync_every, algo._fragment_sync_delay)
-    return SimpleNamespace(algorithm=loop)
+    return SimpleNamespace(algorithm=loop, sync=SimpleNamespace(error_feedback=None))
 
 
 def _outer_step(algo: Any) -> None:
@@ -419,13 +419,13 @@ def test_compressed_allreduce_names_tensors_by_fragment_and_order_and_reports_by
         step = first.tensor.abs().max() / 127
         assert (first.tensor - x).abs().max() <= step  # int8 of the sum of one group
         assert sync.error_feedback is not None
-        assert sync.error_feedback.residual("3:0") is not None
-        assert sync.error_feedback.residual("3:1") is not None
+        assert sync.error_feedback.residual("fragment_3/0") is not None
+        assert sync.error_feedback.residual("fragment_3/1") is not None
         stats = sync.compressed_stats()
         assert stats is not None and stats[1] > 0  # one group sends nothing but encodes
         assert reported == []
         sync.reset_error_feedback()
-        assert sync.error_feedback.residual("3:0") is None
+        assert sync.error_feedback.residual("fragment_3/0") is None
     finally:
         sync.shutdown()
 

@@ -49,7 +49,7 @@ import torch
 from torch import nn
 from torch.distributed import ReduceOp
 
-from torchtitan.experiments.fault_tolerance.compression import sent_and_seconds
+from torchtitan.experiments.fault_tolerance.compression import ErrorFeedback, sent_and_seconds
 from torchtitan.experiments.fault_tolerance.outer_loop import (
     Ending,
     OuterLoop,
@@ -418,7 +418,7 @@ class AsyncDiLoCo(OuterLoop):
         if self.compressed:
             works = [
                 self.manager.allreduce(
-                    buffer[:-1], reduce_op=ReduceOp.SUM, key=f"async_fragment_{index}"
+                    buffer[:-1], reduce_op=ReduceOp.SUM, key=ErrorFeedback.fragment_key(index, 0)
                 ),
                 self.manager.allreduce(buffer[-1:], reduce_op=ReduceOp.SUM, exact=True),
             ]

@@ -279,14 +279,29 @@ class ErrorFeedback:
     ``update(key, corrected, decoded)`` stores ``corrected - decoded``. The residuals are part
     of the training state (``state_dict``/``load_state_dict``): without them a restarted rank
     would drop the error it still owes.
+
+    Keys of a fragment's pseudo-gradient are ``fragment_key(fragment, n)``: the ``n``-th tensor
+    of the fragment's sync (torchft's buckets, in order; async DiLoCo sends one). Together they
+    cover the fragment's parameters once, so a checkpoint holds a fragment's residuals as one
+    flat tensor of fixed size (:meth:`fragment_residual`), whatever the bucket sizes, and a
+    restarted rank hands it back in slices as the sync's tensors come
+    (:meth:`load_fragment_residual`).
     """
 
     def __init__(self) -> None:
         self._residuals: dict[str, torch.Tensor] = {}
+        #: Loaded flat residuals not handed out yet: fragment -> (flat, offset taken so far).
+        self._pending: dict[int, tuple[torch.Tensor, int]] = {}
+
+    @staticmethod
+    def fragment_key(fragment: int, index: int) -> str:
+        return f"fragment_{fragment}/{index}"
 
     def correct(self, key: str, x: torch.Tensor) -> torch.Tensor:
         """A new tensor ``x + residual[key]`` (a copy of ``x`` if there is no residual yet)."""
         residual = self._residuals.get(key)
+        if residual is None:
+            residual = self._take_pending(key, x.numel())
         if residual is None:
             return x.clone()
         if residual.shape != x.shape:
@@ -296,6 +311,55 @@ class ErrorFeedback:
             )
         # The residual may come from a checkpoint loaded on another device.
         return x + residual.to(device=x.device, dtype=x.dtype)
+
+    def _take_pending(self, key: str, numel: int) -> torch.Tensor | None:
+        """The next ``numel`` values of a loaded flat residual of ``key``'s fragment."""
+        fragment = _fragment_of_key(key)
+        if fragment is None or fragment not in self._pending:
+            return None
+        flat, offset = self._pending[fragment]
+        if offset + numel > flat.numel():
+            raise ValueError(
+                f"error feedback {key!r}: the checkpointed residual of fragment {fragment} has "
+                f"{flat.numel()} values, {offset} taken; this tensor needs {numel} more"
+            )
+        if offset + numel == flat.numel():
+            del self._pending[fragment]
+        else:
+            self._pending[fragment] = (flat, offset + numel)
+        return flat[offset : offset + numel]
+
+    def fragment_residual(self, fragment: int, numel: int) -> torch.Tensor:
+        """This rank's residuals of ``fragment`` as one flat fp32 CPU tensor of ``numel``
+        values (the fragment's local parameters), in key order; zeros where it owes nothing
+        (before its first compressed sync, or right after a heal)."""
+        flat = torch.zeros(numel, dtype=torch.float32)
+        if fragment in self._pending:
+            pending, offset = self._pending[fragment]
+            flat[offset:] = pending[offset:].cpu()
+        keys = sorted(
+            (int(k.rsplit("/", 1)[1]), k)
+            for k in self._residuals
+            if _fragment_of_key(k) == fragment
+        )
+        offset = 0
+        for _, key in keys:
+            residual = self._residuals[key].reshape(-1)
+            if offset + residual.numel() > numel:
+                raise ValueError(
+                    f"error feedback: fragment {fragment}'s residuals hold more than its "
+                    f"{numel} parameter values (key {key!r})"
+                )
+            flat[offset : offset + residual.numel()] = residual.cpu()
+            offset += residual.numel()
+        return flat
+
+    def load_fragment_residual(self, fragment: int, flat: torch.Tensor) -> None:
+        """Owe ``flat`` (from :meth:`fragment_residual`) again: the fragment's next sync takes
+        it in slices, one per tensor, in key order."""
+        for key in [k for k in self._residuals if _fragment_of_key(k) == fragment]:
+            del self._residuals[key]
+        self._pending[fragment] = (flat.detach().reshape(-1).clone(), 0)
 
     def update(self, key: str, corrected: torch.Tensor, decoded: torch.Tensor) -> None:
         """Store ``corrected - decoded``: what the encoding of ``corrected`` dropped."""
@@ -317,9 +381,10 @@ class ErrorFeedback:
         return self._residuals.get(key)
 
     def reset(self, key: str | None = None) -> None:
-        """Drop the residual of ``key``, or all of them."""
+        """Drop the residual of ``key``, or all of them (and any loaded, not yet taken)."""
         if key is None:
             self._residuals.clear()
+            self._pending.clear()
         else:
             self._residuals.pop(key, None)
 
@@ -330,6 +395,14 @@ class ErrorFeedback:
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Replace all residuals with copies of those in ``state_dict``."""
         self._residuals = {key: value.detach().clone() for key, value in state_dict.items()}
+
+
+def _fragment_of_key(key: str) -> int | None:
+    """The fragment of a key made by :meth:`ErrorFeedback.fragment_key` (None for others)."""
+    head, _, tail = key.partition("/")
+    if not head.startswith("fragment_") or not tail.isdigit():
+        return None
+    return int(head.removeprefix("fragment_"))
 
 
 @dataclass

@@ -161,13 +161,15 @@ class FaultTolerance(CoreFaultTolerance):
     error_feedback: bool = False
     """With a compressed ``pseudo_grad_dtype``: each group adds what its compression dropped
     from a pseudo-gradient to its next one (of the same fragment), so the error is delivered
-    later instead of lost. The residuals are per group and not checkpointed (a restart or a
-    heal starts them at zero)."""
+    later instead of lost. The residuals are per rank and checkpointed (a whole-job restart
+    continues exactly); a group that heals starts them at zero (they belong to a model it no
+    longer has)."""
 
     should_quantize: bool = False
-    """DiLoCo: quantize pseudo-gradients to fp8 for the all-reduce (torchft's Triton kernels:
-    needs CUDA, the nccl process group and an importable triton; refused elsewhere, where
-    torchft would silently send full precision)."""
+    """DiLoCo: torchft's own fp8 all-reduce of pseudo-gradients (its Triton kernels). Needs
+    CUDA, the nccl process group and an importable triton, and is refused elsewhere at parse
+    time: off CUDA torchft sends full precision without a word. ``pseudo_grad_dtype`` works on
+    every device and is the one to use; the two do not combine."""
 
     @property
     def method(self) -> str | None:

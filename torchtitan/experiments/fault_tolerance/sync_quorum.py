@@ -157,7 +157,7 @@ class SyncManager(ManagerStandIn):
         if self._runner is None:
             return manager.allreduce(tensor, should_quantize=should_quantize, reduce_op=reduce_op)
         if key is None:
-            key = f"{self._fragment_of_sync()}:{self._calls}"
+            key = ErrorFeedback.fragment_key(self._fragment_of_sync(), self._calls)
         self._calls += 1
         if manager.errored() is not None:  # torchft: after an error, the rest are no-ops
             work = CompressedWork(tensor)

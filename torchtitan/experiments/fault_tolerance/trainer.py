@@ -116,7 +116,8 @@ def build_model_fragments(model: nn.Module, job_config: JobConfig) -> list[nn.Mo
 
 class SemiSyncState:
     """Checkpoint view of the algorithm: the inner-step position in the sync period and, for
-    DiLoCo, each fragment's global parameters and outer-optimizer momentum.
+    DiLoCo, each fragment's global parameters and outer-optimizer momentum; with
+    ``error_feedback``, what each rank's compression still owes.
 
     Together with the Manager's step (``ft_manager``) and the core state (model, inner
     optimizer, LR schedule, data position, step), a whole-job restart resumes exactly where the
@@ -143,6 +144,15 @@ class SemiSyncState:
         }
         if extra:
             state["extra"] = extra
+        feedback = self.trainer.sync.error_feedback
+        if feedback is not None:
+            # Each rank's own residuals (of its shards), under a key of its own.
+            state["error_feedback"] = {
+                f"rank_{_group_rank()}": {
+                    f"fragment_{i}": feedback.fragment_residual(i, _local_numel(loop, i))
+                    for i in range(len(loop.fragments))
+                }
+            }
         for i in self._fragments():
             outer = loop.outer_optimizer(i)
             params = loop.fragment_parameters(i)
@@ -191,6 +201,10 @@ class SemiSyncState:
                     )
         if "extra" in state:  # after the outer state above, which it may add to
             loop.load_extra_state(state["extra"])
+        feedback = self.trainer.sync.error_feedback
+        if feedback is not None and "error_feedback" in state:
+            for key, flat in state["error_feedback"][f"rank_{_group_rank()}"].items():
+                feedback.load_fragment_residual(int(key.removeprefix("fragment_")), flat)
         in_flight = int(state.get("in_flight_fragment", -1))
         if in_flight >= 0:
             # Saved while a fragment's all-reduce was in flight (fragment_sync_delay > 0): its
@@ -200,6 +214,17 @@ class SemiSyncState:
             loop.set_local_step(0)
             events.IN_FLIGHT_SYNC_DROPPED.emit(fragment=in_flight)
         self.loaded = True
+
+
+def _group_rank() -> int:
+    """This process's rank in its replica group."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _local_numel(loop: OuterLoop, index: int) -> int:
+    """Values of fragment ``index`` this rank holds (its shards): what its pseudo-gradient
+    all-reduce sends."""
+    return sum(local_tensor(p).numel() for p in loop.fragment_parameters(index).values())
 
 
 # ---- the trainer ---------------------------------------------------------------------------
