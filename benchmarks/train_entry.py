@@ -13,6 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from torchtitan.config.model_names import add_flavors  # noqa: E402
 from torchtitan.models.llama3 import TransformerModelArgs, llama3_configs  # noqa: E402
 
 DEFAULT_CONFIG = "torchtitan/models/llama3/train_configs/debug_model.toml"
@@ -27,9 +28,15 @@ BENCH_FLAVORS: dict[str, TransformerModelArgs] = {
 }
 
 
-def main() -> int:
+def register_flavors() -> None:
+    """Make the flavors above buildable and nameable in a config, in this process."""
     for name, args in BENCH_FLAVORS.items():
         llama3_configs.setdefault(name, args)
+    add_flavors("llama3", tuple(BENCH_FLAVORS))
+
+
+def main() -> int:
+    register_flavors()
     from torchtitan.train import main as train_main
 
     argv = sys.argv[1:]

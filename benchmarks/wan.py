@@ -26,6 +26,7 @@ the group's interface actually sent
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import sys
@@ -103,6 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help=provenance.output_help("wan.json"))
     p.add_argument("--timeout", type=float, default=600, help="seconds per run")
     p.add_argument("--png", type=Path, default=None, help="chart (default: --out, as .png)")
+    p.add_argument("--keep", type=Path, default=None,
+                   help="keep every run's job folder (logs, events) under this folder")  # fmt: skip
     p.add_argument("--summarize-only", action="store_true",
                    help="recompute the summary of the JSON at --out, run nothing")  # fmt: skip
     args = p.parse_args(argv)
@@ -357,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in (args.pseudo_grad_dtypes if method in semi_sync else ["float32"])
         if method != "no_ft" or rate == args.rates[0]  # no network traffic: one rate is enough
     ]
-    with tempfile.TemporaryDirectory(prefix="wan_") as tmp:
+    kept = contextlib.nullcontext(str(args.keep)) if args.keep else None
+    with kept or tempfile.TemporaryDirectory(prefix="wan_") as tmp:
         for repeat, rate, method, dtype in plan:
             load = common.wait_for_quiet_machine(args.max_load, 120)
             this = argparse.Namespace(**{**vars(args), "pseudo_grad_dtype": dtype})

@@ -38,3 +38,22 @@ def test_throughput_smoke_writes_its_figures(tmp_path: Path) -> None:
     assert figures["trainer_matmul_peak_flops"] > 1e8  # read from its train.started event
     sys.path.insert(0, str(REPO / "benchmarks"))
     assert importlib.import_module("throughput").TRAINING_STARTED == TRAINING_STARTED.name
+
+
+def test_train_entry_lets_a_config_name_the_benchmark_flavors() -> None:
+    """The memory benchmark's wide models (``benchmarks/train_entry.py``) pass the config's
+    flavor check and build (in a subprocess: registering them changes this process's tables)."""
+    code = (
+        "import sys; sys.path.insert(0, 'benchmarks'); import train_entry\n"
+        "from torchtitan.config.manager import ConfigManager\n"
+        "train_entry.register_flavors()\n"
+        "for flavor in train_entry.BENCH_FLAVORS:\n"
+        "    config = ConfigManager().parse_args([f'--model.flavor={flavor}'])\n"
+        "    print(config.model.flavor)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["bench_1024x8", "bench_512x8"]

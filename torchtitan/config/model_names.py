@@ -8,9 +8,14 @@ order; ``tests/unit_tests/test_model.py`` checks that the two agree.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 #: Model family -> its flavors (the keys of its train spec's ``model_args``).
-MODEL_FLAVORS: Mapping[str, tuple[str, ...]] = {
+MODEL_FLAVORS: dict[str, tuple[str, ...]] = {
     "llama3": ("debugmodel", "debugmodel_small", "8B", "70B", "405B"),
 }
+
+
+def add_flavors(family: str, flavors: tuple[str, ...]) -> None:
+    """Let a config name ``flavors`` of ``family`` in this process: for a program that
+    registers model arguments of its own (the benchmarks' wide models) before parsing."""
+    known = MODEL_FLAVORS.get(family, ())
+    MODEL_FLAVORS[family] = known + tuple(f for f in flavors if f not in known)
