@@ -13,9 +13,12 @@ import pytest
 import torch
 from torch import nn
 
+from torchtitan.experiments.fault_tolerance import async_diloco
 from torchtitan.experiments.fault_tolerance.async_diloco import (
     AsyncDiLoCo,
     dylu_inner_steps,
+    dylu_period_seconds,
+    dylu_steps_to_deadline,
     outer_sgd_direction,
 )
 from torchtitan.experiments.fault_tolerance.trainer import SemiSyncState
@@ -397,6 +400,59 @@ def test_dylu_plans_periods_that_end_together():
     speeds = [0.31, 0.5, 0.77]
     ends = [dylu_inner_steps(20, speeds, s) * s for s in speeds]
     assert max(ends) - min(ends) <= max(speeds) / 2 + min(speeds) / 2
+
+
+def test_dylu_period_length_and_the_halfway_correction():
+    # The slowest group's whole steps closest to the fastest group's 20 steps, in its time.
+    assert dylu_period_seconds(20, [0.85, 1.615]) == pytest.approx(11 * 1.615)
+    assert dylu_period_seconds(20, [0.0, 0.3]) == pytest.approx(20 * 0.3)
+    assert dylu_period_seconds(20, []) == 0.0
+    # 5 of the planned steps done; the period is planned to last 10 s.
+    assert dylu_steps_to_deadline(5, 5.0, 10.0, 20) == 10  # on plan
+    assert dylu_steps_to_deadline(5, 6.25, 10.0, 20) == 8  # slower this period: 3 more
+    assert dylu_steps_to_deadline(5, 4.0, 10.0, 20) == 13  # faster: 7.5 more, rounds to 8
+    assert dylu_steps_to_deadline(5, 11.0, 10.0, 20) == 5  # already late: sync now
+    assert dylu_steps_to_deadline(5, 0.5, 10.0, 20) == 40  # never more than 2 x period
+    assert dylu_steps_to_deadline(0, 0.0, 10.0, 20) == 1
+
+
+class FakeClock:
+    """``time.perf_counter`` of the module under test, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_a_period_slower_than_planned_is_shortened_halfway(monkeypatch):
+    """Planned: 8 inner steps in 8 s. The group takes 2 s per step in this period, so after
+    4 steps (8 s) it has reached the planned length and syncs there; the group's ranks agree
+    on the count (here: the agreement raises it to 6). The next period, planned afresh, is not
+    corrected when no length is given."""
+    clock = FakeClock()
+    monkeypatch.setattr(async_diloco, "time", clock)
+    group = Group(Cluster(), 1)
+    group.loop.period = 8
+    asked: list[int] = []
+    group.loop.agree_in_group = lambda n: asked.append(n) or 6
+    group.loop.plan_period(8, seconds=8.0)
+    with training([group]):
+        steps = 0
+        while True:
+            clock.now += 2.0
+            group.step()
+            steps += 1
+            if group.loop.local_step() == 0:
+                break
+        assert (asked, steps) == ([4], 6)
+        group.loop.plan_period(3)
+        for _ in range(3):
+            clock.now += 5.0
+            group.step()
+        assert group.loop.local_step() == 0 and asked == [4]
+        assert group.loop.step_seconds() == pytest.approx(5.0)
 
 
 def run_periods(groups: list[Group], periods: int) -> list[list[list[torch.Tensor]]]:

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -237,13 +237,31 @@ def dylu_inner_steps(period: int, step_seconds: list[float], mine: float) -> int
     at most about half of its own step for the others, whatever the speeds. Every group
     computes this from the same exchanged numbers, so the plans fit together. Unmeasured
     groups take ``period`` steps."""
-    measured = [s for s in step_seconds if s > 0]
-    if mine <= 0 or not measured:
+    length = dylu_period_seconds(period, step_seconds)
+    if mine <= 0 or length <= 0:
         return period
-    fastest, slowest = min(measured), max(measured)
-    slowest_steps = max(1, round(period * fastest / slowest))
-    length = slowest_steps * slowest
     return max(1, min(2 * period, round(length / mine)))
+
+
+def dylu_period_seconds(period: int, step_seconds: list[float]) -> float:
+    """The wall-clock length DyLU gives the next period: the slowest group's whole steps
+    closest to the time the fastest needs for ``period`` steps (0: nobody measured yet)."""
+    measured = [s for s in step_seconds if s > 0]
+    if not measured:
+        return 0.0
+    fastest, slowest = min(measured), max(measured)
+    return max(1, round(period * fastest / slowest)) * slowest
+
+
+def dylu_steps_to_deadline(taken: int, elapsed: float, length: float, period: int) -> int:
+    """The whole inner steps this period should take in all, ``taken`` of them done in
+    ``elapsed`` seconds, to end closest to ``length`` seconds after it began: this period's
+    own speed corrects the plan made from the last one (at least ``taken``, at most
+    ``2 * period``)."""
+    if taken <= 0 or elapsed <= 0:
+        return max(1, taken)
+    remaining = round((length - elapsed) * taken / elapsed)
+    return max(taken, min(2 * period, taken + remaining))
 
 
 @dataclass
@@ -329,6 +347,13 @@ class AsyncDiLoCo(OuterLoop):
         self._local_step = 0
         #: Inner steps of the current period (``period`` unless DyLU planned fewer).
         self._steps_this_period = self.period
+        #: DyLU: the planned length of the current period in seconds (0: none), and the
+        #: inner step after which the step count is corrected to it (None: not corrected).
+        self._period_seconds = 0.0
+        self._replan_at: int | None = None
+        #: The most of this group's ranks' numbers (the trainer sets a MAX all-reduce when the
+        #: group has more than one rank).
+        self.agree_in_group: Callable[[int], int] = lambda n: n
         self.sync_points = 0
         #: When the current period's inner steps began, and this group's seconds per inner
         #: step in the last period that ended (0: none yet).
@@ -376,6 +401,8 @@ class AsyncDiLoCo(OuterLoop):
         for state in self._states:
             state.steps += 1
         self._local_step += 1
+        if self._local_step == self._replan_at:
+            self._replan()
         if self._local_step >= self._steps_this_period:
             self.sync_point()
 
@@ -462,11 +489,25 @@ class AsyncDiLoCo(OuterLoop):
         """This group's seconds per inner step in its last period (0: no period yet)."""
         return self._step_seconds
 
-    def plan_period(self, steps: int) -> None:
-        """The next period (which starts after this quorum) takes ``steps`` inner steps."""
+    def plan_period(self, steps: int, seconds: float = 0.0) -> None:
+        """The next period (which starts after this quorum) takes ``steps`` inner steps; with
+        ``seconds`` (the period's planned length), halfway through it the group corrects its
+        step count by its speed in the period so far (:func:`dylu_steps_to_deadline`): how
+        fast a group computes varies from one period to the next, and an error of one period's
+        estimate would otherwise make the other groups wait for all of it."""
         if not 1 <= steps <= 2 * self.period:
             raise ValueError(f"a period takes 1 to {2 * self.period} inner steps, not {steps}")
         self._steps_this_period = steps
+        self._period_seconds = seconds
+        self._replan_at = steps // 2 if seconds > 0 and steps >= 2 else None
+
+    def _replan(self) -> None:
+        if self._period_began is None:  # restarted mid-period: keep the plan
+            return
+        elapsed = time.perf_counter() - self._period_began
+        steps = dylu_steps_to_deadline(self._local_step, elapsed, self._period_seconds, self.period)
+        # Every rank of the group takes the same number of steps.
+        self._steps_this_period = self.agree_in_group(steps)
 
     def steps_this_period(self) -> int:
         return self._steps_this_period

@@ -100,8 +100,9 @@ class OuterLoop:
         """DyLU: this group's seconds per inner step in its last period (0: not measured)."""
         return 0.0
 
-    def plan_period(self, steps: int) -> None:
-        """DyLU: the period that starts after this quorum takes ``steps`` inner steps."""
+    def plan_period(self, steps: int, seconds: float = 0.0) -> None:
+        """DyLU: the period that starts after this quorum takes ``steps`` inner steps (and is
+        planned to last ``seconds``; 0: not known)."""
         raise NotImplementedError(f"{self.method} takes the same inner steps every period")
 
     def hooks(self) -> contextlib.AbstractContextManager:

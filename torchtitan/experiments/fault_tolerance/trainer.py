@@ -36,7 +36,11 @@ from torchtitan.components.ft import torchft_adapter as tft
 from torchtitan.components.lr_scheduler import move_schedule_to
 from torchtitan.config.job_config import ConfigError, JobConfig
 from torchtitan.experiments.fault_tolerance import events
-from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo, dylu_inner_steps
+from torchtitan.experiments.fault_tolerance.async_diloco import (
+    AsyncDiLoCo,
+    dylu_inner_steps,
+    dylu_period_seconds,
+)
 from torchtitan.experiments.fault_tolerance.job_config import SEMI_SYNC_METHODS, semi_sync_config
 from torchtitan.experiments.fault_tolerance.outer_loop import (
     OuterLoop,
@@ -401,7 +405,15 @@ class SemiSyncTrainer(Trainer):
         )
         for index in range(len(loop.fragments)):
             loop.outer_optimizer(index).register_step_pre_hook(self._measure_pseudo_gradient)
+        if self.parallel_dims.world_size > 1:
+            loop.agree_in_group = self._most_in_group
         return loop
+
+    def _most_in_group(self, value: int) -> int:
+        """The largest ``value`` of this group's ranks (a MAX all-reduce in the group)."""
+        found = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        return int(found.item())
 
     # ---- extension points of the core trainer ------------------------------------------------
 
@@ -687,7 +699,7 @@ class SemiSyncTrainer(Trainer):
                 ms_per_step=mine * 1e3,
                 fastest_ms_per_step=fastest * 1e3,
             )
-        self.algorithm.plan_period(steps)
+        self.algorithm.plan_period(steps, dylu_period_seconds(self.period, speeds))
 
     def _digest_if_due(self) -> int | None:
         """A digest of the global parameters of the last sync, every ``agreement_check_every``
