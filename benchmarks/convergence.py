@@ -20,6 +20,8 @@ group, AdamW lr 2e-3 with 20 warmup steps and linear decay (the debug TOML), see
 
 * ``async_eager``, ``async_delayed``: async DiLoCo (``semi_sync_method=async_diloco``,
   ``async_update`` eager or delayed), the same outer optimizer, 1 fragment;
+* ``async_eager_share``: async DiLoCo with ``async_update=eager_share`` (the group's share of
+  the average applied at once, the others' when it arrives);
 * ``async_eager_dn``, ``async_delayed_dn``: the same with Delayed Nesterov
   (``outer_momentum_every=2``, momentum ``--dn-momentum``);
 * ``diloco_int8``, ``diloco_int4_ef``: DiLoCo with compressed pseudo-gradients (int8; int4
@@ -60,11 +62,12 @@ from torchtitan.tools.cluster import LocalJob  # noqa: E402
 from torchtitan.trainer import TRAINING_STARTED, VALIDATION  # noqa: E402
 
 CONFIGS = ["single_group", "sync_dp", "localsgd", "diloco", "streaming_diloco", "async_eager",
-           "async_delayed", "async_eager_dn", "async_delayed_dn", "diloco_int8",
-           "diloco_int4_ef"]  # fmt: skip
+           "async_delayed", "async_eager_share", "async_eager_dn", "async_delayed_dn",
+           "diloco_int8", "diloco_int4_ef"]  # fmt: skip
 BASE_METHOD = {"sync_dp": "sync_ft", "localsgd": "localsgd", "diloco": "diloco",
                "streaming_diloco": "streaming_diloco", "async_eager": "async_diloco",
-               "async_delayed": "async_delayed", "async_eager_dn": "async_eager_dn",
+               "async_delayed": "async_delayed", "async_eager_share": "async_eager_share",
+               "async_eager_dn": "async_eager_dn",
                "async_delayed_dn": "async_delayed_dn", "async_dylu": "async_dylu",
                "diloco_int8": "diloco_int8", "diloco_int4_ef": "diloco_int4_ef"}  # fmt: skip
 #: With --straggler: blocking DiLoCo against async DiLoCo with DyLU.

@@ -72,6 +72,11 @@ METHODS: dict[str, list[str]] = {
         "--fault_tolerance.semi_sync_method=async_diloco",
         "--fault_tolerance.async_update=delayed",
     ],
+    "async_eager_share": [
+        SEMI_SYNC_MODULE,
+        "--fault_tolerance.semi_sync_method=async_diloco",
+        "--fault_tolerance.async_update=eager_share",
+    ],
     "async_eager_dn": [
         SEMI_SYNC_MODULE,
         "--fault_tolerance.semi_sync_method=async_diloco",

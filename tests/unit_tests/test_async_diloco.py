@@ -156,7 +156,7 @@ def run(groups: list[Group], steps: int) -> list[list[list[torch.Tensor]]]:
     return seen
 
 
-@pytest.mark.parametrize("update", ["eager", "delayed"])
+@pytest.mark.parametrize("update", ["eager", "eager_share", "delayed"])
 @pytest.mark.parametrize("fragments", [1, 2])
 def test_groups_hold_identical_global_parameters_after_every_sync(update, fragments):
     cluster = Cluster()
@@ -237,6 +237,28 @@ def test_eager_starts_where_the_outer_optimizer_would_go_on_its_own_pseudo_gradi
     # The global copy itself has not moved: the average is not there yet.
     for g, b in zip(group.loop.global_parameters(0).values(), before, strict=True):
         assert torch.equal(g, b)
+
+
+def test_eager_share_applies_its_share_now_and_the_others_when_the_average_arrives():
+    """outer SGD lr 0.7 without momentum, 2 groups: after sync point 1 each group's model is the
+    global copy moved by 0.7 x its own pseudo-gradient / 2; after sync point 2 (the average of
+    period 1 arrived, the next period's share applied) the global copy has taken the average,
+    and every pseudo-gradient counted once, with weight 1/2 (arXiv 2502.12996's eager update)."""
+    cluster = Cluster()
+    plain = dict(update="eager_share", outer_lr=0.7, outer_momentum=0.0)
+    groups = [Group(cluster, seed, **plain) for seed in (1, 2)]
+    before = [p.detach().clone() for p in groups[0].model.parameters()]
+    ends = [models_at_sync_points(g) for g in groups]
+    run(groups, 4)
+    for g, own_end in zip(groups, (ends[0][0], ends[1][0]), strict=True):
+        for p, b, e in zip(g.model.parameters(), before, own_end, strict=True):
+            torch.testing.assert_close(p.detach(), b - 0.7 * (b - e) / 2, rtol=0, atol=1e-6)
+    run(groups, 4)
+    for g in groups:
+        for t, b, e0, e1 in zip(
+            g.loop.global_parameters(0).values(), before, ends[0][0], ends[1][0], strict=True
+        ):
+            torch.testing.assert_close(t, b - 0.7 * ((b - e0) + (b - e1)) / 2, rtol=0, atol=1e-6)
 
 
 def test_outer_sgd_direction_matches_torch_sgd():

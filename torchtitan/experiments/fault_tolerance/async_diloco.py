@@ -16,8 +16,12 @@ One sync point ``j`` (every ``period`` inner steps; with fragments, fragment ``j
 2. this group's pseudo-gradient of the fragment due now: where its local period started minus
    where the model is;
 3. the fragment's next local period starts from the global copy (``delayed``), or from the
-   global copy plus the outer step this group's own pseudo-gradient would make (``eager``,
-   arXiv 2502.12996: the own pseudo-gradient as the estimate of the average);
+   global copy plus the outer step this group's own pseudo-gradient would make (``eager``:
+   the own pseudo-gradient as the estimate of the average), or its share of the average
+   would make (``eager_share``: the own pseudo-gradient divided by the number of groups; the
+   others' shares come when the average arrives; with outer momentum 0 this is the eager
+   update of arXiv 2502.12996, which applies the own pseudo-gradient at once and the others'
+   one outer step late);
 4. the sync quorum (a joining group heals here: it gets the global copies and outer state);
 5. start the all-reduce of ``[tokens x pseudo-gradient, tokens]`` (a SUM), so the average is
    weighted by the tokens each group processed in the fragment's period (arXiv 2401.09135);
@@ -60,7 +64,7 @@ from torchtitan.experiments.fault_tolerance.outer_loop import (
 from torchtitan.experiments.fault_tolerance.outer_optimizer import DelayedNesterov
 
 #: How a group's next local period starts while its pseudo-gradient is being averaged.
-UPDATES = ("eager", "delayed")
+UPDATES = ("eager", "eager_share", "delayed")
 
 
 def _state_tensor(like: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -147,9 +151,9 @@ class _Fragment:
             self.start[name].copy_(self.global_[name])
 
     @torch.no_grad()
-    def start_period(self, estimate: torch.Tensor | None) -> None:
+    def start_period(self, estimate: torch.Tensor | None, scale: float = 1.0) -> None:
         """Start the fragment's next local period at the global copy, moved by the outer step
-        ``estimate`` (a flat pseudo-gradient) would make when given (``eager``)."""
+        ``scale x estimate`` (a flat pseudo-gradient) would make when given (``eager``)."""
         offset = 0
         lr = self.outer.param_groups[0]["lr"]
         for name, p in self.params.items():
@@ -158,6 +162,8 @@ class _Fragment:
             n = target.numel()
             if estimate is not None:
                 grad = estimate[offset : offset + n].view_as(target).to(target.device)
+                if scale != 1.0:
+                    grad = grad * scale
                 target.sub_(self._outer_direction(name, grad), alpha=lr)
             offset += n
             local_tensor(p.data).copy_(target.to(p.device))
@@ -419,7 +425,12 @@ class AsyncDiLoCo(OuterLoop):
         state = self._states[index]
         buffer = self._buffer(state)
         state.pseudo_gradient(buffer[:-1])
-        state.start_period(buffer[:-1] if self.update == "eager" else None)
+        if self.update == "delayed":
+            state.start_period(None)
+        else:
+            # eager_share: this group's share of the average now, the others' when it arrives.
+            share = 1.0 if self.update == "eager" else 1 / max(1, self.manager.num_participants())
+            state.start_period(buffer[:-1], share)
         steps, state.steps = state.steps, 0
         self._healed = False
         self.manager.start_quorum()

@@ -29,7 +29,7 @@ SEMI_SYNC_METHODS = {
     "diloco": "diloco",
     "async_diloco": "async_diloco",
 }
-ASYNC_UPDATES = ("eager", "delayed")
+ASYNC_UPDATES = ("eager", "eager_share", "delayed")
 PSEUDO_GRAD_DTYPES = ("float32", "bfloat16", "int8", "int4")
 OUTER_STATE_DEVICES = ("cpu", "device")
 
@@ -114,8 +114,10 @@ class FaultTolerance(CoreFaultTolerance):
     """async_diloco: where a group's next period starts while its pseudo-gradient is being
     averaged. ``eager``: from the global parameters moved by the outer step this group's own
     pseudo-gradient would make (the estimate of the average), corrected when the average
-    arrives. ``delayed``: from the global parameters, which take each average one period
-    late."""
+    arrives. ``eager_share``: the same with this group's share of the average (its
+    pseudo-gradient divided by the number of groups), the others' shares applied when the
+    average arrives (arXiv 2502.12996's eager update). ``delayed``: from the global
+    parameters, which take each average one period late."""
 
     outer_state_device: str = "cpu"
     """async_diloco: where the global copy of the parameters, the outer momentum and the start
@@ -139,8 +141,9 @@ class FaultTolerance(CoreFaultTolerance):
     steps closest to that time (the fastest about ``sync_steps``, at most twice it); decided at
     every sync quorum from the speeds the groups exchange (seconds per inner step in their
     last period), and corrected halfway through the period by the group's speed in it, to end
-    closest to the planned length in seconds. Training then ends after ``training.steps / sync_steps`` periods (every
-    group at the same sync point, after its own number of steps), and each group's learning
+    closest to the planned length in seconds. Training then ends after
+    ``training.steps / sync_steps`` periods (every group at the same sync point, after its own
+    number of steps), and each group's learning
     rate follows the job's progress through the schedule, not its own step count. The number
     of steps then depends on measured time: runs are not bit-for-bit repeatable."""
 
