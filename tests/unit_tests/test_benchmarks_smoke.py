@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.unit_tests.fresh_interpreter import run_python
 from torchtitan.trainer import TRAINING_STARTED
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,9 +52,6 @@ def test_train_entry_lets_a_config_name_the_benchmark_flavors() -> None:
         "    config = ConfigManager().parse_args([f'--model.flavor={flavor}'])\n"
         "    print(config.model.flavor)\n"
     )
-    root = Path(__file__).resolve().parents[2]
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
-    )
+    result = run_python(code)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["bench_1024x8", "bench_512x8"]

@@ -5,14 +5,13 @@ from __future__ import annotations
 import copy as copy_module
 import dataclasses
 import pickle
-import subprocess
-import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from tests.unit_tests.fresh_interpreter import run_python
 from torchtitan.config import ConfigError, ConfigManager, JobConfig, merge_configs, write_toml
 from torchtitan.config import job_config as core
 from torchtitan.config.manager import parse_nested_list, to_toml
@@ -427,10 +426,7 @@ def test_parsing_a_config_does_not_import_the_models() -> None:
         "loaded = sorted(m for m in sys.modules if m.startswith('torchtitan.models'))\n"
         "assert not loaded, loaded\n"
     )
-    root = Path(__file__).resolve().parents[2]
-    result = subprocess.run(
-        [sys.executable, "-c", check], cwd=root, capture_output=True, text=True, timeout=120
-    )
+    result = run_python(check)
     assert result.returncode == 0, result.stderr
 
 
