@@ -515,3 +515,16 @@ def test_a_dead_peer_goes_to_on_error_and_the_work_still_completes(tmp_path: Pat
     assert rank0["seconds"] < 15
     # Nothing was delivered, so the residual was not replaced by this round's.
     assert rank0["residual"] is None
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+@pytest.mark.parametrize("numel", [1, BLOCK, 5 * BLOCK + 3, NUMEL])
+def test_encoding_in_chunks_gives_the_bytes_of_one_pass(monkeypatch, dtype: str, numel: int):
+    from torchtitan.experiments.fault_tolerance import compression
+
+    codec = get_codec(dtype)
+    x = _varied(numel, seed=11)
+    monkeypatch.setattr(compression, "ENCODE_CHUNK", 10**9)
+    whole = codec.encode(x)
+    monkeypatch.setattr(compression, "ENCODE_CHUNK", 2 * BLOCK)
+    assert torch.equal(codec.encode(x), whole)

@@ -89,6 +89,10 @@ PSEUDO_GRAD_DTYPES = ("float32", "bfloat16", "int8", "int4")
 BLOCK = 128
 
 
+#: Values a quantizing encode handles at a time (a multiple of BLOCK, so of 2 too).
+ENCODE_CHUNK = 1024 * BLOCK
+
+
 def _view_as(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``buf`` (1-D uint8) reinterpreted as ``dtype``; copied first if it is not aligned for it,
     since a dtype view needs the start of the slice on an element boundary."""
@@ -213,23 +217,38 @@ class BlockQuantCodec(Codec):
         numel = x.numel()
         nblocks = math.ceil(numel / BLOCK)
         out = torch.empty(self.wire_bytes(numel), dtype=torch.uint8, device=x.device)
-        if numel == 0:
-            return out
+        scales = out[: 4 * nblocks].view(torch.float32)
+        payload = out[4 * nblocks :]
+        # Whole blocks at a time, ENCODE_CHUNK values each: the same bytes as one pass, but
+        # the temporaries stay small (one pass over a whole model's pseudo-gradient allocated
+        # several model-sized buffers, and on the CPU that cost more than the arithmetic).
+        per_byte = 1 if self.bits == 8 else 2
+        for start in range(0, numel, ENCODE_CHUNK):
+            end = min(numel, start + ENCODE_CHUNK)
+            self._encode_blocks(
+                x[start:end],
+                scales[start // BLOCK : math.ceil(end / BLOCK)],
+                payload[start // per_byte : math.ceil(end / per_byte)],
+            )
+        return out
+
+    def _encode_blocks(self, x: torch.Tensor, scales: torch.Tensor, payload: torch.Tensor) -> None:
+        """Encode ``x`` (whole blocks, except at the tensor's end) into ``scales``/``payload``."""
+        numel = x.numel()
+        nblocks = scales.numel()
         # Zero padding to whole blocks changes no absmax and is cut off again below.
         blocks = torch.nn.functional.pad(x, (0, nblocks * BLOCK - numel)).view(nblocks, BLOCK)
         scale = blocks.abs().amax(dim=1) / self.qmax
         # A zero scale (zero block) divides by 1 instead: its values are 0 and quantize to 0.
         divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
         q = torch.round(blocks / divisor.unsqueeze(1)).clamp_(-self.qmax, self.qmax).view(-1)
-        out[: 4 * nblocks].view(torch.float32).copy_(scale)
-        payload = out[4 * nblocks :]
+        scales.copy_(scale)
         if self.bits == 8:
             payload.view(torch.int8).copy_(q[:numel])
         else:
             # Offset by 8 so that each value is a nibble 1..15; the padding stores 8 (zero).
             nib = (q[: 2 * payload.numel()] + 8).to(torch.uint8).view(-1, 2)
             payload.copy_(nib[:, 0] | (nib[:, 1] << 4))
-        return out
 
     def decode(
         self, packed: torch.Tensor, numel: int, out: torch.Tensor | None = None
