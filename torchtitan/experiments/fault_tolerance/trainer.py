@@ -406,14 +406,15 @@ class SemiSyncTrainer(Trainer):
         for index in range(len(loop.fragments)):
             loop.outer_optimizer(index).register_step_pre_hook(self._measure_pseudo_gradient)
         if self.parallel_dims.world_size > 1:
-            loop.agree_in_group = self._most_in_group
+            loop.agree_in_group = lambda steps: self._most_in_group([steps])[0]
         return loop
 
-    def _most_in_group(self, value: int) -> int:
-        """The largest ``value`` of this group's ranks (a MAX all-reduce in the group)."""
-        found = torch.tensor([value], dtype=torch.int64, device=self.device)
+    def _most_in_group(self, values: list[int]) -> list[int]:
+        """Element by element, the largest of this group's ranks' ``values`` (one MAX
+        all-reduce in the group)."""
+        found = torch.tensor(values, dtype=torch.int64, device=self.device)
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        return int(found.item())
+        return [int(v) for v in found.tolist()]
 
     # ---- extension points of the core trainer ------------------------------------------------
 
@@ -657,9 +658,7 @@ class SemiSyncTrainer(Trainer):
             # Each rank exchanged with the same rank of the other groups (and compared its own
             # shard): the group acts on what any of its ranks found, and all its ranks take
             # the same number of inner steps.
-            found = torch.tensor([*flags, plan], dtype=torch.int64, device=self.device)
-            dist.all_reduce(found, op=dist.ReduceOp.MAX)
-            *found_flags, plan = found.tolist()
+            *found_flags, plan = self._most_in_group([*flags, plan])
             flags = [bool(v) for v in found_flags]
         failed, disagree, no_majority, minority = flags
         self._agreement = None if not verdict.digests else "disagree" if disagree else "agree"
