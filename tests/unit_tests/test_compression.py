@@ -243,6 +243,12 @@ def test_a_fragments_residuals_checkpoint_as_one_flat_tensor_and_continue_exactl
     assert restarted.residual(key(1, 0)) is None
     with pytest.raises(ValueError, match="more than its 400"):
         running.fragment_residual(0, 400)
+    # A loaded residual taken by a sync whose collective then fails is still owed.
+    failed = ErrorFeedback()
+    failed.load_fragment_residual(0, flat)
+    x = _varied(300, seed=5)
+    assert torch.equal(failed.correct_(key(0, 0), x.clone()), x + flat[:300])
+    assert torch.equal(failed.fragment_residual(0, 500), flat)
     short = ErrorFeedback()
     short.load_fragment_residual(0, flat[:250])
     with pytest.raises(ValueError, match="has 250 values, 0 taken; this tensor needs 300"):
@@ -327,6 +333,26 @@ def test_async_failures_go_to_on_error_and_a_raising_handler_reaches_the_future(
     with pytest.raises(ValueError, match="fp8"):
         other.submit(broken, torch.ones(3), "fp8", on_error=errors.append)
     other.shutdown(timeout=10)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", PSEUDO_GRAD_DTYPES)
+def test_cuda_encodes_the_bytes_and_decodes_the_values_of_the_cpu(dtype: str) -> None:
+    """Groups on different devices must agree bit for bit: the same ops, the same IEEE
+    results (round half to even, one rounding per op)."""
+    codec = get_codec(dtype)
+    x = _varied(NUMEL, seed=13)
+    numel = NUMEL + 200  # a zero tail too
+    encoded, residuals = [], []
+    for device in ("cpu", "cuda"):
+        packed = torch.empty(codec.wire_bytes(numel), dtype=torch.uint8, device=device)
+        residual = torch.empty(NUMEL, device=device)
+        codec.encode_into(x.to(device), packed, numel, residual=residual)
+        encoded.append(packed)
+        residuals.append(residual.cpu())
+    assert torch.equal(encoded[1].cpu(), encoded[0])
+    assert torch.equal(residuals[1], residuals[0])
+    assert torch.equal(codec.decode(encoded[1], numel).cpu(), codec.decode(encoded[0], numel))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -517,14 +543,59 @@ def test_a_dead_peer_goes_to_on_error_and_the_work_still_completes(tmp_path: Pat
     assert rank0["residual"] is None
 
 
-@pytest.mark.parametrize("dtype", QUANTIZED)
+@pytest.mark.parametrize("dtype", PSEUDO_GRAD_DTYPES)
 @pytest.mark.parametrize("numel", [1, BLOCK, 5 * BLOCK + 3, NUMEL])
-def test_encoding_in_chunks_gives_the_bytes_of_one_pass(monkeypatch, dtype: str, numel: int):
+def test_working_in_pieces_gives_the_results_of_one_pass(monkeypatch, dtype: str, numel: int):
     from torchtitan.experiments.fault_tolerance import compression
 
     codec = get_codec(dtype)
     x = _varied(numel, seed=11)
-    monkeypatch.setattr(compression, "ENCODE_CHUNK", 10**9)
-    whole = codec.encode(x)
-    monkeypatch.setattr(compression, "ENCODE_CHUNK", 2 * BLOCK)
-    assert torch.equal(codec.encode(x), whole)
+    previous = torch.randn(numel)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        packed = torch.empty(codec.wire_bytes(numel), dtype=torch.uint8)
+        residual = torch.empty(numel)
+        codec.encode_into(x, packed, numel, residual=residual)
+        summed = previous.clone()
+        codec.decode_into(packed, numel, summed, accumulate=True)
+        return packed, residual, codec.decode(packed, numel), summed
+
+    monkeypatch.setattr(compression, "PIECE", 10**9)
+    whole = run()
+    monkeypatch.setattr(compression, "PIECE", 2 * BLOCK)
+    for expected, got in zip(whole, run(), strict=True):
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", PSEUDO_GRAD_DTYPES)
+def test_encode_into_takes_the_tail_as_zeros_and_computes_the_residual(dtype: str) -> None:
+    """What compressed_all_reduce relies on: a short last chunk encodes as if zero padded, its
+    residual is exactly what decoding drops, a decode can stop early or add to a sum."""
+    codec = get_codec(dtype)
+    numel, k = 3 * BLOCK, 2 * BLOCK - 5
+    x = _varied(k, seed=12)
+    padded = torch.cat([x, torch.zeros(numel - k)])
+    packed = torch.full((codec.wire_bytes(numel),), 0x5A, dtype=torch.uint8)  # stale bytes
+    residual = torch.full((k,), float("nan"))
+    codec.encode_into(x, packed, numel, residual=residual)
+    assert torch.equal(packed, codec.encode(padded))
+    decoded = codec.decode(packed, numel)
+    assert torch.equal(decoded[k:], torch.zeros(numel - k))
+    assert torch.equal(residual, x - decoded[:k])
+    if dtype == "float32":
+        assert torch.equal(residual, torch.zeros(k))
+
+    head = torch.empty(k)
+    codec.decode_into(packed, numel, head)
+    assert torch.equal(head, decoded[:k])
+    total = torch.ones(numel)
+    codec.decode_into(packed, numel, total, accumulate=True)
+    assert torch.equal(total, 1 + decoded)
+
+    with pytest.raises(ValueError, match="do not fit"):
+        codec.encode_into(padded, packed[: codec.wire_bytes(k)], k)
+    with pytest.raises(ValueError, match="more than the"):
+        codec.decode_into(packed, numel, torch.empty(numel + 1))
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        shifted = torch.empty(codec.wire_bytes(numel) + 1, dtype=torch.uint8)
+        codec.encode_into(x, shifted[1:], numel)
