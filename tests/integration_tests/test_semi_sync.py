@@ -395,6 +395,63 @@ def test_diloco_whole_job_restart_reproduces_global_params(tmp_path: Path, metho
     print(f"{method} resume from step 6: syncs identical to the uninterrupted run {expected}")
 
 
+def test_fsdp2_whole_job_restart_gives_every_rank_its_own_residuals(tmp_path: Path) -> None:
+    """2 groups x 2 FSDP2 ranks, async DiLoCo with int4 and error feedback: both groups crash
+    after step 7 (checkpoint at step 6) and restart. Each rank owes the compression error of its
+    own shard and saves it under a key of its own (``rank_0``, ``rank_1``); every rank's global
+    shard at every sync after the restart equals the uninterrupted run's, bit for bit (a rank
+    handed its peer's residuals, or none, would send different bytes)."""
+    train_args = args(
+        FAULTS_MODULE,
+        "async_int4",
+        "--training.steps=12",
+        "--checkpoint.enable",
+        "--checkpoint.interval=6",
+    )
+
+    def shard_digests(job: FTJob) -> dict[int, dict[int, str]]:
+        """{rank: {sync number: digest}} of the groups' latest starts, which agree rank by
+        rank."""
+        found: dict[int, dict[int, str]] = {}
+        for r in range(2):
+            for rank, events in per_rank(job.events(r, GLOBAL_DIGEST)).items():
+                digests = global_digests(events)
+                assert found.setdefault(rank, digests) == digests, (r, rank)
+        assert sorted(found) == [0, 1]
+        return found
+
+    with FTJob(
+        _folder(tmp_path / "uninterrupted"), groups=2, ngpu=2, train_args=train_args
+    ) as reference:
+        reference.start()
+        for r in range(2):
+            assert reference.wait_exit(r, timeout=300) == 0, tail(reference.latest(r).text())
+        expected = shard_digests(reference)
+        assert all(sorted(expected[rank]) == [1, 2, 3] for rank in (0, 1)), expected
+        assert expected[0] != expected[1]  # really sharded
+
+    with FTJob(_folder(tmp_path / "crashed"), groups=2, ngpu=2, train_args=train_args) as job:
+        job.start_lighthouse()
+        for r in range(2):
+            job.start_group(r, ["--fault_injection.stall_after_step=7"])
+        for r in range(2):
+            job.wait_for_event(
+                r, STALLED_AFTER_STEP, timeout=300, count=2, where=lambda e: e.step == 7
+            )
+        for r in range(2):
+            job.kill_group(r)
+        time.sleep(job.lighthouse_settings.heartbeat_timeout_ms / 1000 + 0.5)
+        for r in range(2):
+            job.start_group(r)
+        for r in range(2):
+            assert job.wait_exit(r, timeout=300) == 0, tail(job.latest(r).text())
+        for r in range(2):
+            resumed = job.events(r, CHECKPOINT_RESUMED)
+            assert sorted((e.rank, e.step) for e in resumed) == [(0, 6), (1, 6)]
+        assert shard_digests(job) == expected
+    print(f"fsdp2 2x2 async int4+EF resumed from step 6: every rank's shard as before {expected}")
+
+
 def _folder(path: Path) -> Path:
     path.mkdir(parents=True)
     return path

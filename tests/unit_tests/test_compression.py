@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torchtitan.experiments.fault_tolerance.compression import (
     BLOCK,
     PSEUDO_GRAD_DTYPES,
+    SMALLEST_SCALE,
     AsyncCompressedAllReduce,
     BlockQuantCodec,
     ErrorFeedback,
@@ -95,6 +96,32 @@ def test_zero_blocks_get_scale_zero_and_decode_to_zero(dtype: str) -> None:
     assert torch.equal(decoded[3 * BLOCK :], torch.zeros(7))
     assert torch.isfinite(decoded).all()
     assert torch.equal(codec.decode(codec.encode(torch.zeros(300)), 300), torch.zeros(300))
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+def test_tiny_blocks_get_the_smallest_normal_scale_and_stay_in_range(dtype: str) -> None:
+    """absmax / qmax below the smallest normal fp32 would be a subnormal scale, too coarse to
+    keep |x / scale| <= qmax; such blocks get SMALLEST_SCALE and still decode within half a
+    step. A normal block next to them is untouched."""
+    codec = get_codec(dtype)
+    assert isinstance(codec, BlockQuantCodec)
+    tiny = torch.finfo(torch.float32).tiny
+    assert SMALLEST_SCALE == tiny
+    x = torch.cat(
+        [
+            torch.linspace(-10, 10, BLOCK) * 1.4e-45,  # a few subnormal steps
+            torch.linspace(-1, 1, BLOCK) * tiny * codec.qmax * 0.9,  # absmax / qmax: subnormal
+            torch.linspace(-3, 3, BLOCK),
+        ]
+    )
+    packed = codec.encode(x)
+    stored = packed[: 4 * 3].view(torch.float32)
+    assert stored.tolist()[:2] == [tiny, tiny]
+    assert stored[2] == 3 / codec.qmax
+    assert torch.equal(stored, codec.scales(x))
+    decoded = codec.decode(packed, x.numel())
+    step = _per_element(stored, x.numel())
+    assert ((decoded - x).abs() <= step / 2).all()
 
 
 def test_int4_packs_two_offset_nibbles_per_byte_low_first() -> None:

@@ -15,8 +15,9 @@ uint8 tensor, so that a single tensor travels per peer:
 * ``bfloat16``: the raw bf16 bytes of ``x.to(torch.bfloat16)`` (``2 * numel``).
 * ``int8``: blocks of ``BLOCK`` (128) consecutive elements, the last one possibly short. Layout:
   ``ceil(numel / BLOCK)`` fp32 scales (native byte order), then ``numel`` int8 values. A block's
-  scale is ``absmax / 127`` and ``q = round(x / scale)`` (round half to even) clamped to
-  ``[-127, 127]``; a zero block gets scale 0 and decodes to zeros. Decoding is ``q * scale``.
+  scale is ``absmax / 127`` (at least ``SMALLEST_SCALE``, the smallest normal fp32) and
+  ``q = round(x / scale)`` (round half to even), which lies in ``[-127, 127]``; a zero block
+  gets scale 0 and decodes to zeros. Decoding is ``q * scale``.
 * ``int4``: the same with ``scale = absmax / 7`` and ``q`` in ``[-7, 7]``. Layout: the fp32
   scales, then ``ceil(numel / 2)`` bytes, two values per byte, element ``2i`` in the low nibble
   and ``2i + 1`` in the high nibble, each stored as ``q + 8`` (an odd tail is padded with 8).
@@ -80,6 +81,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions
 __all__ = [
     "BLOCK",
     "PSEUDO_GRAD_DTYPES",
+    "SMALLEST_SCALE",
     "AsyncCompressedAllReduce",
     "BFloat16Codec",
     "BlockQuantCodec",
@@ -87,6 +89,7 @@ __all__ = [
     "CompressedWork",
     "CompressionStats",
     "ErrorFeedback",
+    "Scratch",
     "Float32Codec",
     "chunk_numel",
     "compressed_all_reduce",
@@ -100,19 +103,24 @@ PSEUDO_GRAD_DTYPES = ("float32", "bfloat16", "int8", "int4")
 BLOCK = 128
 
 
+#: The smallest scale of a block that is not all zeros: the smallest normal fp32. With a
+#: subnormal scale, absmax / scale could exceed qmax (a subnormal has fewer significant bits);
+#: only blocks whose values are all below qmax * 1.2e-38 in magnitude get this coarser step.
+SMALLEST_SCALE = torch.finfo(torch.float32).tiny
+
 #: Values a codec handles at a time (a multiple of BLOCK, so of 2 too). Every temporary of an
 #: encode or decode is at most one piece long and is reused for the next piece (:class:`Scratch`).
 PIECE = 4096 * BLOCK
 
 
 class Scratch:
-    """Temporaries of at most :data:`PIECE` elements, reused piece after piece.
+    """Named buffers on one device, reused: a codec's temporaries (at most :data:`PIECE`
+    elements, reused piece after piece) and :func:`compressed_all_reduce`'s wire buffers.
 
     On the CPU, a fresh buffer of a megabyte or more comes from the kernel as untouched pages,
     and faulting them in cost more than the arithmetic done on them (a whole int4 encode of 4.85 M
     values took 24 ms with a new buffer per operation, 6 ms reusing them). One ``Scratch`` serves
-    one thread: :func:`compressed_all_reduce` makes one per call and hands it to every encode and
-    decode it runs.
+    one thread: :class:`AsyncCompressedAllReduce` keeps one per device for all its collectives.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -359,11 +367,13 @@ class BlockQuantCodec(Codec):
         return 4 * math.ceil(numel / BLOCK) + self._payload_bytes(numel)
 
     def scales(self, x: torch.Tensor) -> torch.Tensor:
-        """The per-block scales ``encode`` stores for ``x`` (absmax / qmax)."""
+        """The per-block scales ``encode`` stores for ``x``: absmax / qmax, at least
+        ``SMALLEST_SCALE`` unless the block is all zeros."""
         _check_flat_fp32(x)
         nblocks = math.ceil(x.numel() / BLOCK)
         padded = torch.nn.functional.pad(x, (0, nblocks * BLOCK - x.numel()))
-        return padded.view(nblocks, BLOCK).abs().amax(dim=1) / self.qmax
+        absmax = padded.view(nblocks, BLOCK).abs().amax(dim=1)
+        return torch.where(absmax > 0, (absmax / self.qmax).clamp(min=SMALLEST_SCALE), 0.0)
 
     def _split(self, packed: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The scales and the payload bytes of an encoding of ``numel`` values."""
@@ -417,11 +427,15 @@ class BlockQuantCodec(Codec):
         q = scratch.get("q", whole, torch.float32).view(nblocks, BLOCK)
         torch.abs(blocks, out=q)
         torch.amax(q, dim=1, out=scales)
+        positive = scales > 0  # before the division, which may underflow to 0
         scales.div_(self.qmax)
+        scales.copy_(torch.where(positive, scales.clamp(min=SMALLEST_SCALE), scales))
         # A zero scale (zero block) divides by 1 instead: its values are 0 and quantize to 0.
-        divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
+        divisor = torch.where(positive, scales, 1.0)
         torch.div(blocks, divisor.unsqueeze(1), out=q)
-        q.round_().clamp_(-self.qmax, self.qmax)  # round half to even
+        # Round half to even. |q| <= qmax needs no clamp: a scale is absmax / qmax within one
+        # rounding, or (below SMALLEST_SCALE) larger than that.
+        q.round_()
         values = q.view(-1)
         if self.bits == 8:
             payload.view(torch.int8).copy_(values[:numel])
@@ -742,13 +756,15 @@ def compressed_all_reduce(
     *,
     error_feedback: ErrorFeedback | None = None,
     key: str = "",
+    scratch: Scratch | None = None,
 ) -> CompressionStats:
     """SUM all-reduce of the 1-D fp32 ``tensor`` in place over ``pg``, ``dtype`` on the wire.
 
     Every rank must call it with the same ``dtype`` and ``tensor.numel()``, in the same order.
     Blocks until the result is in ``tensor`` (bit-identical on every rank). With
     ``error_feedback``, this rank's residual under ``key`` is added first and updated once the
-    collectives succeed. Raises what the collectives raise; ``tensor`` is then undefined.
+    collectives succeed. ``scratch`` (of ``tensor``'s device) keeps the buffers for the next
+    call of the same thread. Raises what the collectives raise; ``tensor`` is then undefined.
     """
     codec = get_codec(dtype)
     _check_flat_fp32(tensor)
@@ -775,7 +791,8 @@ def compressed_all_reduce(
 
     if numel == 0:
         return stats
-    scratch = Scratch(tensor.device)
+    if scratch is None or scratch.device != tensor.device:
+        scratch = Scratch(tensor.device)
     # Corrected in place: the tensor is undefined after a failure anyway, and the residual
     # it owed stays in ``error_feedback`` until the collectives have succeeded.
     corrected = tensor if error_feedback is None else error_feedback.correct_(key, tensor)
@@ -785,7 +802,7 @@ def compressed_all_reduce(
     if n == 1:
         # Nobody to talk to: the result is what the encoding keeps of the tensor.
         t0 = time.perf_counter()
-        packed = torch.empty(codec.wire_bytes(numel), dtype=torch.uint8, device=tensor.device)
+        packed = scratch.get("send", codec.wire_bytes(numel), torch.uint8)
         codec.encode_into(corrected, packed, numel, residual=residual, scratch=scratch)
         _sync(tensor)
         t1 = time.perf_counter()
@@ -810,7 +827,7 @@ def compressed_all_reduce(
     # Phase 1: encode every chunk (the tensor's tail as zeros); all-to-all so that rank r holds
     # every rank's chunk r.
     t0 = time.perf_counter()
-    send = torch.empty(n * chunk_bytes, dtype=torch.uint8, device=tensor.device)
+    send = scratch.get("send", n * chunk_bytes, torch.uint8)
     for i in range(n):
         codec.encode_into(
             chunk_of(corrected, i),
@@ -821,26 +838,28 @@ def compressed_all_reduce(
         )
     _sync(send)
     stats.encode_s += time.perf_counter() - t0
-    recv = torch.empty_like(send)
+    recv = scratch.get("recv", n * chunk_bytes, torch.uint8)
     splits = [chunk_bytes] * n
     pg.alltoall_base(recv, send, splits, splits, dist.AllToAllOptions()).wait()
 
     # Reduce this rank's chunk in fp32, in rank order, so that a rerun gives the same bytes.
     t0 = time.perf_counter()
-    reduced = torch.empty(chunk, dtype=torch.float32, device=tensor.device)
+    # The tensor's values are all encoded by now: its head can hold the sum (it is decoded over
+    # only after the sum has been encoded).
+    reduced = tensor[:chunk] if chunk <= numel else scratch.get("reduced", chunk, torch.float32)
     for i in range(n):
         codec.decode_into(bytes_of(recv, i), chunk, reduced, accumulate=i > 0, scratch=scratch)
     _sync(reduced)
     t1 = time.perf_counter()
     stats.decode_s += t1 - t0
-    mine = torch.empty(chunk_bytes, dtype=torch.uint8, device=tensor.device)
+    mine = scratch.get("mine", chunk_bytes, torch.uint8)
     codec.encode_into(reduced, mine, chunk, scratch=scratch)
     _sync(mine)
     stats.encode_s += time.perf_counter() - t1
 
     # Phase 2: all-gather the re-encoded chunks; every rank decodes the same n chunks, its own
     # included (from the bytes, not from ``reduced``), so that all ranks hold identical values.
-    gathered = [torch.empty_like(mine) for _ in range(n)]
+    gathered = list(scratch.get("gathered", n * chunk_bytes, torch.uint8).split(chunk_bytes))
     pg.allgather([gathered], [mine], AllgatherOptions()).wait()
     t0 = time.perf_counter()
     for i, packed in enumerate(gathered):
@@ -927,6 +946,8 @@ class AsyncCompressedAllReduce:
     def __init__(self, name: str = "compressed-allreduce") -> None:
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        #: The thread's buffers, reused from one collective to the next (see Scratch).
+        self._scratch: dict[torch.device, Scratch] = {}
         self._closed = False
         self._lock = threading.Lock()
         # A daemon thread, so that a collective hung on a dead peer cannot block process exit.
@@ -1003,10 +1024,18 @@ class AsyncCompressedAllReduce:
                 return
         job.work.complete()
 
-    @staticmethod
-    def _reduce(job: _Job) -> None:
+    def _reduce(self, job: _Job) -> None:
+        device = job.tensor.device
+        scratch = self._scratch.get(device)
+        if scratch is None:
+            scratch = self._scratch[device] = Scratch(device)
         job.work.stats = compressed_all_reduce(
-            job.pg, job.tensor, job.dtype, error_feedback=job.error_feedback, key=job.key
+            job.pg,
+            job.tensor,
+            job.dtype,
+            error_feedback=job.error_feedback,
+            key=job.key,
+            scratch=scratch,
         )
         if job.divide_by != 1:
             job.tensor.div_(job.divide_by)
