@@ -838,7 +838,9 @@ def compressed_all_reduce(
         )
     _sync(send)
     stats.encode_s += time.perf_counter() - t0
-    recv = scratch.get("recv", n * chunk_bytes, torch.uint8)
+    # The buffers the collectives write are new every time: a collective that failed on another
+    # rank's error must not be able to write into the next one's.
+    recv = torch.empty_like(send)
     splits = [chunk_bytes] * n
     pg.alltoall_base(recv, send, splits, splits, dist.AllToAllOptions()).wait()
 
@@ -859,7 +861,7 @@ def compressed_all_reduce(
 
     # Phase 2: all-gather the re-encoded chunks; every rank decodes the same n chunks, its own
     # included (from the bytes, not from ``reduced``), so that all ranks hold identical values.
-    gathered = list(scratch.get("gathered", n * chunk_bytes, torch.uint8).split(chunk_bytes))
+    gathered = [torch.empty_like(mine) for _ in range(n)]
     pg.allgather([gathered], [mine], AllgatherOptions()).wait()
     t0 = time.perf_counter()
     for i, packed in enumerate(gathered):
