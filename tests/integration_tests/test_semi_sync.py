@@ -352,20 +352,7 @@ def test_diloco_whole_job_restart_reproduces_global_params(tmp_path: Path, metho
             assert all(s.groups == 2 for s in syncs(reference.events(r, SYNC)))
 
     with FTJob(_folder(tmp_path / "crashed"), groups=2, train_args=train_args) as job:
-        job.start_lighthouse()
-        for r in range(2):
-            job.start_group(r, ["--fault_injection.stall_after_step=7"])
-        for r in range(2):
-            job.wait_for_event(r, STALLED_AFTER_STEP, timeout=180, where=lambda e: e.step == 7)
-        for r in range(2):
-            job.kill_group(r)
-        # Let the lighthouse see both dead (heartbeat timeout), as after a real crash: the
-        # restarted groups then wait for each other before their first sync.
-        time.sleep(job.lighthouse_settings.heartbeat_timeout_ms / 1000 + 0.5)
-        for r in range(2):
-            job.start_group(r)
-        for r in range(2):
-            assert job.wait_exit(r, timeout=240) == 0, tail(job.latest(r).text())
+        _crash_after_step_7_and_restart(job)
         resumed = {r: job.events(r) for r in range(2)}
         for r in range(2):
             assert [e.step for e in resumed[r] if e.name == CHECKPOINT_RESUMED.name] == [6]
@@ -431,25 +418,33 @@ def test_fsdp2_whole_job_restart_gives_every_rank_its_own_residuals(tmp_path: Pa
         assert expected[0] != expected[1]  # really sharded
 
     with FTJob(_folder(tmp_path / "crashed"), groups=2, ngpu=2, train_args=train_args) as job:
-        job.start_lighthouse()
-        for r in range(2):
-            job.start_group(r, ["--fault_injection.stall_after_step=7"])
-        for r in range(2):
-            job.wait_for_event(
-                r, STALLED_AFTER_STEP, timeout=300, count=2, where=lambda e: e.step == 7
-            )
-        for r in range(2):
-            job.kill_group(r)
-        time.sleep(job.lighthouse_settings.heartbeat_timeout_ms / 1000 + 0.5)
-        for r in range(2):
-            job.start_group(r)
-        for r in range(2):
-            assert job.wait_exit(r, timeout=300) == 0, tail(job.latest(r).text())
+        _crash_after_step_7_and_restart(job, ranks=2)
         for r in range(2):
             resumed = job.events(r, CHECKPOINT_RESUMED)
             assert sorted((e.rank, e.step) for e in resumed) == [(0, 6), (1, 6)]
         assert shard_digests(job) == expected
     print(f"fsdp2 2x2 async int4+EF resumed from step 6: every rank's shard as before {expected}")
+
+
+def _crash_after_step_7_and_restart(job: FTJob, ranks: int = 1) -> None:
+    """Start both groups, hold every rank after step 7, kill both groups, and start them again
+    once the lighthouse has seen them dead; returns when both have exited cleanly."""
+    job.start_lighthouse()
+    for r in range(2):
+        job.start_group(r, ["--fault_injection.stall_after_step=7"])
+    for r in range(2):
+        job.wait_for_event(
+            r, STALLED_AFTER_STEP, timeout=300, count=ranks, where=lambda e: e.step == 7
+        )
+    for r in range(2):
+        job.kill_group(r)
+    # Let the lighthouse see both dead (heartbeat timeout), as after a real crash: the
+    # restarted groups then wait for each other before their first sync.
+    time.sleep(job.lighthouse_settings.heartbeat_timeout_ms / 1000 + 0.5)
+    for r in range(2):
+        job.start_group(r)
+    for r in range(2):
+        assert job.wait_exit(r, timeout=300) == 0, tail(job.latest(r).text())
 
 
 def _folder(path: Path) -> Path:

@@ -83,14 +83,13 @@ __all__ = [
     "PSEUDO_GRAD_DTYPES",
     "SMALLEST_SCALE",
     "AsyncCompressedAllReduce",
-    "BFloat16Codec",
     "BlockQuantCodec",
+    "CastCodec",
     "Codec",
     "CompressedWork",
     "CompressionStats",
     "ErrorFeedback",
     "Scratch",
-    "Float32Codec",
     "chunk_numel",
     "compressed_all_reduce",
     "get_codec",
@@ -268,21 +267,16 @@ class Codec:
             )
 
 
-def _store(values: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
-    """``out = values`` or ``out += values`` (both casting to fp32 exactly)."""
-    if accumulate:
-        out.add_(values)
-    else:
-        out.copy_(values)
+class CastCodec(Codec):
+    """The raw bytes of ``x`` cast to a float dtype: ``float32`` (no compression; a copy, for a
+    uniform interface) or ``bfloat16`` (round to nearest even). Casting back is exact."""
 
-
-class Float32Codec(Codec):
-    """The raw fp32 bytes (no compression; for a uniform interface)."""
-
-    name = "float32"
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.name = str(dtype).removeprefix("torch.")
 
     def wire_bytes(self, numel: int) -> int:
-        return 4 * numel
+        return self.dtype.itemsize * numel
 
     def _encode(
         self,
@@ -292,46 +286,12 @@ class Float32Codec(Codec):
         residual: torch.Tensor | None,
         scratch: Scratch,
     ) -> None:
-        k = x.numel()
-        # A copy, so that the encoded bytes do not change with the caller's tensor.
-        out[: 4 * k].view(torch.float32).copy_(x)
-        out[4 * k :].zero_()
-        if residual is not None:
-            residual.zero_()
-
-    def _decode(
-        self,
-        packed: torch.Tensor,
-        numel: int,
-        out: torch.Tensor,
-        accumulate: bool,
-        scratch: Scratch,
-    ) -> None:
-        _store(_view_as(packed[: 4 * out.numel()], torch.float32), out, accumulate)
-
-
-class BFloat16Codec(Codec):
-    """The raw bytes of ``x`` cast to bfloat16 (round to nearest even)."""
-
-    name = "bfloat16"
-
-    def wire_bytes(self, numel: int) -> int:
-        return 2 * numel
-
-    def _encode(
-        self,
-        x: torch.Tensor,
-        out: torch.Tensor,
-        numel: int,
-        residual: torch.Tensor | None,
-        scratch: Scratch,
-    ) -> None:
-        k = x.numel()
-        values = out[: 2 * k].view(torch.bfloat16)
+        size = self.dtype.itemsize * x.numel()
+        values = out[:size].view(self.dtype)
         values.copy_(x)
-        out[2 * k :].zero_()
+        out[size:].zero_()
         if residual is not None:
-            residual.copy_(values)  # exact: the decoded value
+            residual.copy_(values)  # the decoded value (exact)
             torch.sub(x, residual, out=residual)
 
     def _decode(
@@ -342,8 +302,12 @@ class BFloat16Codec(Codec):
         accumulate: bool,
         scratch: Scratch,
     ) -> None:
-        # bf16 -> fp32 is exact, so every rank gets the same values.
-        _store(_view_as(packed[: 2 * out.numel()], torch.bfloat16), out, accumulate)
+        # The cast to fp32 is exact, so every rank gets the same values.
+        values = _view_as(packed[: self.dtype.itemsize * out.numel()], self.dtype)
+        if accumulate:
+            out.add_(values)
+        else:
+            out.copy_(values)
 
 
 class BlockQuantCodec(Codec):
@@ -523,8 +487,8 @@ class BlockQuantCodec(Codec):
 
 
 _CODECS: dict[str, Codec] = {
-    "float32": Float32Codec(),
-    "bfloat16": BFloat16Codec(),
+    "float32": CastCodec(torch.float32),
+    "bfloat16": CastCodec(torch.bfloat16),
     "int8": BlockQuantCodec(8),
     "int4": BlockQuantCodec(4),
 }
