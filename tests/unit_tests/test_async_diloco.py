@@ -17,6 +17,7 @@ from torchtitan.experiments.fault_tolerance import async_diloco
 from torchtitan.experiments.fault_tolerance.async_diloco import (
     AsyncDiLoCo,
     dylu_inner_steps,
+    dylu_next_correction,
     dylu_period_seconds,
     dylu_steps_to_deadline,
     outer_sgd_direction,
@@ -468,13 +469,39 @@ def test_a_period_slower_than_planned_is_shortened_halfway(monkeypatch):
             steps += 1
             if group.loop.local_step() == 0:
                 break
-        assert (asked, steps) == ([4], 6)
+        # After step 4 it asks for 4 (on time), after step 5 for 5 (late): both raised to 6.
+        assert (asked, steps) == ([4, 5], 6)
         group.loop.plan_period(3)
         for _ in range(3):
             clock.now += 5.0
             group.step()
-        assert group.loop.local_step() == 0 and asked == [4]
+        assert group.loop.local_step() == 0 and asked == [4, 5]
         assert group.loop.step_seconds() == pytest.approx(5.0)
+
+
+def test_a_period_that_slows_down_late_is_corrected_again(monkeypatch):
+    """Planned: 16 inner steps in 16 s. The first 8 take 1 s each (on plan at the halfway
+    correction), then each takes 2 s: the correction after step 12 (16 s gone) ends the period
+    there, where the plan from halfway would have run 8 s late."""
+    corrections = [dylu_next_correction(t, 20) for t in (0, 10, 15, 17, 18, 19)]
+    assert corrections == [10, 15, 17, 18, 19, None]
+    assert dylu_next_correction(0, 1) is None
+    clock = FakeClock()
+    monkeypatch.setattr(async_diloco, "time", clock)
+    group = Group(Cluster(), 1)
+    group.loop.period = 16
+    asked: list[int] = []
+    group.loop.agree_in_group = lambda n: asked.append(n) or n
+    group.loop.plan_period(16, seconds=16.0)
+    with training([group]):
+        steps = 0
+        while True:
+            clock.now += 1.0 if steps < 8 else 2.0
+            group.step()
+            steps += 1
+            if group.loop.local_step() == 0:
+                break
+    assert (asked, steps) == ([16, 12], 12)
 
 
 def run_periods(groups: list[Group], periods: int) -> list[list[list[torch.Tensor]]]:

@@ -270,6 +270,14 @@ def dylu_steps_to_deadline(taken: int, elapsed: float, length: float, period: in
     return max(taken, min(2 * period, taken + remaining))
 
 
+def dylu_next_correction(taken: int, planned: int) -> int | None:
+    """The inner step at which DyLU next corrects a period of ``planned`` steps, ``taken`` of
+    them done: halfway through what is left (None once fewer than 2 are left). For 20 steps
+    on plan: after steps 10, 15, 17, 18 and 19."""
+    left = planned - taken
+    return taken + left // 2 if left >= 2 else None
+
+
 @dataclass
 class _InFlight:
     """A started all-reduce: ``buffer`` holds [sum of tokens x pseudo-gradient, sum of tokens]
@@ -502,23 +510,27 @@ class AsyncDiLoCo(OuterLoop):
 
     def plan_period(self, steps: int, seconds: float = 0.0) -> None:
         """The next period (which starts after this quorum) takes ``steps`` inner steps; with
-        ``seconds`` (the period's planned length), halfway through it the group corrects its
-        step count by its speed in the period so far (:func:`dylu_steps_to_deadline`): how
-        fast a group computes varies from one period to the next, and an error of one period's
-        estimate would otherwise make the other groups wait for all of it."""
+        ``seconds`` (the period's planned length), the group corrects its step count by its
+        speed in the period so far (:func:`dylu_steps_to_deadline`) halfway through it, then
+        halfway through what is left, until one step is left (:func:`dylu_next_correction`):
+        how fast a group computes varies from one period to the next and within one, and an
+        error of the estimate would otherwise make the other groups wait for all of it."""
         if not 1 <= steps <= 2 * self.period:
             raise ValueError(f"a period takes 1 to {2 * self.period} inner steps, not {steps}")
         self._steps_this_period = steps
         self._period_seconds = seconds
-        self._replan_at = steps // 2 if seconds > 0 and steps >= 2 else None
+        self._replan_at = dylu_next_correction(0, steps) if seconds > 0 else None
 
     def _replan(self) -> None:
         if self._period_began is None:  # restarted mid-period: keep the plan
+            self._replan_at = None
             return
         elapsed = time.perf_counter() - self._period_began
         steps = dylu_steps_to_deadline(self._local_step, elapsed, self._period_seconds, self.period)
-        # Every rank of the group takes the same number of steps.
+        # Every rank of the group takes the same number of steps, and so corrects at the same
+        # step next time.
         self._steps_this_period = self.agree_in_group(steps)
+        self._replan_at = dylu_next_correction(self._local_step, self._steps_this_period)
 
     def steps_this_period(self) -> int:
         return self._steps_this_period

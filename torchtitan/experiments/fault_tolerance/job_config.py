@@ -140,12 +140,12 @@ class FaultTolerance(CoreFaultTolerance):
     ``sync_steps`` (per fragment: ``sync_steps / fragments``), and every other group the whole
     steps closest to that time (the fastest about ``sync_steps``, at most twice it); decided at
     every sync quorum from the speeds the groups exchange (seconds per inner step in their
-    last period), and corrected halfway through the period by the group's speed in it, to end
-    closest to the planned length in seconds. Training then ends after
-    ``training.steps / sync_steps`` periods (every group at the same sync point, after its own
-    number of steps), and each group's learning
-    rate follows the job's progress through the schedule, not its own step count. The number
-    of steps then depends on measured time: runs are not bit-for-bit repeatable."""
+    last period), and corrected by the group's speed in the period halfway through it, then
+    halfway through what is left, to end closest to the planned length in seconds. Training
+    then ends after ``training.steps / sync_steps`` periods (every group at the same sync
+    point, after its own number of steps), and each group's learning rate follows the job's
+    progress through the schedule, not its own step count. The number of steps then depends on
+    measured time: runs are not bit-for-bit repeatable."""
 
     emulate_slowdown: float = 1.0
     """Benchmarks and tests: make this group a straggler that computes this many times the
