@@ -5,8 +5,8 @@ over the slowest links of the job. This module shrinks those bytes: each rank en
 (error-corrected) fp32 tensor with a :class:`Codec`, the ranks exchange the encoded bytes and
 reduce in fp32, and every rank decodes the same final bytes. It uses only ``alltoall_base``,
 ``allgather`` and ``allreduce`` of a torch.distributed-style process group (torch's Gloo/NCCL
-groups or torchft's reconfigurable wrappers) and plain torch ops, so it runs on CPU/gloo and on
-CUDA/nccl alike.
+groups or torchft's reconfigurable wrappers) and plain torch ops, so the same code serves
+CPU/gloo and CUDA/nccl (tested on CPU/gloo; not yet run on a GPU).
 
 Codecs (``PSEUDO_GRAD_DTYPES``), each turning a flat fp32 tensor of ``numel`` elements into one
 uint8 tensor, so that a single tensor travels per peer:

@@ -156,11 +156,12 @@ class FaultTolerance(CoreFaultTolerance):
     pseudo_grad_dtype: str = "float32"
     """diloco and async_diloco: how pseudo-gradients travel. ``float32``: as they are.
     ``bfloat16``: half the bytes. ``int8`` / ``int4``: a quarter / an eighth, with one fp32
-    scale per block of 128 values (int4 packs two values per byte). Works on CPU (gloo) and
-    GPU (nccl). The all-reduce keeps the saving for any number of groups (each group reduces
-    one chunk, then the reduced chunks are gathered, compressed again) and every group decodes
-    the same bytes, so global parameters stay identical. A failed compressed all-reduce fails
-    the sync like any other (nothing applied)."""
+    scale per block of 128 values (int4 packs two values per byte). Tested on CPU (gloo); the
+    CUDA (nccl) path is written but has not run on a GPU yet. The all-reduce keeps the saving
+    for any number of groups (each group reduces one chunk, then the reduced chunks are
+    gathered, compressed again) and every group decodes the same bytes, so global parameters
+    stay identical. A failed compressed all-reduce fails the sync like any other (nothing
+    applied)."""
 
     error_feedback: bool = False
     """With a compressed ``pseudo_grad_dtype``: each group adds what its compression dropped
