@@ -507,11 +507,11 @@ def get_codec(dtype: str) -> Codec:
 class ErrorFeedback:
     """Per-key residual of this rank's own compression, added back before the next encoding.
 
-    ``correct(key, x)`` returns ``x + residual`` (``correct_`` adds in place); after that
-    tensor is encoded, ``update(key, corrected, decoded)`` stores ``corrected - decoded``, or
-    ``set_residual`` one the encode computed. The residuals are part of the training state
-    (``state_dict``/``load_state_dict``): without them a restarted rank would drop the error it
-    still owes.
+    ``correct(key, x)`` returns ``x + residual`` (``correct_`` adds in place); the encode of
+    that tensor computes what it dropped (``Codec.encode_into(..., residual=)``) into
+    ``residual_buffer(key, x)``, and ``set_residual`` stores it. The residuals are part of the
+    training state (``state_dict``/``load_state_dict``): without them a restarted rank would
+    drop the error it still owes.
 
     On the CPU the residual a new one replaces is kept as the buffer for the round after
     (:meth:`residual_buffer`): a fresh model-sized buffer there costs more in page faults than
@@ -543,7 +543,7 @@ class ErrorFeedback:
 
     def correct_(self, key: str, x: torch.Tensor) -> torch.Tensor:
         """``x += residual[key]`` in place; returns ``x``. The residual stays owed until
-        :meth:`update` or :meth:`set_residual` replaces it."""
+        :meth:`set_residual` replaces it."""
         residual = self._owed(key, x)
         return x if residual is None else x.add_(residual)
 
@@ -616,14 +616,8 @@ class ErrorFeedback:
             del self._residuals[key]
         self._pending[fragment] = (flat.detach().reshape(-1).clone(), 0)
 
-    def update(self, key: str, corrected: torch.Tensor, decoded: torch.Tensor) -> None:
-        """Store ``corrected - decoded``: what the encoding of ``corrected`` dropped."""
-        self.set_residual(
-            key, torch.sub(corrected, decoded, out=self.residual_buffer(key, corrected))
-        )
-
     def set_residual(self, key: str, residual: torch.Tensor) -> None:
-        """Store an already computed residual for ``key``."""
+        """Store the residual of ``key`` computed by its latest encode."""
         old = self._residuals.get(key)
         self._residuals[key] = residual
         if old is not None and old is not residual and old.device.type == "cpu":
