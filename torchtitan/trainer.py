@@ -138,11 +138,13 @@ class Trainer:
         )
         self.val_dataloader = None
         if job_config.validation.enable:
+            # Sharded over this group's ranks only: every replica group validates the same
+            # samples, so the losses of groups that hold the same model compare.
             self.val_dataloader = build_dataloader(
                 job_config,
                 self.tokenizer,
-                self.parallel_dims.data_rank,
-                self.parallel_dims.data_world_size,
+                self.parallel_dims.rank,
+                self.parallel_dims.world_size,
                 split="validation",
             )
 

@@ -13,7 +13,8 @@ killed peer restarts. ``--fault_injection.hold_before_sync_file=PATH`` holds it 
 point, before it asks for the sync's quorum, while PATH exists. ``--fault_injection.step_sleep_s``
 stretches every step (periods of seconds instead of milliseconds), and
 ``--fault_injection.corrupt_global_after_sync=K`` changes one number of this group's DiLoCo global
-copy after its sync K (the agreement check must catch it).
+copy after its sync K (the agreement check must catch it), and ``--fault_injection.nan_in_sync=K``
+puts a NaN into what it sends in sync K.
 
 The step-level knobs (``stall_after_step``, ``pause_file``, ``step_sleep_s``) work with both
 trainers; the sync-level ones with the semi-sync trainer only. Use with
@@ -55,6 +56,9 @@ HELD_BEFORE_SYNC = EventKind(
     "fault.held_before_sync", "[fault-injection] holding before sync #{sync}"
 )
 RELEASED = EventKind("fault.released", "[fault-injection] released")
+NAN_INJECTED = EventKind(
+    "fault.nan_injected", "[fault-injection] a NaN in this group's pseudo-gradient of sync #{sync}"
+)
 CORRUPTED = EventKind(
     "fault.corrupted_global_copy", "[fault-injection] corrupted the global copy after sync #{sync}"
 )
@@ -89,6 +93,10 @@ class FaultInjection:
     fail_syncs_from: int = 0
     """From sync K on, this group fails every sync after its all-reduce (its commit says no).
     0: never."""
+
+    nan_in_sync: int = 0
+    """Put a NaN into the first tensor this group hands to the all-reduce of sync K (a
+    pseudo-gradient, or LocalSGD's parameters). 0: never."""
 
 
 @dataclass
@@ -166,6 +174,18 @@ class StallingTrainer(StepFaults, SemiSyncTrainer):
             return should_commit(*args, **kwargs)
 
         self.sync.should_commit = should_commit_with_faults  # type: ignore[method-assign]
+        allreduce = self.sync.allreduce
+        poisoned: set[int] = set()
+
+        def allreduce_with_faults(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            sync = self.ft.manager.current_step() + 1  # type: ignore[union-attr]
+            if sync == self.faults.nan_in_sync and sync not in poisoned and not kwargs.get("exact"):
+                poisoned.add(sync)
+                tensor.view(-1)[0] = float("nan")
+                NAN_INJECTED.emit(sync=sync)
+            return allreduce(tensor, *args, **kwargs)
+
+        self.sync.allreduce = allreduce_with_faults  # type: ignore[method-assign]
 
     def _report_sync(self, step: int) -> None:
         super()._report_sync(step)

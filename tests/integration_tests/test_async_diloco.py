@@ -5,25 +5,33 @@ both groups hold the same global parameters (``semi_sync.global_digest``)."""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
-from tests.integration_tests.harness import SEMI_SYNC_MODULE, FTJob, tail
+from tests.integration_tests.harness import FAULTS_MODULE, SEMI_SYNC_MODULE, FTJob, tail
 from tests.integration_tests.test_semi_sync import (
     SYNC_STEPS,
     args,
     assert_clean_syncs_agree,
     assert_loss_falls,
+    global_digests,
     syncs,
 )
 from torchtitan.components.metrics import TRAIN_STEP
 from torchtitan.experiments.fault_tolerance.events import (
     FINAL_DIGEST,
     FINAL_MODEL,
+    FINISHED_ALONE,
+    GLOBAL_DIGEST,
+    HEALED,
     INNER_STEPS_PLANNED,
     SYNC,
 )
+from torchtitan.experiments.fault_tolerance.lineage import job_model
+from torchtitan.tools.cluster import process_tree, signal_pids
 from torchtitan.trainer import TRAINING_FINISHED
 
 
@@ -116,4 +124,92 @@ def test_groups_of_different_speeds_take_different_inner_steps_and_agree(
         f"DyLU, group 1 at 4x the work per step: inner steps per period {inner[0]} and "
         f"{inner[1]}; group 1's weights {[round(e['weight'], 3) for e in raw[1]]}; "
         f"{periods} syncs with identical digests; both end with {final[0][0]}"
+    )
+
+
+def test_a_whole_job_restart_from_checkpoints_one_sync_point_apart_resumes_identical_groups(
+    ft_job: Callable[..., FTJob], tmp_path: Path
+) -> None:
+    """Async DiLoCo, int4 with error feedback, checkpoints every 2 steps (mid-period: each
+    holds the sync in flight as arrived). The whole job restarts with group 0 on its
+    checkpoint of step 6 (sync 1 in flight) and group 1 on step 10 (sync 2 in flight), one
+    sync point apart, as DyLU's groups' latest checkpoints are (they take different steps per
+    period). Group 0 heals from group 1's newer checkpoint, and with it takes group 1's sync in
+    flight: both apply the same average at their next sync point, agree at every sync and end
+    with the same model (applying its own older sum, group 0 would disagree at the next sync
+    and the run would stop: two groups have no majority)."""
+    common = [
+        "--checkpoint.enable",
+        "--checkpoint.interval=2",
+        "--checkpoint.keep_latest_k=0",
+    ]
+    first = ft_job(
+        groups=2, train_args=args(SEMI_SYNC_MODULE, "async_int4", "--training.steps=12", *common)
+    )
+    first.start()
+    for r in range(2):
+        assert first.wait_exit(r, timeout=240) == 0, tail(first.latest(r).text())
+    first.close()
+    job = ft_job(
+        tmp_path / "restart",
+        groups=2,
+        dump_folder=first.dump_folder,
+        train_args=args(SEMI_SYNC_MODULE, "async_int4", "--training.steps=20", *common),
+    )
+    job.start_lighthouse()
+    job.start_group(0, ["--checkpoint.load_step=6"])
+    job.start_group(1, ["--checkpoint.load_step=10"])
+    for r in range(2):
+        assert job.wait_exit(r, timeout=240) == 0, tail(job.latest(r).text())
+    healed = job.events(0, HEALED)
+    assert [(e["case"], e["peer"]) for e in healed] == [("newer_checkpoint", 1)], healed
+    per_group = [syncs(job.events(r, SYNC)) for r in range(2)]
+    shared = sorted({s.number for s in per_group[0]} & {s.number for s in per_group[1]})
+    assert shared and all(s.committed for found in per_group for s in found), per_group
+    digests = [global_digests(job.events(r, GLOBAL_DIGEST)) for r in range(2)]
+    assert all(digests[0][n] == digests[1][n] for n in shared), digests
+    final = [[e["digest"] for e in job.events(r, FINAL_DIGEST)] for r in range(2)]
+    assert len(final[0]) == 1 and final[0] == final[1], final
+    print(f"restart at steps 6 and 10: syncs {shared} agree; both end with {final[0][0]}")
+
+
+def test_a_group_stopped_until_the_others_finished_ends_with_a_named_lineage(
+    ft_job: Callable[..., FTJob],
+) -> None:
+    """Async DiLoCo with int8. Group 1 is stopped (SIGSTOP, alive but frozen) after step 6 and
+    resumed only once group 0 has finished: group 0 goes on alone once the lighthouse stops
+    counting the frozen group and finishes; group 1 then finds no peer and trains its
+    remaining periods alone from its stale copy (a collective that met the frozen group would
+    fail after the 3 s collective timeout). Both exit 0 with different models, and nothing is
+    silent: each final model carries its lineage (the same last shared sync, syncs alone
+    since), each group warns that it finished alone, and the job's model is group 0's (it
+    carried the job on first)."""
+    train_args = [
+        *args(FAULTS_MODULE, "async_eager", "--training.steps=24"),
+        "--fault_tolerance.pseudo_grad_dtype=int8",
+        "--fault_tolerance.sync_collective_timeout_s=3",
+        "--fault_injection.step_sleep_s=0.2",
+    ]
+    job = ft_job(groups=2, train_args=train_args)
+    job.start()
+    job.wait_for_event(1, TRAIN_STEP, timeout=240, where=lambda e: e.step == 6)
+    frozen = process_tree(job.latest(1).pid)
+    signal_pids(frozen, signal.SIGSTOP)
+    try:
+        assert job.wait_exit(0, timeout=240) == 0, tail(job.latest(0).text())
+    finally:
+        signal_pids(frozen, signal.SIGCONT)
+    assert job.wait_exit(1, timeout=240) == 0, tail(job.latest(1).text())
+    finals = {r: job.events(r, FINAL_MODEL)[0].fields for r in range(2)}
+    assert finals[0]["digest"] != finals[1]["digest"]
+    assert finals[0]["last_shared_sync"] == finals[1]["last_shared_sync"] is not None
+    assert finals[0]["solo_syncs"] > 0 and finals[1]["solo_syncs"] > 0, finals
+    for r in range(2):
+        alone = job.events(r, FINISHED_ALONE)
+        assert [e["solo_syncs"] for e in alone] == [finals[r]["solo_syncs"]]
+    assert job_model(finals) == 0
+    print(
+        f"group 1 frozen after step 6: both finished alone after sync "
+        f"#{finals[0]['last_shared_sync']} ({finals[0]['solo_syncs']} and "
+        f"{finals[1]['solo_syncs']} syncs alone); the job's model is group 0's"
     )

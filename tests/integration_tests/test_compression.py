@@ -6,20 +6,27 @@ test_semi_sync.py::test_kill_mid_inner_steps_and_during_sync_then_heal[async_int
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.integration_tests.harness import SEMI_SYNC_MODULE, FTJob, tail
+from tests.integration_tests.harness import FAULTS_MODULE, SEMI_SYNC_MODULE, FTJob, tail
 from tests.integration_tests.test_semi_sync import (
     args,
     assert_clean_syncs_agree,
     assert_loss_falls,
+    global_digests,
     syncs,
 )
 from torchtitan.components.metrics import TRAIN_STEP
-from torchtitan.experiments.fault_tolerance.events import FINAL_DIGEST, SYNC
+from torchtitan.experiments.fault_tolerance.events import (
+    FINAL_DIGEST,
+    GLOBAL_DIGEST,
+    NON_FINITE,
+    SYNC,
+)
 
 #: The most bytes a sync of each dtype may send, as a share of float32's (payload + scales).
 MAX_SHARE = {"diloco_int8": 0.27, "async_int4": 0.14}
@@ -70,3 +77,38 @@ def test_compressed_syncs_keep_the_groups_identical(
         f"{min(shares):.3f}-{max(shares):.3f} x float32 ({fp32_bytes} B); loss {first:.3f} -> "
         f"{last:.3f}; both end with {final[0][0]}"
     )
+
+
+@pytest.mark.parametrize("method", ["diloco_int8", "async_int4"])
+def test_a_nan_in_one_group_fails_that_sync_everywhere_and_poisons_nothing(
+    ft_job: Callable[..., FTJob], method: str
+) -> None:
+    """Error feedback on; group 1 puts a NaN into its pseudo-gradient of sync #2. Both groups
+    drop that sync (group 1 names itself, group 0 names another group), retry it under the
+    same number, and commit every later sync with the same digest; both end with the same
+    finite model. Without the check the NaN would poison its block's scale in every group's
+    average alike (the digests would still agree) and, through the residual, every later
+    sync."""
+    extra = ["--training.steps=16", "--fault_tolerance.error_feedback"]
+    if method == "async_int4":
+        extra = extra[:1]  # async_int4 has error feedback already
+    job = ft_job(groups=2, train_args=args(FAULTS_MODULE, method, *extra))
+    job.start_lighthouse()
+    job.start_group(0)
+    job.start_group(1, ["--fault_injection.nan_in_sync=2"])
+    for r in range(2):
+        assert job.wait_exit(r, timeout=240) == 0, tail(job.latest(r).text())
+    found = [
+        [(e["origin"], e["group"], e.sync) for e in job.events(r, NON_FINITE)] for r in range(2)
+    ]
+    assert found == [[("another group", None, 2)], [("this group", 1, 2)]], found
+    per_group = [syncs(job.events(r, SYNC)) for r in range(2)]
+    for outcomes in per_group:
+        assert [(s.number, s.committed) for s in outcomes][:3] == [(1, True), (2, False), (2, True)]
+        assert all(s.committed for s in outcomes[2:]), outcomes
+    digests = [global_digests(job.events(r, GLOBAL_DIGEST)) for r in range(2)]
+    assert digests[0] == digests[1] and len(digests[0]) >= 3, digests
+    final = [[e["digest"] for e in job.events(r, FINAL_DIGEST)] for r in range(2)]
+    assert len(final[0]) == 1 and final[0] == final[1], final
+    losses_ = [e["loss"] for e in job.events(0, TRAIN_STEP)]
+    assert all(math.isfinite(v) for v in losses_), losses_

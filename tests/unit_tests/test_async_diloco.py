@@ -22,10 +22,16 @@ from torchtitan.experiments.fault_tolerance.async_diloco import (
     dylu_steps_to_deadline,
     outer_sgd_direction,
 )
+from torchtitan.experiments.fault_tolerance.lineage import Lineage
 from torchtitan.experiments.fault_tolerance.trainer import SemiSyncState
 
 #: The trainer's sync Manager as the checkpoint sees it when nothing is compressed.
 NO_COMPRESSION = SimpleNamespace(error_feedback=None)
+
+
+def as_trainer(group: Group) -> Any:
+    """What SemiSyncState sees of the trainer."""
+    return SimpleNamespace(algorithm=group.loop, sync=NO_COMPRESSION, lineage=Lineage())
 
 
 class Work:
@@ -74,10 +80,22 @@ class FakeManager:
             self.step = self.heal_from.step
             self.heal_from = None
 
-    def allreduce(self, buffer: torch.Tensor, reduce_op: Any = None) -> Work:
+    def allreduce(self, buffer: torch.Tensor, reduce_op: Any = None, exact: bool = False) -> Work:
         self.cluster.rounds.setdefault(self.calls, []).append(buffer)
         self.calls += 1
         return Work(self.cluster, self.calls - 1)
+
+    def flush(self) -> None:
+        pass
+
+    def sync_stats(self) -> tuple[int, float | None]:
+        return 0, None
+
+    def sync_failed(self) -> bool:
+        return False
+
+    def reset_error_feedback(self) -> None:
+        pass
 
     def should_commit(self) -> bool:
         if self.commit:
@@ -322,7 +340,7 @@ def _save(group: Group, folder: Any) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     dcp.save(
-        {"semi_sync": SemiSyncState(SimpleNamespace(algorithm=group.loop, sync=NO_COMPRESSION))},
+        {"semi_sync": SemiSyncState(as_trainer(group))},
         checkpoint_id=folder,
     )
     return {
@@ -335,7 +353,7 @@ def _save(group: Group, folder: Any) -> dict[str, Any]:
 def _load(group: Group, folder: Any, rest: dict[str, Any]) -> None:
     import torch.distributed.checkpoint as dcp
 
-    state = SemiSyncState(SimpleNamespace(algorithm=group.loop, sync=NO_COMPRESSION))
+    state = SemiSyncState(as_trainer(group))
     dcp.load({"semi_sync": state}, checkpoint_id=folder)
     group.model.load_state_dict(rest["model"])
     group.manager.step = rest["step"]
@@ -535,3 +553,137 @@ def test_groups_taking_different_inner_steps_agree_and_weigh_by_tokens(update):
     assert weights == pytest.approx([2 / 3, 1 / 3])
     with pytest.raises(ValueError, match="1 to 8 inner steps"):
         groups[0].loop.plan_period(9)
+
+
+def test_a_group_healed_in_the_sync_quorum_all_reduces_the_fragment_its_peer_syncs() -> None:
+    """Fragments of 20 and 5 values. A group one sync behind heals from its peer inside its
+    sync quorum (a minority after a digest mismatch): it must take part in the peer's sync, of
+    fragment 1, not start fragment 0's all-reduce (a size mismatch: a hang on nccl)."""
+    ahead = Group(Cluster(), 1, fragments=2)
+    run([ahead], 2 * 2)  # two sync points: the first sync committed, Manager step 1
+    assert ahead.manager.step == 1 and ahead.loop.current_fragment() == 1
+    cluster = Cluster()
+    behind = Group(cluster, 2, fragments=2)
+    behind.manager.heal_from = ahead.manager
+    run([behind], 2)  # its first sync point, where it heals
+    sent = [cluster.rounds[r][0] for r in sorted(cluster.rounds)]
+    assert [t.numel() for t in sent] == [5, 1]  # fragment 1's values, then the token count
+    assert behind.loop._in_flight is not None and behind.loop._in_flight.fragment == 1
+    assert torch.equal(sent[1], torch.zeros(1))  # it healed: weight 0
+
+
+def test_ranks_of_a_group_agree_whether_a_sync_in_flight_arrived_before_saving_it() -> None:
+    """A checkpoint taken while a sync is in flight keeps its result only if it arrived on
+    every rank of the group: here another rank's all-reduce failed (the group's MAX says 1), so
+    this rank must not save it as arrived although its own collective succeeded."""
+    group = Group(Cluster(), 1)
+    run([group], 5)  # a sync in flight since step 4
+    flight = group.loop._in_flight
+    assert flight is not None and not flight.arrived
+    asked: list[int] = []
+    group.loop.agree_in_group = lambda failed: asked.append(failed) or 1
+    state = group.loop.extra_state()
+    assert asked == [0]  # this rank's own collective went through
+    assert state["arrived"]["fragment"] == -1 and group.loop.in_flight(0)
+
+
+def test_outer_state_kept_on_the_cpu_is_saved_from_the_cpu() -> None:
+    """outer_state_device=cpu with sharded parameters on an accelerator (here a mesh that says
+    cuda, over meta tensors): every tensor of the saved semi-sync state stays on the CPU, none
+    is copied next to the model."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    store = dist.HashStore()
+    pg = dist.ProcessGroupGloo(store, 0, 1, __import__("datetime").timedelta(seconds=10))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cuda", mesh_dim_names=("dp_shard",))
+        group = Group(Cluster(), 1, outer_momentum_every=2, outer_momentum=0.9)
+        run([group], 5)  # a sync in flight: its arrived sum is saved too
+        for fragment in group.loop._states:
+            fragment.params = {
+                name: nn.Parameter(
+                    DTensor.from_local(
+                        torch.empty_like(p, device="meta"),
+                        mesh,
+                        [Shard(0)],
+                        shape=p.shape,
+                        stride=p.stride(),
+                    )  # fmt: skip
+                )
+                for name, p in fragment.params.items()
+            }
+        group.loop.fragment_parameters = lambda i: group.loop._states[i].params  # type: ignore[method-assign]
+        saved = SemiSyncState(as_trainer(group)).state_dict()
+        tensors = [t for t in _leaves(saved) if isinstance(t, torch.Tensor)]
+        assert tensors and all(isinstance(t, DTensor) for t in tensors)
+        assert {t.to_local().device.type for t in tensors} == {"cpu"}
+    finally:
+        del pg
+        dist.destroy_process_group()
+
+
+def _leaves(tree: Any) -> Iterator[Any]:
+    if isinstance(tree, dict):
+        for value in tree.values():
+            yield from _leaves(value)
+    else:
+        yield tree
+
+
+def test_a_period_dylu_ends_early_reports_the_sync_s_own_time_with_gradients_freed(
+    monkeypatch,
+):
+    """DyLU plans 8 steps in 8 s; at 2 s per step the period ends after step 4, which the
+    trainer's hooks cannot know before the method's own hook decides it. The sync reported is
+    the 0.5 s the sync point took (not the period since the last sync), and the inner
+    gradients are already freed when the sync runs."""
+    from torchtitan.experiments.fault_tolerance import trainer as trainer_module
+    from torchtitan.experiments.fault_tolerance.trainer import SemiSyncTrainer
+
+    clock = FakeClock()
+    monkeypatch.setattr(async_diloco, "time", clock)
+    monkeypatch.setattr(trainer_module, "time", clock)
+    group = Group(Cluster(), 1)
+    group.loop.period = 8
+    group.loop.plan_period(8, seconds=8.0)
+    grads_at_sync: list[bool] = []
+    start_quorum = group.manager.start_quorum
+
+    def slow_quorum() -> None:
+        grads_at_sync.append(any(p.grad is not None for p in group.model.parameters()))
+        clock.now += 0.5
+        start_quorum()
+
+    group.manager.start_quorum = slow_quorum  # type: ignore[method-assign]
+    reported: list[float] = []
+    stub = SimpleNamespace(
+        optimizer=group.optimizer,
+        algorithm=group.loop,
+        delay=0,
+        period=8,
+        sync=SimpleNamespace(flush=lambda: None),
+        train_state=SimpleNamespace(step=0),
+        _sync_seconds=0.0,
+        _pseudo_grad_norm=None,
+        _hook_start=0.0,
+    )
+    stub._report_sync = lambda step: reported.append(stub._sync_seconds)
+    before = group.optimizer.register_step_post_hook(
+        lambda *a: SemiSyncTrainer._before_torchft(stub, *a)  # type: ignore[arg-type]
+    )
+    with training([group]):
+        after = group.optimizer.register_step_post_hook(
+            lambda *a: SemiSyncTrainer._after_torchft(stub, *a)  # type: ignore[arg-type]
+        )
+        try:
+            for _ in range(4):
+                clock.now += 2.0
+                group.step()
+        finally:
+            before.remove()
+            after.remove()
+    assert group.loop.local_step() == 0 and grads_at_sync == [False]
+    assert reported == [pytest.approx(0.5)]

@@ -301,6 +301,8 @@ def test_a_single_rank_gets_its_own_round_trip(dtype: str) -> None:
     stats = compressed_all_reduce(pg, tensor, dtype, error_feedback=feedback, key="k")
     assert torch.equal(tensor, codec.decode(codec.encode(x), 500))
     assert stats.bytes_sent == 0 and stats.world_size == 1
+    assert feedback.residual("k") is None  # staged: owed only once the sync commits
+    feedback.commit()
     if dtype != "float32":
         assert torch.equal(feedback.state_dict()["k"], x - tensor)
 
@@ -426,6 +428,8 @@ def _collectives_worker(rank: int, world_size: int, store_path: str, out_dir: st
         tensor = x.clone()
         compressed_all_reduce(pg, tensor, "int4", error_feedback=feedback, key="frag0")
         out["int4.feedback"] = tensor
+        out["int4.residual_before_commit"] = feedback.residual("frag0")
+        feedback.commit()
         out["int4.residual"] = feedback.residual("frag0")
 
         runner = AsyncCompressedAllReduce()
@@ -551,6 +555,7 @@ def test_gloo_all_reduce_is_identical_on_every_rank_and_close_to_the_sum(
         assert torch.equal(results[r]["int4.feedback"], results[0]["int4"])
         # ... and the residual is exactly what this rank's own encoding dropped.
         own = codec.decode(codec.encode(inputs[r]), NUMEL)
+        assert results[r]["int4.residual_before_commit"] is None
         assert torch.equal(results[r]["int4.residual"], inputs[r] - own)
 
         assert results[r]["async.errors"] == []

@@ -17,6 +17,7 @@ from torchtitan.components.ft import FaultToleranceError
 from torchtitan.components.ft.torchft_adapter import ManagerStandIn
 from torchtitan.config import ConfigManager
 from torchtitan.experiments.fault_tolerance.events import HEALED
+from torchtitan.experiments.fault_tolerance.lineage import Lineage
 from torchtitan.experiments.fault_tolerance.outer_loop import TorchftDiLoCo
 from torchtitan.experiments.fault_tolerance.sync_quorum import (
     FRESH,
@@ -134,7 +135,9 @@ def as_trainer(algo: Any) -> Any:
     """What SemiSyncState sees of the trainer: its outer loop around ``algo``."""
     parts = [f._model_fragment for f in algo._fragments]
     loop = TorchftDiLoCo(algo, parts, algo._sync_every, algo._fragment_sync_delay)
-    return SimpleNamespace(algorithm=loop, sync=SimpleNamespace(error_feedback=None))
+    return SimpleNamespace(
+        algorithm=loop, sync=SimpleNamespace(error_feedback=None), lineage=Lineage()
+    )
 
 
 def _outer_step(algo: Any) -> None:
@@ -372,70 +375,3 @@ def test_emulated_slowdown_computes_more_and_leaves_the_gradients_alone(
     assert torch.equal(loss, expected)
     for p, r in zip(model.parameters(), reference.parameters(), strict=True):
         assert p.grad is not None and torch.equal(p.grad, r.grad)
-
-
-# ---- compressed pseudo-gradients through the sync Manager ------------------------------------
-
-
-class _OneGroupPG:
-    """A replica process group of one group (the compressed all-reduce then only encodes and
-    decodes), counting what was asked of it."""
-
-    def size(self) -> int:
-        return 1
-
-
-def _compressing_sync(errored: bool = False) -> tuple[Any, list[Exception]]:
-    from torchtitan.experiments.fault_tolerance.sync_quorum import SyncManager
-
-    reported: list[Exception] = []
-    manager = SimpleNamespace(
-        _pg=_OneGroupPG(),
-        errored=lambda: RuntimeError("earlier") if errored else None,
-        is_participating=lambda: True,
-        num_participants=lambda: 1,
-        report_error=reported.append,
-        current_step=lambda: 0,
-        allreduce=lambda *a, **k: pytest.fail("compressed syncs must not use torchft's"),
-    )
-    sync = SyncManager(SimpleNamespace(manager=manager), 1, 60.0, lambda: True)  # type: ignore[arg-type]
-    sync.compress("int8", error_feedback=True, fragment_of_sync=lambda: 3)
-    return sync, reported
-
-
-def test_compressed_allreduce_names_tensors_by_fragment_and_order_and_reports_bytes() -> None:
-    """Through the sync Manager, torchft's calls are compressed in order, named for error
-    feedback by (fragment, call since the quorum); an exact tensor travels as it is."""
-    from torch.distributed import ReduceOp
-
-    sync, reported = _compressing_sync()
-    try:
-        x = torch.linspace(-1.0, 1.0, 300)
-        first = sync.allreduce(x.clone())
-        second = sync.allreduce(x[:10].clone())
-        exact = sync.allreduce(torch.tensor([12345.678]), reduce_op=ReduceOp.SUM, exact=True)
-        first.wait(), second.wait(), exact.wait()
-        assert torch.equal(exact.tensor, torch.tensor([12345.678]))  # not quantized
-        step = first.tensor.abs().max() / 127
-        assert (first.tensor - x).abs().max() <= step  # int8 of the sum of one group
-        assert sync.error_feedback is not None
-        assert sync.error_feedback.residual("fragment_3/0") is not None
-        assert sync.error_feedback.residual("fragment_3/1") is not None
-        stats = sync.compressed_stats()
-        assert stats is not None and stats[1] > 0  # one group sends nothing but encodes
-        assert reported == []
-        sync.reset_error_feedback()
-        assert sync.error_feedback.residual("fragment_3/0") is None
-    finally:
-        sync.shutdown()
-
-
-def test_after_an_error_compressed_allreduces_are_no_ops() -> None:
-    sync, reported = _compressing_sync(errored=True)
-    try:
-        x = torch.ones(200)
-        work = sync.allreduce(x)
-        work.wait()
-        assert torch.equal(work.tensor, torch.ones(200)) and work.stats is None
-    finally:
-        sync.shutdown()

@@ -360,7 +360,9 @@ class Validation:
     """Periodic loss on a held-out split."""
 
     enable: bool = False
-    """Report validation loss on the held-out split every ``freq`` steps."""
+    """Report validation loss on the held-out split every ``freq`` steps. With fault
+    tolerance every replica group validates the same held-out samples (the ranks of a group
+    split them), so groups that hold the same model report the same loss."""
 
     dataset: str = ""
     """Validation dataset; empty: the held-out split of ``training.dataset``."""

@@ -53,7 +53,6 @@ import torch
 from torch import nn
 from torch.distributed import ReduceOp
 
-from torchtitan.experiments.fault_tolerance.compression import ErrorFeedback, sent_and_seconds
 from torchtitan.experiments.fault_tolerance.outer_loop import (
     Ending,
     OuterLoop,
@@ -206,6 +205,7 @@ class _Fragment:
             "global": dict(self.global_),
             "start": dict(self.start),
             "outer": self.outer.state_dict(),
+            "steps": self.steps,
         }
 
     @torch.no_grad()
@@ -216,7 +216,9 @@ class _Fragment:
             self.global_[name].copy_(value)
             self.start[name].copy_(state["start"][name])
         self.outer.load_state_dict(state["outer"])
-        self.steps = 0
+        # The peer's inner steps since the fragment's last sync point go with its model (a
+        # group that was behind in a sync quorum then drops them: ``AsyncDiLoCo._after_heal``).
+        self.steps = int(state.get("steps", 0))
 
 
 def outer_sgd_direction(
@@ -294,8 +296,7 @@ class _InFlight:
 
 
 class _AllOf:
-    """The works of one sync's all-reduce (with compression: the pseudo-gradient and, exact,
-    the token count)."""
+    """The works of one sync's all-reduce: the pseudo-gradient and, exact, the token count."""
 
     def __init__(self, works: list[Any]) -> None:
         self.works = works
@@ -303,10 +304,6 @@ class _AllOf:
     def wait(self) -> None:
         for work in self.works:
             work.wait()
-
-    def compression(self) -> tuple[int, float] | None:
-        """(bytes sent, seconds compressing and decompressing) of compressed works."""
-        return sent_and_seconds(self.works)
 
 
 class _Arrived:
@@ -336,13 +333,11 @@ class AsyncDiLoCo(OuterLoop):
         outer_momentum_every: int = 1,
         state_device: torch.device,
         tokens_per_step: int,
-        compressed: bool = False,
     ) -> None:
         """``manager``: the sync Manager (quorum, all-reduce, should_commit, state for
         healing); ``sync_steps``: inner steps between two syncs of one fragment; ``update``:
         ``eager`` or ``delayed``; ``tokens_per_step``: tokens this group trains on per inner
-        step (the weight of its pseudo-gradients); ``compressed``: the Manager compresses
-        pseudo-gradients (``SyncManager.compress``), and the token count goes uncompressed."""
+        step (the weight of its pseudo-gradients)."""
         if update not in UPDATES:
             raise ValueError(f"update must be one of {UPDATES}, not {update!r}")
         self.manager = manager
@@ -350,7 +345,6 @@ class AsyncDiLoCo(OuterLoop):
         self.period = sync_steps // len(fragments)
         self.update = update
         self.tokens_per_step = tokens_per_step
-        self.compressed = compressed
         self.inner_optimizer = inner_optimizer
         self._states = [
             _Fragment(
@@ -384,9 +378,7 @@ class AsyncDiLoCo(OuterLoop):
                 lambda saved, state=state: self._load_from_heal(state, saved),
                 state.state_for_heal,
             )
-        manager.register_state_dict_fn(
-            "async_diloco_progress", self._load_progress, lambda: {"sync_points": self.sync_points}
-        )
+        manager.register_state_dict_fn("async_diloco_progress", self._load_progress, self._progress)
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -445,6 +437,10 @@ class AsyncDiLoCo(OuterLoop):
         if self._healed:  # this group's progress was replaced by a peer's state
             self._after_heal()
             steps = 0
+            # The peer may be a sync ahead (its Manager step is now this group's): take part
+            # in the all-reduce it starts, of the fragment it syncs.
+            index = self.current_fragment()
+            buffer = self._buffer(self._states[index])
         self._start_all_reduce(index, buffer, steps)
         self._period_began = time.perf_counter()
 
@@ -461,15 +457,13 @@ class AsyncDiLoCo(OuterLoop):
         else:
             buffer[:-1].mul_(tokens)
             buffer[-1] = tokens
-        if self.compressed:
-            works = [
-                self.manager.allreduce(
-                    buffer[:-1], reduce_op=ReduceOp.SUM, key=ErrorFeedback.fragment_key(index, 0)
-                ),
-                self.manager.allreduce(buffer[-1:], reduce_op=ReduceOp.SUM, exact=True),
-            ]
-        else:
-            works = [self.manager.allreduce(buffer, reduce_op=ReduceOp.SUM)]
+        # The pseudo-gradient as pseudo_grad_dtype says, the token count exact (fp32, no error
+        # feedback); all of it sent now, to arrive while the next period computes.
+        works = [
+            self.manager.allreduce(buffer[:-1], reduce_op=ReduceOp.SUM),
+            self.manager.allreduce(buffer[-1:], reduce_op=ReduceOp.SUM, exact=True),
+        ]
+        self.manager.flush()
         self._in_flight = _InFlight(index, buffer, _AllOf(works), steps, tokens)
 
     def _finish_in_flight(self) -> SyncOutcome | None:
@@ -486,17 +480,20 @@ class AsyncDiLoCo(OuterLoop):
             state.apply_average(flight.buffer[:-1].div_(total))
         state.follow_global()
         number = self.manager.current_step() + (0 if committed else 1)
-        sent = flight.buffer.numel() * flight.buffer.element_size()
-        compression = flight.work.compression() if isinstance(flight.work, _AllOf) else None
-        if compression is not None:
-            sent = compression[0]
+        # Bytes of a sync loaded as arrived from a checkpoint: its payload (it was sent by the
+        # process that saved it).
+        sent, compression_s = (
+            (flight.buffer.numel() * 4, None)
+            if isinstance(flight.work, _Arrived)
+            else self.manager.sync_stats()
+        )
         return SyncOutcome(
             number,
             flight.fragment,
             committed,
             sent,
             self.manager.num_participants(),
-            compression_s=None if compression is None else compression[1],
+            compression_s=compression_s,
             inner_steps=flight.inner_steps,
             tokens=flight.tokens,
             weight=flight.tokens / total if committed and total > 0 else None,
@@ -537,8 +534,36 @@ class AsyncDiLoCo(OuterLoop):
 
     # ---- healing -----------------------------------------------------------------------------
 
-    def _load_progress(self, saved: dict[str, int]) -> None:
+    def _progress(self) -> dict[str, Any]:
+        """Sent to a group that heals from this one: the job's progress and, from a starting
+        group, the sync its checkpoint holds as arrived (applied at the next sync point; a
+        running group has nothing in flight in a sync quorum)."""
+        state: dict[str, Any] = {"sync_points": self.sync_points}
+        flight = self._in_flight
+        if flight is not None and flight.arrived:
+            state["arrived"] = {
+                "fragment": flight.fragment,
+                "buffer": flight.buffer,
+                "inner_steps": flight.inner_steps,
+                "tokens": flight.tokens,
+            }
+        return state
+
+    def _load_progress(self, saved: dict[str, Any]) -> None:
+        """The peer's progress, and its arrived sync in place of this group's own: both groups
+        then apply the same average at the next sync point."""
         self.sync_points = int(saved["sync_points"])
+        arrived = saved.get("arrived")
+        self._in_flight = None
+        if arrived is not None:
+            self._in_flight = _InFlight(
+                int(arrived["fragment"]),
+                arrived["buffer"].detach().clone(),
+                _Arrived(),
+                int(arrived["inner_steps"]),
+                int(arrived["tokens"]),
+                arrived=True,
+            )
 
     def _load_from_heal(self, state: _Fragment, saved: dict[str, Any]) -> None:
         state.load_from_heal(saved)
@@ -547,8 +572,7 @@ class AsyncDiLoCo(OuterLoop):
     def _after_heal(self) -> None:
         """The global copies are the peer's: every fragment's local period starts there, and
         nothing this group did before counts (nor what its compression still owed)."""
-        if self.compressed:
-            self.manager.reset_error_feedback()
+        self.manager.reset_error_feedback()
         for state in self._states:
             state.start_period(None)
             state.steps = 0
@@ -598,7 +622,9 @@ class AsyncDiLoCo(OuterLoop):
         flight = self._in_flight
         if flight is not None and not flight.arrived:
             flight.work.wait()
-            flight.arrived = self.manager.errored() is None
+            # Every rank of the group decides alike (each sees only its own shard's failure).
+            failed = self.agree_in_group(int(self.manager.sync_failed()))
+            flight.arrived = not failed
         kept = flight if flight is not None and flight.arrived else None
         state: dict[str, Any] = {"sync_points": self.sync_points}
         for index, fs in enumerate(self._states):
@@ -620,7 +646,7 @@ class AsyncDiLoCo(OuterLoop):
                 part = (
                     kept.buffer[offset : offset + local.numel()].view_as(local)
                     if kept is not None and kept.fragment == index
-                    else torch.zeros(local.shape, dtype=torch.float32, device=local.device)
+                    else torch.zeros_like(fs.global_[name])  # where the outer state lives
                 )
                 part_of[name] = as_param_layout(p, part)
                 offset += local.numel()

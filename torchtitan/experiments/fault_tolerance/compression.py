@@ -72,6 +72,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, NamedTuple
 
 import torch
@@ -93,6 +94,7 @@ __all__ = [
     "chunk_numel",
     "compressed_all_reduce",
     "get_codec",
+    "is_finite",
 ]
 
 PSEUDO_GRAD_DTYPES = ("float32", "bfloat16", "int8", "int4")
@@ -517,12 +519,18 @@ class ErrorFeedback:
     (:meth:`residual_buffer`): a fresh model-sized buffer there costs more in page faults than
     the arithmetic done in it. The replaced residual is not touched before that next round.
 
-    Keys of a fragment's pseudo-gradient are ``fragment_key(fragment, n)``: the ``n``-th tensor
-    of the fragment's sync (torchft's buckets, in order; async DiLoCo sends one). Together they
-    cover the fragment's parameters once, so a checkpoint holds a fragment's residuals as one
-    flat tensor of fixed size (:meth:`fragment_residual`), whatever the bucket sizes, and a
+    Keys of a fragment's pseudo-gradient are ``fragment_key(fragment, n)``: the ``n``-th
+    transfer of the fragment's sync (the transport's buckets, in order). Together they cover
+    the fragment's parameters once, so a checkpoint holds a fragment's residuals as one flat
+    tensor of fixed size (:meth:`fragment_residual`), whatever the bucket sizes, and a
     restarted rank hands it back in slices as the sync's tensors come
     (:meth:`load_fragment_residual`).
+
+    A residual changes only when its sync commits: the collective stages (:meth:`stage`) what its
+    encode dropped, and the sync's verdict either keeps it (:meth:`commit`) or drops it
+    (:meth:`discard`, the residual owed before stays owed). A sync that fails anywhere (a
+    later bucket, another rank of the group, another group, a non-finite value) so leaves no
+    trace in what this rank owes.
     """
 
     def __init__(self) -> None:
@@ -531,6 +539,10 @@ class ErrorFeedback:
         self._pending: dict[int, tuple[torch.Tensor, int]] = {}
         #: Replaced CPU residuals, to compute the next ones in.
         self._spares: dict[str, torch.Tensor] = {}
+        #: Residuals of the sync being decided, by key (from its encodes) ...
+        self._staged: dict[str, torch.Tensor] = {}
+        #: ... or by fragment, as a checkpoint saved them while that sync was undecided.
+        self._staged_flat: dict[int, torch.Tensor] = {}
 
     @staticmethod
     def fragment_key(fragment: int, index: int) -> str:
@@ -584,22 +596,25 @@ class ErrorFeedback:
             self._pending[fragment] = (flat, offset + numel)
         return flat[offset : offset + numel]
 
-    def fragment_residual(self, fragment: int, numel: int) -> torch.Tensor:
+    def fragment_residual(self, fragment: int, numel: int, staged: bool = False) -> torch.Tensor:
         """This rank's residuals of ``fragment`` as one flat fp32 CPU tensor of ``numel``
         values (the fragment's local parameters), in key order; zeros where it owes nothing
-        (before its first compressed sync, or right after a heal)."""
+        (before its first compressed sync, or right after a heal). ``staged``: the residuals
+        the undecided sync of ``fragment`` leaves if it commits (:meth:`has_staged`)."""
         flat = torch.zeros(numel, dtype=torch.float32)
-        if fragment in self._pending:
+        residuals = self._staged if staged else self._residuals
+        if staged and fragment in self._staged_flat:
+            flat.copy_(self._staged_flat[fragment])
+            return flat
+        if not staged and fragment in self._pending:
             pending, offset = self._pending[fragment]
             flat[offset:] = pending[offset:].cpu()
         keys = sorted(
-            (int(k.rsplit("/", 1)[1]), k)
-            for k in self._residuals
-            if _fragment_of_key(k) == fragment
+            (int(k.rsplit("/", 1)[1]), k) for k in residuals if _fragment_of_key(k) == fragment
         )
         offset = 0
         for _, key in keys:
-            residual = self._residuals[key].reshape(-1)
+            residual = residuals[key].reshape(-1)
             if offset + residual.numel() > numel:
                 raise ValueError(
                     f"error feedback: fragment {fragment}'s residuals hold more than its "
@@ -609,19 +624,54 @@ class ErrorFeedback:
             offset += residual.numel()
         return flat
 
-    def load_fragment_residual(self, fragment: int, flat: torch.Tensor) -> None:
+    def load_fragment_residual(
+        self, fragment: int, flat: torch.Tensor, staged: bool = False
+    ) -> None:
         """Owe ``flat`` (from :meth:`fragment_residual`) again: the fragment's next sync takes
-        it in slices, one per tensor, in key order."""
+        it in slices, one per tensor, in key order. ``staged``: what the undecided sync of
+        ``fragment`` leaves if it commits (owed from :meth:`commit` on)."""
+        flat = flat.detach().reshape(-1).clone()
+        if staged:
+            self._staged_flat[fragment] = flat
+            return
         for key in [k for k in self._residuals if _fragment_of_key(k) == fragment]:
             del self._residuals[key]
-        self._pending[fragment] = (flat.detach().reshape(-1).clone(), 0)
+        self._pending[fragment] = (flat, 0)
 
     def set_residual(self, key: str, residual: torch.Tensor) -> None:
-        """Store the residual of ``key`` computed by its latest encode."""
+        """Store the residual of ``key`` computed by its latest encode (owed from now on)."""
         old = self._residuals.get(key)
         self._residuals[key] = residual
         if old is not None and old is not residual and old.device.type == "cpu":
             self._spares[key] = old
+
+    def stage(self, key: str, residual: torch.Tensor) -> None:
+        """The residual of ``key`` left by an encode of the sync being decided: owed only once
+        :meth:`commit` says the sync committed."""
+        self._staged[key] = residual
+
+    def has_staged(self, fragment: int) -> bool:
+        """Whether the undecided sync of ``fragment`` left residuals (:meth:`stage`)."""
+        return fragment in self._staged_flat or any(
+            _fragment_of_key(k) == fragment for k in self._staged
+        )
+
+    def commit(self) -> None:
+        """The sync committed: its staged residuals are owed from now on."""
+        for key, residual in self._staged.items():
+            self.set_residual(key, residual)
+        for fragment, flat in self._staged_flat.items():
+            self.load_fragment_residual(fragment, flat)
+        self._staged.clear()
+        self._staged_flat.clear()
+
+    def discard(self) -> None:
+        """The sync did not commit: what was owed before it stays owed."""
+        for key, residual in self._staged.items():
+            if residual.device.type == "cpu":
+                self._spares[key] = residual
+        self._staged.clear()
+        self._staged_flat.clear()
 
     def residual_buffer(self, key: str, like: torch.Tensor) -> torch.Tensor:
         """A tensor shaped like ``like`` (contents undefined) to compute ``key``'s next residual
@@ -650,14 +700,18 @@ class ErrorFeedback:
         return self._residuals.get(key)
 
     def reset(self, key: str | None = None) -> None:
-        """Drop the residual of ``key``, or all of them (and any loaded, not yet taken)."""
+        """Drop the residual of ``key``, or all of them (and any loaded, not yet taken, and
+        any staged)."""
         if key is None:
             self._residuals.clear()
             self._pending.clear()
             self._spares.clear()
+            self._staged.clear()
+            self._staged_flat.clear()
         else:
             self._residuals.pop(key, None)
             self._spares.pop(key, None)
+            self._staged.pop(key, None)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Copies of the residuals by key (a residual's buffer is reused two rounds later)."""
@@ -715,14 +769,17 @@ def compressed_all_reduce(
     error_feedback: ErrorFeedback | None = None,
     key: str = "",
     scratch: Scratch | None = None,
+    timeout: timedelta | None = None,
 ) -> CompressionStats:
     """SUM all-reduce of the 1-D fp32 ``tensor`` in place over ``pg``, ``dtype`` on the wire.
 
     Every rank must call it with the same ``dtype`` and ``tensor.numel()``, in the same order.
     Blocks until the result is in ``tensor`` (bit-identical on every rank). With
-    ``error_feedback``, this rank's residual under ``key`` is added first and updated once the
-    collectives succeed. ``scratch`` (of ``tensor``'s device) keeps the buffers for the next
-    call of the same thread. Raises what the collectives raise; ``tensor`` is then undefined.
+    ``error_feedback``, this rank's residual under ``key`` is added first, and the new one is
+    staged once the collectives succeed (``ErrorFeedback.stage``: owed only if the sync then
+    commits). ``scratch`` (of ``tensor``'s device) keeps the buffers for the next call of the
+    same thread. ``timeout``: the longest each collective may take (default: the process
+    group's). Raises what the collectives raise; ``tensor`` is then undefined.
     """
     codec = get_codec(dtype)
     _check_flat_fp32(tensor)
@@ -739,10 +796,12 @@ def compressed_all_reduce(
         if n > 1:
             opts = dist.AllreduceOptions()
             opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
+            if timeout is not None:
+                opts.timeout = timeout
             pg.allreduce([tensor], opts).wait()
             stats.bytes_sent = 2 * (n - 1) * 4 * math.ceil(numel / n)
         if error_feedback is not None:
-            error_feedback.reset(key)
+            error_feedback.stage(key, torch.zeros_like(tensor))  # nothing dropped
         _sync(tensor)
         stats.total_s = time.perf_counter() - start
         return stats
@@ -768,7 +827,7 @@ def compressed_all_reduce(
         _sync(tensor)
         stats.encode_s, stats.decode_s = t1 - t0, time.perf_counter() - t1
         if error_feedback is not None and residual is not None:
-            error_feedback.set_residual(key, residual)
+            error_feedback.stage(key, residual)
         stats.total_s = time.perf_counter() - start
         return stats
 
@@ -800,7 +859,10 @@ def compressed_all_reduce(
     # rank's error must not be able to write into the next one's.
     recv = torch.empty_like(send)
     splits = [chunk_bytes] * n
-    pg.alltoall_base(recv, send, splits, splits, dist.AllToAllOptions()).wait()
+    alltoall_opts = dist.AllToAllOptions()
+    if timeout is not None:
+        alltoall_opts.timeout = timeout
+    pg.alltoall_base(recv, send, splits, splits, alltoall_opts).wait()
 
     # Reduce this rank's chunk in fp32, in rank order, so that a rerun gives the same bytes.
     t0 = time.perf_counter()
@@ -820,7 +882,10 @@ def compressed_all_reduce(
     # Phase 2: all-gather the re-encoded chunks; every rank decodes the same n chunks, its own
     # included (from the bytes, not from ``reduced``), so that all ranks hold identical values.
     gathered = [torch.empty_like(mine) for _ in range(n)]
-    pg.allgather([gathered], [mine], AllgatherOptions()).wait()
+    allgather_opts = AllgatherOptions()
+    if timeout is not None:
+        allgather_opts.timeout = timeout
+    pg.allgather([gathered], [mine], allgather_opts).wait()
     t0 = time.perf_counter()
     for i, packed in enumerate(gathered):
         codec.decode_into(packed, chunk, chunk_of(tensor, i), scratch=scratch)
@@ -829,8 +894,8 @@ def compressed_all_reduce(
 
     if error_feedback is not None and residual is not None:
         # Only now: had a collective failed, nothing was delivered and the old residual is
-        # still owed.
-        error_feedback.set_residual(key, residual)
+        # still owed. Even now only staged: the sync's verdict decides (ErrorFeedback.commit).
+        error_feedback.stage(key, residual)
     stats.bytes_sent = 2 * (n - 1) * chunk_bytes
     stats.total_s = time.perf_counter() - start
     return stats
@@ -846,6 +911,10 @@ class CompressedWork:
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
         self.stats: CompressionStats | None = None
+        #: With ``check_finite``: ``"sent"`` when this rank's own input held an inf or NaN
+        #: (it then sent NaNs, so that every rank's result shows it), ``"received"`` when only
+        #: the result did (another rank's input); None when all was finite.
+        self.non_finite: str | None = None
         self._future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         self._done = threading.Event()
 
@@ -891,6 +960,17 @@ class _Job(NamedTuple):
     on_error: Callable[[Exception], None]
     ready: torch.cuda.Event | None
     work: CompressedWork
+    timeout: timedelta | None
+    check_finite: bool
+    then: Callable[[], None] | None
+
+
+def is_finite(t: torch.Tensor) -> bool:
+    """Whether every value of ``t`` is finite: one reduction (the largest magnitude, which is
+    inf or NaN as soon as one value is)."""
+    if t.numel() == 0:
+        return True
+    return bool(torch.isfinite(torch.linalg.vector_norm(t, ord=math.inf)))
 
 
 class AsyncCompressedAllReduce:
@@ -924,11 +1004,21 @@ class AsyncCompressedAllReduce:
         error_feedback: ErrorFeedback | None = None,
         key: str = "",
         on_error: Callable[[Exception], None],
+        timeout: timedelta | None = None,
+        check_finite: bool = False,
+        then: Callable[[], None] | None = None,
     ) -> CompressedWork:
         """Queue a SUM all-reduce of ``tensor`` (then divided by ``divide_by``) in place.
 
         Do not touch ``tensor`` until the returned work is done. If the collective fails,
         ``on_error(e)`` is called and the work still completes; the tensor is then undefined.
+        ``timeout``: the longest each collective may take (default: the process group's).
+        ``check_finite``: check the input before it is sent and the result after it arrived
+        (one reduction each) and say what was found in ``work.non_finite``; an input that is
+        not finite is sent as NaNs (and leaves no residual), so that every rank's result is
+        not finite either and all of them drop it alike. ``then``: run on the background
+        thread after a successful all-reduce, before the work completes (e.g. copying a
+        bucket's values back into the tensors it packs).
         """
         get_codec(dtype)  # fail here, in the caller, on a bad name
         _check_flat_fp32(tensor)
@@ -937,7 +1027,20 @@ class AsyncCompressedAllReduce:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(tensor.device))
         work = CompressedWork(tensor)
-        job = _Job(pg, tensor, dtype, divide_by, error_feedback, key, on_error, ready, work)
+        job = _Job(
+            pg,
+            tensor,
+            dtype,
+            divide_by,
+            error_feedback,
+            key,
+            on_error,
+            ready,
+            work,
+            timeout,
+            check_finite,
+            then,
+        )
         with self._lock:
             if self._closed:
                 raise RuntimeError("AsyncCompressedAllReduce is shut down")
@@ -989,13 +1092,26 @@ class AsyncCompressedAllReduce:
         scratch = self._scratch.get(device)
         if scratch is None:
             scratch = self._scratch[device] = Scratch(device)
+        feedback = job.error_feedback
+        if job.check_finite and not is_finite(job.tensor):
+            # A value that is not finite would poison its whole block (its scale) and, through
+            # error feedback, every later sync: send NaNs instead, so that every rank's result
+            # says so, and keep no residual of it.
+            job.work.non_finite = "sent"
+            job.tensor.fill_(math.nan)
+            feedback = None
         job.work.stats = compressed_all_reduce(
             job.pg,
             job.tensor,
             job.dtype,
-            error_feedback=job.error_feedback,
+            error_feedback=feedback,
             key=job.key,
             scratch=scratch,
+            timeout=job.timeout,
         )
+        if job.check_finite and job.work.non_finite is None and not is_finite(job.tensor):
+            job.work.non_finite = "received"
         if job.divide_by != 1:
             job.tensor.div_(job.divide_by)
+        if job.then is not None:
+            job.then()

@@ -57,14 +57,40 @@ def _final_model_line(v: dict[str, Any], _: bool) -> str:
         note = f" (the local progress of the last {dropped} inner step(s) is dropped)"
     else:
         note = ""
-    return f"[semi-sync] final model: the global parameters of sync #{v['sync']}{note}"
+    if v["solo_syncs"]:
+        shared = v["last_shared_sync"]
+        since = "no sync shared" if shared is None else f"the last shared sync is #{shared}"
+        lineage = f"; {v['solo_syncs']} sync(s) committed alone ({since})"
+    else:
+        lineage = ""
+    return (
+        f"[semi-sync] final model: the global parameters of sync #{v['sync']}{note}{lineage}; "
+        f"digest {v['digest']}"
+    )
 
 
 #: After the last step every group holds the global parameters of sync ``sync``. LocalSGD:
 #: ``closing_sync_steps`` inner steps were averaged by a closing sync (0: none was needed).
 #: DiLoCo: ``dropped_inner_steps`` inner steps of local progress are not in the final model
-#: (None when nothing was dropped and no sync was in flight).
+#: (None when nothing was dropped and no sync was in flight). Its lineage: the last sync this
+#: group committed together with other groups (``last_shared_sync``; None: none) and the syncs
+#: it committed alone since (``solo_syncs``, the first at ``solo_since``, a ``time.time()``);
+#: ``digest``: of the final model (this rank's shards).
 FINAL_MODEL = EventKind("semi_sync.final_model", _final_model_line)
+
+#: The group finished after committing syncs alone since its last shared one: its final model
+#: is a lineage of its own (the launcher names the job's model).
+FINISHED_ALONE = EventKind(
+    "semi_sync.finished_alone",
+    lambda v, _: (
+        f"[semi-sync] this group finished ALONE: {v['solo_syncs']} sync(s) committed without "
+        "any other group since "
+        + ("the start" if v["last_shared_sync"] is None else f"sync #{v['last_shared_sync']}")
+        + "; its final model is its own, not necessarily the job's (see the launcher's summary "
+        "or docs/fault_tolerance.md, 'Which final model')"
+    ),
+    logging.WARNING,
+)
 
 #: DyLU: this group's periods now take ``steps`` inner steps (of ``period`` for the fastest
 #: group), from its speed and the fastest group's in their last periods (0: not measured).
@@ -155,4 +181,27 @@ MINORITY_ELSEWHERE = EventKind(
         "heals at the next one"
     ),
     logging.WARNING,
+)
+
+#: A sync carried a value that is not finite (inf or NaN), found in this group's own
+#: pseudo-gradient (``origin`` "this group", ``group`` its replica id) or only in the average
+#: (``origin`` "another group", ``group`` None): every group fails the sync alike; nothing of it
+#: reaches the global parameters or an error-feedback residual.
+NON_FINITE = EventKind(
+    "semi_sync.non_finite",
+    lambda v, _: (
+        f"[semi-sync] sync #{v['sync']}: fragment {v['fragment']}'s pseudo-gradient was not "
+        f"finite in {v['origin']}"
+        + (f" (replica group {v['group']})" if v["group"] is not None else "")
+        + ": the sync is dropped by every group"
+    ),
+    logging.ERROR,
+)
+
+#: A collective of sync ``sync`` ran past ``fault_tolerance.sync_collective_timeout_s``
+#: (``message`` names the field and the payload); ``in_a_row``: such syncs in a row.
+COLLECTIVE_TIMEOUT = EventKind(
+    "semi_sync.collective_timeout",
+    "[semi-sync] sync #{sync} NOT committed: {message}",
+    logging.ERROR,
 )

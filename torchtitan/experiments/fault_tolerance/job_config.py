@@ -73,6 +73,21 @@ class FaultTolerance(CoreFaultTolerance):
     ``sync_steps`` of tens, periods last minutes (torchft advises an hour or more). The
     per-step ``quorum_timeout_s`` does not apply to syncs."""
 
+    sync_collective_timeout_s: float = 600.0
+    """How long one collective of a sync (a bucket of pseudo-gradients, or of LocalSGD's
+    parameters) may take before the sync fails with an error naming this field. Size it for
+    the largest transfer on the slowest link, with margin: an 8B model's int4 pseudo-gradient
+    takes about 5 min at 100 Mbit/s. It is also how long survivors of a sync wait for a group
+    that hangs inside it (a dead group's sockets close at once). The per-step
+    ``process_group_timeout_ms`` does not apply to syncs. Two syncs in a row that time out with
+    every group still in the quorum stop the run."""
+
+    sync_bucket_mb: float = 32.0
+    """Tensors of a sync travel in buckets of up to this many MiB of fp32 values (before
+    compression): smaller tensors are packed together, in order; a tensor of a bucket's size
+    or more travels alone. Fewer, larger buckets mean fewer round trips on a slow link; each
+    bucket in flight costs its size in memory once more."""
+
     agreement_check_every: int = 1
     """Every this many syncs (and whenever the quorum changes: a group joins, rejoins or
     leaves), the groups of a sync's quorum compare a 64-bit digest of the global parameters
@@ -209,6 +224,9 @@ class FaultTolerance(CoreFaultTolerance):
                 self.emulate_slowdown,
                 "must be >= 1 (1: off; 2: twice the compute per step)",
             )
+        for name in ("sync_collective_timeout_s", "sync_bucket_mb"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"fault_tolerance.{name}", getattr(self, name), "must be > 0")
         if self.sync_quorum_timeout_s <= 0:
             raise ConfigError(
                 "fault_tolerance.sync_quorum_timeout_s", self.sync_quorum_timeout_s, "must be > 0"
@@ -442,6 +460,8 @@ ASYNC_FIELDS = (
 SEMI_SYNC_FIELDS = (
     "sync_steps",
     "sync_quorum_timeout_s",
+    "sync_collective_timeout_s",
+    "sync_bucket_mb",
     "agreement_check_every",
     *OUTER_FIELDS,
     "num_fragments",

@@ -38,6 +38,7 @@ from pathlib import Path
 from torchtitan.config.job_config import ConfigError
 from torchtitan.config.job_config import JobConfig as CoreJobConfig
 from torchtitan.config.manager import flag_value, load_toml
+from torchtitan.experiments.fault_tolerance.lineage import job_model
 from torchtitan.tools.cluster import (
     JOB_ENV,
     REPO_ROOT,
@@ -49,11 +50,13 @@ from torchtitan.tools.cluster import (
     Restarts,
     StepKills,
 )
-from torchtitan.tools.events import EventTail, event_file_path
+from torchtitan.tools.events import EventTail, event_file_path, read_events
 
 # The name of ``torchtitan.components.metrics.TRAIN_STEP``: importing the kind would bring torch
 # into the launcher, which does without it (a unit test checks that the two agree).
 STEP_EVENT = "train.step"
+# ``events.FINAL_MODEL``'s name, for the same reason.
+FINAL_MODEL_EVENT = "semi_sync.final_model"
 # At the end and after Ctrl-C, how long the job's processes have to exit on SIGTERM (torchrun
 # passes it on to its workers) before they are SIGKILLed.
 _STOP_GRACE_S = 10.0
@@ -196,12 +199,40 @@ class Launcher:
                 random_kills.reschedule(now)
         failed = [g.replica_id for g in self.groups if g.failed]
         self.stop_all()
+        self.summarize_final_models()
         if failed:
             _print("[launcher]", f"FAILED: group(s) {failed}")
             return 1
         restarts = sum(g.restarts for g in self.groups)
         _print("[launcher]", f"all {len(self.groups)} groups finished ({restarts} restart(s))")
         return 0
+
+    def summarize_final_models(self) -> None:
+        """Semi-sync jobs: compare the final models of the groups that finished (their rank 0
+        digests) and name the job's (``lineage.job_model``)."""
+        finals: dict[int, dict] = {}
+        for group in self.groups:
+            if not group.done or group.process is None:
+                continue
+            path = event_file_path(self.dump_folder, group.replica_id, 0)
+            found = read_events(path, FINAL_MODEL_EVENT, since=group.process.started_at)
+            if found:
+                finals[group.replica_id] = found[-1].fields
+        chosen = job_model(finals)
+        if chosen is None:
+            return
+        digests = {fields["digest"] for fields in finals.values()}
+        if len(digests) == 1:
+            _print("[launcher]", f"final models: group(s) {sorted(finals)} identical (digest "
+                   f"{finals[chosen]['digest']})")  # fmt: skip
+            return
+        for replica, fields in sorted(finals.items()):
+            shared = fields["last_shared_sync"]
+            _print("[launcher]", f"final model of group {replica}: digest {fields['digest']}, "
+                   f"last sync shared with other groups #{shared}, {fields['solo_syncs']} sync(s) "
+                   "alone since")  # fmt: skip
+        _print("[launcher]", f"final models DIFFER: the job's model is group {chosen}'s (the "
+               "longest shared lineage; docs/fault_tolerance.md, 'Which final model')")  # fmt: skip
 
     def _check(self, group: Group, now: float) -> None:
         if group.done or group.failed or group.process is None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from torchtitan.components.ft import torchft_adapter as tft
@@ -28,18 +29,26 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def as_param_layout(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """``local`` (this rank's shard) as a DTensor laid out like ``param``, so DCP stores one
-    logical tensor instead of one per rank. It shares ``local``'s storage unless ``local`` is
-    on another device than the parameter (outer state kept on the CPU): loading then goes
-    through a copy on the parameter's device, which ``load_state_dict`` copies back."""
-    if isinstance(param, DTensor):
-        return DTensor.from_local(
-            local.to(param.device),
-            param.device_mesh,
-            param.placements,
-            shape=param.shape,
-            stride=param.stride(),
+    logical tensor instead of one per rank. It shares ``local``'s storage wherever ``local``
+    lives: outer state kept on the CPU (``outer_state_device=cpu``) is saved and loaded from
+    the CPU, never copied to the accelerator (that would be several copies of the shard at
+    once, exactly what the field is there to avoid)."""
+    if not isinstance(param, DTensor):
+        return local
+    mesh = param.device_mesh
+    if local.device.type != mesh.device_type:
+        # The same ranks and layout, described for local's device: DCP needs only the layout,
+        # and the mesh is built from the parameter's process groups without new ones.
+        groups = [mesh.get_group(i) for i in range(mesh.ndim)]
+        mesh = DeviceMesh.from_group(
+            groups[0] if mesh.ndim == 1 else groups,
+            local.device.type,
+            mesh=mesh.mesh,
+            mesh_dim_names=mesh.mesh_dim_names,
         )
-    return local
+    return DTensor.from_local(
+        local, mesh, param.placements, shape=param.shape, stride=param.stride()
+    )
 
 
 @dataclass
@@ -177,17 +186,22 @@ class OuterLoop:
         raise NotImplementedError
 
     def last_outcome(self, manager: Any) -> SyncOutcome | None:
-        """The sync the last sync point decided, right after it (None: it decided none)."""
+        """The sync the last sync point decided, right after it (None: it decided none);
+        ``manager``: the sync Manager, whose transport carried it."""
         # The failure count is reset to 0 by a commit and raised by a failed one, so right
         # after should_commit it is the verdict of this sync.
         committed = tft.commit_failures(manager) == 0
         number = manager.current_step() + (0 if committed else 1)
         fragment = (number - 1) % len(self.fragments)
-        payload = sum(
-            local_tensor(p).numel() * p.element_size()
-            for p in self.fragments[fragment].parameters()
+        sent, compression_s = manager.sync_stats()
+        return SyncOutcome(
+            number,
+            fragment,
+            committed,
+            sent,
+            manager.num_participants(),
+            compression_s=compression_s,
         )
-        return SyncOutcome(number, fragment, committed, payload, manager.num_participants())
 
 
 class _TorchftLoop(OuterLoop):

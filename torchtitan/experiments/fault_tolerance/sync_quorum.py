@@ -21,15 +21,11 @@ from typing import Any
 import torch
 from torch.distributed import ReduceOp
 
-from torchtitan.components.ft import FTManager
-from torchtitan.components.ft import torchft_adapter as tft
+from torchtitan.components.ft import FaultToleranceError, FTManager
 from torchtitan.components.ft.torchft_adapter import ManagerStandIn
-from torchtitan.experiments.fault_tolerance.compression import (
-    AsyncCompressedAllReduce,
-    CompressedWork,
-    ErrorFeedback,
-    sent_and_seconds,
-)
+from torchtitan.experiments.fault_tolerance import events
+from torchtitan.experiments.fault_tolerance.compression import ErrorFeedback
+from torchtitan.experiments.fault_tolerance.transport import CollectiveTimeout, SyncTransport
 
 #: Roles in a quorum: a group at its sync point, and a group that has just (re)started (with
 #: no checkpoint, or resumed from one).
@@ -89,17 +85,16 @@ def compare_digests(members: list[Member]) -> Verdict:
 
 
 class SyncManager(ManagerStandIn):
-    """torchft's Manager as LocalSGD/DiLoCo see it: ``start_quorum`` is the gated sync quorum
-    (always synchronous), ``should_commit`` counts in the core's failure accounting; all else
-    is torchft's own.
+    """torchft's Manager as LocalSGD/DiLoCo (and async DiLoCo) see it: ``start_quorum`` is the
+    gated sync quorum (always synchronous), ``allreduce`` goes through the sync's
+    :class:`~.transport.SyncTransport` (buckets of its own, ``pseudo_grad_dtype`` on the wire,
+    finite checks, a timeout sized for periods), ``should_commit`` counts in the core's failure
+    accounting and fails a sync that carried a non-finite value; all else is torchft's own.
 
     ``on_quorum`` runs in every member of a quorum that has enough groups (it may exchange a
     few numbers) and returns whether the quorum is used; all members must decide alike.
-
-    With :meth:`compress` (``fault_tolerance.pseudo_grad_dtype``), ``allreduce`` sends
-    pseudo-gradients compressed (``compression.py``), in order on one background thread, with
-    torchft's failure semantics: an error is reported to the Manager (the sync is not
-    committed, nothing is applied) and ``wait`` does not raise.
+    ``fragment_of_sync`` names the fragment the sync whose quorum just formed is for (asked
+    after the quorum: a heal in it moves this group to its peer's sync).
     """
 
     def __init__(
@@ -108,37 +103,31 @@ class SyncManager(ManagerStandIn):
         min_groups: int,
         timeout_s: float,
         on_quorum: Callable[[], bool],
+        transport: SyncTransport,
+        fragment_of_sync: Callable[[], int] = lambda: 0,
     ) -> None:
         self.ft = ft
         self.min_groups = min_groups
         self.timeout_s = timeout_s
         self.on_quorum = on_quorum
+        self.transport = transport
+        self._fragment_of_sync = fragment_of_sync
         #: True while this group is inside a sync quorum (a peer healing from it then gets
         #: the state of a sync point).
         self.in_quorum = False
         #: Seconds the last sync quorum took (waiting for the others, healing a joiner).
         self.last_wait = 0.0
-        self.dtype = "float32"
-        self._runner: AsyncCompressedAllReduce | None = None
-        self.error_feedback: ErrorFeedback | None = None
-        #: Names the tensors of a sync for error feedback: (fragment, index of the call).
-        self._fragment_of_sync: Callable[[], int] = lambda: 0
-        self._calls = 0
-        #: The compressed collectives started since the last quorum (their stats: the bytes
-        #: this group really sent, the compression time).
-        self.works: list[CompressedWork] = []
+        #: Syncs in a row that failed on a collective timeout, and the quorum size then.
+        self._timeouts_in_a_row = 0
+        self._timeout_groups = 0
 
-    def compress(
-        self, dtype: str, error_feedback: bool, fragment_of_sync: Callable[[], int]
-    ) -> None:
-        """Send pseudo-gradients as ``dtype`` (``float32``: uncompressed, torchft's own
-        all-reduce); with ``error_feedback`` each group adds what its compression dropped
-        to its next pseudo-gradient of the same tensor."""
-        self.dtype = dtype
-        if dtype != "float32":
-            self._runner = AsyncCompressedAllReduce()
-            self.error_feedback = ErrorFeedback() if error_feedback else None
-            self._fragment_of_sync = fragment_of_sync
+    @property
+    def dtype(self) -> str:
+        return self.transport.dtype
+
+    @property
+    def error_feedback(self) -> ErrorFeedback | None:
+        return self.transport.error_feedback
 
     def allreduce(
         self,
@@ -146,61 +135,44 @@ class SyncManager(ManagerStandIn):
         should_quantize: bool = False,
         reduce_op: ReduceOp.RedOpType = ReduceOp.AVG,
         *,
-        key: str | None = None,
         exact: bool = False,
     ) -> Any:
-        """torchft's ``Manager.allreduce``, compressed when :meth:`compress` says so. ``key``
-        names the tensor for error feedback (default: the fragment being synced and the
-        order of the call since the quorum, the same in every sync of that fragment);
-        ``exact`` sends it uncompressed (e.g. token counts), still in order with the rest."""
+        """torchft's ``Manager.allreduce``, through the sync's transport; ``exact`` sends the
+        tensor as fp32 without error feedback (e.g. token counts), in order with the rest.
+        ``should_quantize`` is torchft's own fp8 all-reduce (CUDA and Triton only), which
+        goes through torchft's Manager as it is."""
         manager = self.ft.manager
-        if self._runner is None:
-            return manager.allreduce(tensor, should_quantize=should_quantize, reduce_op=reduce_op)
-        if key is None:
-            key = ErrorFeedback.fragment_key(self._fragment_of_sync(), self._calls)
-        self._calls += 1
-        if manager.errored() is not None:  # torchft: after an error, the rest are no-ops
-            work = CompressedWork(tensor)
-            work.complete()
-            return work
-        if not manager.is_participating():
-            tensor.zero_()  # a healing group sends nothing
-        work = self._runner.submit(
-            tft.replica_process_group(manager),
-            tensor.view(-1),  # the codec takes flat tensors; a view, so results land in place
-            "float32" if exact else self.dtype,
-            divide_by=manager.num_participants() if reduce_op == ReduceOp.AVG else 1,
-            error_feedback=None if exact else self.error_feedback,
-            key=key,
-            on_error=manager.report_error,
+        if should_quantize:
+            return manager.allreduce(tensor, should_quantize=True, reduce_op=reduce_op)
+        return self.transport.allreduce(
+            manager, tensor, average=reduce_op == ReduceOp.AVG, exact=exact
         )
-        if not exact:
-            self.works.append(work)
-        return work
 
-    def compressed_stats(self) -> tuple[int, float] | None:
-        """Bytes this group sent and seconds it spent compressing and decompressing in the
-        compressed all-reduces since the last quorum (waiting for them). None: uncompressed."""
-        if self._runner is None:
-            return None
-        for work in self.works:
-            work.wait()
-        return sent_and_seconds(self.works) or (0, 0.0)
+    def flush(self) -> None:
+        """Send what the transport still holds of this sync's tensors."""
+        self.transport.flush()
+
+    def sync_stats(self) -> tuple[int, float | None]:
+        """Bytes this group sent in the last sync and, compressed, seconds spent compressing
+        and decompressing (waiting for its transfers)."""
+        return self.transport.stats()
+
+    def sync_failed(self) -> bool:
+        """Whether the sync in progress is already known to fail (after its works are done):
+        an error recorded, or a value that was not finite."""
+        return self.ft.manager.errored() is not None or self.transport.non_finite() is not None
 
     def reset_error_feedback(self) -> None:
         """Forget the residuals (after a heal: they belong to state this group no longer has)."""
-        if self.error_feedback is not None:
-            self.error_feedback.reset()
+        if self.transport.error_feedback is not None:
+            self.transport.error_feedback.reset()
 
     def shutdown(self) -> None:
-        if self._runner is not None:
-            self._runner.shutdown()
+        self.transport.shutdown()
 
     def start_quorum(self, *args: Any, **kwargs: Any) -> None:
         self.ft.waiting_sync = self.ft.manager.current_step() + 1
         self.in_quorum = True
-        self._calls = 0
-        self.works = []
         start = time.perf_counter()
         try:
             self.ft.join_quorum(
@@ -213,9 +185,56 @@ class SyncManager(ManagerStandIn):
             self.last_wait = time.perf_counter() - start
             self.in_quorum = False
             self.ft.waiting_sync = None
+        self.begin_sync()
+
+    def begin_sync(self) -> None:
+        """The quorum of a sync is in (this one's, or a starting group's first): its transfers
+        are numbered from 0, for the fragment it syncs."""
+        self.transport.begin_sync(self.ft.manager, self._fragment_of_sync())
 
     def should_commit(self, timeout: Any = None) -> bool:
-        return self.ft.should_commit(unit="sync")
+        """The sync's verdict (every rank of the group alike, torchft's ``should_commit``),
+        after its transfers are done. A sync that carried a value that is not finite fails
+        here on every group (each group's result shows it); a collective that ran past
+        ``sync_collective_timeout_s`` is said in an error line, and stops the run the second
+        time in a row with every group still in the quorum (the timeout is too small for the
+        transfer, not a peer gone)."""
+        manager = self.ft.manager
+        found = self.transport.non_finite()
+        if found is not None:
+            sync = manager.current_step() + 1
+            events.NON_FINITE.emit(
+                sync=sync,
+                fragment=self.transport.fragment,
+                origin="this group" if found == "sent" else "another group",
+                group=self.ft.replica_id if found == "sent" else None,
+            )
+            if manager.errored() is None:
+                manager.report_error(
+                    FloatingPointError(f"sync #{sync}: a pseudo-gradient was not finite")
+                )
+        error = manager.errored()
+        groups = manager.num_participants()
+        committed = self.ft.should_commit(unit="sync")
+        self.transport.end_sync(committed)
+        cause = getattr(error, "original_exception", error)
+        if committed or not isinstance(cause, CollectiveTimeout):
+            self._timeouts_in_a_row = 0
+            return committed
+        same_groups = self._timeouts_in_a_row > 0 and groups >= self._timeout_groups
+        self._timeouts_in_a_row += 1
+        self._timeout_groups = groups
+        events.COLLECTIVE_TIMEOUT.emit(
+            sync=manager.current_step() + 1,
+            message=str(cause),
+            in_a_row=self._timeouts_in_a_row,
+        )
+        if same_groups:
+            raise FaultToleranceError(
+                f"[semi-sync] {self._timeouts_in_a_row} syncs in a row timed out with all "
+                f"{groups} groups still in the quorum: {cause}"
+            )
+        return committed
 
     def register_state_dict_fn(self, key: str, load: Any, save: Any) -> None:
         self.ft.register_state_dict_fn(key, load, save)

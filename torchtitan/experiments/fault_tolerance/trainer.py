@@ -42,6 +42,7 @@ from torchtitan.experiments.fault_tolerance.async_diloco import (
     dylu_period_seconds,
 )
 from torchtitan.experiments.fault_tolerance.job_config import SEMI_SYNC_METHODS, semi_sync_config
+from torchtitan.experiments.fault_tolerance.lineage import Lineage
 from torchtitan.experiments.fault_tolerance.outer_loop import (
     OuterLoop,
     TorchftDiLoCo,
@@ -58,6 +59,7 @@ from torchtitan.experiments.fault_tolerance.sync_quorum import (
     compare_digests,
     exchange,
 )
+from torchtitan.experiments.fault_tolerance.transport import SyncTransport
 from torchtitan.tools.digest import device_digest, tensor_digest
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import StepResult, Trainer
@@ -145,18 +147,23 @@ class SemiSyncState:
         state: dict[str, Any] = {
             "local_step": loop.local_step(),
             "in_flight_fragment": in_flight[0] if in_flight else -1,
+            "lineage": self.trainer.lineage.state_dict(),
         }
         if extra:
             state["extra"] = extra
         feedback = self.trainer.sync.error_feedback
         if feedback is not None:
-            # Each rank's own residuals (of its shards), under a key of its own.
-            state["error_feedback"] = {
-                f"rank_{_group_rank()}": {
-                    f"fragment_{i}": feedback.fragment_residual(i, _local_numel(loop, i))
-                    for i in range(len(loop.fragments))
-                }
-            }
+            # Each rank's own residuals (of its shards), under a key of its own; and those an
+            # arrived, undecided sync leaves if it commits (async DiLoCo: decided at the next
+            # sync point, after a restart too).
+            mine: dict[str, Any] = {}
+            for i in range(len(loop.fragments)):
+                numel = _local_numel(loop, i)
+                staged = feedback.has_staged(i) and not loop.in_flight(i)
+                mine[f"fragment_{i}"] = feedback.fragment_residual(i, numel)
+                mine[f"staged_{i}"] = feedback.fragment_residual(i, numel, staged=True)
+                mine[f"has_staged_{i}"] = staged
+            state["error_feedback"] = {f"rank_{_group_rank()}": mine}
         for i in self._fragments():
             outer = loop.outer_optimizer(i)
             params = loop.fragment_parameters(i)
@@ -164,21 +171,22 @@ class SemiSyncState:
             momentum = {
                 name: outer.state.get(t, {}).get("momentum_buffer") for name, t in stepped.items()
             }
+            globals_ = loop.global_parameters(i)
             state[f"fragment_{i}"] = {
                 "global_parameters": {
-                    name: as_param_layout(p, loop.global_parameters(i)[name])
-                    for name, p in params.items()
+                    name: as_param_layout(p, globals_[name]) for name, p in params.items()
                 },
                 "has_momentum": all(m is not None for m in momentum.values()),
                 # Placeholders where the outer optimizer has not stepped yet, so that a fresh
-                # process offers DCP a tensor to load the saved momentum into.
+                # process offers DCP a tensor to load the saved momentum into; on the device
+                # of the outer state, like the momentum itself.
                 "outer_momentum": {
                     name: (
-                        torch.zeros_like(params[name].detach())
-                        if m is None
-                        else m
+                        m
                         if isinstance(m, DTensor)
-                        else as_param_layout(params[name], m)
+                        else as_param_layout(
+                            params[name], torch.zeros_like(globals_[name]) if m is None else m
+                        )
                     )
                     for name, m in momentum.items()
                 },
@@ -188,6 +196,7 @@ class SemiSyncState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         loop: OuterLoop = self.trainer.algorithm
         loop.set_local_step(int(state["local_step"]))
+        self.trainer.lineage.load_state_dict(state["lineage"])
         for i in self._fragments():
             saved = state[f"fragment_{i}"]
             for name, value in saved["global_parameters"].items():
@@ -207,8 +216,11 @@ class SemiSyncState:
             loop.load_extra_state(state["extra"])
         feedback = self.trainer.sync.error_feedback
         if feedback is not None and "error_feedback" in state:
-            for key, flat in state["error_feedback"][f"rank_{_group_rank()}"].items():
-                feedback.load_fragment_residual(int(key.removeprefix("fragment_")), flat)
+            mine = state["error_feedback"][f"rank_{_group_rank()}"]
+            for i in range(len(loop.fragments)):
+                feedback.load_fragment_residual(i, mine[f"fragment_{i}"])
+                if mine[f"has_staged_{i}"]:
+                    feedback.load_fragment_residual(i, mine[f"staged_{i}"], staged=True)
         in_flight = int(state.get("in_flight_fragment", -1))
         if in_flight >= 0:
             # Saved while a fragment's all-reduce was in flight (fragment_sync_delay > 0): its
@@ -257,11 +269,19 @@ class SemiSyncTrainer(Trainer):
         self.method: str = method
         super().__init__(job_config)
         assert self.ft is not None
-        self.sync = SyncManager(
-            self.ft, ft.min_replica_size, ft.sync_quorum_timeout_s, self._on_quorum
+        transport = SyncTransport(
+            ft.pseudo_grad_dtype,
+            error_feedback=ft.error_feedback,
+            bucket_mb=ft.sync_bucket_mb,
+            timeout_s=ft.sync_collective_timeout_s,
         )
-        self.sync.compress(
-            ft.pseudo_grad_dtype, ft.error_feedback, lambda: self.algorithm.current_fragment()
+        self.sync = SyncManager(
+            self.ft,
+            ft.min_replica_size,
+            ft.sync_quorum_timeout_s,
+            self._on_quorum,
+            transport,
+            fragment_of_sync=lambda: self.algorithm.current_fragment(),
         )
         self.algorithm: OuterLoop
         if self.method == "localsgd":
@@ -277,6 +297,7 @@ class SemiSyncTrainer(Trainer):
         # progress through them.
         self.dynamic = ft.dynamic_local_steps
         self.total_sync_points = job_config.training.steps // self.period
+        self.lineage = Lineage()
         self.state = SemiSyncState(self)
         self.register_state("semi_sync", self.state, heal=False)
         # Not a checkpointed state: where in the sync period the sending group is, so that a
@@ -373,10 +394,10 @@ class SemiSyncTrainer(Trainer):
             should_quantize=ft.should_quantize,
             fragment_sync_delay=ft.fragment_sync_delay,
             fragment_update_alpha=ft.fragment_update_alpha,
-            # Compressed: a fragment's pseudo-gradients in buckets of up to 32 MiB, each one
-            # compressed all-reduce (two exchanges), rather than one per parameter.
-            use_bucketization=ft.pseudo_grad_dtype != "float32",
-            bucket_cap_mb=32 if ft.pseudo_grad_dtype != "float32" else None,
+            # One all-reduce call per pseudo-gradient: the sync Manager's transport packs them
+            # into buckets of its own (fault_tolerance.sync_bucket_mb). torchft 0.2.0's
+            # bucketing sends zeros for any tensor larger than a bucket and all after it.
+            use_bucketization=False,
         )
         for optimizer in outer:
             optimizer.register_step_pre_hook(self._measure_pseudo_gradient)
@@ -401,7 +422,6 @@ class SemiSyncTrainer(Trainer):
             tokens_per_step=training.local_batch_size
             * training.seq_len
             * self.parallel_dims.world_size,
-            compressed=ft.pseudo_grad_dtype != "float32",
         )
         for index in range(len(loop.fragments)):
             loop.outer_optimizer(index).register_step_pre_hook(self._measure_pseudo_gradient)
@@ -564,6 +584,7 @@ class SemiSyncTrainer(Trainer):
         finally:
             self.starting = False
             self.ft.waiting_for = self.ft.waiting_needs = self.ft.waiting_reason = ""
+        self.sync.begin_sync()  # a group joining at a sync point takes part in it now
         peer = self._peer
         if peer is not None and peer["at_sync"]:
             self._join_sync(time.perf_counter() - start)
@@ -800,35 +821,38 @@ class SemiSyncTrainer(Trainer):
         if ending.synced:
             self._report_sync(self.train_state.step + 1)
         step = self.train_state.step + 1
+        digest = tensor_digest(self.model.parameters())
+        lineage = self.lineage
+        shared = lineage.last_shared_sync if lineage.last_shared_sync >= 0 else None
         events.FINAL_MODEL.emit(
             step=step,
             sync=manager.current_step(),
             method=self.method,
             closing_sync_steps=ending.closing_sync_steps,
             dropped_inner_steps=ending.dropped_inner_steps,
+            last_shared_sync=shared,
+            solo_syncs=lineage.solo_syncs,
+            solo_since=lineage.solo_since or None,
+            digest=digest,
         )
+        if lineage.solo_syncs and self.job_config.fault_tolerance.group_size > 1:
+            events.FINISHED_ALONE.emit(
+                step=step, sync=manager.current_step(), last_shared_sync=shared,
+                solo_syncs=lineage.solo_syncs,
+            )  # fmt: skip
         if self.job_config.metrics.log_param_digest:
-            events.FINAL_DIGEST.emit(step=step, digest=tensor_digest(self.model.parameters()))
+            events.FINAL_DIGEST.emit(step=step, digest=digest)
 
     # ---- sync visibility ---------------------------------------------------------------------
 
-    def _position_in_period(self) -> tuple[bool, bool]:
-        """(prepares, performs): what torchft's hook, which runs next, does at this step."""
-        local_step = self.algorithm.local_step() + 1
-        period = self.algorithm.steps_this_period()
-        return local_step == period - self.delay, local_step == period
-
     def _before_torchft(self, *_: Any) -> None:
-        prepares, performs = self._position_in_period()
-        if prepares:
-            self._sync_seconds = 0.0
-            self._pseudo_grad_norm = None
-        if prepares or performs:
-            # The inner step is done and the next step starts from zero_grad: free the inner
-            # gradients now, so that torchft's pseudo-gradients and the local parameter copy
-            # it makes for the sync take their place instead of adding to them.
-            self.optimizer.zero_grad(set_to_none=True)
-            self._hook_start = time.perf_counter()
+        # After every inner step, whether the method syncs in it or not (DyLU decides that
+        # inside the method's own hook, from the time the period took): the inner step is done
+        # and the next one starts from zero_grad, so free the inner gradients now, and the
+        # pseudo-gradients and the local copy a sync makes take their place instead of adding
+        # to them. The sync's clock starts here too.
+        self.optimizer.zero_grad(set_to_none=True)
+        self._hook_start = time.perf_counter()
 
     @torch.no_grad()
     def _measure_pseudo_gradient(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
@@ -849,27 +873,30 @@ class SemiSyncTrainer(Trainer):
 
     def _after_torchft(self, *_: Any) -> None:
         local_step = self.algorithm.local_step()
-        prepared = local_step == self.period - self.delay  # only reachable when delay > 0
+        # Streaming DiLoCo with a delay started a sync in this step (DyLU's periods may pass
+        # ``period`` steps, but have no delay).
+        prepared = self.delay > 0 and local_step == self.period - self.delay
         performed = local_step == 0  # torchft resets the position after a sync
         if not (prepared or performed):
             return
+        if prepared:  # the all-reduce overlaps the next fragment_sync_delay steps: send it all
+            self.sync.flush()
         self._sync_seconds += time.perf_counter() - self._hook_start
         if performed:
             self._report_sync(self.train_state.step + 1)  # inside the step's optimizer.step()
+            # The next sync's time and norm start from nothing (a delayed sync adds the time
+            # of its preparing step to that of its performing one).
+            self._sync_seconds = 0.0
+            self._pseudo_grad_norm = None
 
     def _report_sync(self, step: int) -> None:
         manager = self.ft.manager
-        outcome = self.algorithm.last_outcome(manager)
+        outcome = self.algorithm.last_outcome(self.sync)
         if outcome is None:  # async DiLoCo's first sync point: it only started a sync
             return
         committed, sync_number = outcome.committed, outcome.number
         fragment_index, payload = outcome.fragment, outcome.bytes_sent
         compression_s = outcome.compression_s
-        if compression_s is None and self.method == "diloco":
-            # torchft's DiLoCo all-reduced through the sync Manager since this sync's quorum.
-            stats = self.sync.compressed_stats()
-            if stats is not None:
-                payload, compression_s = stats
         groups = outcome.groups
         quorum_id = tft.quorum_id(manager)
         norm = self._pseudo_grad_norm if committed else None
@@ -913,6 +940,8 @@ class SemiSyncTrainer(Trainer):
             if value is not None:
                 scalars[f"sync/{name}"] = float(value)
         self.metrics.write_scalars(step, scalars)
+        if committed:
+            self.lineage.committed(sync_number, groups)
         if committed and self.method == "localsgd":
             self._localsgd_digest = device_digest(self.model.parameters())
         if committed and self.job_config.metrics.log_param_digest:

@@ -26,7 +26,12 @@ from torchtitan.tools.cluster.lighthouse import LighthouseSettings
 from torchtitan.tools.cluster.listeners import listening_sockets
 from torchtitan.tools.cluster.ports import LOOPBACK, free_port
 from torchtitan.tools.cluster.process import Launch, Process, ProcessSpec, strip_ansi
-from torchtitan.tools.cluster.process_tree import kill_tree, process_tree, processes_with_env
+from torchtitan.tools.cluster.process_tree import (
+    kill_tree,
+    process_tree,
+    processes_with_env,
+    signal_pids,
+)
 
 __all__ = [
     "JOB_ENV",
@@ -47,5 +52,6 @@ __all__ = [
     "listening_sockets",
     "process_tree",
     "processes_with_env",
+    "signal_pids",
     "strip_ansi",
 ]

@@ -1,0 +1,124 @@
+"""Semi-sync at the sizes people train, shrunk to CPU: tensors larger than a bucket and a shard.
+
+The debug model's every tensor fits in one bucket, which hid that torchft 0.2.0's bucketing
+sends zeros for any larger tensor. Here the vocabulary is 32,000 tokens (a BPE trained on the
+embedded corpus in the test) and the bucket is lowered to 1 MiB (262,144 fp32 values): the
+embedding's and the output's FSDP shards (1,024,000 values each over 2 ranks) are each about
+four buckets, as an 8B model's 65.7 M-value embedding shard is eight 32 MiB buckets. 2 groups
+x 2 FSDP2 ranks, Streaming DiLoCo (2 fragments) with int8 pseudo-gradients; one group is killed
+and heals. Marked ``slow``: ``.ci/run`` runs it like every other test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.integration_tests.faults import STALLED_AFTER_STEP
+from tests.integration_tests.harness import FAULTS_MODULE, FTJob, per_rank, tail
+from tests.integration_tests.test_semi_sync import (
+    _restart_while_paused,
+    _wait_alone,
+    args,
+    global_digests,
+    syncs,
+)
+from torchtitan.components.metrics import TRAIN_STEP
+from torchtitan.experiments.fault_tolerance.events import FINAL_MODEL, HEALED, SYNC
+from torchtitan.trainer import VALIDATION
+
+VOCAB = 32_000
+DIM = 64  # debugmodel_small
+BUCKET_MB = 1.0
+
+
+def build_tokenizer(folder: Path) -> Path:
+    """A byte-level BPE of exactly ``VOCAB`` tokens, trained on the embedded corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from torchtitan.datasets.corpus import build_corpus
+
+    texts = [d.text for d in build_corpus()]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    short = VOCAB - tok.get_vocab_size()
+    if short > 0:  # the corpus ran out of merges: fill up with plain tokens
+        tok.add_tokens([f"<extra_{i}>" for i in range(short)])
+    assert tok.get_vocab_size() == VOCAB
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder / "tokenizer.json"
+
+
+@pytest.fixture(scope="module")
+def tokenizer_32k(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.mark.slow
+def test_int8_streaming_diloco_with_fsdp_averages_tensors_larger_than_a_bucket(
+    ft_job: Callable[..., FTJob], tmp_path: Path, tokenizer_32k: Path
+) -> None:
+    """24 steps, sync_steps 4 over 2 fragments (a fragment sync every 2 steps), validation at
+    the end. Group 1 is killed after step 6 and heals from group 0 at a sync. Afterwards every
+    sync both took part in gives both groups the same global shard on each rank, both end with
+    the same model, and their final validation losses, over the same held-out samples, are
+    equal."""
+    shard = VOCAB * DIM // 2
+    assert shard > BUCKET_MB * 2**20 / 4  # the case torchft's bucketing dropped
+    pause = tmp_path / "pause_group0"
+    train_args = args(
+        FAULTS_MODULE,
+        "diloco_int8",
+        f"--model.tokenizer_path={tokenizer_32k}",
+        "--fault_tolerance.num_fragments=2",
+        f"--fault_tolerance.sync_bucket_mb={BUCKET_MB}",
+        "--training.steps=24",
+        "--validation.enable",
+        "--validation.freq=1000",
+        "--validation.steps=2",
+        "--validation.local_batch_size=2",
+    )
+    job = ft_job(groups=2, ngpu=2, train_args=train_args)
+    job.start_lighthouse()
+    job.start_group(0, [f"--fault_injection.pause_file={pause}"])
+    job.start_group(1, ["--fault_injection.stall_after_step=6"])
+    job.wait_for_event(1, STALLED_AFTER_STEP, timeout=300, count=2)  # both ranks
+    job.kill_group(1)
+    _wait_alone(job, after=0)
+    _restart_while_paused(job, pause, [])
+    job.wait_for_event(1, HEALED, timeout=300, count=2)
+    for r in range(2):
+        assert job.wait_exit(r, timeout=400) == 0, tail(job.latest(r).text())
+
+    shards = {r: per_rank(job.events(r)) for r in range(2)}
+    for rank in (0, 1):
+        digests = [global_digests(shards[r][rank]) for r in range(2)]
+        common = sorted(set(digests[0]) & set(digests[1]))
+        assert len(common) >= 3, (rank, digests)
+        assert all(digests[0][n] == digests[1][n] for n in common), (rank, digests)
+        last = syncs(shards[0][rank])[-1]
+        assert last.committed and last.groups == 2
+        finals = [[e["digest"] for e in shards[r][rank] if e.name == FINAL_MODEL.name]
+                  for r in range(2)]  # fmt: skip
+        assert len(finals[0]) == 1 and finals[0] == finals[1], (rank, finals)
+    together = [e for e in job.events(0, SYNC, rank=0) if e["committed"] and e["groups"] == 2]
+    assert together and all(e["bytes_sent"] > 0 for e in together)
+    validation = [[e["loss"] for e in job.events(r, VALIDATION, rank=0)] for r in range(2)]
+    assert len(validation[0]) == 1 and validation[0] == validation[1], validation
+    losses = [e["loss"] for e in job.events(0, TRAIN_STEP, rank=0)]
+    assert losses[-1] < losses[0]
+    print(
+        f"32k vocabulary, 2x2 FSDP, int8 Streaming DiLoCo, 1 MiB buckets: shards agree at syncs "
+        f"{common}; validation loss {validation[0][0]:.4f} in both groups"
+    )

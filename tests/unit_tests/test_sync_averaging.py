@@ -1,0 +1,284 @@
+"""Every semi-sync method really averages every parameter, whatever its size and dtype.
+
+Two replica groups (real gloo process groups, one thread each; ``gloo_groups``) train the same
+model on different data and sync. With outer lr 1 and momentum 0 a sync must move every
+global parameter by exactly the mean of what the groups sent: for LocalSGD the mean of their
+parameters, for DiLoCo and async DiLoCo the mean of their pseudo-gradients, which for DiLoCo
+and async ``delayed`` (periods that start from the global copy) makes the global parameters
+the mean of the groups' local ones. Exact up to fp32 rounding for float32, within the codec's
+stated bound otherwise (``compression.py``: half a quantization step, ``absmax / qmax / 2``, per
+encoding; bfloat16: 2^-8 relative). The bucket is lowered to 300 values, so the model has
+tensors larger than a bucket, tensors packed together, and a bucket that a tensor does not fit.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.unit_tests.gloo_groups import LoopbackManager, run_groups, sync_manager
+from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo, _Fragment
+from torchtitan.experiments.fault_tolerance.compression import PSEUDO_GRAD_DTYPES, get_codec
+from torchtitan.experiments.fault_tolerance.outer_loop import TorchftDiLoCo, TorchftLocalSGD
+from torchtitan.experiments.fault_tolerance.trainer import ModelFragment
+
+BUCKET = 300
+PERIOD = 3
+GROUPS = 2
+
+
+_SEEDING = threading.Lock()  # the groups' threads share torch's global generator
+
+
+def make_model() -> nn.Module:
+    """Tensors of 1024 (alone: more than a bucket), then 64 + 128 + 2 (one bucket), 120 + 60 +
+    60 + 1 (the next: 120 does not fit after 194). The same in every group."""
+    with _SEEDING:
+        torch.manual_seed(0)
+        return _layers()
+
+
+def _layers() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 2), nn.Tanh(), nn.Linear(2, 60), nn.Tanh(),
+        nn.Linear(60, 1),
+    )  # fmt: skip
+
+
+def fragments_of(model: nn.Module, count: int) -> list[nn.Module]:
+    if count == 1:
+        return [model]
+    named = list(model.named_parameters())
+    return [ModelFragment(named[:2]), ModelFragment(named[2:])]
+
+
+def build(method: str, sync: Any, model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+    if method == "localsgd":
+        return TorchftLocalSGD(sync, model, optimizer, PERIOD)
+    if method.startswith("async_"):
+        return AsyncDiLoCo(
+            sync,
+            fragments_of(model, 1),
+            optimizer,
+            sync_steps=PERIOD,
+            update=method.removeprefix("async_"),
+            outer_lr=1.0,
+            outer_momentum=0.0,
+            outer_nesterov=False,
+            state_device=torch.device("cpu"),
+            tokens_per_step=10,
+        )
+    from torchft.local_sgd import DiLoCo
+
+    count = 2 if method == "streaming_diloco" else 1
+    fragments = fragments_of(model, count)
+    outer = [torch.optim.SGD(f.parameters(), lr=1.0, momentum=0.0) for f in fragments]
+    algorithm = DiLoCo(
+        sync, fragments, optimizer, outer, sync_every=PERIOD * count, use_bucketization=False
+    )
+    return TorchftDiLoCo(algorithm, fragments, PERIOD, 0)
+
+
+def flat(tensors: Any) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).float() for t in tensors])
+
+
+def train_and_record(rank: int, pg: Any, method: str, dtype: str) -> dict[str, Any]:
+    """One group: 3 syncs; per sync the tensors it sent (flat, in call order, divided by its
+    token count for async DiLoCo), the global parameters of the synced fragment before and
+    after, and its local parameters of that fragment at the sync point."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    manager = LoopbackManager(pg, rank, GROUPS)
+    loop: Any = None
+    sync = sync_manager(
+        manager, dtype, bucket_numel=BUCKET, fragment_of_sync=lambda: loop.current_fragment()
+    )
+    loop = build(method, sync, model, optimizer)
+    record: dict[str, Any] = {"sent": [], "before": [], "after": [], "local": []}
+    sending: list[torch.Tensor] = []
+    allreduce = sync.allreduce
+
+    def spy_allreduce(tensor: torch.Tensor, *args: Any, exact: bool = False, **kw: Any) -> Any:
+        if not exact:
+            sending.append(tensor.detach().clone().reshape(-1))
+        return allreduce(tensor, *args, exact=exact, **kw)
+
+    sync.allreduce = spy_allreduce  # type: ignore[method-assign]  # a spy on the method
+
+    def globals_of(index: int) -> torch.Tensor:
+        if method == "localsgd":
+            return flat(model.parameters())
+        return flat(loop.global_parameters(index).values())
+
+    fragment_params = (
+        (lambda i: list(model.parameters()))
+        if method in ("localsgd", "diloco") or method.startswith("async_")
+        else (lambda i: list(loop.fragments[i].parameters()))
+    )
+
+    if method.startswith("async_"):
+        # The average of the sync started at one sync point is applied at the next one.
+        original_apply = _Fragment.apply_average
+        original_pg = _Fragment.pseudo_gradient
+
+        def spy_pg(state: _Fragment, out: torch.Tensor) -> None:
+            record["local"].append(flat(model.parameters()))
+            record["start"] = record.get("start", []) + [flat(state.start.values())]
+            original_pg(state, out)
+
+        def spy_apply(state: _Fragment, average: torch.Tensor) -> None:
+            record["before"].append(flat(state.global_.values()))
+            original_apply(state, average)
+            record["after"].append(flat(state.global_.values()))
+
+        state = loop._states[0]
+        state.pseudo_gradient = lambda out: spy_pg(state, out)
+        state.apply_average = lambda average: spy_apply(state, average)
+    else:
+        start_quorum = sync.start_quorum
+
+        def spy_quorum(*args: Any, **kwargs: Any) -> None:
+            start_quorum(*args, **kwargs)
+            index = loop.current_fragment()
+            record["fragment"] = record.get("fragment", []) + [index]
+            record["local"].append(flat(fragment_params(index)))
+            record["before"].append(globals_of(index))
+
+        sync.start_quorum = spy_quorum  # type: ignore[method-assign]
+
+    data = torch.Generator().manual_seed(100 + rank)
+    syncs = 4 if method.startswith("async_") else 3
+    steps = syncs * PERIOD * (2 if method == "streaming_diloco" else 1)
+    try:
+        with loop.hooks():
+            for _ in range(steps):
+                x = torch.randn(8, 16, generator=data)
+                loss = F.mse_loss(model(x), torch.sin(x[:, :1] * (rank + 1)))
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                if sending:
+                    record["sent"].append(torch.cat(sending))
+                    sending.clear()
+                    if not method.startswith("async_"):
+                        record["after"].append(globals_of(record["fragment"][-1]))
+    finally:
+        sync.shutdown()
+    record["commits"] = manager.commits
+    if method.startswith("async_"):
+        tokens = PERIOD * 10
+        record["sent"] = [s / tokens for s in record["sent"]]
+    return record
+
+
+def window_absmax(x: torch.Tensor) -> torch.Tensor:
+    """Per element, the largest magnitude within 127 elements on either side: at least the
+    absmax of any 128-value block that holds it (blocks lie in buckets, buckets are runs of
+    consecutive tensors)."""
+    return F.max_pool1d(x.abs()[None, None], 2 * 127 + 1, stride=1, padding=127)[0, 0]
+
+
+def bound(sent: list[torch.Tensor], dtype: str) -> torch.Tensor:
+    """The most the decoded mean of ``sent`` can differ from their exact mean, per element:
+    each group's own encoding, then the re-encoding of the reduced sum, divided by the number
+    of groups."""
+    if dtype == "float32":
+        return torch.zeros_like(sent[0])
+    if dtype == "bfloat16":
+        u = 2.0**-8
+        own = sum(u * s.abs() for s in sent)
+        return (own + u * (sum(s.abs() for s in sent) + own)) / len(sent)
+    qmax = get_codec(dtype).qmax  # type: ignore[attr-defined]
+    windows = [window_absmax(s) for s in sent]
+    own = sum(w / qmax / 2 for w in windows)
+    reduced = sum(windows) + own  # the reduced block's absmax is at most this
+    return (own + reduced / qmax / 2) / len(sent)
+
+
+CASES = [("localsgd", "float32")] + [
+    (method, dtype)
+    for method in ("diloco", "streaming_diloco")
+    + ("async_eager", "async_eager_share", "async_delayed")
+    for dtype in PSEUDO_GRAD_DTYPES
+]
+
+
+@pytest.mark.parametrize(("method", "dtype"), CASES)
+def test_a_sync_moves_every_global_parameter_by_the_mean_of_what_the_groups_sent(
+    method: str, dtype: str
+) -> None:
+    records = run_groups(GROUPS, lambda r, pg: train_and_record(r, pg, method, dtype))
+    first, second = records
+    assert all(first["commits"]) and all(second["commits"]), (first["commits"], second["commits"])
+    assert len(first["after"]) >= 3 and len(first["after"]) == len(second["after"])
+    largest = max(t.numel() for t in make_model().parameters())
+    assert largest > BUCKET  # the case torchft 0.2.0's bucketing dropped
+    for sync in range(len(first["after"])):
+        sent = [first["sent"][sync], second["sent"][sync]]
+        mean = (sent[0].double() + sent[1].double()) / 2
+        # Every group applied the same bits.
+        same = torch.equal(first["after"][sync], second["after"][sync])
+        assert same, f"sync {sync}: the groups' global parameters differ ({method}, {dtype})"
+        before, after = first["before"][sync].double(), first["after"][sync].double()
+        if method == "localsgd":
+            moved_to, expected = after, mean  # the parameters become the mean
+        else:
+            moved_to, expected = before - after, mean  # lr 1: moved by the mean pseudo-gradient
+        scale = before.abs().max() + mean.abs().max()
+        rounding = 8 * torch.finfo(torch.float32).eps * scale
+        error = (moved_to - expected).abs()
+        allowed = bound(sent, dtype).double() + rounding
+        worst = (error - allowed).max().item()
+        assert worst <= 0, f"sync {sync}: {worst:.3g} past the bound ({method}, {dtype})"
+        assert mean.abs().max() > 10 * rounding  # the groups did send something
+        if method in ("diloco", "streaming_diloco", "async_delayed"):
+            # Periods start from the global copy: the globals become the mean of the locals.
+            locals_ = (first["local"][sync].double() + second["local"][sync].double()) / 2
+            gap = (after - locals_).abs() - bound(sent, dtype).double() - 2 * rounding
+            assert gap.max().item() <= 0, f"sync {sync}: globals are not the locals' mean"
+
+
+def test_error_feedback_keeps_a_residual_per_transfer_renewed_by_every_committed_sync() -> None:
+    """int4 DiLoCo with error feedback over three syncs: a residual per transfer (the tensor
+    larger than a bucket and the two buckets), each renewed by every committed sync, past the
+    first one (the keys restart at every quorum and meet their residuals again)."""
+
+    def group(rank: int, pg: Any) -> list[dict[str, torch.Tensor]]:
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        manager = LoopbackManager(pg, rank, GROUPS)
+        sync = sync_manager(manager, "int4", error_feedback=True, bucket_numel=BUCKET)
+        loop = build("diloco", sync, model, optimizer)
+        owed: list[dict[str, torch.Tensor]] = []
+        data = torch.Generator().manual_seed(100 + rank)
+        try:
+            with loop.hooks():
+                for _ in range(3 * PERIOD):
+                    x = torch.randn(8, 16, generator=data)
+                    loss = F.mse_loss(model(x), x[:, :1])
+                    optimizer.zero_grad()
+                    loss.backward()
+                    optimizer.step()
+                    if loop.local_step() == 0:
+                        feedback = sync.error_feedback
+                        assert feedback is not None
+                        owed.append(feedback.state_dict())
+        finally:
+            sync.shutdown()
+        assert manager.commits == [True] * 3
+        return owed
+
+    for owed in run_groups(GROUPS, group):
+        assert [sorted(o) for o in owed] == [["fragment_0/0", "fragment_0/1", "fragment_0/2"]] * 3
+        sizes = [owed[0][k].numel() for k in sorted(owed[0])]
+        assert sizes == [1024, 64 + 128 + 2, 120 + 60 + 60 + 1]
+        for key in owed[0]:
+            values = [o[key] for o in owed]
+            assert all(v.abs().sum() > 0 and torch.isfinite(v).all() for v in values)
+            assert not torch.equal(values[0], values[1]) and not torch.equal(values[1], values[2])

@@ -1,0 +1,196 @@
+"""The sync transport between replica groups (real gloo process groups, one thread per group):
+buckets, exact tensors, a healing group's zeros, non-finite values, error-feedback residuals
+that follow the sync's verdict, and the collective timeout."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed import ReduceOp
+
+from tests.unit_tests.gloo_groups import LoopbackManager, run_groups, sync_manager
+from torchtitan.components.ft import FaultToleranceError
+from torchtitan.experiments.fault_tolerance import events
+from torchtitan.experiments.fault_tolerance.transport import CollectiveTimeout, bucket_numel
+from torchtitan.tools.events import event_of
+
+
+def _sizes() -> list[int]:
+    # 700 (alone), 100 + 150 (a bucket), 120 (does not fit after 250: the next), 1 (with it).
+    return [700, 100, 150, 120, 1]
+
+
+def _tensors(rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(rank)
+    return [torch.randn(n, generator=g) * (rank + 1) for n in _sizes()]
+
+
+def test_the_bucket_holds_whole_fp32_values() -> None:
+    assert bucket_numel(32) == 32 * 2**20 // 4
+    assert bucket_numel(1e-9) == 1
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_every_tensor_is_averaged_in_buckets_of_its_own_and_the_transfers_are_counted(dtype):
+    def group(rank: int, pg: Any) -> tuple[list[torch.Tensor], int, list[int]]:
+        sync = sync_manager(LoopbackManager(pg, rank, 2), dtype, bucket_numel=300)
+        try:
+            sync.begin_sync()
+            tensors = _tensors(rank)
+            works = [sync.allreduce(t) for t in tensors]
+            for work in works:
+                work.wait()
+            transfers = [w.tensor.numel() for w in sync.transport.works]
+            return tensors, len(sync.transport.works), transfers
+        finally:
+            sync.shutdown()
+
+    (got0, count, transfers), (got1, _, _) = run_groups(2, group)
+    assert count == 3 and transfers == [700, 250, 121]
+    for index, (a, b) in enumerate(zip(got0, got1, strict=True)):
+        assert torch.equal(a, b), index
+        mean = (_tensors(0)[index] + _tensors(1)[index]) / 2
+        tolerance = 0 if dtype == "float32" else 4 * mean.abs().max() / 127
+        assert (a - mean).abs().max() <= tolerance + 1e-6, index
+
+
+def test_an_exact_tensor_travels_as_it_is_and_a_healing_group_sends_zeros() -> None:
+    """A token count next to a tiny value: int8 would round 0.001 to 0 in a block whose
+    absmax is 12345.678; sent exact it arrives bit for bit. A group that is not participating
+    (it heals in this quorum) adds zeros."""
+
+    def group(rank: int, pg: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        manager = LoopbackManager(pg, rank, 2)
+        if rank == 1:
+            manager.is_participating = lambda: False  # type: ignore[method-assign]
+        sync = sync_manager(manager, "int8", bucket_numel=300)
+        try:
+            sync.begin_sync()
+            exact = torch.tensor([12345.678, 0.001])
+            pseudo = torch.full((200,), 2.0)
+            works = [
+                sync.allreduce(pseudo, reduce_op=ReduceOp.SUM),
+                sync.allreduce(exact, reduce_op=ReduceOp.SUM, exact=True),
+            ]
+            for work in works:
+                work.wait()
+            return exact, pseudo
+        finally:
+            sync.shutdown()
+
+    (exact0, pseudo0), (exact1, pseudo1) = run_groups(2, group)
+    assert torch.equal(exact0, torch.tensor([12345.678, 0.001]))  # group 1 sent zeros
+    assert torch.equal(exact0, exact1) and torch.equal(pseudo0, pseudo1)
+    assert torch.equal(pseudo0, torch.full((200,), 2.0))  # only group 0's contribution
+
+
+def _sync_once(
+    sync: Any, manager: LoopbackManager, tensor: torch.Tensor, fail: bool = False
+) -> bool:
+    sync.start_quorum()
+    sync.allreduce(tensor).wait()
+    if fail:
+        manager.report_error(RuntimeError("another rank of this group failed"))
+    return sync.should_commit()
+
+
+def test_a_residual_changes_only_when_its_sync_commits() -> None:
+    """Three int8 syncs with error feedback. In the second, group 0's commit fails after its
+    collective succeeded (another rank of the group failed): its residual stays what the first
+    sync left; the third sync, committed, replaces it."""
+
+    def group(rank: int, pg: Any) -> list[torch.Tensor | None]:
+        manager = LoopbackManager(pg, rank, 2)
+        sync = sync_manager(manager, "int8", error_feedback=True, bucket_numel=300)
+        feedback = sync.error_feedback
+        assert feedback is not None
+        seen: list[torch.Tensor | None] = []
+        try:
+            for number, seed in enumerate((1, 2, 3)):
+                x = torch.randn(250, generator=torch.Generator().manual_seed(seed + 10 * rank))
+                committed = _sync_once(sync, manager, x, fail=rank == 0 and number == 1)
+                assert committed == (rank != 0 or number != 1)
+                residual = feedback.residual("fragment_0/0")
+                seen.append(None if residual is None else residual.clone())
+        finally:
+            sync.shutdown()
+        return seen
+
+    mine, theirs = run_groups(2, group)
+    assert all(r is not None for r in mine + theirs)
+    assert torch.equal(mine[1], mine[0])  # not committed: unchanged
+    assert not torch.equal(mine[2], mine[1])
+    assert not torch.equal(theirs[1], theirs[0])  # the other group committed
+
+
+def test_a_non_finite_pseudo_gradient_fails_the_sync_on_every_group(caplog) -> None:
+    """Group 1 sends a NaN in its second sync: both groups drop that sync, both residuals stay
+    as the first sync left them, group 1 is named as the source, and the next sync commits with
+    finite values."""
+
+    def group(rank: int, pg: Any) -> dict[str, Any]:
+        manager = LoopbackManager(pg, rank, 2)
+        sync = sync_manager(manager, "int4", error_feedback=True, bucket_numel=300)
+        feedback = sync.error_feedback
+        assert feedback is not None
+        out: dict[str, Any] = {"committed": [], "residuals": []}
+        try:
+            for number in range(3):
+                x = torch.randn(280, generator=torch.Generator().manual_seed(number + 10 * rank))
+                if rank == 1 and number == 1:
+                    x[137] = float("nan")
+                out["committed"].append(_sync_once(sync, manager, x))
+                out["residuals"].append(feedback.residual("fragment_0/0").clone())
+                out.setdefault("results", []).append(x)
+        finally:
+            sync.shutdown()
+        return out
+
+    with caplog.at_level(logging.INFO, logger="torchtitan"):
+        first, second = run_groups(2, group)
+    for out in (first, second):
+        assert out["committed"] == [True, False, True]
+        assert torch.equal(out["residuals"][1], out["residuals"][0])
+        assert all(torch.isfinite(r).all() for r in out["residuals"])
+        assert torch.isfinite(out["results"][2]).all()
+    seen = [event_of(r) for r in caplog.records]
+    found = [e.fields for e in seen if e is not None and e.name == events.NON_FINITE.name]
+    assert sorted((f["origin"], f["group"]) for f in found) == [
+        ("another group", None),
+        ("this group", 1),
+    ]
+
+
+def test_a_collective_past_the_timeout_fails_the_sync_naming_the_field_then_stops() -> None:
+    """Group 1 joins each collective 2 s late while the timeout is 0.5 s: group 0's sync fails
+    with an error naming fault_tolerance.sync_collective_timeout_s; the second time in a row,
+    with both groups still in the quorum, the run stops."""
+
+    def group(rank: int, pg: Any) -> list[Any]:
+        manager = LoopbackManager(pg, rank, 2)
+        sync = sync_manager(manager, "int8", bucket_numel=300, timeout_s=0.5)
+        outcomes: list[Any] = []
+        try:
+            for _ in range(2):
+                if rank == 1:
+                    time.sleep(2.0)
+                try:
+                    outcomes.append(_sync_once(sync, manager, torch.ones(100)))
+                except FaultToleranceError as e:
+                    outcomes.append(str(e))
+                outcomes.append(manager.errored())
+        finally:
+            sync.shutdown()
+        return outcomes
+
+    started = time.monotonic()
+    waiting, _ = run_groups(2, group, timeout_s=60)
+    assert time.monotonic() - started < 30
+    committed, error, stopped, _ = waiting
+    assert committed is False and isinstance(error, CollectiveTimeout)
+    assert "fault_tolerance.sync_collective_timeout_s=0.5s" in str(error)
+    assert "2 syncs in a row timed out with all 2 groups still in the quorum" in stopped

@@ -1,0 +1,279 @@
+"""How the tensors of one sync travel between replica groups, for every method and dtype.
+
+torchft's LocalSGD and DiLoCo hand their Manager one tensor at a time (a parameter, or a
+pseudo-gradient), async DiLoCo one flat tensor per fragment plus its token count.
+:class:`SyncTransport` carries them, with these invariants:
+
+* **Every tensor is all-reduced, whatever its size.** Tensors smaller than a bucket
+  (``bucket_numel`` fp32 values) are packed, in call order, into a new flat buffer until the
+  next one does not fit; a tensor of a bucket's size or more travels alone, in place. (torchft
+  0.2.0's own bucketing stops packing at the first tensor larger than a bucket and sends zeros
+  for it and every tensor after it: each group then applies its own pseudo-gradient there.)
+* **The same collectives in the same order on every rank.** Bucket boundaries depend only on
+  the sizes and the order of the calls, which are alike in every group; a pending bucket
+  leaves at :meth:`SyncTransport.flush` (the caller flushes after handing in a sync's
+  tensors), before an ``exact`` tensor, or when one of its tensors is waited for.
+* **Nothing non-finite reaches the global parameters or a residual.** Each transfer's input is
+  checked before it is sent and its result after it arrived (one reduction each). A group
+  whose input is not finite sends NaNs, so that every group's result is not finite either,
+  and every group fails the sync alike (:meth:`SyncTransport.non_finite`); the residuals stay
+  as they were.
+* **An error-feedback residual changes only when its sync commits.** The collective stages
+  the residual of transfer ``n`` of fragment ``f`` (``ErrorFeedback.fragment_key(f, n)``), and
+  :meth:`SyncTransport.end_sync` keeps it or drops it with the sync's verdict.
+* **A timeout sized for transfers of minutes.** Each collective may take up to
+  ``fault_tolerance.sync_collective_timeout_s`` (the per-step ``process_group_timeout_ms`` does
+  not apply): one that runs past it fails the sync with a :class:`CollectiveTimeout` whose
+  message names the field.
+
+Failure semantics are torchft's: a failed collective is reported to the Manager
+(``report_error``), the sync is not committed, nothing is applied, and ``wait`` never raises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from torchtitan.components.ft import torchft_adapter as tft
+from torchtitan.experiments.fault_tolerance.compression import (
+    AsyncCompressedAllReduce,
+    CompressedWork,
+    ErrorFeedback,
+)
+
+#: The default bucket: fp32 values of one compressed transfer (``fault_tolerance.sync_bucket_mb``).
+DEFAULT_BUCKET_MB = 32.0
+
+TIMEOUT_FIELD = "fault_tolerance.sync_collective_timeout_s"
+
+
+def bucket_numel(bucket_mb: float) -> int:
+    """fp32 values in a bucket of ``bucket_mb`` MiB (at least one)."""
+    return max(1, int(bucket_mb * 2**20) // 4)
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective of a sync ran past ``fault_tolerance.sync_collective_timeout_s``."""
+
+
+def _timed_out(error: BaseException) -> bool:
+    text = str(error).lower()
+    return isinstance(error, TimeoutError) or "timed out" in text or "timeout" in text
+
+
+class _Done:
+    """The work of a call that sent nothing (the Manager had already failed this sync)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def wait(self) -> bool:
+        return True
+
+
+@dataclass
+class _Bucket:
+    """Tensors packed into one transfer, in call order."""
+
+    divide_by: float
+    device: torch.device
+    members: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    numel: int = 0
+    #: Once sent: the transfer's work.
+    work: CompressedWork | None = None
+
+    def add(self, tensor: torch.Tensor) -> None:
+        self.members.append((tensor, self.numel))
+        self.numel += tensor.numel()
+
+
+class BucketedWork:
+    """The work of one tensor packed into a bucket: waiting sends the bucket if it is still
+    pending, and returns once the tensor holds its result (torchft's ``Work.wait``)."""
+
+    def __init__(self, transport: SyncTransport, bucket: _Bucket, tensor: torch.Tensor) -> None:
+        self._transport = transport
+        self._bucket = bucket
+        self.tensor = tensor
+
+    def wait(self) -> bool:
+        if self._bucket.work is None:
+            self._transport.flush()
+        assert self._bucket.work is not None
+        return self._bucket.work.wait()
+
+
+class SyncTransport:
+    """Carries the tensors of each sync (see the module docstring).
+
+    One sync at a time: :meth:`begin_sync` at its quorum, :meth:`allreduce` for each tensor,
+    :meth:`flush`, the works waited for, then :meth:`non_finite` and, with the verdict,
+    :meth:`end_sync`.
+    """
+
+    def __init__(
+        self,
+        dtype: str,
+        *,
+        error_feedback: bool,
+        bucket_mb: float,
+        timeout_s: float,
+    ) -> None:
+        self.dtype = dtype
+        self.error_feedback = ErrorFeedback() if error_feedback and dtype != "float32" else None
+        self.bucket_numel = bucket_numel(bucket_mb)
+        self.timeout = timedelta(seconds=timeout_s)
+        self._runner = AsyncCompressedAllReduce()
+        self._manager: Any = None
+        self.fragment = 0
+        self._transfers = 0
+        self._pending: _Bucket | None = None
+        #: This sync's transfers of pseudo-gradients or parameters (not the exact ones).
+        self.works: list[CompressedWork] = []
+        self._all: list[CompressedWork] = []
+
+    # ---- one sync ------------------------------------------------------------------------------
+
+    def begin_sync(self, manager: Any, fragment: int) -> None:
+        """A sync of ``fragment`` starts (its quorum is in): transfers are numbered from 0."""
+        self._manager = manager
+        self.fragment = fragment
+        self._transfers = 0
+        self._pending = None
+        self.works = []
+        self._all = []
+
+    def allreduce(
+        self, manager: Any, tensor: torch.Tensor, *, average: bool, exact: bool = False
+    ) -> Any:
+        """All-reduce (SUM, or the mean over the quorum with ``average``) ``tensor`` in place.
+
+        ``exact``: sent as fp32, without error feedback (e.g. a token count), after any
+        pending bucket. Returns a work to ``wait`` for.
+        """
+        self._manager = manager
+        if manager.errored() is not None:  # torchft: after an error, the rest are no-ops
+            return _Done(tensor)
+        if not manager.is_participating():
+            tensor.zero_()  # a healing group sends nothing
+        divide_by = manager.num_participants() if average else 1
+        if exact:
+            self.flush()
+            return self._submit(tensor.view(-1), divide_by, exact=True)
+        if tensor.numel() >= self.bucket_numel and tensor.is_contiguous():
+            self.flush()
+            return self._submit(tensor.view(-1), divide_by)
+        bucket = self._pending
+        if (
+            bucket is None
+            or bucket.numel + tensor.numel() > max(self.bucket_numel, tensor.numel())
+            or bucket.divide_by != divide_by
+            or bucket.device != tensor.device
+        ):
+            self.flush()
+            bucket = self._pending = _Bucket(divide_by, tensor.device)
+        bucket.add(tensor)
+        return BucketedWork(self, bucket, tensor)
+
+    def flush(self) -> None:
+        """Send the pending bucket, if any."""
+        bucket, self._pending = self._pending, None
+        if bucket is None:
+            return
+        flat = torch.empty(bucket.numel, dtype=torch.float32, device=bucket.device)
+        for tensor, offset in bucket.members:
+            flat[offset : offset + tensor.numel()].view_as(tensor).copy_(tensor)
+
+        def copy_back() -> None:
+            for tensor, offset in bucket.members:
+                tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+
+        if self._manager.errored() is not None:
+            bucket.work = CompressedWork(flat)
+            bucket.work.complete()
+            return
+        bucket.work = self._submit(flat, bucket.divide_by, then=copy_back)
+
+    def _submit(
+        self,
+        flat: torch.Tensor,
+        divide_by: float,
+        *,
+        exact: bool = False,
+        then: Any = None,
+    ) -> CompressedWork:
+        manager = self._manager
+        key = ""
+        if not exact:
+            key = ErrorFeedback.fragment_key(self.fragment, self._transfers)
+            self._transfers += 1
+        numel = flat.numel()
+
+        def on_error(error: Exception) -> None:
+            if _timed_out(error):
+                error = CollectiveTimeout(
+                    f"the all-reduce of fragment {self.fragment}'s sync ({numel * 4 / 2**20:.1f}"
+                    f" MiB of fp32 values, sent as {'float32' if exact else self.dtype}) did not "
+                    f"finish within {TIMEOUT_FIELD}={self.timeout.total_seconds():g}s: raise it "
+                    f"if every group is alive ({str(error).splitlines()[0]})"
+                )
+            manager.report_error(error)
+
+        work = self._runner.submit(
+            tft.replica_process_group(manager),
+            flat,
+            "float32" if exact else self.dtype,
+            divide_by=divide_by,
+            error_feedback=None if exact else self.error_feedback,
+            key=key,
+            on_error=on_error,
+            timeout=self.timeout,
+            check_finite=True,
+            then=then,
+        )
+        self._all.append(work)
+        if not exact:
+            self.works.append(work)
+        return work
+
+    def non_finite(self) -> str | None:
+        """After this sync's works are done: ``"sent"`` when this rank's own input held an inf
+        or NaN, ``"received"`` when another group's did (the result was not finite), None when
+        every value was finite."""
+        self.flush()
+        found = None
+        for work in self._all:
+            work.wait()
+            if work.non_finite == "sent":
+                return "sent"
+            found = found or work.non_finite
+        return found
+
+    def end_sync(self, committed: bool) -> None:
+        """The sync's verdict: its staged error-feedback residuals are kept or dropped."""
+        if self.error_feedback is not None:
+            if committed:
+                self.error_feedback.commit()
+            else:
+                self.error_feedback.discard()
+
+    def stats(self) -> tuple[int, float | None]:
+        """This sync's bytes sent by this rank and, compressed, its seconds compressing and
+        decompressing (waiting for the transfers). Uncompressed: the payload's bytes and None."""
+        self.flush()
+        sent, seconds = 0, 0.0
+        for work in self.works:
+            work.wait()
+            if self.dtype == "float32":
+                sent += work.tensor.numel() * 4
+            elif work.stats is not None:
+                sent += work.stats.bytes_sent
+                seconds += work.stats.encode_s + work.stats.decode_s
+        return sent, None if self.dtype == "float32" else seconds
+
+    def shutdown(self) -> None:
+        self._runner.shutdown()
