@@ -227,6 +227,11 @@ class Trainer:
         if heal and self.ft is not None:
             self.ft.register_state(name, state)
 
+    def load_checkpoint(self) -> None:
+        """Extension point: resume from the newest checkpoint that passes its checksums (none:
+        start at step 1). Raises ``CorruptCheckpointError`` when every one fails."""
+        self.checkpointer.load()
+
     #: Whether every replica group holds the same parameters after each committed step
     #: (synchronous FT), so that ``metrics.log_param_digest`` logs a digest per step.
     params_agree_every_step: bool = True
@@ -337,7 +342,7 @@ class Trainer:
             self.event_file = attach_event_file(
                 self.dump_folder, ft.replica_id if ft.enable else None, self.parallel_dims.rank
             )
-        self.checkpointer.load()
+        self.load_checkpoint()
         self.metrics.start(self.train_state.step)
         if self.parallel_dims.is_main_rank:
             self.dump_folder.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,6 @@
 """Stop a run right after its checkpoint of step N, resume it: steps N+1.. give bit for bit the
-losses of the same run left uninterrupted (``--training.deterministic`` and a seed, on CPU).
+losses of the same run left uninterrupted (``--training.deterministic`` and a seed, on CPU); a
+corrupt newer checkpoint is skipped for the older one.
 
 The stop is a SIGKILL sent as soon as the run reports its step-N save (a ``checkpoint.saved``
 event): no clean shutdown. The losses compared are the unrounded ones of
@@ -25,7 +26,13 @@ from tests.integration_tests.train_runs import (
     step_losses,
     train_env,
 )
-from torchtitan.components.checkpoint import CHECKPOINT_RESUMED, CHECKPOINT_SAVED, scan_steps
+from torchtitan.components import checksums
+from torchtitan.components.checkpoint import (
+    CHECKPOINT_REJECTED,
+    CHECKPOINT_RESUMED,
+    CHECKPOINT_SAVED,
+    scan_steps,
+)
 from torchtitan.components.metrics import read_metrics
 from torchtitan.tools.events import EVENTS_FOLDER, read_events
 
@@ -113,3 +120,37 @@ def test_resume_after_kill_gives_bitwise_equal_losses(tmp_path: Path) -> None:
         assert history[step]["train/grad_norm"] == reference[step]["train/grad_norm"], step
     for step in (N, STEPS):  # validation of the stopped run's last and the resumed run's step
         assert history[step]["validation/loss"] == reference[step]["validation/loss"], step
+
+
+def test_a_corrupt_rank_file_of_a_2_rank_fsdp_checkpoint_falls_back_to_the_older_one(
+    tmp_path: Path,
+) -> None:
+    """2 FSDP2 ranks, checkpoints at steps 5 and 10. 4 KB of zeros in the middle of rank 1's
+    file of step 10, as a bad disk or a cut-short copy leaves: the resumed run does not load
+    it, says which folder, file and rank failed, and resumes from step 5 instead; steps 6..10
+    then give the losses of the first run, bit for bit, and step 10 is saved again, intact."""
+    dump = tmp_path / "fsdp"
+    env = train_env(NGPU="2")
+    first = run_train(_args(dump), env=env)
+    assert first.returncode == 0, first.stdout
+    reference = read_metrics(dump / "metrics.jsonl")
+    step10 = dump / "checkpoint" / f"step-{STEPS}"
+    shard = step10 / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 4096] = bytes(4096)
+    shard.write_bytes(bytes(data))
+
+    resumed_at = time.time()
+    resumed = run_train(_args(dump), env=env)
+    assert resumed.returncode == 0, resumed.stdout
+    rejected = read_events(dump / EVENTS_FOLDER, CHECKPOINT_REJECTED, since=resumed_at)
+    assert {e.rank for e in rejected} == {0, 1}  # every rank knows, and says it once
+    problem = rejected[0]["problem"]
+    assert f"checkpoint {step10}: __1_0.distcp (written by rank 1) fails its checksum" in problem
+    resumes = read_events(dump / EVENTS_FOLDER, CHECKPOINT_RESUMED, since=resumed_at)
+    assert {e.step for e in resumes} == {N}
+    history = read_metrics(dump / "metrics.jsonl")
+    for step in range(N + 1, STEPS + 1):
+        assert history[step]["train/loss"] == reference[step]["train/loss"], step
+    assert checksums.verify(step10) is None  # the corrupt one was replaced by the new save

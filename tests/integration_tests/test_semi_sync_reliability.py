@@ -31,6 +31,7 @@ from tests.integration_tests.test_semi_sync import (
     syncs,
 )
 from tests.integration_tests.train_runs import error_lines
+from torchtitan.components.checkpoint import CHECKPOINT_REJECTED, CHECKPOINT_RESUMED
 from torchtitan.components.ft.manager import QUORUM_FORMED, QUORUM_WAITING
 from torchtitan.components.metrics import TRAIN_STEP
 from torchtitan.experiments.fault_tolerance.events import (
@@ -39,6 +40,7 @@ from torchtitan.experiments.fault_tolerance.events import (
     GLOBAL_DIGEST,
     GLOBAL_FROM_LOADED_MODEL,
     HEALED,
+    OWN_CHECKPOINT_REJECTED,
     SYNC,
 )
 from torchtitan.tools.events import read_events
@@ -332,3 +334,46 @@ def test_diloco_starts_from_a_plain_checkpoint(
         f"loss {diloco[1]:.3f} at step 1 (plain run ended at {plain_losses[30]:.3f}), "
         f"{before:.3f} -> {after:.3f} across the first sync (noise {noise:.3f})"
     )
+
+
+def test_a_group_whose_checkpoints_all_fail_their_checksums_heals_in_full(
+    ft_job: Callable[..., FTJob], tmp_path: Path
+) -> None:
+    """DiLoCo, checkpoints at steps 4 and 8; then 4 KB of zeros in the middle of every one of
+    group 0's data files. On a whole-job restart group 0 loads neither (each rejected, naming
+    the folder, the file and the rank), says that it starts without a checkpoint and heals in
+    full from group 1, which resumed from its own step 8; both then train on in step and end
+    with the same model."""
+    common = ["--checkpoint.enable", "--checkpoint.interval=4", "--checkpoint.keep_latest_k=0"]
+    first = ft_job(
+        groups=2, train_args=args(FAULTS_MODULE, "diloco", "--training.steps=8", *common)
+    )
+    first.start()
+    for r in range(2):
+        assert first.wait_exit(r, timeout=240) == 0, tail(first.latest(r).text())
+    first.close()
+    mine = first.dump_folder / "checkpoint" / "replica_0"
+    damaged = sorted(mine.glob("step-*/__0_0.distcp"))
+    assert len(damaged) == 2
+    for shard in damaged:
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2 : len(data) // 2 + 4096] = bytes(4096)
+        shard.write_bytes(bytes(data))
+
+    job = ft_job(
+        tmp_path / "restart",
+        groups=2,
+        dump_folder=first.dump_folder,
+        train_args=args(FAULTS_MODULE, "diloco", "--training.steps=16", *common),
+    )
+    job.start()
+    for r in range(2):
+        assert job.wait_exit(r, timeout=240) == 0, tail(job.latest(r).text())
+    rejected = [e["problem"] for e in job.events(0, CHECKPOINT_REJECTED)]
+    assert len(rejected) == 2 and all("__0_0.distcp (written by rank 0)" in p for p in rejected)
+    assert len(job.events(0, OWN_CHECKPOINT_REJECTED)) == 1
+    assert [e.step for e in job.events(1, CHECKPOINT_RESUMED)] == [8]
+    healed = job.events(0, HEALED)
+    assert [(e["case"], e["peer"]) for e in healed] == [("newer_checkpoint", 1)], healed
+    final = [[e["digest"] for e in job.events(r, FINAL_DIGEST)] for r in range(2)]
+    assert len(final[0]) == 1 and final[0] == final[1], final

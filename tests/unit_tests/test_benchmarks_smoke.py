@@ -55,3 +55,28 @@ def test_train_entry_lets_a_config_name_the_benchmark_flavors() -> None:
     result = run_python(code)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["bench_1024x8", "bench_512x8"]
+
+
+def test_checkpoint_checksums_smoke_compares_the_same_states(tmp_path: Path) -> None:
+    """The states saved are the model and both AdamW moments (3x the parameter bytes), and
+    the overhead reported is the checksummed time over the plain one of the same repeat."""
+    output = tmp_path / "checkpoint_checksums.json"
+    result = subprocess.run(
+        [sys.executable, "benchmarks/checkpoint_checksums.py", "--smoke", "--out", str(output)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout
+    (size,) = json.loads(output.read_text())["sizes"]
+    from torchtitan.models import get_train_spec
+
+    spec = get_train_spec("llama3")
+    params = sum(p.numel() for p in spec.model_cls(spec.model_args[size["flavor"]]).parameters())
+    assert size["state_bytes"] == 3 * 4 * params
+    (repeat,) = size["repeats"]
+    for what in ("save", "load"):
+        ratio = repeat[f"checksummed_{what}_s"] / repeat[f"plain_{what}_s"] - 1
+        assert abs(size[what]["overhead"]["median"] - ratio) < 1e-12

@@ -12,7 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from torchtitan.components.checkpoint import CheckpointError, CheckpointManager, complete_steps
+from torchtitan.components.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    CorruptCheckpointError,
+    complete_steps,
+)
 from torchtitan.components.lr_scheduler import build_lr_scheduler
 from torchtitan.components.optimizer import OptimizerState
 from torchtitan.config.job_config import ConfigError, JobConfig
@@ -240,7 +245,8 @@ def test_garbage_shards_are_a_checkpoint_error(
     run.checkpointer.save(1)
     for shard in (tmp_path / "checkpoint" / "step-1").glob("*.distcp"):
         shard.write_bytes(b"\0garbage" * 32)
-    with pytest.raises(CheckpointError, match=r"step-1 cannot be loaded \("):
+    # Caught by the checksums before DCP reads a byte of it.
+    with pytest.raises(CheckpointError, match=r"step-1: __0_0.distcp \(written by rank 0\) has"):
         Run(config, seed=1).checkpointer.load()
     assert "Traceback" not in capfd.readouterr().err
 
@@ -297,3 +303,103 @@ def test_initial_load_path_loads_the_model_only(tmp_path: Path) -> None:
     for x, y in zip(run.snapshot()["params"], weights, strict=True):
         assert torch.equal(x, y)
     assert run.train_state.step == 0 and not run.optimizer.state
+
+
+# ---- checksums -------------------------------------------------------------------------------
+
+
+def _two_checkpoints(tmp_path: Path) -> tuple[JobConfig, dict[str, Any], Path]:
+    """Checkpoints of steps 5 and 10; the snapshot of step 5 and the folder of step 10."""
+    config = _config(tmp_path)
+    run = Run(config)
+    run.train(5)
+    run.checkpointer.save(5)
+    older = run.snapshot()
+    run.train(5)
+    run.checkpointer.save(10)
+    return config, older, tmp_path / "checkpoint" / "step-10"
+
+
+def _zero_middle(path: Path, size: int = 4096) -> None:
+    """Overwrite ``size`` bytes in the middle of a file with zeros, as a bad disk would."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + size] = bytes(min(size, len(data) - middle))
+    path.write_bytes(bytes(data))
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "zeros_in_tensor_data": (lambda f: _zero_middle(f / "__0_0.distcp"), "fails its checksum"),
+    "a_flipped_metadata_byte": (lambda f: _flip(f / ".metadata", 100), "fails its checksum"),
+    "a_deleted_file": (lambda f: (f / "__0_0.distcp").unlink(), "is missing"),
+    "a_truncated_file": (
+        lambda f: (f / "__0_0.distcp").write_bytes((f / "__0_0.distcp").read_bytes()[:1000]),
+        "has 1000 bytes",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_damaged_checkpoint_is_never_loaded_and_the_newest_intact_one_is(
+    tmp_path: Path, damage: str, warnings_logged: pytest.LogCaptureFixture
+) -> None:
+    config, older, newest = _two_checkpoints(tmp_path)
+    hurt, words = DAMAGE[damage]
+    hurt(newest)
+    fresh = Run(config, seed=1)
+    assert fresh.checkpointer.load() == 5
+    _assert_same(fresh.snapshot(), older)
+    warned = [r.getMessage() for r in warnings_logged.records]
+    assert any(f"checkpoint {newest}:" in m and words in m for m in warned), warned
+    assert any("written by rank 0" in m for m in warned), warned
+    # Asked for by checkpoint.load_step, it stops the run instead.
+    config.checkpoint.load_step = 10
+    with pytest.raises(CorruptCheckpointError, match="checkpoint.load_step asked for it"):
+        Run(config, seed=1).checkpointer.load()
+
+
+def test_when_no_checkpoint_passes_the_run_stops_naming_the_newest(tmp_path: Path) -> None:
+    config, _, newest = _two_checkpoints(tmp_path)
+    _zero_middle(newest / "__0_0.distcp")
+    _flip(tmp_path / "checkpoint" / "step-5" / ".metadata", 50)
+    with pytest.raises(CorruptCheckpointError, match=r"step-10: __0_0.distcp .* no other"):
+        Run(config, seed=1).checkpointer.load()
+
+
+def test_a_damaged_manifest_rejects_its_checkpoint(tmp_path: Path) -> None:
+    config, _, newest = _two_checkpoints(tmp_path)
+    (newest / "checksums.json").write_text("{not json")
+    assert Run(config, seed=1).checkpointer.load() == 5
+
+
+def test_a_checkpoint_without_checksums_loads_with_a_note(
+    tmp_path: Path, warnings_logged: pytest.LogCaptureFixture
+) -> None:
+    """Written before checksums existed: no manifest, no marker. It loads, unverified, and
+    says so in one line; a save that began with the marker and lost its manifest is a save
+    that did not finish."""
+    config, _, newest = _two_checkpoints(tmp_path)
+    (newest / "checksums.json").unlink()
+    assert complete_steps(tmp_path / "checkpoint") == [5]  # the marker says: unfinished
+    (newest / ".checksums-expected").unlink()
+    assert complete_steps(tmp_path / "checkpoint") == [5, 10]
+    assert Run(config, seed=1).checkpointer.load() == 10
+    notes = {r.getMessage() for r in warnings_logged.records if "unverified" in r.getMessage()}
+    assert notes == {f"Checkpoint {newest} has no checksums (written before they existed): "
+                     "loaded unverified"}  # fmt: skip
+
+
+def test_every_file_of_a_save_is_in_its_manifest(tmp_path: Path) -> None:
+    import json
+
+    _, _, newest = _two_checkpoints(tmp_path)
+    listed = json.loads((newest / "checksums.json").read_text())["files"]
+    on_disk = {p.name for p in newest.iterdir()} - {"checksums.json", ".checksums-expected"}
+    assert set(listed) == on_disk and ".metadata" in listed
+    assert all(entry["rank"] == 0 and entry["bytes"] > 0 for entry in listed.values())

@@ -1,11 +1,17 @@
 """Persistent checkpoints with ``torch.distributed.checkpoint`` (DCP).
 
 Layout: ``<dump_folder>/<checkpoint.folder>[/replica_<R>]/step-<N>/``. A save is complete when
-DCP has written its ``.metadata`` file (written last, after every rank's shards); a step folder
-without it is a save that died part-way and is skipped with a warning (and deleted by the next
-purge of ``keep_latest_k``). Anything else that cannot be loaded (garbage, a different model) is
-a :class:`CheckpointError` naming the folder and the cause: a run never starts fresh silently
-when a checkpoint exists, and never half-loads one.
+its ``checksums.json`` is written (the XXH3-64 digest of every file, each rank's of the files it
+wrote, after DCP's ``.metadata``; ``checksums.py``); a step folder without it is a save that
+died part-way and is skipped with a warning (and deleted by the next purge of
+``keep_latest_k``). Before anything is loaded, every file is checked against it: a checkpoint
+that fails (a flipped byte, a truncated or missing file) is never loaded. The newest older
+checkpoint that passes is loaded instead, with a warning naming the folder, the file and the
+rank; with ``checkpoint.load_step`` naming the bad one, or when none passes, the run stops with
+an error (:class:`CorruptCheckpointError`). Checkpoints written before checksums existed load
+unverified, with a note. Anything else that cannot be loaded (garbage, a different model) is a
+:class:`CheckpointError` naming the folder and the cause: a run never starts fresh silently when
+a checkpoint exists, and never half-loads one.
 
 What is saved is the trainer's state registry (``Trainer.states``): model, optimizer, LR
 scheduler, dataloader, train state, and whatever a subclass registers. The same registry feeds
@@ -30,6 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.stateful import Stateful
 
+from torchtitan.components import checksums
 from torchtitan.config.job_config import ConfigError, JobConfig
 from torchtitan.tools.events import EventKind
 from torchtitan.tools.logging import logger
@@ -42,6 +49,17 @@ CHECKPOINT_SAVED = EventKind(
 CHECKPOINT_RESUMED = EventKind(
     "checkpoint.resumed", "Resumed from checkpoint {folder} (step {step})"
 )
+#: A checkpoint failed its checksums and was not loaded (``problem``: the folder, the file and
+#: the rank that wrote it).
+CHECKPOINT_REJECTED = EventKind(
+    "checkpoint.rejected", "Not loading a corrupt checkpoint: {problem}", logging.WARNING
+)
+#: A checkpoint written before checksums existed was loaded without a check.
+CHECKPOINT_UNVERIFIED = EventKind(
+    "checkpoint.unverified",
+    "Checkpoint {folder} has no checksums (written before they existed): loaded unverified",
+    logging.WARNING,
+)
 #: ``checkpoint.initial_load_path`` was loaded (``states``: the states taken from it).
 INITIAL_WEIGHTS_LOADED = EventKind(
     "checkpoint.initial_loaded",
@@ -53,6 +71,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint exists but cannot be used."""
 
 
+class CorruptCheckpointError(CheckpointError):
+    """No checkpoint that could be loaded passed its checksums."""
+
+
 def checkpoint_folder(job_config: JobConfig) -> Path:
     """This job's checkpoint folder; each fault-tolerant replica group has its own."""
     folder = Path(job_config.job.dump_folder) / job_config.checkpoint.folder
@@ -60,6 +82,12 @@ def checkpoint_folder(job_config: JobConfig) -> Path:
     if ft.enable:
         folder = folder / f"replica_{ft.replica_id}"
     return folder
+
+
+def is_complete(folder: Path) -> bool:
+    """Whether a step folder holds a finished save: DCP's ``.metadata``, and the checksums a
+    checksummed save writes last (a save from before checksums has only the former)."""
+    return (folder / checksums.METADATA).is_file() and checksums.state(folder) != "pending"
 
 
 def scan_steps(folder: Path) -> tuple[list[int], list[int]]:
@@ -71,8 +99,7 @@ def scan_steps(folder: Path) -> tuple[list[int], list[int]]:
             match = _STEP_DIR.match(entry.name)
             if match is None or not entry.is_dir():
                 continue
-            done = (entry / ".metadata").is_file()
-            (complete if done else incomplete).append(int(match.group(1)))
+            (complete if is_complete(entry) else incomplete).append(int(match.group(1)))
     return sorted(complete), sorted(incomplete)
 
 
@@ -81,7 +108,10 @@ def complete_steps(folder: Path) -> list[int]:
     folder without ``.metadata`` (a save that died part-way), which is skipped."""
     complete, incomplete = scan_steps(folder)
     for step in incomplete:
-        logger.warning(f"Skipping {folder / f'step-{step}'}: incomplete checkpoint (no .metadata)")
+        logger.warning(
+            f"Skipping {folder / f'step-{step}'}: incomplete checkpoint (a save that did not "
+            f"finish: no .metadata or no {checksums.MANIFEST})"
+        )
     return complete
 
 
@@ -131,6 +161,9 @@ class CheckpointManager:
         self.folder = checkpoint_folder(job_config)
         self.states = states
         self.is_main = not dist.is_initialized() or dist.get_rank() == 0
+        #: Checkpoints that failed their checksums at load: a new save of their step replaces
+        #: them (they are left alone otherwise, to be restored from a copy).
+        self.rejected: set[Path] = set()
 
     def step_folder(self, step: int) -> Path:
         return self.folder / f"step-{step}"
@@ -141,20 +174,27 @@ class CheckpointManager:
     def save(self, step: int) -> None:
         """Write a checkpoint of every registered state at ``step`` (all ranks call this).
 
-        A step that already has a complete checkpoint is not written again. A failed write
-        raises :class:`CheckpointError`; the partial folder it leaves is skipped on resume.
+        A step that already has a complete checkpoint is not written again, unless it failed
+        its checksums at load (it is replaced). Every rank
+        checksums the files it wrote; the manifest (``checksums.json``) is written last. A
+        failed write raises :class:`CheckpointError`; the partial folder it leaves is skipped
+        on resume.
         """
         target = self.step_folder(step)
-        if (target / ".metadata").is_file():
+        if is_complete(target) and target not in self.rejected:
             return
         start = time.perf_counter()
-        if self.is_main and target.exists():
-            shutil.rmtree(target)  # a partial save of this step from an earlier crash
+        if self.is_main:
+            if target.exists():
+                shutil.rmtree(target)  # a partial save of this step from an earlier crash
+            checksums.begin(target)
         if dist.is_initialized():
             dist.barrier()
         try:
+            writer = checksums.ChecksummingWriter(target)
             with _quiet_dcp() as held:
-                dcp.save(dict(self.states), checkpoint_id=str(target))
+                dcp.save(dict(self.states), storage_writer=writer)
+            checksums.write_manifest(target, writer.written)
         except (Exception, CheckpointException) as e:
             raise CheckpointError(
                 f"Saving checkpoint step {step} to {target} failed ({_cause(e)})"
@@ -184,21 +224,40 @@ class CheckpointManager:
         if not self.enabled:
             return None
         steps = complete_steps(self.folder)
-        if self.config.load_step >= 0:
+        asked = self.config.load_step >= 0
+        if asked:
             if self.config.load_step not in steps:
                 raise CheckpointError(
                     f"checkpoint.load_step: {self.config.load_step} has no complete checkpoint in "
                     f"{self.folder}; complete steps: {steps or 'none'}"
                 )
-            step = self.config.load_step
+            candidates = [self.config.load_step]
         elif steps:
-            step = steps[-1]
+            candidates = steps[::-1]  # the newest first; older ones if it fails its checksums
         else:
             self._load_initial()
             return None
-        self._load(self.step_folder(step), self._keys_to_load())
-        CHECKPOINT_RESUMED.emit(step=step, folder=str(self.step_folder(step)))
-        return step
+        problems = []
+        for step in candidates:
+            folder = self.step_folder(step)
+            problem = checksums.verify(folder)
+            if problem is None:
+                self._load(folder, self._keys_to_load())
+                CHECKPOINT_RESUMED.emit(step=step, folder=str(folder))
+                return step
+            CHECKPOINT_REJECTED.emit(problem=problem)
+            self.rejected.add(folder)
+            problems.append(problem)
+        reason = (
+            "checkpoint.load_step asked for it"
+            if asked
+            else f"no other checkpoint in {self.folder} passes its checksums"
+        )
+        raise CorruptCheckpointError(
+            f"{problems[0]}; {reason}. Restore the folder from a copy, or set "
+            "checkpoint.load_step to a checkpoint that is intact (or move the bad ones away to "
+            "start fresh)."
+        )
 
     def _load_initial(self) -> None:
         path = self.config.initial_load_path
@@ -210,6 +269,9 @@ class CheckpointManager:
                 "(no .metadata file in it)"
             )
         keys = ["model"] if self.config.initial_load_model_only else self._keys_to_load()
+        problem = checksums.verify(Path(path))
+        if problem is not None:
+            raise CorruptCheckpointError(f"checkpoint.initial_load_path: {problem}")
         self._load(Path(path), keys)
         INITIAL_WEIGHTS_LOADED.emit(states=keys, path=str(path))
 
@@ -245,6 +307,8 @@ class CheckpointManager:
                 f"Checkpoint {folder} cannot be loaded: its .metadata file holds a "
                 f"{type(metadata).__name__}, not DCP metadata. {advice}"
             )
+        if checksums.state(folder) == "legacy":
+            CHECKPOINT_UNVERIFIED.emit(folder=str(folder))
         wanted: dict[str, Any] = {k: self.states[k] for k in keys}
         try:
             with _quiet_dcp() as held:

@@ -205,3 +205,12 @@ COLLECTIVE_TIMEOUT = EventKind(
     "[semi-sync] sync #{sync} NOT committed: {message}",
     logging.ERROR,
 )
+
+#: No checkpoint of this group passed its checksums (``problem``: the newest one's first bad
+#: file): the group starts without one and heals in full from a peer at its first quorum.
+OWN_CHECKPOINT_REJECTED = EventKind(
+    "semi_sync.own_checkpoint_rejected",
+    "[semi-sync] no checkpoint of this group passed its checksums ({problem}): it starts "
+    "without one and heals in full from a peer",
+    logging.WARNING,
+)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchtitan.components.checkpoint import CorruptCheckpointError
 from torchtitan.components.ft import FaultToleranceError, FTManager, build_ft_manager
 from torchtitan.components.ft import torchft_adapter as tft
 from torchtitan.components.lr_scheduler import move_schedule_to
@@ -305,6 +306,9 @@ class SemiSyncTrainer(Trainer):
         # at one).
         self.ft.register_state_dict_fn("semi_sync_position", self._load_peer, self._position)
         self.starting = False
+        #: Why this group starts without a checkpoint of its own although it had some (all
+        #: failed their checksums): it must heal in full from a peer. Empty: not so.
+        self._heal_in_full = ""
         self._start_role = FRESH
         self._start_attempts = 0
         self._peer: dict[str, int] | None = None
@@ -450,6 +454,19 @@ class SemiSyncTrainer(Trainer):
             quorum_timeout_s=semi_sync_config(self.job_config).sync_quorum_timeout_s,
         )
 
+    def load_checkpoint(self) -> None:
+        """A group none of whose checkpoints passes its checksums starts without one and heals
+        in full from a peer (:meth:`_start` stops with an error if no peer has a state to give):
+        the other groups hold the job's state. A checkpoint named by ``checkpoint.load_step``,
+        or a job of one group, still stops the run."""
+        try:
+            super().load_checkpoint()
+        except CorruptCheckpointError as e:
+            if self.job_config.checkpoint.load_step >= 0 or self.ft.group_size < 2:
+                raise
+            self._heal_in_full = str(e)
+            events.OWN_CHECKPOINT_REJECTED.emit(problem=str(e))
+
     def join_replica_groups(self) -> None:
         """After the checkpoint is loaded: make sure DiLoCo's global parameters are the
         loaded ones, start the Manager and join the job (see :meth:`_start`)."""
@@ -586,6 +603,12 @@ class SemiSyncTrainer(Trainer):
             self.ft.waiting_for = self.ft.waiting_needs = self.ft.waiting_reason = ""
         self.sync.begin_sync()  # a group joining at a sync point takes part in it now
         peer = self._peer
+        if self._heal_in_full and peer is None:
+            raise FaultToleranceError(
+                f"[semi-sync] no checkpoint of this group passed its checksums "
+                f"({self._heal_in_full}), and no other group had a state to heal from: every "
+                "group of the job started without one. Restore a checkpoint folder from a copy."
+            )
         if peer is not None and peer["at_sync"]:
             self._join_sync(time.perf_counter() - start)
             return

@@ -1,0 +1,195 @@
+"""What checkpoint checksums cost: save and load with them against plain DCP, same states.
+
+    .venv/bin/python benchmarks/checkpoint_checksums.py           # the README's figures
+    .venv/bin/python benchmarks/checkpoint_checksums.py --smoke   # seconds; the plumbing only
+
+The states are the trainer's: a Llama 3 model, its AdamW (one step taken, so both moments
+exist), the LR schedule and the train state, in one process. Each repeat saves and loads them
+with ``CheckpointManager`` twice, in alternating order, each into a fresh folder: once as it was
+before checksums (``without_checksums``: DCP's plain writer, no manifest, no check) and once as
+it is (an XXH3-64 digest of every file after the save, a check of every file before the load).
+The load of each kind reads files it has just written (page cache), so the check's cost is the
+reading and the hashing, not the disk. Three sizes: the debug model (``debugmodel``),
+``bench_512x8`` and ``bench_1024x8``, so that the cost per byte can be compared across sizes.
+
+Target: checksums add at most 10 % to the save and to the load time of the debug model's
+checkpoint, "met" when at least 4 of 5 repeats meet it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import provenance  # noqa: E402
+from ft_common import load_average  # noqa: E402
+from train_entry import register_flavors  # noqa: E402
+
+TARGET = 0.10
+FLAVORS = ("debugmodel", "bench_512x8", "bench_1024x8")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="the small flavor, 1 repeat")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--flavors", nargs="+", default=list(FLAVORS))
+    p.add_argument("--out", type=Path, help=provenance.output_help("checkpoint_checksums.json"))
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.repeats, args.flavors = 1, ["debugmodel_small"]
+    args.out = args.out or provenance.default_output("checkpoint_checksums.json", args.smoke)
+    return args
+
+
+def build_states(flavor: str) -> tuple[dict[str, Any], int]:
+    """The trainer's registry of states for ``flavor`` (after one AdamW step), and its bytes."""
+    import torch
+
+    from torchtitan.components.lr_scheduler import build_lr_scheduler
+    from torchtitan.components.optimizer import OptimizerState
+    from torchtitan.config.job_config import JobConfig
+    from torchtitan.models import get_train_spec
+    from torchtitan.trainer import ModelState, TrainState
+
+    config = JobConfig()
+    spec = get_train_spec("llama3")
+    torch.manual_seed(0)
+    model = spec.model_cls(spec.model_args[flavor])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    states = {
+        "model": ModelState(model),
+        "optimizer": OptimizerState(model, optimizer),
+        "lr_scheduler": build_lr_scheduler(optimizer, config),
+        "train_state": TrainState(),
+    }
+    nbytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+    return states, nbytes
+
+
+@contextlib.contextmanager
+def without_checksums() -> Iterator[None]:
+    """``CheckpointManager`` as it was before checksums: DCP's plain writer, no manifest, no
+    check at load; everything else (events, the metadata read, the barrier) the same."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from torchtitan.components import checksums
+
+    class PlainWriter(FileSystemWriter):
+        written: dict[str, tuple[int, int]] = {}
+
+    saved = {name: getattr(checksums, name) for name in STUBBED}
+    checksums.begin = lambda folder: folder.mkdir(parents=True, exist_ok=True)
+    checksums.ChecksummingWriter = PlainWriter
+    checksums.write_manifest = lambda folder, written: None
+    checksums.verify = lambda folder: None
+    checksums.state = lambda folder: "checksummed"  # complete on .metadata; no note at load
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(checksums, name, value)
+
+
+STUBBED = ("begin", "ChecksummingWriter", "write_manifest", "verify", "state")
+
+
+def one_repeat(states: dict[str, Any], scratch: Path, order: list[str]) -> dict[str, float]:
+    """Save and load once per kind, in ``order``; seconds of each."""
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.config.job_config import JobConfig
+
+    seconds: dict[str, float] = {}
+    for kind in order:
+        folder = scratch / kind
+        shutil.rmtree(folder, ignore_errors=True)
+        config = JobConfig()
+        config.job.dump_folder = str(folder)
+        config.checkpoint.enable = True
+        manager = CheckpointManager(config, states)
+        with without_checksums() if kind == "plain" else contextlib.nullcontext():
+            start = time.perf_counter()
+            manager.save(1)
+            middle = time.perf_counter()
+            assert manager.load() == 1
+        end = time.perf_counter()
+        seconds[f"{kind}_save_s"], seconds[f"{kind}_load_s"] = middle - start, end - middle
+        shutil.rmtree(folder, ignore_errors=True)
+    return seconds
+
+
+def summarize(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import warnings
+
+    args = parse_args(argv)
+    register_flavors()
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    result: dict[str, Any] = {"benchmark": "checkpoint_checksums", "target": TARGET, "sizes": []}
+    with tempfile.TemporaryDirectory(prefix="ckpt_checksums_") as tmp:
+        scratch = Path(tmp)
+        for flavor in args.flavors:
+            states, nbytes = build_states(flavor)
+            one_repeat(states, scratch, ["plain", "checksummed"])  # warm-up, not counted
+            repeats = []
+            for i in range(args.repeats):
+                order = ["plain", "checksummed"] if i % 2 == 0 else ["checksummed", "plain"]
+                load = load_average()
+                repeats.append({**one_repeat(states, scratch, order), "load_average": load})
+            size: dict[str, Any] = {"flavor": flavor, "state_bytes": nbytes, "repeats": repeats}
+            for what in ("save", "load"):
+                plain = [r[f"plain_{what}_s"] for r in repeats]
+                summed = [r[f"checksummed_{what}_s"] for r in repeats]
+                overhead = [s / p - 1 for s, p in zip(summed, plain, strict=True)]
+                extra_per_gb = [
+                    (s - p) / (nbytes / 1e9) for s, p in zip(summed, plain, strict=True)
+                ]
+                size[what] = {
+                    "plain_s": summarize(plain),
+                    "checksummed_s": summarize(summed),
+                    "overhead": summarize(overhead),
+                    "extra_s_per_gb": summarize(extra_per_gb),
+                    "repeats_within_target": sum(o <= TARGET for o in overhead),
+                }
+            result["sizes"].append(size)
+            print(
+                f"{flavor} ({nbytes / 2**20:.0f} MiB of states): save "
+                f"{size['save']['plain_s']['median']:.3f}s -> "
+                f"{size['save']['checksummed_s']['median']:.3f}s "
+                f"({size['save']['overhead']['median']:+.1%}), load "
+                f"{size['load']['plain_s']['median']:.3f}s -> "
+                f"{size['load']['checksummed_s']['median']:.3f}s "
+                f"({size['load']['overhead']['median']:+.1%})",
+                flush=True,
+            )
+    headline = result["sizes"][0]
+    needed = min(4, args.repeats)
+    result["target_met"] = all(
+        headline[what]["repeats_within_target"] >= needed for what in ("save", "load")
+    )
+    path = provenance.write_result(args.out, result, provenance.command_line(__file__, argv))
+    print(f"wrote {path}; target (<= {TARGET:.0%}, {needed} of {args.repeats} repeats): "
+          f"{'met' if result['target_met'] else 'MISSED'}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
