@@ -9,7 +9,8 @@ with ``CheckpointManager`` twice, in alternating order, each into a fresh folder
 before checksums (``without_checksums``: DCP's plain writer, no manifest, no check) and once as
 it is (an XXH3-64 digest of every file after the save, a check of every file before the load).
 The load of each kind reads files it has just written (page cache), so the check's cost is the
-reading and the hashing, not the disk. Three sizes: the debug model (``debugmodel``),
+hashing, not the disk; with ``--cold`` the page cache is emptied before each load (root only),
+and both kinds of load read the disk. Three sizes: the debug model (``debugmodel``),
 ``bench_512x8`` and ``bench_1024x8``, so that the cost per byte can be compared across sizes.
 
 Target: checksums add at most 10 % to the save and to the load time of the debug model's
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shutil
 import statistics
 import sys
@@ -45,6 +47,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="the small flavor, 1 repeat")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--flavors", nargs="+", default=list(FLAVORS))
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="empty the page cache before each load (root only), so that loads read the disk",
+    )
     p.add_argument("--out", type=Path, help=provenance.output_help("checkpoint_checksums.json"))
     args = p.parse_args(argv)
     if args.smoke:
@@ -109,8 +116,18 @@ def without_checksums() -> Iterator[None]:
 STUBBED = ("begin", "ChecksummingWriter", "write_manifest", "verify", "state")
 
 
-def one_repeat(states: dict[str, Any], scratch: Path, order: list[str]) -> dict[str, float]:
-    """Save and load once per kind, in ``order``; seconds of each."""
+def drop_page_cache() -> None:
+    """Write everything out and empty the page cache (root only), so that a load reads the
+    disk."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def one_repeat(
+    states: dict[str, Any], scratch: Path, order: list[str], cold: bool = False
+) -> dict[str, float]:
+    """Save and load once per kind, in ``order``; seconds of each (``cold``: the load after
+    the page cache was emptied)."""
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.config.job_config import JobConfig
 
@@ -126,6 +143,9 @@ def one_repeat(states: dict[str, Any], scratch: Path, order: list[str]) -> dict[
             start = time.perf_counter()
             manager.save(1)
             middle = time.perf_counter()
+            if cold:
+                drop_page_cache()
+                middle = time.perf_counter()
             assert manager.load() == 1
         end = time.perf_counter()
         seconds[f"{kind}_save_s"], seconds[f"{kind}_load_s"] = middle - start, end - middle
@@ -143,7 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     register_flavors()
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    result: dict[str, Any] = {"benchmark": "checkpoint_checksums", "target": TARGET, "sizes": []}
+    result: dict[str, Any] = {
+        "benchmark": "checkpoint_checksums",
+        "target": TARGET,
+        "cold_loads": args.cold,
+        "sizes": [],
+    }
     with tempfile.TemporaryDirectory(prefix="ckpt_checksums_") as tmp:
         scratch = Path(tmp)
         for flavor in args.flavors:
@@ -153,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(args.repeats):
                 order = ["plain", "checksummed"] if i % 2 == 0 else ["checksummed", "plain"]
                 load = load_average()
-                repeats.append({**one_repeat(states, scratch, order), "load_average": load})
+                seconds = one_repeat(states, scratch, order, args.cold)
+                repeats.append({**seconds, "load_average": load})
             size: dict[str, Any] = {"flavor": flavor, "state_bytes": nbytes, "repeats": repeats}
             for what in ("save", "load"):
                 plain = [r[f"plain_{what}_s"] for r in repeats]
