@@ -26,7 +26,7 @@ from torchtitan.experiments.fault_tolerance.lineage import Lineage
 from torchtitan.experiments.fault_tolerance.trainer import SemiSyncState
 
 #: The trainer's sync Manager as the checkpoint sees it when nothing is compressed.
-NO_COMPRESSION = SimpleNamespace(error_feedback=None)
+NO_COMPRESSION = SimpleNamespace(error_feedback=None, wait_for_transfers=lambda: None)
 
 
 def as_trainer(group: Group) -> Any:
@@ -587,7 +587,7 @@ def test_ranks_of_a_group_agree_whether_a_sync_in_flight_arrived_before_saving_i
     assert state["arrived"]["fragment"] == -1 and group.loop.in_flight(0)
 
 
-def test_outer_state_kept_on_the_cpu_is_saved_from_the_cpu() -> None:
+def test_outer_state_kept_on_the_cpu_is_saved_from_the_cpu(tmp_path) -> None:
     """outer_state_device=cpu with sharded parameters on an accelerator (here a mesh that says
     cuda, over meta tensors): every tensor of the saved semi-sync state stays on the CPU, none
     is copied next to the model."""
@@ -620,6 +620,17 @@ def test_outer_state_kept_on_the_cpu_is_saved_from_the_cpu() -> None:
         tensors = [t for t in _leaves(saved) if isinstance(t, torch.Tensor)]
         assert tensors and all(isinstance(t, DTensor) for t in tensors)
         assert {t.to_local().device.type for t in tensors} == {"cpu"}
+        # And it round-trips through DCP, from the CPU into the CPU.
+        import torch.distributed.checkpoint as dcp
+
+        folder = tmp_path / "cpu_state"
+        dcp.save({"semi_sync": saved}, checkpoint_id=folder)
+        expected = [t.to_local().clone() for t in tensors]
+        for t in tensors:
+            t.to_local().zero_()
+        dcp.load({"semi_sync": saved}, checkpoint_id=folder)
+        assert all(torch.equal(t.to_local(), e) for t, e in zip(tensors, expected, strict=True))
+        assert any(e.abs().sum() > 0 for e in expected)
     finally:
         del pg
         dist.destroy_process_group()

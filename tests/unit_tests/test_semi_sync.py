@@ -136,7 +136,9 @@ def as_trainer(algo: Any) -> Any:
     parts = [f._model_fragment for f in algo._fragments]
     loop = TorchftDiLoCo(algo, parts, algo._sync_every, algo._fragment_sync_delay)
     return SimpleNamespace(
-        algorithm=loop, sync=SimpleNamespace(error_feedback=None), lineage=Lineage()
+        algorithm=loop,
+        sync=SimpleNamespace(error_feedback=None, wait_for_transfers=lambda: None),
+        lineage=Lineage(),
     )
 
 
@@ -240,6 +242,7 @@ def _stub(local_step: int, starting: bool = False) -> SimpleNamespace:
         _peer=None,
         _localsgd_digest=123,
         sync=SimpleNamespace(reset_error_feedback=lambda: None),
+        lineage=Lineage(),
     )
 
 
@@ -249,6 +252,9 @@ def peer(local_step: int, replica_id: int = 0, at_sync: int = 1, starting: int =
         "at_sync": at_sync,
         "starting": starting,
         "replica_id": replica_id,
+        "lineage_last_shared_sync": 6,
+        "lineage_solo_syncs": 2,
+        "lineage_solo_since": 1234.5,
     }
 
 
@@ -268,6 +274,8 @@ def test_a_running_group_heals_at_its_peer_s_position(caplog: pytest.LogCaptureF
     assert (healed[0]["peer"], healed[0].sync, healed[0].step) == (0, 8, 31)
     assert (healed[0]["inner_step"], healed[0]["case"]) == (4, "running")
     assert stub._localsgd_digest is None  # the digest of parameters it no longer holds
+    # Its model is the peer's from now on, and so is its lineage.
+    assert stub.lineage == Lineage(last_shared_sync=6, solo_syncs=2, solo_since=1234.5)
 
 
 def test_a_running_group_healed_at_another_position_stops() -> None:

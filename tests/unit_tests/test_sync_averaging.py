@@ -36,8 +36,8 @@ _SEEDING = threading.Lock()  # the groups' threads share torch's global generato
 
 
 def make_model() -> nn.Module:
-    """Tensors of 1024 (alone: more than a bucket), then 64 + 128 + 2 (one bucket), 120 + 60 +
-    60 + 1 (the next: 120 does not fit after 194). The same in every group."""
+    """Tensors of 1024 (more than a bucket: in pieces of 300), then 64 + 128 + 2 (one bucket),
+    120 + 60 + 60 + 1 (the next: 120 does not fit after 194). The same in every group."""
     with _SEEDING:
         torch.manual_seed(0)
         return _layers()
@@ -58,6 +58,8 @@ def fragments_of(model: nn.Module, count: int) -> list[nn.Module]:
 
 
 def build(method: str, sync: Any, model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+    """The method as the trainer builds it; ``streaming_diloco_delayed``: 2 fragments with
+    ``fragment_sync_delay`` 1 (a sync is prepared one step and performed the next)."""
     if method == "localsgd":
         return TorchftLocalSGD(sync, model, optimizer, PERIOD)
     if method.startswith("async_"):
@@ -75,13 +77,20 @@ def build(method: str, sync: Any, model: nn.Module, optimizer: torch.optim.Optim
         )
     from torchft.local_sgd import DiLoCo
 
-    count = 2 if method == "streaming_diloco" else 1
+    count = 2 if method.startswith("streaming_diloco") else 1
+    delay = 1 if method == "streaming_diloco_delayed" else 0
     fragments = fragments_of(model, count)
     outer = [torch.optim.SGD(f.parameters(), lr=1.0, momentum=0.0) for f in fragments]
     algorithm = DiLoCo(
-        sync, fragments, optimizer, outer, sync_every=PERIOD * count, use_bucketization=False
+        sync,
+        fragments,
+        optimizer,
+        outer,
+        sync_every=PERIOD * count,
+        use_bucketization=False,
+        fragment_sync_delay=delay,
     )
-    return TorchftDiLoCo(algorithm, fragments, PERIOD, 0)
+    return TorchftDiLoCo(algorithm, fragments, PERIOD, delay)
 
 
 def flat(tensors: Any) -> torch.Tensor:
@@ -154,7 +163,7 @@ def train_and_record(rank: int, pg: Any, method: str, dtype: str) -> dict[str, A
 
     data = torch.Generator().manual_seed(100 + rank)
     syncs = 4 if method.startswith("async_") else 3
-    steps = syncs * PERIOD * (2 if method == "streaming_diloco" else 1)
+    steps = syncs * PERIOD * (2 if method.startswith("streaming_diloco") else 1)
     try:
         with loop.hooks():
             for _ in range(steps):
@@ -166,8 +175,9 @@ def train_and_record(rank: int, pg: Any, method: str, dtype: str) -> dict[str, A
                 if sending:
                     record["sent"].append(torch.cat(sending))
                     sending.clear()
-                    if not method.startswith("async_"):
-                        record["after"].append(globals_of(record["fragment"][-1]))
+                if not method.startswith("async_") and loop.local_step() == 0:
+                    # The sync prepared at its quorum is performed (with a delay: a step later).
+                    record["after"].append(globals_of(record["fragment"][-1]))
     finally:
         sync.shutdown()
     record["commits"] = manager.commits
@@ -203,7 +213,7 @@ def bound(sent: list[torch.Tensor], dtype: str) -> torch.Tensor:
 
 CASES = [("localsgd", "float32")] + [
     (method, dtype)
-    for method in ("diloco", "streaming_diloco")
+    for method in ("diloco", "streaming_diloco", "streaming_diloco_delayed")
     + ("async_eager", "async_eager_share", "async_delayed")
     for dtype in PSEUDO_GRAD_DTYPES
 ]
@@ -237,7 +247,7 @@ def test_a_sync_moves_every_global_parameter_by_the_mean_of_what_the_groups_sent
         worst = (error - allowed).max().item()
         assert worst <= 0, f"sync {sync}: {worst:.3g} past the bound ({method}, {dtype})"
         assert mean.abs().max() > 10 * rounding  # the groups did send something
-        if method in ("diloco", "streaming_diloco", "async_delayed"):
+        if method in ("diloco", "streaming_diloco", "streaming_diloco_delayed", "async_delayed"):
             # Periods start from the global copy: the globals become the mean of the locals.
             locals_ = (first["local"][sync].double() + second["local"][sync].double()) / 2
             gap = (after - locals_).abs() - bound(sent, dtype).double() - 2 * rounding
@@ -245,9 +255,9 @@ def test_a_sync_moves_every_global_parameter_by_the_mean_of_what_the_groups_sent
 
 
 def test_error_feedback_keeps_a_residual_per_transfer_renewed_by_every_committed_sync() -> None:
-    """int4 DiLoCo with error feedback over three syncs: a residual per transfer (the tensor
-    larger than a bucket and the two buckets), each renewed by every committed sync, past the
-    first one (the keys restart at every quorum and meet their residuals again)."""
+    """int4 DiLoCo with error feedback over three syncs: a residual per transfer (the pieces of
+    the tensor larger than a bucket and the two buckets), each renewed by every committed sync,
+    past the first one (the keys restart at every quorum and meet their residuals again)."""
 
     def group(rank: int, pg: Any) -> list[dict[str, torch.Tensor]]:
         model = make_model()
@@ -274,10 +284,12 @@ def test_error_feedback_keeps_a_residual_per_transfer_renewed_by_every_committed
         assert manager.commits == [True] * 3
         return owed
 
+    keys = [f"fragment_0/{i}" for i in range(6)]
     for owed in run_groups(GROUPS, group):
-        assert [sorted(o) for o in owed] == [["fragment_0/0", "fragment_0/1", "fragment_0/2"]] * 3
-        sizes = [owed[0][k].numel() for k in sorted(owed[0])]
-        assert sizes == [1024, 64 + 128 + 2, 120 + 60 + 60 + 1]
+        assert [sorted(o) for o in owed] == [keys] * 3
+        sizes = [owed[0][k].numel() for k in keys]
+        # 1024 in bucket-sized pieces, then the two buckets of small tensors.
+        assert sizes == [300, 300, 300, 124, 64 + 128 + 2, 120 + 60 + 60 + 1]
         for key in owed[0]:
             values = [o[key] for o in owed]
             assert all(v.abs().sum() > 0 and torch.isfinite(v).all() for v in values)

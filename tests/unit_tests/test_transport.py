@@ -20,7 +20,8 @@ from torchtitan.tools.events import event_of
 
 
 def _sizes() -> list[int]:
-    # 700 (alone), 100 + 150 (a bucket), 120 (does not fit after 250: the next), 1 (with it).
+    # 700 (in pieces of 300, 300, 100), 100 + 150 (a bucket), 120 (does not fit after 250: the
+    # next bucket), 1 (with it).
     return [700, 100, 150, 120, 1]
 
 
@@ -50,7 +51,7 @@ def test_every_tensor_is_averaged_in_buckets_of_its_own_and_the_transfers_are_co
             sync.shutdown()
 
     (got0, count, transfers), (got1, _, _) = run_groups(2, group)
-    assert count == 3 and transfers == [700, 250, 121]
+    assert count == 5 and transfers == [300, 300, 100, 250, 121]
     for index, (a, b) in enumerate(zip(got0, got1, strict=True)):
         assert torch.equal(a, b), index
         mean = (_tensors(0)[index] + _tensors(1)[index]) / 2
@@ -99,9 +100,9 @@ def _sync_once(
 
 
 def test_a_residual_changes_only_when_its_sync_commits() -> None:
-    """Three int8 syncs with error feedback. In the second, group 0's commit fails after its
-    collective succeeded (another rank of the group failed): its residual stays what the first
-    sync left; the third sync, committed, replaces it."""
+    """Three int8 syncs with error feedback, each of three transfers. In the second, group 0's
+    commit fails after all its transfers succeeded (another rank of the group failed): its
+    residuals stay what the first sync left; the third sync, committed, replaces them."""
 
     def group(rank: int, pg: Any) -> list[torch.Tensor | None]:
         manager = LoopbackManager(pg, rank, 2)
@@ -111,11 +112,11 @@ def test_a_residual_changes_only_when_its_sync_commits() -> None:
         seen: list[torch.Tensor | None] = []
         try:
             for number, seed in enumerate((1, 2, 3)):
-                x = torch.randn(250, generator=torch.Generator().manual_seed(seed + 10 * rank))
+                x = torch.randn(750, generator=torch.Generator().manual_seed(seed + 10 * rank))
                 committed = _sync_once(sync, manager, x, fail=rank == 0 and number == 1)
                 assert committed == (rank != 0 or number != 1)
-                residual = feedback.residual("fragment_0/0")
-                seen.append(None if residual is None else residual.clone())
+                seen.append(torch.cat([r.reshape(-1) for r in feedback.state_dict().values()]))
+                assert len(feedback.state_dict()) == 3  # three transfers of 300, 300, 150
         finally:
             sync.shutdown()
         return seen
@@ -194,3 +195,51 @@ def test_a_collective_past_the_timeout_fails_the_sync_naming_the_field_then_stop
     assert committed is False and isinstance(error, CollectiveTimeout)
     assert "fault_tolerance.sync_collective_timeout_s=0.5s" in str(error)
     assert "2 syncs in a row timed out with all 2 groups still in the quorum" in stopped
+
+
+def test_timeouts_with_a_group_gone_do_not_stop_the_run() -> None:
+    """The same late peer, but the second time the quorum has lost a group (a peer died or
+    hung and was dropped): that is not a timeout too small for the link, so the run goes on."""
+
+    def group(rank: int, pg: Any) -> list[Any]:
+        manager = LoopbackManager(pg, rank, 2)
+        sync = sync_manager(manager, "int8", bucket_numel=300, timeout_s=0.5)
+        outcomes: list[Any] = []
+        try:
+            for attempt in range(2):
+                if rank == 1:
+                    time.sleep(2.0)
+                if attempt == 1:
+                    manager.size = 1  # the lighthouse no longer counts the late group
+                outcomes.append(_sync_once(sync, manager, torch.ones(100)))
+        finally:
+            sync.shutdown()
+        return outcomes
+
+    assert run_groups(2, group, timeout_s=60)[0] == [False, False]
+
+
+def test_after_an_error_the_rest_of_a_sync_sends_nothing() -> None:
+    """torchft's rule: once the Manager recorded an error in a sync, further all-reduces are
+    no-ops that return at once (the sync fails anyway), leaving the tensor as it was."""
+
+    def group(rank: int, pg: Any) -> tuple[bool, int, bool]:
+        manager = LoopbackManager(pg, rank, 2)
+        sync = sync_manager(manager, "int8", bucket_numel=300)
+        try:
+            sync.start_quorum()
+            manager.report_error(RuntimeError("a peer died"))
+            x = torch.arange(500, dtype=torch.float32)
+            started = time.monotonic()
+            sync.allreduce(x).wait()
+            sync.allreduce(x[:10]).wait()
+            quick = time.monotonic() - started < 5
+            return (
+                torch.equal(x, torch.arange(500, dtype=torch.float32)),
+                len(sync.transport.works),
+                quick,
+            )
+        finally:
+            sync.shutdown()
+
+    assert run_groups(2, group) == [(True, 0, True)] * 2

@@ -665,13 +665,16 @@ class ErrorFeedback:
         self._staged.clear()
         self._staged_flat.clear()
 
-    def discard(self) -> None:
-        """The sync did not commit: what was owed before it stays owed."""
+    def discard(self, loaded: bool = True) -> None:
+        """The sync did not commit (or was never decided): what was owed before it stays owed.
+        ``loaded``: also drop what a checkpoint loaded as staged (False: keep it for the
+        verdict of the sync it belongs to)."""
         for key, residual in self._staged.items():
             if residual.device.type == "cpu":
                 self._spares[key] = residual
         self._staged.clear()
-        self._staged_flat.clear()
+        if loaded:
+            self._staged_flat.clear()
 
     def residual_buffer(self, key: str, like: torch.Tensor) -> torch.Tensor:
         """A tensor shaped like ``like`` (contents undefined) to compute ``key``'s next residual
@@ -756,6 +759,15 @@ def _sync(t: torch.Tensor) -> None:
         torch.cuda.current_stream(t.device).synchronize()
 
 
+def _wait(work: Any, timeout: timedelta | None) -> None:
+    """Wait for a collective. The timeout goes to the options (gloo honours those) and to the
+    wait: torchft's nccl wrapper clears the options' timeout and honours only the wait's."""
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout)
+
+
 def chunk_numel(numel: int, world_size: int) -> int:
     """Elements per rank's chunk: ``numel / world_size`` rounded up to whole blocks."""
     return math.ceil(math.ceil(numel / world_size) / BLOCK) * BLOCK
@@ -798,7 +810,7 @@ def compressed_all_reduce(
             opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
             if timeout is not None:
                 opts.timeout = timeout
-            pg.allreduce([tensor], opts).wait()
+            _wait(pg.allreduce([tensor], opts), timeout)
             stats.bytes_sent = 2 * (n - 1) * 4 * math.ceil(numel / n)
         if error_feedback is not None:
             error_feedback.stage(key, torch.zeros_like(tensor))  # nothing dropped
@@ -862,7 +874,7 @@ def compressed_all_reduce(
     alltoall_opts = dist.AllToAllOptions()
     if timeout is not None:
         alltoall_opts.timeout = timeout
-    pg.alltoall_base(recv, send, splits, splits, alltoall_opts).wait()
+    _wait(pg.alltoall_base(recv, send, splits, splits, alltoall_opts), timeout)
 
     # Reduce this rank's chunk in fp32, in rank order, so that a rerun gives the same bytes.
     t0 = time.perf_counter()
@@ -885,7 +897,7 @@ def compressed_all_reduce(
     allgather_opts = AllgatherOptions()
     if timeout is not None:
         allgather_opts.timeout = timeout
-    pg.allgather([gathered], [mine], allgather_opts).wait()
+    _wait(pg.allgather([gathered], [mine], allgather_opts), timeout)
     t0 = time.perf_counter()
     for i, packed in enumerate(gathered):
         codec.decode_into(packed, chunk, chunk_of(tensor, i), scratch=scratch)
@@ -1064,6 +1076,7 @@ class AsyncCompressedAllReduce:
             self._execute(job)
 
     def _execute(self, job: _Job) -> None:
+        start = time.monotonic()
         try:
             if job.ready is not None:
                 stream = self._streams.get(job.tensor.device)
@@ -1078,7 +1091,15 @@ class AsyncCompressedAllReduce:
                     stream.synchronize()
             else:
                 self._reduce(job)
+            late = (
+                job.timeout is not None and time.monotonic() - start >= job.timeout.total_seconds()
+            )
+            if late:  # e.g. a collective aborted at the timeout without raising: not trusted
+                raise TimeoutError("the collective ended past its timeout")
         except Exception as e:  # torchft semantics: record the error, complete normally
+            elapsed = time.monotonic() - start
+            if job.timeout is not None and elapsed >= job.timeout.total_seconds():
+                e = TimeoutError(f"timed out after {elapsed:.1f}s: {e}")
             try:
                 job.on_error(e)
             except Exception as handler_error:

@@ -73,20 +73,21 @@ class FaultTolerance(CoreFaultTolerance):
     ``sync_steps`` of tens, periods last minutes (torchft advises an hour or more). The
     per-step ``quorum_timeout_s`` does not apply to syncs."""
 
-    sync_collective_timeout_s: float = 600.0
-    """How long one collective of a sync (a bucket of pseudo-gradients, or of LocalSGD's
-    parameters) may take before the sync fails with an error naming this field. Size it for
-    the largest transfer on the slowest link, with margin: an 8B model's int4 pseudo-gradient
-    takes about 5 min at 100 Mbit/s. It is also how long survivors of a sync wait for a group
-    that hangs inside it (a dead group's sockets close at once). The per-step
-    ``process_group_timeout_ms`` does not apply to syncs. Two syncs in a row that time out with
-    every group still in the quorum stop the run."""
+    sync_collective_timeout_s: float = 300.0
+    """How long one collective of a sync (one bucket of pseudo-gradients, or of LocalSGD's
+    parameters: ``sync_bucket_mb``) may take before the sync fails with an error naming this
+    field. Size it for a bucket on the slowest link, with margin: a 32 MiB bucket as int8 puts
+    at most about 17 MB on the wire, 1.4 s at 100 Mbit/s, 2.3 min at 1 Mbit/s. It is also how
+    long survivors of a sync wait for a group that hangs inside it (a dead group's sockets
+    close at once). The per-step ``process_group_timeout_ms`` does not apply to syncs. Two
+    syncs in a row that time out with every group still in the quorum stop the run."""
 
     sync_bucket_mb: float = 32.0
     """Tensors of a sync travel in buckets of up to this many MiB of fp32 values (before
-    compression): smaller tensors are packed together, in order; a tensor of a bucket's size
-    or more travels alone. Fewer, larger buckets mean fewer round trips on a slow link; each
-    bucket in flight costs its size in memory once more."""
+    compression): smaller tensors are packed together, in order; a larger one is cut into
+    bucket-sized pieces. Each bucket is one transfer, bounded by ``sync_collective_timeout_s``.
+    Fewer, larger buckets mean fewer round trips on a slow link; each bucket in flight costs
+    its size in memory once more."""
 
     agreement_check_every: int = 1
     """Every this many syncs (and whenever the quorum changes: a group joins, rejoins or

@@ -25,7 +25,7 @@ from torchtitan.components.ft import FaultToleranceError, FTManager
 from torchtitan.components.ft.torchft_adapter import ManagerStandIn
 from torchtitan.experiments.fault_tolerance import events
 from torchtitan.experiments.fault_tolerance.compression import ErrorFeedback
-from torchtitan.experiments.fault_tolerance.transport import CollectiveTimeout, SyncTransport
+from torchtitan.experiments.fault_tolerance.transport import SyncTransport
 
 #: Roles in a quorum: a group at its sync point, and a group that has just (re)started (with
 #: no checkpoint, or resumed from one).
@@ -120,6 +120,9 @@ class SyncManager(ManagerStandIn):
         #: Syncs in a row that failed on a collective timeout, and the quorum size then.
         self._timeouts_in_a_row = 0
         self._timeout_groups = 0
+        #: The most of this group's ranks' numbers (the trainer sets a MAX all-reduce when the
+        #: group has more than one rank): they decide alike whether a sync timed out.
+        self.agree_in_group: Callable[[int], int] = lambda n: n
 
     @property
     def dtype(self) -> str:
@@ -167,6 +170,15 @@ class SyncManager(ManagerStandIn):
         if self.transport.error_feedback is not None:
             self.transport.error_feedback.reset()
 
+    def wait_for_transfers(self) -> None:
+        """Every transfer of the sync in progress done (a checkpoint reads what they stage)."""
+        self.transport.wait()
+
+    def discard_undecided(self) -> None:
+        """A sync that will never be decided (dropped at the end of training): what it staged
+        is void."""
+        self.transport.end_sync(False)
+
     def shutdown(self) -> None:
         self.transport.shutdown()
 
@@ -195,10 +207,10 @@ class SyncManager(ManagerStandIn):
     def should_commit(self, timeout: Any = None) -> bool:
         """The sync's verdict (every rank of the group alike, torchft's ``should_commit``),
         after its transfers are done. A sync that carried a value that is not finite fails
-        here on every group (each group's result shows it); a collective that ran past
-        ``sync_collective_timeout_s`` is said in an error line, and stops the run the second
-        time in a row with every group still in the quorum (the timeout is too small for the
-        transfer, not a peer gone)."""
+        here on every group (each group's result shows it); a collective that failed or ended
+        past ``sync_collective_timeout_s`` is said in an error line, and stops the run the
+        second time in a row with every group still in the quorum (the timeout is too small
+        for the transfer, not a peer gone). The group's ranks agree on the latter first."""
         manager = self.ft.manager
         found = self.transport.non_finite()
         if found is not None:
@@ -213,26 +225,27 @@ class SyncManager(ManagerStandIn):
                 manager.report_error(
                     FloatingPointError(f"sync #{sync}: a pseudo-gradient was not finite")
                 )
-        error = manager.errored()
         groups = manager.num_participants()
-        committed = self.ft.should_commit(unit="sync")
-        self.transport.end_sync(committed)
-        cause = getattr(error, "original_exception", error)
-        if committed or not isinstance(cause, CollectiveTimeout):
+        committed = False
+        try:
+            committed = self.ft.should_commit(unit="sync")
+        finally:
+            self.transport.end_sync(committed)
+        timed_out = self.transport.timed_out
+        if not self.agree_in_group(int(timed_out is not None)):
             self._timeouts_in_a_row = 0
             return committed
+        message = str(timed_out or "a transfer timed out on another rank of this group")
         same_groups = self._timeouts_in_a_row > 0 and groups >= self._timeout_groups
         self._timeouts_in_a_row += 1
         self._timeout_groups = groups
         events.COLLECTIVE_TIMEOUT.emit(
-            sync=manager.current_step() + 1,
-            message=str(cause),
-            in_a_row=self._timeouts_in_a_row,
+            sync=manager.current_step() + 1, message=message, in_a_row=self._timeouts_in_a_row
         )
         if same_groups:
             raise FaultToleranceError(
                 f"[semi-sync] {self._timeouts_in_a_row} syncs in a row timed out with all "
-                f"{groups} groups still in the quorum: {cause}"
+                f"{groups} groups still in the quorum: {message}"
             )
         return committed
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from typing import Any, cast
 
@@ -144,6 +145,8 @@ class SemiSyncState:
     def state_dict(self) -> dict[str, Any]:
         loop: OuterLoop = self.trainer.algorithm
         extra = loop.extra_state()  # first: it may take in a sync's result
+        # A sync's transfers stage residuals on the background thread: let them finish first.
+        self.trainer.sync.wait_for_transfers()
         in_flight = [i for i in self._fragments() if loop.in_flight(i)]
         state: dict[str, Any] = {
             "local_step": loop.local_step(),
@@ -291,6 +294,12 @@ class SemiSyncTrainer(Trainer):
             self.algorithm = self._build_async_diloco()
         else:
             self.algorithm = self._build_diloco()
+        if self.parallel_dims.world_size > 1:
+            # The ranks of this group decide alike (one MAX all-reduce in the group).
+            agree = self._agree_in_group
+            self.sync.agree_in_group = agree
+            if isinstance(self.algorithm, AsyncDiLoCo):
+                self.algorithm.agree_in_group = agree
         self.fragments = self.algorithm.fragments
         self.period, self.delay = self.algorithm.period, self.algorithm.delay
         # DyLU: groups take different numbers of inner steps, so training ends after a number
@@ -372,8 +381,14 @@ class SemiSyncTrainer(Trainer):
             )
 
     def _build_diloco(self) -> OuterLoop:
-        from torchft.local_sgd import DiLoCo
+        from torchft.local_sgd import USE_BUCKETIZATION_ENV, DiLoCo
 
+        if os.environ.get(USE_BUCKETIZATION_ENV) == "True":
+            raise FaultToleranceError(
+                f"{USE_BUCKETIZATION_ENV}=True turns on torchft 0.2.0's own bucketing, which sends "
+                "zeros for a tensor larger than a bucket and for every tensor after it: unset it "
+                "(the sync transport buckets instead: fault_tolerance.sync_bucket_mb)"
+            )
         ft = semi_sync_config(self.job_config)
         fragments = build_model_fragments(self.model, self.job_config)
         outer = [
@@ -429,9 +444,10 @@ class SemiSyncTrainer(Trainer):
         )
         for index in range(len(loop.fragments)):
             loop.outer_optimizer(index).register_step_pre_hook(self._measure_pseudo_gradient)
-        if self.parallel_dims.world_size > 1:
-            loop.agree_in_group = lambda steps: self._most_in_group([steps])[0]
         return loop
+
+    def _agree_in_group(self, value: int) -> int:
+        return self._most_in_group([value])[0]
 
     def _most_in_group(self, values: list[int]) -> list[int]:
         """Element by element, the largest of this group's ranks' ``values`` (one MAX
@@ -655,6 +671,7 @@ class SemiSyncTrainer(Trainer):
         self.sync.last_wait = waited  # this group's wait for the others' sync point
         start = time.perf_counter()
         performed = self.algorithm.join_sync()
+        self.sync.flush()  # the running groups flushed theirs after the same hook
         self._sync_seconds = time.perf_counter() - start
         # The running groups are inside this step's optimizer.step(); finish it as they will.
         self._advance_schedule()
@@ -787,13 +804,15 @@ class SemiSyncTrainer(Trainer):
 
     # ---- healing -----------------------------------------------------------------------------
 
-    def _position(self) -> dict[str, int]:
-        """Sent to a group that heals from this one: where this group is."""
+    def _position(self) -> dict[str, Any]:
+        """Sent to a group that heals from this one: where this group is, and its lineage
+        (the healed group's model is this one's from then on)."""
         return {
             "local_step": self.algorithm.local_step(),
             "at_sync": int(self.sync.in_quorum and not self.starting),
             "starting": int(self.starting),
             "replica_id": self.job_config.fault_tolerance.replica_id,
+            **{f"lineage_{k}": v for k, v in self.lineage.state_dict().items()},
         }
 
     def _load_peer(self, peer: dict[str, int]) -> None:
@@ -803,6 +822,9 @@ class SemiSyncTrainer(Trainer):
         operations (a hang, or a wrong average): stop loudly instead."""
         self._localsgd_digest = None  # a digest of parameters this group no longer holds
         self.sync.reset_error_feedback()  # owed for state this group no longer has
+        self.lineage.load_state_dict(
+            {k.removeprefix("lineage_"): v for k, v in peer.items() if k.startswith("lineage_")}
+        )
         if self.starting:
             self._peer = dict(peer)
             return
@@ -840,6 +862,7 @@ class SemiSyncTrainer(Trainer):
         manager = self.ft.manager
         self._sync_seconds, start = 0.0, time.perf_counter()
         ending = self.algorithm.finish()
+        self.sync.discard_undecided()  # a sync dropped on the way leaves no residual
         self._sync_seconds = time.perf_counter() - start
         if ending.synced:
             self._report_sync(self.train_state.step + 1)

@@ -6,9 +6,11 @@ pseudo-gradient), async DiLoCo one flat tensor per fragment plus its token count
 
 * **Every tensor is all-reduced, whatever its size.** Tensors smaller than a bucket
   (``bucket_numel`` fp32 values) are packed, in call order, into a new flat buffer until the
-  next one does not fit; a tensor of a bucket's size or more travels alone, in place. (torchft
-  0.2.0's own bucketing stops packing at the first tensor larger than a bucket and sends zeros
-  for it and every tensor after it: each group then applies its own pseudo-gradient there.)
+  next one does not fit; a tensor of a bucket's size or more is cut into bucket-sized pieces,
+  each a transfer of its own, in place (no copy). So no transfer exceeds a bucket, and the
+  timeout below bounds a bucket's transfer, whatever the model. (torchft 0.2.0's own bucketing
+  stops packing at the first tensor larger than a bucket and sends zeros for it and every
+  tensor after it: each group then applies its own pseudo-gradient there.)
 * **The same collectives in the same order on every rank.** Bucket boundaries depend only on
   the sizes and the order of the calls, which are alike in every group; a pending bucket
   leaves at :meth:`SyncTransport.flush` (the caller flushes after handing in a sync's
@@ -23,8 +25,9 @@ pseudo-gradient), async DiLoCo one flat tensor per fragment plus its token count
   :meth:`SyncTransport.end_sync` keeps it or drops it with the sync's verdict.
 * **A timeout sized for transfers of minutes.** Each collective may take up to
   ``fault_tolerance.sync_collective_timeout_s`` (the per-step ``process_group_timeout_ms`` does
-  not apply): one that runs past it fails the sync with a :class:`CollectiveTimeout` whose
-  message names the field.
+  not apply; it is given to the collective's options for gloo and to its ``wait`` for torchft's
+  nccl wrapper, which ignores the options): one that fails or ends past it fails the sync with
+  a :class:`CollectiveTimeout` whose message names the field (:attr:`SyncTransport.timed_out`).
 
 Failure semantics are torchft's: a failed collective is reported to the Manager
 (``report_error``), the sync is not committed, nothing is applied, and ``wait`` never raises.
@@ -72,6 +75,19 @@ class _Done:
         self.tensor = tensor
 
     def wait(self) -> bool:
+        return True
+
+
+class _Pieces:
+    """The works of a tensor sent in bucket-sized pieces."""
+
+    def __init__(self, tensor: torch.Tensor, works: list[CompressedWork]) -> None:
+        self.tensor = tensor
+        self.works = works
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
         return True
 
 
@@ -135,17 +151,24 @@ class SyncTransport:
         #: This sync's transfers of pseudo-gradients or parameters (not the exact ones).
         self.works: list[CompressedWork] = []
         self._all: list[CompressedWork] = []
+        #: The error of this sync's first collective that failed or ended past the timeout.
+        self.timed_out: CollectiveTimeout | None = None
 
     # ---- one sync ------------------------------------------------------------------------------
 
     def begin_sync(self, manager: Any, fragment: int) -> None:
-        """A sync of ``fragment`` starts (its quorum is in): transfers are numbered from 0."""
+        """A sync of ``fragment`` starts (its quorum is in): transfers are numbered from 0. What
+        an earlier sync staged and nobody decided (it was dropped, e.g. at the end of
+        training) is void; residuals a checkpoint loaded as staged stay for the next verdict."""
         self._manager = manager
         self.fragment = fragment
         self._transfers = 0
         self._pending = None
         self.works = []
         self._all = []
+        self.timed_out = None
+        if self.error_feedback is not None:
+            self.error_feedback.discard(loaded=False)
 
     def allreduce(
         self, manager: Any, tensor: torch.Tensor, *, average: bool, exact: bool = False
@@ -166,7 +189,9 @@ class SyncTransport:
             return self._submit(tensor.view(-1), divide_by, exact=True)
         if tensor.numel() >= self.bucket_numel and tensor.is_contiguous():
             self.flush()
-            return self._submit(tensor.view(-1), divide_by)
+            flat, step = tensor.view(-1), self.bucket_numel
+            pieces = [flat[i : i + step] for i in range(0, flat.numel(), step)]
+            return _Pieces(tensor, [self._submit(piece, divide_by) for piece in pieces])
         bucket = self._pending
         if (
             bucket is None
@@ -216,11 +241,13 @@ class SyncTransport:
         def on_error(error: Exception) -> None:
             if _timed_out(error):
                 error = CollectiveTimeout(
-                    f"the all-reduce of fragment {self.fragment}'s sync ({numel * 4 / 2**20:.1f}"
-                    f" MiB of fp32 values, sent as {'float32' if exact else self.dtype}) did not "
+                    f"a transfer of fragment {self.fragment}'s sync ({numel * 4 / 2**20:.1f} MiB "
+                    f"of fp32 values, sent as {'float32' if exact else self.dtype}) did not "
                     f"finish within {TIMEOUT_FIELD}={self.timeout.total_seconds():g}s: raise it "
                     f"if every group is alive ({str(error).splitlines()[0]})"
                 )
+                if self.timed_out is None:
+                    self.timed_out = error
             manager.report_error(error)
 
         work = self._runner.submit(
@@ -260,6 +287,13 @@ class SyncTransport:
                 self.error_feedback.commit()
             else:
                 self.error_feedback.discard()
+
+    def wait(self) -> None:
+        """Send what is pending and wait for every transfer of this sync (e.g. before a
+        checkpoint reads the error-feedback residuals, which the transfers stage)."""
+        self.flush()
+        for work in self._all:
+            work.wait()
 
     def stats(self) -> tuple[int, float | None]:
         """This sync's bytes sent by this rank and, compressed, its seconds compressing and
