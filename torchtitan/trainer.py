@@ -152,6 +152,12 @@ class Trainer:
         self.model_args = copy.deepcopy(self.train_spec.model_args[job_config.model.flavor])
         self.model_args.update_from_config(job_config, self.tokenizer.vocab_size)
         self.model = self.build_model()
+        # FSDP2 casts the parameters itself (its mixed-precision policy); without it, autocast.
+        self.autocast_dtype = (
+            torch.bfloat16
+            if training.mixed_precision_param == "bfloat16" and self.parallel_dims.dp_mesh is None
+            else None
+        )
         self.loss_fn = self.train_spec.build_loss_fn(job_config)
         n_params, self.flops_per_token = self.model_args.num_flops_per_token(training.seq_len)
         self.n_params = n_params
@@ -252,10 +258,18 @@ class Trainer:
 
     # ---- one step ----------------------------------------------------------------------------
 
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """``training.mixed_precision_param=bfloat16`` where FSDP2 does not apply it (one rank
+        per group): the forward in bf16 autocast, the weights and gradients float32."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward, loss and backward on one batch; returns the (detached) loss."""
-        logits = self.model(inputs)
-        loss = self.loss_fn(logits, labels)
+        with self.autocast():
+            logits = self.model(inputs)
+            loss = self.loss_fn(logits, labels)
         del logits  # free the largest activation before backward allocates gradients
         loss.backward()
         return loss.detach()
@@ -318,7 +332,8 @@ class Trainer:
                 break
             assert batch is not None  # every rank has one: the MIN above is 1
             inputs, labels = (t.to(self.device) for t in batch)
-            total[0] += self.loss_fn(self.model(inputs), labels).float()
+            with self.autocast():
+                total[0] += self.loss_fn(self.model(inputs), labels).float()
             total[1] += 1
         self.model.train()
         if self.parallel_dims.world_size > 1:

@@ -69,3 +69,15 @@ def test_two_fsdp_ranks_match_one_process_on_the_union_of_their_batches(tmp_path
     # Measured: both fall by about 0.5 (6.0 -> 5.45) over these 12 steps.
     assert fall(sharded) > 0.25 and fall(plain) > 0.25, (fall(sharded), fall(plain))
     assert abs(fall(sharded) - fall(plain)) < 0.25, (fall(sharded), fall(plain))
+
+
+def test_bfloat16_on_one_rank_computes_in_autocast(tmp_path: Path) -> None:
+    """``mixed_precision_param=bfloat16`` without FSDP (one rank): the forward runs in bf16
+    autocast, so the first loss differs from float32's (the same weights and batch), by
+    about bf16's precision and no more."""
+    fp32 = _train(tmp_path / "fp32", PER_RANK_BATCH)
+    bf16 = _train(
+        tmp_path / "bf16", PER_RANK_BATCH, extra=["--training.mixed_precision_param=bfloat16"]
+    )
+    a, b = fp32[1]["train/loss"], bf16[1]["train/loss"]
+    assert a != b and abs(a - b) < 0.02 * a, (a, b)

@@ -698,3 +698,41 @@ def test_a_period_dylu_ends_early_reports_the_sync_s_own_time_with_gradients_fre
             after.remove()
     assert group.loop.local_step() == 0 and grads_at_sync == [False]
     assert reported == [pytest.approx(0.5)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("update", ["eager", "delayed"])
+def test_on_cuda_non_blocking_copies_to_pinned_host_state_match_blocking_ones(update, monkeypatch):
+    """The model on CUDA, the outer state in pinned host memory (``outer_state_device=cpu``):
+    the copies between them are queued without blocking, with a wait where the host reads or
+    rewrites their tensors. Every sync's global copy equals, bit for bit, that of the same run
+    with every copy blocking."""
+
+    def globals_of_run(non_blocking: bool) -> list[list[torch.Tensor]]:
+        monkeypatch.setattr(async_diloco._Fragment, "non_blocking", non_blocking)
+        cluster = Cluster()
+        groups = [Group(cluster, seed, update=update) for seed in (1, 2)]
+        for g in groups:
+            g.model.to("cuda")
+            g.loop = AsyncDiLoCo(
+                g.manager, [g.model], g.optimizer, sync_steps=4, update=update, outer_lr=0.7,
+                outer_momentum=0.9, outer_nesterov=True, state_device=torch.device("cpu"),
+                tokens_per_step=10,
+            )  # fmt: skip
+            assert next(iter(g.loop._states[0].global_.values())).is_pinned()
+            g.step = lambda g=g: _step_on(g, "cuda")  # type: ignore[method-assign]
+        seen = run(groups, 12)
+        return [[t.cpu() for t in sync] for sync in seen[0]]
+
+    blocking, overlapped = globals_of_run(False), globals_of_run(True)
+    assert len(overlapped) == 3
+    for a, b in zip(blocking, overlapped, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _step_on(group: Group, device: str) -> None:
+    x = torch.randn(8, 4, generator=group.data).to(device)
+    loss = group.model(x).pow(2).mean()
+    group.optimizer.zero_grad()
+    loss.backward()
+    group.optimizer.step()

@@ -211,7 +211,9 @@ class Training:
     """Device to train on. ``auto``: cuda when available, else cpu."""
 
     mixed_precision_param: Literal["float32", "bfloat16"] = "float32"
-    """Dtype of parameters in forward/backward under FSDP2 (master weights stay float32)."""
+    """Dtype of the forward and backward compute (master weights and gradients stay float32):
+    FSDP2's mixed-precision policy with several ranks, ``torch.autocast`` with one (matmuls in
+    bfloat16, reductions such as the loss in float32)."""
 
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     """Dtype of gradient reduction under FSDP2."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 #: Model family -> its flavors (the keys of its train spec's ``model_args``).
 MODEL_FLAVORS: dict[str, tuple[str, ...]] = {
-    "llama3": ("debugmodel", "debugmodel_small", "8B", "70B", "405B"),
+    "llama3": ("debugmodel", "debugmodel_small", "1B", "8B", "70B", "405B"),
 }
 
 

@@ -73,9 +73,24 @@ def _state_tensor(like: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t
 
 
+def _wait_for_copies(device: torch.device) -> None:
+    """Wait until the copies queued on ``device``'s current stream are done. Copies between the
+    model (on CUDA) and the outer state (pinned host memory) are issued ``non_blocking``, a
+    whole fragment at a time; the host waits once, before it reads what came from the device
+    or overwrites what goes to it. Nothing to wait for on the CPU, where copies are done when
+    they return."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 class _Fragment:
     """One fragment's outer state: its global copy, where this group's local period started,
     and the outer optimizer over the global copy."""
+
+    #: Copies between the model and the outer state are queued without blocking the host
+    #: (waited for where the host needs them: :func:`_wait_for_copies`). False: each copy
+    #: blocks, the reference the CUDA tests compare with.
+    non_blocking = True
 
     def __init__(
         self,
@@ -103,6 +118,8 @@ class _Fragment:
             )
         #: Inner steps this group took since the fragment's last sync point.
         self.steps = 0
+        #: Where the model's shards live (copies to and from it are queued on its stream).
+        self.model_device = local_tensor(next(iter(self.params.values()))).device
 
     def numel(self) -> int:
         return sum(t.numel() for t in self.global_.values())
@@ -111,7 +128,9 @@ class _Fragment:
     def model_to_global(self) -> None:
         """The model's current values become the global copy and the local start."""
         for name, p in self.params.items():
-            self.global_[name].copy_(local_tensor(p.data))
+            self.global_[name].copy_(local_tensor(p.data), non_blocking=self.non_blocking)
+        _wait_for_copies(self.model_device)
+        for name in self.params:
             self.start[name].copy_(self.global_[name])
 
     @torch.no_grad()
@@ -123,9 +142,10 @@ class _Fragment:
             local = local_tensor(p.data)
             n = local.numel()
             view = out[offset : offset + n].view_as(local)
-            view.copy_(self.start[name])
+            view.copy_(self.start[name], non_blocking=self.non_blocking)
             view.sub_(local)
             offset += n
+        _wait_for_copies(self.model_device)  # the host rewrites ``start`` next
 
     @torch.no_grad()
     def apply_average(self, flat: torch.Tensor) -> None:
@@ -133,8 +153,11 @@ class _Fragment:
         offset = 0
         for t in self.global_.values():
             n = t.numel()
-            t.grad = flat[offset : offset + n].view_as(t).to(t.device)
+            t.grad = (
+                flat[offset : offset + n].view_as(t).to(t.device, non_blocking=self.non_blocking)
+            )
             offset += n
+        _wait_for_copies(flat.device)  # the outer step reads them on the host
         self.outer.step()
         self.outer.zero_grad(set_to_none=True)
 
@@ -146,8 +169,10 @@ class _Fragment:
         for name, p in self.params.items():
             local = local_tensor(p.data)
             shift = self.global_[name] - self.start[name]
-            local.add_(shift.to(local.device))
+            # ``shift`` is a fresh tensor nobody writes to: it may still be in flight below.
+            local.add_(shift.to(local.device, non_blocking=self.non_blocking))
             self.start[name].copy_(self.global_[name])
+        _wait_for_copies(self.model_device)  # the shifts are freed on return
 
     @torch.no_grad()
     def start_period(self, estimate: torch.Tensor | None, scale: float = 1.0) -> None:
@@ -155,17 +180,22 @@ class _Fragment:
         ``scale x estimate`` (a flat pseudo-gradient) would make when given (``eager``)."""
         offset = 0
         lr = self.outer.param_groups[0]["lr"]
+        if estimate is not None:  # from the device to the host, all queued, waited for once
+            grads = {}
+            for name in self.params:
+                n = self.start[name].numel()
+                part = estimate[offset : offset + n].view_as(self.start[name])
+                grads[name] = part.to(self.start[name].device, non_blocking=self.non_blocking)
+                offset += n
+            _wait_for_copies(estimate.device)
         for name, p in self.params.items():
             target = self.start[name]
             target.copy_(self.global_[name])
-            n = target.numel()
             if estimate is not None:
-                grad = estimate[offset : offset + n].view_as(target).to(target.device)
-                if scale != 1.0:
-                    grad = grad * scale
+                grad = grads[name] if scale == 1.0 else grads[name] * scale
                 target.sub_(self._outer_direction(name, grad), alpha=lr)
-            offset += n
-            local_tensor(p.data).copy_(target.to(p.device))
+            local_tensor(p.data).copy_(target, non_blocking=self.non_blocking)
+        _wait_for_copies(self.model_device)  # ``start`` is rewritten at the next sync point
 
     def _outer_direction(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         """The direction the outer optimizer's next step takes the global copy ``name`` along

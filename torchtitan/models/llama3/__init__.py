@@ -22,8 +22,19 @@ llama3_configs: dict[str, TransformerModelArgs] = {
     "debugmodel_small": TransformerModelArgs(
         dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32
     ),
-    # Published Llama 3 / 3.1 shapes (vocabulary of the Llama 3 tokenizer). Llama 3.1's
-    # long-context rope scaling is not implemented.
+    # Published Llama 3.2 / 3 / 3.1 shapes (vocabulary of the Llama 3 tokenizer). Llama 3.1's
+    # long-context rope scaling is not implemented. 1B: Llama 3.2's shape with the output
+    # layer untied from the embedding (0.97 B parameters with the byte tokenizer).
+    "1B": TransformerModelArgs(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=256,
+        ffn_dim_multiplier=1.5,
+        rope_theta=500000,
+    ),
     "8B": TransformerModelArgs(
         dim=4096,
         n_layers=32,
