@@ -372,6 +372,7 @@ def test_emulated_slowdown_computes_more_and_leaves_the_gradients_alone(
     trainer.model = model
     trainer.loss_fn = build_cross_entropy_loss(job)
     trainer.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer.autocast_dtype = None  # float32
     seen: list[int] = []
     model.register_forward_pre_hook(lambda _, inputs: seen.append(inputs[0].shape[0]))
     tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
