@@ -73,6 +73,15 @@ class FTJob(LocalJob):
             ),
         )
 
+    def run_to_end(self, timeout: float = 240) -> FTJob:
+        """Start the lighthouse and every group, assert that each exits 0, then stop the job
+        (its dump folder stays, e.g. to restart from its checkpoints)."""
+        self.start()
+        for r in range(self.groups):
+            assert self.wait_exit(r, timeout) == 0, tail(self.latest(r).text())
+        self.close()
+        return self
+
     def wait_exit(self, replica_id: int, timeout: float) -> int:
         group = self.latest(replica_id)
         try:

@@ -143,13 +143,8 @@ def test_a_whole_job_restart_from_checkpoints_one_sync_point_apart_resumes_ident
         "--checkpoint.interval=2",
         "--checkpoint.keep_latest_k=0",
     ]
-    first = ft_job(
-        groups=2, train_args=args(SEMI_SYNC_MODULE, "async_int4", "--training.steps=12", *common)
-    )
-    first.start()
-    for r in range(2):
-        assert first.wait_exit(r, timeout=240) == 0, tail(first.latest(r).text())
-    first.close()
+    first_args = args(SEMI_SYNC_MODULE, "async_int4", "--training.steps=12", *common)
+    first = ft_job(groups=2, train_args=first_args).run_to_end()
     job = ft_job(
         tmp_path / "restart",
         groups=2,

@@ -16,17 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration_tests.faults import STALLED_AFTER_STEP
-from tests.integration_tests.harness import FAULTS_MODULE, FTJob, per_rank, tail
+from tests.integration_tests.harness import FAULTS_MODULE, FTJob, per_rank
 from tests.integration_tests.test_semi_sync import (
-    _restart_while_paused,
-    _wait_alone,
     args,
     global_digests,
+    kill_and_heal_group_1,
     syncs,
 )
 from torchtitan.components.metrics import TRAIN_STEP
-from torchtitan.experiments.fault_tolerance.events import FINAL_MODEL, HEALED, SYNC
+from torchtitan.experiments.fault_tolerance.events import FINAL_MODEL, SYNC
 from torchtitan.trainer import VALIDATION
 
 VOCAB = 32_000
@@ -94,7 +92,6 @@ def test_int8_streaming_diloco_with_fsdp_averages_tensors_larger_than_a_bucket(
     equal."""
     # The sizes this test is about (a precondition, not a finding): shards over a bucket.
     assert VOCAB * DIM // 2 > BUCKET_MB * 2**20 / 4
-    pause = tmp_path / "pause_group0"
     train_args = args(
         FAULTS_MODULE,
         "diloco_int8",
@@ -108,16 +105,7 @@ def test_int8_streaming_diloco_with_fsdp_averages_tensors_larger_than_a_bucket(
         "--validation.local_batch_size=2",
     )
     job = ft_job(groups=2, ngpu=2, train_args=train_args)
-    job.start_lighthouse()
-    job.start_group(0, [f"--fault_injection.pause_file={pause}"])
-    job.start_group(1, ["--fault_injection.stall_after_step=6"])
-    job.wait_for_event(1, STALLED_AFTER_STEP, timeout=300, count=2)  # both ranks
-    job.kill_group(1)
-    _wait_alone(job, after=0)
-    _restart_while_paused(job, pause, [])
-    job.wait_for_event(1, HEALED, timeout=300, count=2)
-    for r in range(2):
-        assert job.wait_exit(r, timeout=400) == 0, tail(job.latest(r).text())
+    kill_and_heal_group_1(job, tmp_path / "pause_group0", ranks=2, timeout=400)
 
     shards = {r: per_rank(job.events(r)) for r in range(2)}
     for rank in (0, 1):

@@ -313,6 +313,22 @@ def _restart_while_paused(job: FTJob, pause: Path, extra: list[str]) -> None:
     pause.unlink()
 
 
+def kill_and_heal_group_1(job: FTJob, pause: Path, ranks: int = 1, timeout: float = 300) -> None:
+    """Start both groups, kill group 1 (every one of its ``ranks``) after step 6, let group 0
+    go on alone, restart group 1 while group 0 is paused so that it heals at group 0's next
+    sync, and wait until both have exited cleanly."""
+    job.start_lighthouse()
+    job.start_group(0, [f"--fault_injection.pause_file={pause}"])
+    job.start_group(1, ["--fault_injection.stall_after_step=6"])
+    job.wait_for_event(1, STALLED_AFTER_STEP, timeout=timeout, count=ranks)
+    job.kill_group(1)
+    _wait_alone(job, after=0)
+    _restart_while_paused(job, pause, [])
+    job.wait_for_event(1, HEALED, timeout=timeout, count=ranks)
+    for r in range(2):
+        assert job.wait_exit(r, timeout=timeout) == 0, tail(job.latest(r).text())
+
+
 def _wait_heal(job: FTJob) -> Sync:
     """Wait until the latest start of group 1 healed and then committed a sync; return it."""
     job.wait_for_event(1, HEALED, timeout=180)
@@ -465,18 +481,8 @@ def test_diloco_with_fsdp2_inside_each_group(
     restarted: every rank heals its shard from its peer rank, and afterwards rank r of both
     groups holds the same global shard. (Async DiLoCo: its global copies are plain tensors of
     the rank's shard, on the CPU.)"""
-    pause = tmp_path / "pause_group0"
     job = ft_job(groups=2, ngpu=2, train_args=args(FAULTS_MODULE, method, "--training.steps=40"))
-    job.start_lighthouse()
-    job.start_group(0, [f"--fault_injection.pause_file={pause}"])
-    job.start_group(1, ["--fault_injection.stall_after_step=6"])
-    job.wait_for_event(1, STALLED_AFTER_STEP, timeout=300, count=2)  # both ranks
-    job.kill_group(1)
-    _wait_alone(job, after=0)
-    _restart_while_paused(job, pause, [])
-    job.wait_for_event(1, HEALED, timeout=300, count=2)  # both ranks
-    for r in range(2):
-        assert job.wait_exit(r, timeout=300) == 0, tail(job.latest(r).text())
+    kill_and_heal_group_1(job, tmp_path / "pause_group0", ranks=2)
 
     shards = {r: per_rank(job.events(r, all_starts=True)) for r in range(2)}
     common = {}

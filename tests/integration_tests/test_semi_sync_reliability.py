@@ -345,13 +345,8 @@ def test_a_group_whose_checkpoints_all_fail_their_checksums_heals_in_full(
     full from group 1, which resumed from its own step 8; both then train on in step and end
     with the same model."""
     common = ["--checkpoint.enable", "--checkpoint.interval=4", "--checkpoint.keep_latest_k=0"]
-    first = ft_job(
-        groups=2, train_args=args(FAULTS_MODULE, "diloco", "--training.steps=8", *common)
-    )
-    first.start()
-    for r in range(2):
-        assert first.wait_exit(r, timeout=240) == 0, tail(first.latest(r).text())
-    first.close()
+    first_args = args(FAULTS_MODULE, "diloco", "--training.steps=8", *common)
+    first = ft_job(groups=2, train_args=first_args).run_to_end()
     mine = first.dump_folder / "checkpoint" / "replica_0"
     damaged = sorted(mine.glob("step-*/__0_0.distcp"))
     assert len(damaged) == 2

@@ -16,10 +16,10 @@ from torchtitan.trainer import TRAINING_STARTED
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_throughput_smoke_writes_its_figures(tmp_path: Path) -> None:
-    output = tmp_path / "throughput.json"
+def run_smoke(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``benchmarks/<script> --smoke ARGS`` to its end; it must exit 0."""
     result = subprocess.run(
-        [sys.executable, "benchmarks/throughput.py", "--smoke", "--output", str(output)],
+        [sys.executable, f"benchmarks/{script}", "--smoke", *args],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -27,6 +27,12 @@ def test_throughput_smoke_writes_its_figures(tmp_path: Path) -> None:
         timeout=600,  # seconds when idle; generous for a busy 2-core machine
     )
     assert result.returncode == 0, result.stdout
+    return result
+
+
+def test_throughput_smoke_writes_its_figures(tmp_path: Path) -> None:
+    output = tmp_path / "throughput.json"
+    result = run_smoke("throughput.py", "--output", str(output))
     assert "tokens/s:" in result.stdout and "MFU:" in result.stdout, result.stdout
     figures = json.loads(output.read_text())
     assert figures["mode"] == "smoke"
@@ -61,15 +67,7 @@ def test_checkpoint_checksums_smoke_compares_the_same_states(tmp_path: Path) -> 
     """The states saved are the model and both AdamW moments (3x the parameter bytes), and
     the overhead reported is the checksummed time over the plain one of the same repeat."""
     output = tmp_path / "checkpoint_checksums.json"
-    result = subprocess.run(
-        [sys.executable, "benchmarks/checkpoint_checksums.py", "--smoke", "--out", str(output)],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout
+    run_smoke("checkpoint_checksums.py", "--out", str(output))
     (size,) = json.loads(output.read_text())["sizes"]
     from torchtitan.models import get_train_spec
 
