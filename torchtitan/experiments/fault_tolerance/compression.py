@@ -953,15 +953,6 @@ class CompressedWork:
         return self._future
 
 
-def sent_and_seconds(works: list[Any]) -> tuple[int, float] | None:
-    """Bytes sent and seconds spent compressing and decompressing by the finished compressed
-    works among ``works`` (others are skipped); None when there are none."""
-    stats = [w.stats for w in works if getattr(w, "stats", None) is not None]
-    if not stats:
-        return None
-    return sum(s.bytes_sent for s in stats), sum(s.encode_s + s.decode_s for s in stats)
-
-
 class _Job(NamedTuple):
     pg: dist.ProcessGroup
     tensor: torch.Tensor
