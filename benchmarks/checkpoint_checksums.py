@@ -7,11 +7,13 @@ The states are the trainer's: a Llama 3 model, its AdamW (one step taken, so bot
 exist), the LR schedule and the train state, in one process. Each repeat saves and loads them
 with ``CheckpointManager`` twice, in alternating order, each into a fresh folder: once as it was
 before checksums (``without_checksums``: DCP's plain writer, no manifest, no check) and once as
-it is (an XXH3-64 digest of every file after the save, a check of every file before the load).
-The load of each kind reads files it has just written (page cache), so the check's cost is the
-hashing, not the disk; with ``--cold`` the page cache is emptied before each load (root only),
-and both kinds of load read the disk. Three sizes: the debug model (``debugmodel``),
-``bench_512x8`` and ``bench_1024x8``, so that the cost per byte can be compared across sizes.
+it is (an XXH3-64 digest of every item after the save; before the load a check of every file's
+size and of ``.metadata``'s digest, then each item hashed as it is read, in a thread that runs
+ahead of DCP's reads). The load of each kind reads files it has just written (page cache), so
+the check's cost is the hashing, not the disk; with ``--cold`` the page cache is emptied before
+each load (root only), and both kinds of load read the disk. Three sizes: the debug model
+(``debugmodel``), ``bench_512x8`` and ``bench_1024x8``, so that the cost per byte can be
+compared across sizes.
 
 Target: checksums add at most 10 % to the save and to the load time of the debug model's
 checkpoint, "met" when at least 4 of 5 repeats meet it.
@@ -93,12 +95,12 @@ def build_states(flavor: str) -> tuple[dict[str, Any], int]:
 def without_checksums() -> Iterator[None]:
     """``CheckpointManager`` as it was before checksums: DCP's plain writer, no manifest, no
     check at load; everything else (events, the metadata read, the barrier) the same."""
-    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
     from torchtitan.components import checksums
 
     class PlainWriter(FileSystemWriter):
-        written: dict[str, tuple[int, int]] = {}
+        written: dict[str, checksums.FileEntry] = {}
 
     saved = {name: getattr(checksums, name) for name in STUBBED}
     checksums.begin = lambda folder: folder.mkdir(parents=True, exist_ok=True)
@@ -106,6 +108,7 @@ def without_checksums() -> Iterator[None]:
     checksums.write_manifest = lambda folder, written: None
     checksums.verify = lambda folder: None
     checksums.state = lambda folder: "checksummed"  # complete on .metadata; no note at load
+    checksums.reader = lambda folder: FileSystemReader(folder)
     try:
         yield
     finally:
@@ -113,7 +116,7 @@ def without_checksums() -> Iterator[None]:
             setattr(checksums, name, value)
 
 
-STUBBED = ("begin", "ChecksummingWriter", "write_manifest", "verify", "state")
+STUBBED = ("begin", "ChecksummingWriter", "write_manifest", "verify", "state", "reader")
 
 
 def drop_page_cache() -> None:

@@ -403,3 +403,80 @@ def test_every_file_of_a_save_is_in_its_manifest(tmp_path: Path) -> None:
     on_disk = {p.name for p in newest.iterdir()} - {"checksums.json", ".checksums-expected"}
     assert set(listed) == on_disk and ".metadata" in listed
     assert all(entry["rank"] == 0 and entry["bytes"] > 0 for entry in listed.values())
+
+
+def _item(folder: Path, fqn: str) -> tuple[str, int, int]:
+    """(file, offset, length) of the item holding ``fqn`` in a checkpoint."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    for index, where in metadata.storage_data.items():
+        if index.fqn == fqn:
+            return where.relative_path, where.offset, where.length
+    raise KeyError(fqn)
+
+
+@pytest.mark.parametrize("where", ["tensor_bytes", "zip_header"])
+def test_a_damaged_item_never_reaches_its_state(tmp_path: Path, where: str) -> None:
+    """Verified as it is read: a weight whose bytes were changed is not copied into the model
+    (it keeps the values it had), and the error names the byte range. Damage to the tensor's
+    own bytes parses fine (only the checksum sees it); zeros at the item's start break the
+    zip structure DCP parses first, and the checksum still names the cause."""
+    import io
+
+    config, _, newest = _two_checkpoints(tmp_path)
+    config.checkpoint.load_step = 10
+    name, offset, length = _item(newest, "model.2.weight")
+    data = bytearray((newest / name).read_bytes())
+    if where == "tensor_bytes":
+        saved = torch.load(io.BytesIO(bytes(data[offset : offset + length])), weights_only=True)
+        at = bytes(data).index(saved.numpy().tobytes(), offset)
+        data[at + 3] ^= 0x40  # the exponent of the first value
+    else:
+        data[offset : offset + 64] = bytes(64)
+    (newest / name).write_bytes(bytes(data))
+    fresh = Run(config, seed=1)
+    before = fresh.model[2].weight.detach().clone()
+    with pytest.raises(
+        CorruptCheckpointError,
+        match=rf"{name} \(written by rank 0\), bytes {offset}-{offset + length} fails its "
+        "checksum",
+    ):
+        fresh.checkpointer.load()
+    assert torch.equal(fresh.model[2].weight, before)
+    assert fresh.train_state.step == 0  # nothing but verified tensors was applied
+
+
+def test_an_item_damaged_after_the_size_check_is_caught_as_read(tmp_path: Path) -> None:
+    """The sizes pass verify(); the flipped byte inside the item is caught by the reader, and
+    the run takes the older checkpoint."""
+    from torchtitan.components import checksums
+
+    config, older, newest = _two_checkpoints(tmp_path)
+    name, offset, length = _item(newest, "model.0.weight")
+    _flip(newest / name, offset + length - 10)
+    assert checksums.verify(newest) is None
+    fresh = Run(config, seed=1)
+    assert fresh.checkpointer.load() == 5
+    _assert_same(fresh.snapshot(), older)
+
+
+def test_a_manifest_of_the_first_format_is_still_verified(tmp_path: Path) -> None:
+    """One digest per file and no items (written before items had their own): hashed whole
+    before the load."""
+    import json
+
+    from torchtitan.components import checksums
+
+    config, _, newest = _two_checkpoints(tmp_path)
+    manifest = json.loads((newest / "checksums.json").read_text())
+    files = {}
+    for name in manifest["files"]:
+        digest, size = checksums.file_digest(newest / name)
+        files[name] = {"xxh3_64": digest, "bytes": size, "rank": 0}
+    (newest / "checksums.json").write_text(json.dumps({"algorithm": "xxh3_64", "files": files}))
+    assert type(checksums.reader(newest)).__name__ == "FileSystemReader"
+    assert Run(config, seed=1).checkpointer.load() == 10
+    _zero_middle(newest / "__0_0.distcp")
+    problem = checksums.verify(newest)
+    assert problem is not None and "__0_0.distcp (written by rank 0) fails its checksum" in problem

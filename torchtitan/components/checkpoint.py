@@ -1,17 +1,18 @@
 """Persistent checkpoints with ``torch.distributed.checkpoint`` (DCP).
 
 Layout: ``<dump_folder>/<checkpoint.folder>[/replica_<R>]/step-<N>/``. A save is complete when
-its ``checksums.json`` is written (the XXH3-64 digest of every file, each rank's of the files it
+its ``checksums.json`` is written (the XXH3-64 digest of every item, each rank's of the items it
 wrote, after DCP's ``.metadata``; ``checksums.py``); a step folder without it is a save that
 died part-way and is skipped with a warning (and deleted by the next purge of
-``keep_latest_k``). Before anything is loaded, every file is checked against it: a checkpoint
-that fails (a flipped byte, a truncated or missing file) is never loaded. The newest older
-checkpoint that passes is loaded instead, with a warning naming the folder, the file and the
-rank; with ``checkpoint.load_step`` naming the bad one, or when none passes, the run stops with
-an error (:class:`CorruptCheckpointError`). Checkpoints written before checksums existed load
-unverified, with a note. Anything else that cannot be loaded (garbage, a different model) is a
-:class:`CheckpointError` naming the folder and the cause: a run never starts fresh silently when
-a checkpoint exists, and never half-loads one.
+``keep_latest_k``). Every file's presence and size, and ``.metadata``'s digest, are checked
+before DCP opens the folder, and every item's digest as it is read, before its value reaches a
+state. A checkpoint that fails (a flipped byte, a truncated or missing file) is never trained
+on: the newest older checkpoint that passes is loaded over it instead, with a warning naming the
+folder, the file and the rank; with ``checkpoint.load_step`` naming the bad one, or when none
+passes, the run stops with an error (:class:`CorruptCheckpointError`). Checkpoints written
+before checksums existed load unverified, with a note. Anything else that cannot be loaded
+(garbage, a different model) is a :class:`CheckpointError` naming the folder and the cause: a
+run never starts fresh silently when a checkpoint exists, and never trains on a half-loaded one.
 
 What is saved is the trainer's state registry (``Trainer.states``): model, optimizer, LR
 scheduler, dataloader, train state, and whatever a subclass registers. The same registry feeds
@@ -152,6 +153,18 @@ def _cause(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
+def _checksum_error(error: BaseException) -> checksums.ItemChecksumError | None:
+    """The first rank's checksum failure in what DCP raised (it wraps every rank's)."""
+    if isinstance(error, checksums.ItemChecksumError):
+        return error
+    if isinstance(error, CheckpointException):
+        for failure in error.failures.values():
+            found = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(found, checksums.ItemChecksumError):
+                return found
+    return None
+
+
 class CheckpointManager:
     """Saves ``states`` every ``checkpoint.interval`` steps and resumes from the newest save."""
 
@@ -242,9 +255,12 @@ class CheckpointManager:
             folder = self.step_folder(step)
             problem = checksums.verify(folder)
             if problem is None:
-                self._load(folder, self._keys_to_load())
-                CHECKPOINT_RESUMED.emit(step=step, folder=str(folder))
-                return step
+                try:
+                    self._load(folder, self._keys_to_load())
+                    CHECKPOINT_RESUMED.emit(step=step, folder=str(folder))
+                    return step
+                except CorruptCheckpointError as e:  # an item failed its checksum as read
+                    problem = str(e)
             CHECKPOINT_REJECTED.emit(problem=problem)
             self.rejected.add(folder)
             problems.append(problem)
@@ -270,9 +286,13 @@ class CheckpointManager:
             )
         keys = ["model"] if self.config.initial_load_model_only else self._keys_to_load()
         problem = checksums.verify(Path(path))
+        if problem is None:
+            try:
+                self._load(Path(path), keys)
+            except CorruptCheckpointError as e:
+                problem = str(e)
         if problem is not None:
             raise CorruptCheckpointError(f"checkpoint.initial_load_path: {problem}")
-        self._load(Path(path), keys)
         INITIAL_WEIGHTS_LOADED.emit(states=keys, path=str(path))
 
     def _keys_to_load(self) -> list[str]:
@@ -288,7 +308,10 @@ class CheckpointManager:
         return [k for k in self.states if k not in self.config.exclude_from_loading]
 
     def _load(self, folder: Path, keys: list[str]) -> None:
-        """Load ``keys`` of the registry from ``folder``; CheckpointError naming the cause."""
+        """Load ``keys`` of the registry from ``folder``; CheckpointError naming the cause, or
+        CorruptCheckpointError (the problem line alone) when an item fails its checksum as it
+        is read. Then the states may hold some of the checkpoint's verified values: the caller
+        loads another checkpoint over them, heals, or stops."""
         advice = (
             f"Move it away to start fresh, or set checkpoint.load_step to another step in "
             f"{folder.parent}."
@@ -312,10 +335,13 @@ class CheckpointManager:
         wanted: dict[str, Any] = {k: self.states[k] for k in keys}
         try:
             with _quiet_dcp() as held:
-                dcp.load(wanted, checkpoint_id=str(folder))
+                dcp.load(wanted, checkpoint_id=str(folder), storage_reader=checksums.reader(folder))
         # DCP raises many types, and CheckpointException is not even an Exception: the user
         # needs the folder and the first cause.
         except (Exception, CheckpointException) as e:
+            mismatch = _checksum_error(e)
+            if mismatch is not None:
+                raise CorruptCheckpointError(str(mismatch)) from e
             raise CheckpointError(
                 f"Checkpoint {folder} cannot be loaded ({_cause(e)}). It is corrupt, or was "
                 "written by a different model or config (a state missing from it can be "

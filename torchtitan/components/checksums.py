@@ -1,20 +1,31 @@
-"""Checksums of a checkpoint's files: written with every save, verified before every load.
+"""Checksums of a checkpoint: written with every save, verified on every load.
 
 ``torch.distributed.checkpoint`` keeps no checksums: a tensor's bytes can rot on disk, or be cut
 short by a copy between clusters, and load without a word as different numbers. So each rank
-records an XXH3-64 digest (a fast non-cryptographic hash) of every file it wrote, right after
-writing it (:class:`ChecksummingWriter`); after the save, rank 0 adds the digest of DCP's
-``.metadata`` and writes them all to ``checksums.json`` (:func:`write_manifest`), the last file
-of a save: a folder counts as a complete checkpoint only once it is there. A save starts by
-creating ``.checksums-expected``, so a folder that has ``.metadata`` but not ``checksums.json``
-is a save that died part-way, whereas one with neither marker was written before checksums
-existed (loaded unverified, with a note). :func:`verify` reads every listed file again, split
-over the ranks, and names the first mismatch: the folder, the file and the rank that wrote it.
+records an XXH3-64 digest (a fast non-cryptographic hash) of every item it wrote (one tensor or
+one blob of bytes: a byte range of one of its files), right after writing it
+(:class:`ChecksummingWriter`). After the save, rank 0 adds the digest of DCP's ``.metadata``
+and writes them all, with each file's size, to ``checksums.json`` (:func:`write_manifest`), the
+last file of a save: a folder counts as a complete checkpoint only once it is there. A save
+starts by creating ``.checksums-expected``, so a folder that has ``.metadata`` but not
+``checksums.json`` is a save that died part-way, whereas one with neither marker was written
+before checksums existed (loaded unverified, with a note).
 
-What is detected: any change of a listed file's bytes (a flipped bit, a block of zeros), a file
-cut short or grown, a file that is missing, a damaged or missing ``checksums.json``. What is not:
-damage that happened in memory before the file was written, and a whole checkpoint folder
-replaced by another complete one.
+A load is checked in two steps. :func:`verify`, before DCP opens anything, reads the manifest,
+hashes ``.metadata`` and checks that every file is there with its size (split over the ranks;
+all get the same answer). Then :class:`VerifyingReader` hashes every item DCP reads, in a thread
+that runs ahead of DCP's own reads of the same file (the hash releases the GIL, and its reads
+warm the page cache for DCP's), and holds each item back until its digest matched: no value
+reaches a state before it is verified, and the files are read from disk once. A mismatch stops
+the load with :class:`ItemChecksumError`; a state may then hold some verified values of the bad
+checkpoint, which the caller overwrites (an older checkpoint, a heal) or stops on.
+
+What is detected: any change of the bytes that a load reads (a flipped bit, a block of zeros),
+a file cut short, grown or missing, a damaged or missing ``checksums.json``. What is not: damage
+that happened in memory before the file was written, a checkpoint folder replaced by another
+complete one, and damage to items that a load skips (``checkpoint.exclude_from_loading``).
+Manifests of the first format (one digest per file, no items) are still read: their files are
+hashed whole by :func:`verify`.
 """
 
 from __future__ import annotations
@@ -22,13 +33,23 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+import torch
 import torch.distributed as dist
 import xxhash
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+)
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
@@ -37,17 +58,38 @@ MANIFEST = "checksums.json"
 #: Created first: this save writes a manifest (without one it is not complete).
 EXPECTED = ".checksums-expected"
 METADATA = ".metadata"
+#: 2: a digest per item (byte range) of each data file; 1 (no ``format`` key): one per file.
+FORMAT = 2
+
+
+class ItemChecksumError(ValueError):
+    """An item that a load read does not match its checksum (the message names the folder,
+    the file, the byte range and the rank that wrote it)."""
+
+
+def _digest(data: Any) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+@contextmanager
+def _mapped(path: Path) -> Iterator[memoryview]:
+    """The bytes of a file, mapped, not copied (empty for an empty file)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            yield memoryview(b"")
+            return
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                yield view
+            finally:
+                view.release()
 
 
 def file_digest(path: Path) -> tuple[int, int]:
-    """(XXH3-64 digest, size in bytes) of a file, hashed in place (mapped, not copied): about
-    5 ms per 56 MB when the file is in the page cache, as a file just written is."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            return xxhash.xxh3_64_intdigest(b""), 0
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            return xxhash.xxh3_64_intdigest(mapped), size
+    """(XXH3-64 digest, size in bytes) of a whole file, hashed in place."""
+    with _mapped(path) as data:
+        return _digest(data), len(data)
 
 
 def _rank() -> int:
@@ -58,21 +100,37 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+#: What a rank records of one data file it wrote: {"bytes": size, "items": {offset: [length,
+#: digest]}} (offsets are strings, as JSON keys are).
+FileEntry = dict[str, Any]
+
+
 class ChecksummingWriter(FileSystemWriter):
-    """DCP's file-system writer that also checksums, right after writing them, the files this
-    rank wrote (``written``: file name -> (digest, bytes))."""
+    """DCP's file-system writer that also checksums, right after writing them, the items this
+    rank wrote (``written``: file name -> its :data:`FileEntry`). The files are still in the
+    page cache then, so this reads no disk."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         super().__init__(path)
         self.folder = Path(path)
-        self.written: dict[str, tuple[int, int]] = {}
+        self.written: dict[str, FileEntry] = {}
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         future = super().write_data(plan, planner)
-        results = future.wait()
-        # Each result says where its item went (DCP's storage info for the file system).
-        names = {result.storage_data.relative_path for result in results}
-        self.written = {name: file_digest(self.folder / name) for name in sorted(names)}
+        # Each result says where its item went: DCP's storage info for the file system, with
+        # the file's name and the item's byte range in it.
+        ranges: dict[str, list[tuple[int, int]]] = {}
+        for result in future.wait():
+            where = result.storage_data
+            ranges.setdefault(where.relative_path, []).append((where.offset, where.length))
+        self.written = {}
+        for name in sorted(ranges):
+            with _mapped(self.folder / name) as data:
+                items = {
+                    str(offset): [length, _digest(data[offset : offset + length])]
+                    for offset, length in sorted(ranges[name])
+                }
+                self.written[name] = {"bytes": len(data), "items": items}
         return future
 
 
@@ -82,11 +140,11 @@ def begin(folder: Path) -> None:
     (folder / EXPECTED).touch()
 
 
-def write_manifest(folder: Path, written: dict[str, tuple[int, int]]) -> None:
+def write_manifest(folder: Path, written: dict[str, FileEntry]) -> None:
     """Gather every rank's checksums and, on rank 0, write the manifest (with ``.metadata``'s)
     atomically: the save is complete from here on. Every rank calls it."""
     rank = _rank()
-    mine = {name: (digest, size, rank) for name, (digest, size) in written.items()}
+    mine = {name: {**entry, "rank": rank} for name, entry in written.items()}
     gathered: list[Any] = [None] * _world()
     if _world() > 1:
         dist.all_gather_object(gathered, mine)
@@ -94,10 +152,9 @@ def write_manifest(folder: Path, written: dict[str, tuple[int, int]]) -> None:
         gathered = [mine]
     if rank != 0:
         return
-    files: dict[str, dict[str, int]] = {}
+    files: dict[str, dict[str, Any]] = {}
     for part in gathered:
-        for name, (digest, size, writer) in part.items():
-            files[name] = {"xxh3_64": digest, "bytes": size, "rank": writer}
+        files.update(part)
     digest, size = file_digest(folder / METADATA)
     files[METADATA] = {"xxh3_64": digest, "bytes": size, "rank": 0}
     unlisted = sorted(
@@ -106,7 +163,8 @@ def write_manifest(folder: Path, written: dict[str, tuple[int, int]]) -> None:
     if unlisted:
         raise RuntimeError(f"files of no rank's save in {folder}: {', '.join(unlisted)}")
     tmp = folder / f"{MANIFEST}.tmp"
-    tmp.write_text(json.dumps({"algorithm": "xxh3_64", "files": files}, indent=1, sort_keys=True))
+    manifest = {"format": FORMAT, "algorithm": "xxh3_64", "files": files}
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
     os.replace(tmp, folder / MANIFEST)
 
 
@@ -118,40 +176,61 @@ def state(folder: Path) -> str:
     return "pending" if (folder / EXPECTED).exists() else "legacy"
 
 
-def _check(folder: Path, name: str, expected: dict[str, int]) -> str | None:
+def _writer(entry: dict[str, Any]) -> str:
+    return f"written by rank {entry['rank']}"
+
+
+def _check(folder: Path, name: str, entry: dict[str, Any]) -> str | None:
+    """What is wrong with one listed file, before a load: missing, another size, or (for
+    ``.metadata`` and files of a format-1 manifest) another digest."""
     path = folder / name
-    writer = f"written by rank {expected['rank']}"
     if not path.is_file():
-        return f"{name} ({writer}) is missing"
-    digest, size = file_digest(path)
-    if size != expected["bytes"]:
-        return f"{name} ({writer}) has {size} bytes, {expected['bytes']} were written"
-    if digest != expected["xxh3_64"]:
+        return f"{name} ({_writer(entry)}) is missing"
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        return f"{name} ({_writer(entry)}) has {size} bytes, {entry['bytes']} were written"
+    if "items" in entry:
+        return None  # verified item by item as it is read (VerifyingReader)
+    digest, _ = file_digest(path)
+    if digest != entry["xxh3_64"]:
         return (
-            f"{name} ({writer}) fails its checksum (xxh3_64 {digest:016x}, "
-            f"{expected['xxh3_64']:016x} was written)"
+            f"{name} ({_writer(entry)}) fails its checksum (xxh3_64 {digest:016x}, "
+            f"{entry['xxh3_64']:016x} was written)"
         )
     return None
 
 
+def read_manifest(folder: Path) -> dict[str, dict[str, Any]]:
+    """The manifest's files (name -> entry); raises OSError or ValueError when unreadable."""
+    manifest = json.loads((folder / MANIFEST).read_text())
+    files = manifest["files"]
+    if not isinstance(files, dict):
+        raise ValueError(f"'files' is a {type(files).__name__}, not a mapping")
+    return files
+
+
 def verify(folder: Path) -> str | None:
-    """None when every file of the checkpoint in ``folder`` matches its manifest, else one
-    line naming the folder, the first bad file and its rank. The files are split over the
-    ranks (every rank calls it, and all get the same answer). A checkpoint without a manifest
-    (``state`` ``"legacy"``) passes: there is nothing to check."""
+    """None when the checkpoint in ``folder`` may be loaded, else one line naming the folder,
+    the first bad file and its rank: the manifest is readable, ``.metadata`` matches its digest
+    and every file is there with the size it was written with. The items themselves are
+    verified as they are read (:class:`VerifyingReader`). Every rank calls it and all get the
+    same answer. A checkpoint without a manifest (``state`` ``"legacy"``) passes: there is
+    nothing to check."""
     if state(folder) == "legacy":
         return None
     problem: str | None = None
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-        files: dict[str, dict[str, int]] = manifest["files"]
+        files = read_manifest(folder)
     except (OSError, ValueError, KeyError, TypeError) as e:
         problem = f"{MANIFEST} is unreadable ({type(e).__name__}: {e})"
         files = {}
     mine: list[str] = []
     for index, name in enumerate(sorted(files)):
         if index % _world() == _rank() and problem is None:
-            found = _check(folder, name, files[name])
+            try:
+                found = _check(folder, name, files[name])
+            except (KeyError, TypeError) as e:
+                found = f"{MANIFEST} has a malformed entry for {name} ({type(e).__name__}: {e})"
             if found is not None:
                 mine.append(found)
     if problem is not None:
@@ -166,3 +245,150 @@ def _all_gather(items: list[str]) -> list[str]:
     gathered: list[Any] = [None] * _world()
     dist.all_gather_object(gathered, items)
     return [item for part in gathered for item in part]
+
+
+def reader(folder: Path) -> FileSystemReader:
+    """The reader a load of ``folder`` uses: one that verifies each item as it is read when
+    the manifest lists items (:func:`verify` hashed a format-1 manifest's files whole)."""
+    if state(folder) == "checksummed":
+        files = read_manifest(folder)
+        if all("items" in entry for name, entry in files.items() if name != METADATA):
+            return VerifyingReader(folder, files)
+    return FileSystemReader(folder)
+
+
+class _Verdicts:
+    """Each item's verdict (None: it matches; else the line that says why not), filled in by
+    one hashing thread, in the order DCP will read the items."""
+
+    def __init__(self) -> None:
+        self._ready = threading.Condition()
+        self._verdicts: dict[tuple[str, int], str | None] = {}
+        self._failed: str | None = None
+
+    def put(self, key: tuple[str, int], verdict: str | None) -> None:
+        with self._ready:
+            self._verdicts[key] = verdict
+            self._ready.notify_all()
+
+    def fail(self, problem: str) -> None:
+        with self._ready:
+            self._failed = problem
+            self._ready.notify_all()
+
+    def first_problem(self) -> str | None:
+        with self._ready:
+            found = [v for v in self._verdicts.values() if v is not None]
+            return found[0] if found else self._failed
+
+    def wait(self, key: tuple[str, int]) -> str | None:
+        with self._ready:
+            self._ready.wait_for(lambda: key in self._verdicts or self._failed is not None)
+            return self._verdicts[key] if key in self._verdicts else self._failed
+
+
+class _HeldBackPlanner:
+    """The planner DCP's read loop is given: it hands an item's bytes or tensor on to the real
+    planner only once the item's checksum matched."""
+
+    def __init__(self, planner: LoadPlanner, reader: VerifyingReader) -> None:
+        self.planner = planner
+        self.reader = reader
+
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
+        self.reader.wait_verified(read_item)
+        self.planner.load_bytes(read_item, value)
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        self.reader.wait_verified(read_item)
+        return self.planner.resolve_tensor(read_item)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        self.planner.commit_tensor(read_item, tensor)
+
+
+class VerifyingReader(FileSystemReader):
+    """DCP's file-system reader that verifies every item it reads against ``files`` (the
+    manifest's entries) before DCP hands it to a state; raises :class:`ItemChecksumError`."""
+
+    def __init__(self, path: str | os.PathLike[str], files: dict[str, dict[str, Any]]) -> None:
+        super().__init__(path)
+        self.folder = Path(path)
+        self.files = files
+        self._verdicts = _Verdicts()
+        self._stop = threading.Event()
+
+    def _where(self, read_item: ReadItem) -> tuple[str, int, int]:
+        # DCP's storage info for the file system: the file and the item's byte range in it.
+        where = self.storage_data[read_item.storage_index]
+        return where.relative_path, where.offset, where.length
+
+    def wait_verified(self, read_item: ReadItem) -> None:
+        name, offset, _ = self._where(read_item)
+        problem = self._verdicts.wait((name, offset))
+        if problem is not None:
+            raise ItemChecksumError(f"checkpoint {self.folder}: {problem}")
+
+    def _hash_items(self, by_file: dict[str, list[tuple[int, int]]]) -> None:
+        name = None
+        try:
+            for name, ranges in by_file.items():
+                entry = self.files.get(name)
+                if entry is None or "items" not in entry:
+                    self._verdicts.fail(f"{name} is not listed item by item in {MANIFEST}")
+                    return
+                with _mapped(self.folder / name) as data:
+                    for offset, length in ranges:
+                        if self._stop.is_set():
+                            return
+                        verdict = self._verdict(name, entry, data, offset, length)
+                        self._verdicts.put((name, offset), verdict)
+        except Exception as e:  # a file gone since verify(), an unreadable disk
+            self._verdicts.fail(f"{name} cannot be read ({type(e).__name__}: {e})")
+
+    @staticmethod
+    def _verdict(
+        name: str, entry: dict[str, Any], data: memoryview, offset: int, length: int
+    ) -> str | None:
+        where = f"{name} ({_writer(entry)}), bytes {offset}-{offset + length}"
+        written = entry["items"].get(str(offset))
+        if written is None or written[0] != length:
+            return f"{where}: no such item in {MANIFEST}"
+        if offset + length > len(data):
+            return f"{where}: the file has {len(data)} bytes"
+        digest = _digest(data[offset : offset + length])
+        if digest != written[1]:
+            return (
+                f"{where} fails its checksum (xxh3_64 {digest:016x}, {written[1]:016x} was written)"
+            )
+        return None
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        # Hashed in the order DCP reads: file by file, in the order each file first appears.
+        by_file: dict[str, list[tuple[int, int]]] = {}
+        for read_item in plan.items:
+            name, offset, length = self._where(read_item)
+            by_file.setdefault(name, []).append((offset, length))
+        by_file = {name: list(dict.fromkeys(ranges)) for name, ranges in by_file.items()}
+        self._verdicts, self._stop = _Verdicts(), threading.Event()
+        hasher = threading.Thread(
+            target=self._hash_items, args=(by_file,), name="checkpoint-checksums", daemon=True
+        )
+        hasher.start()
+        try:
+            # Duck-typed: DCP's read loop calls only the three methods _HeldBackPlanner has.
+            held_back = cast(LoadPlanner, _HeldBackPlanner(planner, self))
+            return super().read_data(plan, held_back)
+        except ItemChecksumError:
+            raise
+        except Exception as e:
+            # Damaged bytes can fail DCP's own parse of an item before its verdict is asked
+            # for: the checksum says plainly what is wrong.
+            hasher.join()
+            problem = self._verdicts.first_problem()
+            if problem is not None:
+                raise ItemChecksumError(f"checkpoint {self.folder}: {problem}") from e
+            raise
+        finally:
+            self._stop.set()
+            hasher.join()
