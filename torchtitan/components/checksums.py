@@ -13,12 +13,12 @@ before checksums existed (loaded unverified, with a note).
 
 A load is checked in two steps. :func:`verify`, before DCP opens anything, reads the manifest,
 hashes ``.metadata`` and checks that every file is there with its size (split over the ranks;
-all get the same answer). Then :class:`VerifyingReader` hashes every item DCP reads, in a thread
-that runs ahead of DCP's own reads of the same file (the hash releases the GIL, and its reads
-warm the page cache for DCP's), and holds each item back until its digest matched: no value
-reaches a state before it is verified, and the files are read from disk once. A mismatch stops
-the load with :class:`ItemChecksumError`; a state may then hold some verified values of the bad
-checkpoint, which the caller overwrites (an older checkpoint, a heal) or stops on.
+all get the same answer). Then :class:`VerifyingReader` hashes every item right after DCP read
+it, from the pages that read brought into the page cache, and before DCP copies it into a
+state: no value reaches a state before it is verified, and the files are read from disk once.
+A mismatch stops the load with :class:`ItemChecksumError`; a state may then hold some verified
+values of the bad checkpoint, which the caller overwrites (an older checkpoint, a heal) or
+stops on.
 
 What is detected: any change of the bytes that a load reads (a flipped bit, a block of zeros),
 a file cut short, grown or missing, a damaged or missing ``checksums.json``. What is not: damage
@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -257,36 +256,6 @@ def reader(folder: Path) -> FileSystemReader:
     return FileSystemReader(folder)
 
 
-class _Verdicts:
-    """Each item's verdict (None: it matches; else the line that says why not), filled in by
-    one hashing thread, in the order DCP will read the items."""
-
-    def __init__(self) -> None:
-        self._ready = threading.Condition()
-        self._verdicts: dict[tuple[str, int], str | None] = {}
-        self._failed: str | None = None
-
-    def put(self, key: tuple[str, int], verdict: str | None) -> None:
-        with self._ready:
-            self._verdicts[key] = verdict
-            self._ready.notify_all()
-
-    def fail(self, problem: str) -> None:
-        with self._ready:
-            self._failed = problem
-            self._ready.notify_all()
-
-    def first_problem(self) -> str | None:
-        with self._ready:
-            found = [v for v in self._verdicts.values() if v is not None]
-            return found[0] if found else self._failed
-
-    def wait(self, key: tuple[str, int]) -> str | None:
-        with self._ready:
-            self._ready.wait_for(lambda: key in self._verdicts or self._failed is not None)
-            return self._verdicts[key] if key in self._verdicts else self._failed
-
-
 class _HeldBackPlanner:
     """The planner DCP's read loop is given: it hands an item's bytes or tensor on to the real
     planner only once the item's checksum matched."""
@@ -296,11 +265,11 @@ class _HeldBackPlanner:
         self.reader = reader
 
     def load_bytes(self, read_item: ReadItem, value: Any) -> None:
-        self.reader.wait_verified(read_item)
+        self.reader.check(read_item)
         self.planner.load_bytes(read_item, value)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        self.reader.wait_verified(read_item)
+        self.reader.check(read_item)
         return self.planner.resolve_tensor(read_item)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
@@ -309,72 +278,56 @@ class _HeldBackPlanner:
 
 class VerifyingReader(FileSystemReader):
     """DCP's file-system reader that verifies every item it reads against ``files`` (the
-    manifest's entries) before DCP hands it to a state; raises :class:`ItemChecksumError`."""
+    manifest's entries) before DCP hands it to a state; raises :class:`ItemChecksumError`.
+
+    DCP calls :meth:`check` for each item right after reading its bytes and before copying
+    them into the state. The digest is computed there, over the file's pages that DCP's read
+    has just brought into the page cache: the disk is read once, and the check costs the hash
+    alone, on a cold cache as on a warm one."""
 
     def __init__(self, path: str | os.PathLike[str], files: dict[str, dict[str, Any]]) -> None:
         super().__init__(path)
         self.folder = Path(path)
         self.files = files
-        self._verdicts = _Verdicts()
-        self._stop = threading.Event()
+        self._views: dict[str, memoryview] = {}
 
     def _where(self, read_item: ReadItem) -> tuple[str, int, int]:
         # DCP's storage info for the file system: the file and the item's byte range in it.
         where = self.storage_data[read_item.storage_index]
         return where.relative_path, where.offset, where.length
 
-    def wait_verified(self, read_item: ReadItem) -> None:
-        name, offset, _ = self._where(read_item)
-        problem = self._verdicts.wait((name, offset))
-        if problem is not None:
+    def check(self, read_item: ReadItem) -> None:
+        """Raise :class:`ItemChecksumError` unless the bytes of ``read_item`` match."""
+        name, offset, length = self._where(read_item)
+        entry = self.files.get(name)
+        written = entry["items"].get(str(offset)) if entry and "items" in entry else None
+        if entry is None or written is None or written[0] != length:
+            problem = f"{name}, bytes {offset}-{offset + length}: no such item in {MANIFEST}"
             raise ItemChecksumError(f"checkpoint {self.folder}: {problem}")
-
-    def _hash_items(self, by_file: dict[str, list[tuple[int, int]]]) -> None:
-        name = None
-        try:
-            for name, ranges in by_file.items():
-                entry = self.files.get(name)
-                if entry is None or "items" not in entry:
-                    self._verdicts.fail(f"{name} is not listed item by item in {MANIFEST}")
-                    return
-                with _mapped(self.folder / name) as data:
-                    for offset, length in ranges:
-                        if self._stop.is_set():
-                            return
-                        verdict = self._verdict(name, entry, data, offset, length)
-                        self._verdicts.put((name, offset), verdict)
-        except Exception as e:  # a file gone since verify(), an unreadable disk
-            self._verdicts.fail(f"{name} cannot be read ({type(e).__name__}: {e})")
-
-    @staticmethod
-    def _verdict(
-        name: str, entry: dict[str, Any], data: memoryview, offset: int, length: int
-    ) -> str | None:
-        where = f"{name} ({_writer(entry)}), bytes {offset}-{offset + length}"
-        written = entry["items"].get(str(offset))
-        if written is None or written[0] != length:
-            return f"{where}: no such item in {MANIFEST}"
+        data = self._view(name)
         if offset + length > len(data):
-            return f"{where}: the file has {len(data)} bytes"
+            problem = f"{name} ({_writer(entry)}) has {len(data)} bytes"
+            raise ItemChecksumError(f"checkpoint {self.folder}: {problem}")
         digest = _digest(data[offset : offset + length])
         if digest != written[1]:
-            return (
-                f"{where} fails its checksum (xxh3_64 {digest:016x}, {written[1]:016x} was written)"
+            problem = (
+                f"{name} ({_writer(entry)}), bytes {offset}-{offset + length} fails its "
+                f"checksum (xxh3_64 {digest:016x}, {written[1]:016x} was written)"
             )
-        return None
+            raise ItemChecksumError(f"checkpoint {self.folder}: {problem}")
+
+    def _view(self, name: str) -> memoryview:
+        view = self._views.get(name)
+        if view is None:
+            with open(self.folder / name, "rb") as f:
+                if os.fstat(f.fileno()).st_size == 0:
+                    view = memoryview(b"")
+                else:
+                    view = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+            self._views[name] = view
+        return view
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        # Hashed in the order DCP reads: file by file, in the order each file first appears.
-        by_file: dict[str, list[tuple[int, int]]] = {}
-        for read_item in plan.items:
-            name, offset, length = self._where(read_item)
-            by_file.setdefault(name, []).append((offset, length))
-        by_file = {name: list(dict.fromkeys(ranges)) for name, ranges in by_file.items()}
-        self._verdicts, self._stop = _Verdicts(), threading.Event()
-        hasher = threading.Thread(
-            target=self._hash_items, args=(by_file,), name="checkpoint-checksums", daemon=True
-        )
-        hasher.start()
         try:
             # Duck-typed: DCP's read loop calls only the three methods _HeldBackPlanner has.
             held_back = cast(LoadPlanner, _HeldBackPlanner(planner, self))
@@ -382,13 +335,12 @@ class VerifyingReader(FileSystemReader):
         except ItemChecksumError:
             raise
         except Exception as e:
-            # Damaged bytes can fail DCP's own parse of an item before its verdict is asked
-            # for: the checksum says plainly what is wrong.
-            hasher.join()
-            problem = self._verdicts.first_problem()
-            if problem is not None:
-                raise ItemChecksumError(f"checkpoint {self.folder}: {problem}") from e
-            raise
+            # Damaged bytes can fail DCP's own parse of an item before check() sees it: the
+            # checksums say plainly what is wrong, when they do.
+            for read_item in plan.items:
+                self.check(read_item)
+            raise e
         finally:
-            self._stop.set()
-            hasher.join()
+            views, self._views = self._views, {}
+            for view in views.values():
+                view.release()
