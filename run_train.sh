@@ -24,7 +24,7 @@ if [[ "$NGPU" == 1 ]]; then
 fi
 # Check the config once before starting NGPU ranks: a bad value then gives one error line,
 # not one per rank followed by torchrun's failure report.
-"$PYTHON" -c 'import sys; from torchtitan.train import check_config; sys.exit(check_config())' \
+WORLD_SIZE="$NGPU" "$PYTHON" -c 'import sys; from torchtitan.train import check_config; sys.exit(check_config())' \
   --job.config_file "$CONFIG_FILE" "$@"
 exec "$PYTHON" -m torchtitan.tools.loopback_torchrun --nproc_per_node="$NGPU" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 --standalone \

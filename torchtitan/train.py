@@ -16,12 +16,13 @@ from __future__ import annotations
 import gc
 import importlib
 import logging
+import os
 import sys
 from types import ModuleType
 from typing import Any
 
 from torchtitan.config import ConfigError, ConfigManager
-from torchtitan.tools.events import EventKind
+from torchtitan.tools.events import EventFile, EventKind, attach_event_file, detach_event_file
 from torchtitan.tools.logging import init_logger, logger
 
 #: The run stopped on a problem it names (exit status 1): ``error`` is the exception's type.
@@ -84,11 +85,18 @@ def main(argv: list[str] | None = None) -> int:
     from torchtitan.components.ft import FaultToleranceError, confine_to_host
 
     trainer = None
+    # This rank's event file, from before the trainer is built: a failure while building it
+    # is a run.failed event too.
+    ft = config.fault_tolerance
+    events: EventFile | None = attach_event_file(
+        config.job.dump_folder, ft.replica_id if ft.enable else None, int(os.environ.get("RANK", 0))
+    )
     try:
         if config.fault_tolerance.enable:
             # torchft's Manager needs a TCP store; everything listens on fault_tolerance.hostname
             confine_to_host(config)
         trainer = resolve_trainer_class(manager.custom_module, config)(config)
+        trainer.event_file, events = events, None  # the trainer detaches it when it closes
         trainer.train()
     except (
         ConfigError,
@@ -113,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             # that succeeded.
             trainer = None
             gc.collect()
+        if events is not None:
+            detach_event_file(events)
     return 0
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from tests.integration_tests.train_runs import SMALL, error_lines, run_train, train_env
+from torchtitan.tools.events import EVENTS_FOLDER, read_events
+from torchtitan.train import RUN_FAILED
 
 
 def _fails_clearly(args: list[str], expected: list[str], env: dict[str, str] | None = None) -> str:
@@ -145,7 +147,9 @@ def test_semi_sync_combinations_that_cannot_work(
     line = _one_error_line(result.stdout)
     assert line.startswith(f"error: {field}: "), line
     if "short" in field or "semi_sync_method" in field:
-        assert "python -m torchtitan.experiments.fault_tolerance.launcher --groups 2" in line
+        # The interpreter run_train.sh used, as a path that works from the repository.
+        launcher = ".venv/bin/python -m torchtitan.experiments.fault_tolerance.launcher"
+        assert f"{launcher} --groups 2" in line
         assert "TORCHFT_LIGHTHOUSE=" in line and "--fault_tolerance.replica_id=0" in line
 
 
@@ -159,3 +163,32 @@ def test_hub_dataset_that_cannot_be_reached(tmp_path: Path) -> None:
     line = _one_error_line(out)
     assert "training.dataset='allenai/c4'" in line, line
     assert len(out.strip().splitlines()) <= 3, out  # the job line, the model line, the error
+    # The trainer was still being built: the failure is in the event file all the same.
+    failed = read_events(tmp_path / EVENTS_FOLDER, RUN_FAILED)
+    assert len(failed) == 1 and failed[0]["message"] in line, failed
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "says"),
+    [
+        (["--parallelism.data_parallel_shard_degree=1"], {"NGPU": "2"},
+         "parallelism.data_parallel_shard_degree: 1 is not allowed; this job has 2 rank(s)"),
+        (["--training.dataset=local"], {}, "training.dataset: 'local' is not allowed"),
+        (["--model.tokenizer_path=no/such/tokenizer.json"], {},
+         "model.tokenizer_path: 'no/such/tokenizer.json' is not allowed; no such file"),
+        # The 8B TOML as shipped (on CPU here; SMALL's flavor put back to the TOML's).
+        (["--model.flavor=8B", "--training.device=cpu"],
+         {"CONFIG_FILE": "torchtitan/models/llama3/train_configs/llama3_8b.toml"},
+         "model.tokenizer_path: '' is not allowed; llama3 8B is the published shape"),
+    ],
+    ids=["shard-degree-1-with-2-ranks", "local-without-path", "missing-tokenizer", "8b-toml"],
+)  # fmt: skip
+def test_values_that_would_fail_later_are_refused_while_parsing(
+    tmp_path: Path, args: list[str], env: dict[str, str], says: str
+) -> None:
+    """Exit 2 and one line, before any rank starts (these used to pass the parse and fail at
+    start-up with exit 1, once per rank)."""
+    result = run_train([*SMALL, f"--job.dump_folder={tmp_path}", *args], env=train_env(**env))
+    assert result.returncode == 2, result.stdout
+    assert "Traceback" not in result.stdout
+    assert _one_error_line(result.stdout).startswith(f"error: {says}"), result.stdout

@@ -3,6 +3,7 @@ quorums it trains in, how it waits (bounded, and visibly), and what it reports a
 
 from __future__ import annotations
 
+import itertools
 import socket
 import time
 
@@ -10,7 +11,7 @@ import pytest
 
 from torchtitan.components.ft import FaultToleranceError, FTManager
 from torchtitan.components.ft.manager import COMMITTED_AFTER_STALL, QUORUM_WAITING
-from torchtitan.components.ft.watchdog import QuorumWaitWatchdog
+from torchtitan.components.ft.watchdog import QuorumWaitWatchdog, report_times
 from torchtitan.config import JobConfig
 
 
@@ -149,7 +150,7 @@ def test_first_commit_after_a_failure_reports_the_stall(events):
 
 
 def test_a_long_wait_reports_what_it_waits_for(events, monkeypatch):
-    monkeypatch.setattr(QuorumWaitWatchdog, "FIRST_REPORT_S", 0.05)
+    monkeypatch.setattr(QuorumWaitWatchdog, "SCHEDULE_S", (0.05,))
     manager = ScriptedManager([(1, 5)], step=5)
     ft = make_ft(manager, min_replica_size=2, quorum_timeout_s=1.0)
     with pytest.raises(FaultToleranceError):
@@ -162,22 +163,28 @@ def test_a_long_wait_reports_what_it_waits_for(events, monkeypatch):
     assert waits[0]["last_quorum_groups"] == 1
 
 
+def test_the_documented_report_schedule() -> None:
+    """5 s, then 10, 20, 40, 60 s, then every 60 s: what docs/design.md says."""
+    due = report_times(QuorumWaitWatchdog.SCHEDULE_S, QuorumWaitWatchdog.THEN_EVERY_S)
+    assert list(itertools.islice(due, 8)) == [5, 10, 20, 40, 60, 120, 180, 240]
+
+
 def test_watchdog_reports_a_long_wait_rarely(monkeypatch):
-    monkeypatch.setattr(QuorumWaitWatchdog, "FIRST_REPORT_S", 0.1)
-    monkeypatch.setattr(QuorumWaitWatchdog, "MAX_INTERVAL_S", 0.2)
+    monkeypatch.setattr(QuorumWaitWatchdog, "SCHEDULE_S", (0.1, 0.2, 0.4))
+    monkeypatch.setattr(QuorumWaitWatchdog, "THEN_EVERY_S", 0.2)
     seen: list[float] = []
     watchdog = QuorumWaitWatchdog(lambda waited: (seen.append(waited), "waiting")[1], tick_s=0.01)
     watchdog.begin()
     deadline = time.monotonic() + 30  # a starved thread on a loaded machine: just later
-    while len(seen) < 3 and time.monotonic() < deadline:
+    while len(seen) < 4 and time.monotonic() < deadline:
         time.sleep(0.01)
     waited = watchdog.end()
     reports = len(seen)
     time.sleep(0.1)
     watchdog.stop()
-    assert reports >= 3 and len(seen) == reports  # nothing after the wait ended
-    # Reports are due at 0.1, 0.2, 0.4 s, then every 0.2 s (doubling, capped at
-    # MAX_INTERVAL_S): never before they are due, never more than are due by the end.
+    assert reports >= 4 and len(seen) == reports  # nothing after the wait ended
+    # Due at 0.1, 0.2, 0.4 s, then every 0.2 s: never before they are due, never more than
+    # are due by the end.
     due = [0.1, 0.2, 0.4] + [0.4 + 0.2 * k for k in range(1, 200)]
     assert all(w >= d for w, d in zip(seen, due, strict=False)), seen
     assert reports <= sum(d <= waited for d in due)

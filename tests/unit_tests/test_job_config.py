@@ -15,6 +15,7 @@ from tests.unit_tests.fresh_interpreter import run_python
 from torchtitan.config import ConfigError, ConfigManager, JobConfig, merge_configs, write_toml
 from torchtitan.config import job_config as core
 from torchtitan.config.manager import parse_nested_list, to_toml
+from torchtitan.tools.commands import python_command
 
 CUSTOM = "tests.assets.custom_args_module"
 
@@ -359,6 +360,10 @@ def test_merged_config_pickles_and_copies_as_itself() -> None:
         (["--parallelism.data_parallel_shard_degree=0"], "parallelism.data_parallel_shard_degree"),
         (["--model.name=gpt9"], "model.name"),
         (["--model.flavor=huge"], "model.flavor"),
+        (["--model.tokenizer_path=/no/such/tokenizer.json"], "model.tokenizer_path"),
+        (["--model.flavor=8B"], "model.tokenizer_path"),  # the 8B shape needs its tokenizer
+        (["--training.dataset=local"], "training.dataset"),  # local files, but no path
+        (["--validation.dataset=local"], "validation.dataset"),
         (["--fault_tolerance.enable"], "fault_tolerance.group_size"),
         (
             [
@@ -391,6 +396,43 @@ def test_bad_value_raises_config_error_naming_the_field(argv: list[str], field: 
         parse(*argv)
     assert info.value.field == field
     assert str(info.value).startswith(f"{field}: ") and "is not allowed; " in str(info.value)
+
+
+@pytest.mark.parametrize(("world_size", "degree", "ok"), [
+    ("1", "-1", True), ("1", "1", True), ("2", "-1", True), ("2", "2", True),
+    ("2", "1", False), ("1", "2", False),
+])  # fmt: skip
+def test_the_shard_degree_is_checked_against_the_job_size_at_parse_time(
+    monkeypatch: pytest.MonkeyPatch, world_size: str, degree: str, ok: bool
+) -> None:
+    """``WORLD_SIZE`` (torchrun's; run_train.sh sets it to NGPU for its check): FSDP2 shards
+    over every rank of the job, so 1 with 2 ranks is refused while parsing, not at start-up."""
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    if ok:
+        parse(f"--parallelism.data_parallel_shard_degree={degree}")
+        return
+    with pytest.raises(ConfigError, match=f"this job has {world_size} rank"):
+        parse(f"--parallelism.data_parallel_shard_degree={degree}")
+
+
+def test_torchft_timeout_variables_are_refused_naming_the_field(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """They would change only the timeouts torchft picks itself; the field is the one way."""
+    monkeypatch.setenv("TORCHFT_QUORUM_TIMEOUT_SEC", "120")
+    with pytest.raises(ConfigError) as info:
+        parse("--fault_tolerance.enable", "--fault_tolerance.group_size=2")
+    assert info.value.field == "fault_tolerance.quorum_timeout_s"
+    assert "TORCHFT_QUORUM_TIMEOUT_SEC=120" in str(info.value)
+    parse()  # fault tolerance off: nothing reads it
+
+
+def test_published_shapes_need_their_tokenizer_and_get_it(tmp_path: Path) -> None:
+    """8B with a tokenizer file passes; the 1B flavor runs with the byte tokenizer on purpose."""
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text("{}")
+    assert parse("--model.flavor=8B", f"--model.tokenizer_path={tokenizer}").model.flavor == "8B"
+    assert parse("--model.flavor=1B").model.tokenizer_path == ""
 
 
 def test_allowed_edge_values_pass() -> None:
@@ -1001,7 +1043,7 @@ def test_the_short_semi_sync_command_says_how_to_run_it() -> None:
     assert info.value.field == "fault_tolerance.semi_sync_method"
     assert "\n" not in message
     assert (
-        "python -m torchtitan.experiments.fault_tolerance.launcher --groups 2 -- "
+        f"{python_command()} -m torchtitan.experiments.fault_tolerance.launcher --groups 2 -- "
         f"--job.custom_args_module={SEMI_SYNC} --fault_tolerance.semi_sync_method=localsgd"
     ) in message
     assert "TORCHFT_LIGHTHOUSE=http://127.0.0.1:29610 ./run_train.sh" in message

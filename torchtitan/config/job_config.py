@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from torchtitan.config.model_names import MODEL_FLAVORS
+from torchtitan.config.model_names import MODEL_FLAVORS, PUBLISHED_VOCABULARY
 
 
 class ConfigError(ValueError):
@@ -37,6 +37,27 @@ def _require(ok: bool, field: str, value: Any, allowed: str) -> None:
 def _require_path(path: str | None, field: str) -> None:
     if path is not None and not os.path.exists(path):
         raise ConfigError(field, path, "no such file or folder; give an existing path")
+
+
+def require_dataset_path(dataset: str, dataset_path: str | None, section: str) -> None:
+    """``dataset=local`` reads files: it needs ``dataset_path`` (the datasets check it too)."""
+    _require(
+        dataset != "local" or bool(dataset_path),
+        f"{section}.dataset",
+        dataset,
+        f"'local' reads files: give {section}.dataset_path (a file or folder)",
+    )
+
+
+def require_shard_degree(degree: int, world_size: int) -> None:
+    """FSDP2 shards over all ranks of the job: ``data_parallel_shard_degree`` is -1 or the
+    world size (``WORLD_SIZE``; ``run_train.sh`` sets it to ``NGPU`` for its config check)."""
+    _require(
+        degree in (-1, world_size),
+        "parallelism.data_parallel_shard_degree",
+        degree,
+        f"this job has {world_size} rank(s) and shards over all of them: use -1 or {world_size}",
+    )
 
 
 def _cuda_available() -> bool:
@@ -97,6 +118,22 @@ class Model:
             self.flavor,
             f"flavors of {self.name!r}: {', '.join(flavors)}",
         )
+        vocab = PUBLISHED_VOCABULARY.get((self.name, self.flavor))
+        if vocab is not None and not self.tokenizer_path:
+            raise ConfigError(
+                "model.tokenizer_path",
+                self.tokenizer_path,
+                f"{self.name} {self.flavor} is the published shape with a {vocab:,}-token "
+                "vocabulary: give its tokenizer.json (the built-in byte tokenizer would shrink "
+                "the vocabulary to 258 tokens)",
+            )
+        if self.tokenizer_path and not os.path.exists(self.tokenizer_path):
+            raise ConfigError(
+                "model.tokenizer_path",
+                self.tokenizer_path,
+                "no such file or folder; give a tokenizer.json file or a folder holding one, "
+                "or leave it empty for the built-in byte tokenizer",
+            )
 
 
 @dataclass
@@ -235,6 +272,7 @@ class Training:
         )
         _require(self.gc_freq >= 0, "training.gc_freq", self.gc_freq, "must be >= 0")
         _require_path(self.dataset_path, "training.dataset_path")
+        require_dataset_path(self.dataset, self.dataset_path, "training")
         _require(
             self.device != "cuda" or _cuda_available(),
             "training.device",
@@ -248,17 +286,12 @@ class Parallelism:
     """How the model is sharded inside one replica group (FSDP2)."""
 
     data_parallel_shard_degree: int = -1
-    """Ranks the model is sharded over with FSDP2 inside one job (one replica group).
-    -1: all ranks of the job. 1: no sharding."""
+    """Ranks the model is sharded over with FSDP2 inside one job (one replica group): -1 or
+    the job's number of ranks (``NGPU``), which are the same; a job of one rank does not
+    shard. Sharding over fewer ranks than the job has is not supported."""
 
     def validate(self, config: JobConfig) -> None:
-        degree = self.data_parallel_shard_degree
-        _require(
-            degree == -1 or degree >= 1,
-            "parallelism.data_parallel_shard_degree",
-            degree,
-            "must be -1 (all ranks of the job) or >= 1",
-        )
+        require_shard_degree(self.data_parallel_shard_degree, int(os.environ.get("WORLD_SIZE", 1)))
 
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """Free the gathered parameters after forward (``always``), keep them for backward
@@ -396,6 +429,7 @@ class Validation:
             "must be >= 1",
         )
         _require_path(self.dataset_path, "validation.dataset_path")
+        require_dataset_path(self.dataset, self.dataset_path, "validation")
 
 
 @dataclass
@@ -413,6 +447,15 @@ class Comm:
             self.init_timeout_seconds,
             "must be > 0",
         )
+
+
+#: torchft's environment variables that would override a field in some places only: refused.
+TORCHFT_VARIABLES = {
+    "TORCHFT_TIMEOUT_SEC": "timeout_s",
+    "TORCHFT_QUORUM_TIMEOUT_SEC": "quorum_timeout_s",
+    "TORCHFT_CONNECT_TIMEOUT_SEC": "connect_timeout_s",
+    "TORCHFT_QUORUM_RETRIES": "quorum_timeout_s",
+}
 
 
 @dataclass
@@ -517,6 +560,14 @@ class FaultTolerance:
         ):
             value = getattr(self, name)
             _require(value > 0, f"fault_tolerance.{name}", value, "must be > 0")
+        for variable, name in TORCHFT_VARIABLES.items():
+            if variable in os.environ:
+                raise ConfigError(
+                    f"fault_tolerance.{name}",
+                    f"{variable}={os.environ[variable]}",
+                    f"set the field instead and unset {variable}: the trainer passes its own "
+                    "timeouts to torchft, so the variable would change some of them only",
+                )
 
 
 def to_dict(config: Any) -> dict[str, Any]:

@@ -19,3 +19,13 @@ def add_flavors(family: str, flavors: tuple[str, ...]) -> None:
     registers model arguments of its own (the benchmarks' wide models) before parsing."""
     known = MODEL_FLAVORS.get(family, ())
     MODEL_FLAVORS[family] = known + tuple(f for f in flavors if f not in known)
+
+
+#: Flavors that are a published model's shape, with the vocabulary of its tokenizer: they need
+#: ``model.tokenizer_path`` (the byte tokenizer would replace the vocabulary by 258 tokens).
+#: The 1B flavor is not one of them: it is run with the byte tokenizer for throughput checks.
+PUBLISHED_VOCABULARY: dict[tuple[str, str], int] = {
+    ("llama3", "8B"): 128256,
+    ("llama3", "70B"): 128256,
+    ("llama3", "405B"): 128256,
+}

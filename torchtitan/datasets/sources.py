@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from torchtitan.config.job_config import require_dataset_path
 from torchtitan.datasets.corpus import corpus_documents, split_of
 
 Split = Literal["train", "validation"]
@@ -108,8 +109,7 @@ def build_source(
             )
         docs = corpus_documents(split)
         return IndexedSource(f"embedded/{split}", len(docs), lambda i: docs[i].text)
-    if dataset == "local" and not dataset_path:
-        raise ValueError(f"{field}.dataset='local' needs {field}.dataset_path (a file or folder)")
+    require_dataset_path(dataset, dataset_path, field)
     if dataset_path is not None and not Path(dataset_path).exists():
         raise FileNotFoundError(f"{field}.dataset_path={dataset_path!r} does not exist")
     if dataset in KNOWN_HUB_DATASETS or "/" in dataset:

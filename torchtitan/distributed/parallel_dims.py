@@ -10,8 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from torchtitan.config import ConfigError
-from torchtitan.config.job_config import JobConfig
+from torchtitan.config.job_config import JobConfig, require_shard_degree
 from torchtitan.tools.logging import logger
 
 
@@ -69,14 +68,7 @@ def init_distributed(job_config: JobConfig) -> ParallelDims:
     device = pick_device(job_config)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
-    degree = job_config.parallelism.data_parallel_shard_degree
-    if degree not in (-1, world_size):
-        raise ConfigError(
-            "parallelism.data_parallel_shard_degree",
-            degree,
-            f"this job has {world_size} rank(s) and shards over all of them: use -1 or "
-            f"{world_size}",
-        )
+    require_shard_degree(job_config.parallelism.data_parallel_shard_degree, world_size)
     ft = job_config.fault_tolerance
     replica_id, groups = (ft.replica_id, ft.group_size) if ft.enable else (0, 1)
     if world_size == 1:

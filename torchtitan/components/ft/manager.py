@@ -36,7 +36,7 @@ def _waiting_line(v: dict[str, Any], _: bool) -> str:
 # Events of this group's quorums and commits. ``what`` names what the quorum is for ("step 12",
 # "sync #3", "start-up"); the event's step or sync number is that step or sync.
 
-#: Still waiting for a quorum (after 5 s, then at 10, 20, 40, 60 s and every 60 s).
+#: Still waiting for a quorum (when: ``QuorumWaitWatchdog.SCHEDULE_S``).
 #: ``reason``: ``group_size`` (a new job needs all groups), ``min_replica_size``, or the
 #: caller's (``FTManager.waiting_reason``); ``needs`` says it in words.
 QUORUM_WAITING = EventKind("ft.quorum_waiting", _waiting_line, logging.WARNING)
@@ -265,7 +265,7 @@ class FTManager:
             time.sleep(self.poll_s)
         waited = self.watchdog.end()
         subject = self._subject()
-        if waited >= QuorumWaitWatchdog.FIRST_REPORT_S:
+        if waited >= QuorumWaitWatchdog.SCHEDULE_S[0]:
             QUORUM_FORMED.emit(**subject, groups=size, waited_s=waited)
         if self._healed:
             HEALED.emit(

@@ -4,22 +4,34 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+
+
+def report_times(schedule: tuple[float, ...], then_every_s: float) -> Iterator[float]:
+    """When a wait is reported, in seconds since it began: ``schedule``, then every
+    ``then_every_s`` after its last entry."""
+    yield from schedule
+    last = schedule[-1]
+    while True:
+        last += then_every_s
+        yield last
 
 
 class QuorumWaitWatchdog:
     """Reports, from a thread, while the trainer is blocked waiting for a quorum: calls
-    ``report(waited_s)`` after 5 s, then at 10, 20, 40, 60 s and every 60 s after that (the
-    caller logs it: ``FTManager`` emits an ``ft.quorum_waiting`` event)."""
+    ``report(waited_s)`` at each of :func:`report_times` (the caller logs it: ``FTManager``
+    emits an ``ft.quorum_waiting`` event)."""
 
-    FIRST_REPORT_S = 5.0
-    MAX_INTERVAL_S = 60.0
+    #: After 5 s, then at 10, 20, 40 and 60 s, then every 60 s (the one place this is said).
+    SCHEDULE_S: tuple[float, ...] = (5.0, 10.0, 20.0, 40.0, 60.0)
+    THEN_EVERY_S = 60.0
 
     def __init__(self, report: Callable[[float], object], tick_s: float = 0.25) -> None:
         self._report = report
         self._tick_s = tick_s
         self._since: float | None = None
-        self._next_report = self.FIRST_REPORT_S
+        self._due = report_times(self.SCHEDULE_S, self.THEN_EVERY_S)
+        self._next_report = next(self._due)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.reports = 0
@@ -31,7 +43,8 @@ class QuorumWaitWatchdog:
         with self._lock:
             if self._since is None:
                 self._since = time.monotonic()
-                self._next_report = self.FIRST_REPORT_S
+                self._due = report_times(self.SCHEDULE_S, self.THEN_EVERY_S)
+                self._next_report = next(self._due)
 
     def end(self) -> float:
         """The wait is over; returns how long it lasted."""
@@ -47,8 +60,7 @@ class QuorumWaitWatchdog:
                 waited = time.monotonic() - self._since
                 if waited < self._next_report:
                     continue
-                interval = min(self._next_report, self.MAX_INTERVAL_S)
-                self._next_report += interval
+                self._next_report = next(self._due)
             self.reports += 1
             self._report(waited)
 

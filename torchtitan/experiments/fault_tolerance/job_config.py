@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, cast
 from torchtitan.config.job_config import ConfigError
 from torchtitan.config.job_config import FaultTolerance as CoreFaultTolerance
 from torchtitan.config.job_config import JobConfig as CoreJobConfig
+from torchtitan.tools.commands import python_command
 
 if TYPE_CHECKING:
     from torch import nn
@@ -497,7 +498,10 @@ def _how_to_run(method: str) -> str:
         f"{flags} --fault_tolerance.enable --fault_tolerance.group_size=2 "
         "--fault_tolerance.replica_id=0"
     )
-    launcher = f"python -m torchtitan.experiments.fault_tolerance.launcher --groups 2 -- {flags}"
+    launcher = (
+        f"{python_command()} -m torchtitan.experiments.fault_tolerance.launcher --groups 2 -- "
+        f"{flags}"
+    )
     return (
         "semi-synchronous training runs across replica groups and needs "
         "fault_tolerance.enable. Everything on this machine in one command: "

@@ -1,6 +1,6 @@
 """One command for a local fault-tolerant job: a lighthouse plus N replica groups.
 
-    python -m torchtitan.experiments.fault_tolerance.launcher --groups 2 -- --training.steps=100
+    .venv/bin/python -m torchtitan.experiments.fault_tolerance.launcher --groups 2 -- --training.steps=100
 
 starts ``torchft_lighthouse`` on 127.0.0.1 (a free port), then N replica groups, each a
 ``run_train.sh`` (``--ngpu`` ranks) with its own manager port and ``--fault_tolerance.replica_id``.
@@ -50,6 +50,7 @@ from torchtitan.tools.cluster import (
     Restarts,
     StepKills,
 )
+from torchtitan.tools.commands import python_command
 from torchtitan.tools.events import EventTail, event_file_path, read_events
 
 # The name of ``torchtitan.components.metrics.TRAIN_STEP``: importing the kind would bring torch
@@ -294,7 +295,7 @@ def groups_dump_folder(train_args: Sequence[str], env: Mapping[str, str] = os.en
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m torchtitan.experiments.fault_tolerance.launcher",
+        prog=f"{python_command()} -m torchtitan.experiments.fault_tolerance.launcher",
         description=__doc__.split("\n\n")[0],
         epilog="Arguments after `--` go to every group's run_train.sh (e.g. "
         "--job.custom_args_module=... --fault_tolerance.semi_sync_method=diloco).",
