@@ -140,6 +140,27 @@ def test_unknown_cli_flag_exits_with_usage_error() -> None:
     assert info.value.code == 2
 
 
+def test_help_shows_the_dataclass_defaults_and_then_what_the_toml_sets(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``(default: ...)`` is what a run without the TOML gets (python -m torchtitan.train,
+    torchrun, Slurm); the TOML's values come after, as flags, under the file's name."""
+    monkeypatch.setenv("COLUMNS", "400")
+    path = write(tmp_path, "[training]\nsteps = 200\nseq_len = 256\n[validation]\nenable = true\n")
+    with pytest.raises(SystemExit) as info:
+        parse("--job.config_file", path, "--help")
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    options, _, toml_part = out.partition(f"Values that {path} sets")
+    assert "Number of training steps (optimizer steps). (default: 10000)" in options
+    assert "Tokens per sequence. (default: 2048)" in options
+    assert toml_part.splitlines()[1:] == [
+        "  --training.steps=200",
+        "  --training.seq_len=256",
+        "  --validation.enable=true",
+    ]
+
+
 def test_help_prints_every_field_with_its_docstring(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

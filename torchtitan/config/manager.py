@@ -95,8 +95,14 @@ class ConfigManager:
             self.custom_module = _import_custom_module(module_name)
             config_cls = merge_configs(config_cls, self.custom_module.JobConfig)
 
-        defaults = apply_toml(config_cls(), toml_data)
-        with _indented_docstrings_as_paragraphs():
+        asks_help = any(a in ("-h", "--help") for a in args)
+        # --help shows the dataclass defaults (what python -m torchtitan.train, torchrun and
+        # Slurm users get) and, after them, what the TOML sets; a run starts from the TOML's.
+        defaults = config_cls() if asks_help else apply_toml(config_cls(), toml_data)
+        with (
+            _indented_docstrings_as_paragraphs(),
+            _toml_values_after_help(config_file if asks_help else None, toml_data),
+        ):
             config = tyro.cli(
                 config_cls,
                 prog=_PROG,
@@ -114,6 +120,30 @@ class ConfigManager:
 
 
 _PROG = "./run_train.sh (or python -m torchtitan.train)"
+
+
+@contextlib.contextmanager
+def _toml_values_after_help(config_file: str | None, toml_data: dict[str, Any]) -> Iterator[None]:
+    """After tyro's help (it exits), list the values ``config_file`` sets, as flags."""
+    try:
+        yield
+    except SystemExit as e:
+        if config_file and e.code in (0, None):
+            print(f"\nValues that {config_file} sets (job.config_file; flags override them):")
+            for section, table in toml_data.items():
+                items = table.items() if isinstance(table, dict) else [("", table)]
+                for key, value in items:
+                    name = f"{section}.{key}" if key else section
+                    print(f"  --{name}={_as_flag_value(value)}")
+        raise
+
+
+def _as_flag_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return ",".join(map(_as_flag_value, value))
+    return str(value)
 
 
 @contextlib.contextmanager
