@@ -148,7 +148,7 @@ def test_a_corrupt_rank_file_of_a_2_rank_fsdp_checkpoint_falls_back_to_the_older
     rejected = read_events(dump / EVENTS_FOLDER, CHECKPOINT_REJECTED, since=resumed_at)
     assert {e.rank for e in rejected} == {0, 1}  # every rank knows, and says it once
     problem = rejected[0]["problem"]
-    said = rf"checkpoint {step10}: __1_0.distcp \(written by rank 1\), bytes \d+-\d+ fails"
+    said = rf"checkpoint {step10}: __1_0.distcp \(written by rank 1\), bytes \[\d+, \d+\) fails"
     said += " its checksum"
     assert re.search(said, problem), problem
     resumes = read_events(dump / EVENTS_FOLDER, CHECKPOINT_RESUMED, since=resumed_at)

@@ -4,6 +4,7 @@ load_step, exclude_from_loading."""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -439,7 +440,7 @@ def test_a_damaged_item_never_reaches_its_state(tmp_path: Path, where: str) -> N
     before = fresh.model[2].weight.detach().clone()
     with pytest.raises(
         CorruptCheckpointError,
-        match=rf"{name} \(written by rank 0\), bytes {offset}-{offset + length} fails its "
+        match=rf"{name} \(written by rank 0\), bytes \[{offset}, {offset + length}\) fails its "
         "checksum",
     ):
         fresh.checkpointer.load()
@@ -480,3 +481,64 @@ def test_a_manifest_of_the_first_format_is_still_verified(tmp_path: Path) -> Non
     _zero_middle(newest / "__0_0.distcp")
     problem = checksums.verify(newest)
     assert problem is not None and "__0_0.distcp (written by rank 0) fails its checksum" in problem
+
+
+def _save_and_load_with_threads(folder: Path, tensors: dict[str, torch.Tensor], threads: int):
+    """Save ``tensors`` with DCP's writer spread over ``threads`` files, as the checkpoint
+    manager would (manifest last), then load them into zeros through the verifying reader."""
+    import torch.distributed.checkpoint as dcp
+
+    from torchtitan.components import checksums
+
+    checksums.begin(folder)
+    writer = checksums.ChecksummingWriter(folder, thread_count=threads)
+    dcp.save(dict(tensors), storage_writer=writer)
+    checksums.write_manifest(folder, writer.written)
+    assert checksums.verify(folder) is None
+    loaded = {k: torch.zeros_like(v) for k, v in tensors.items()}
+    dcp.load(loaded, storage_reader=checksums.reader(folder))
+    return loaded
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_rank_with_fewer_items_than_files_writes_empty_files_that_the_manifest_lists(
+    tmp_path: Path,
+) -> None:
+    tensors = {"a": torch.arange(4.0), "b": torch.ones(3)}
+    loaded = _save_and_load_with_threads(tmp_path / "ckpt", tensors, threads=4)
+    assert all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+    assert any(p.stat().st_size == 0 for p in (tmp_path / "ckpt").glob("*.distcp"))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_load_of_many_files_holds_one_open_at_a_time(tmp_path: Path) -> None:
+    """A rank that reads many ranks' files (a 1024-rank checkpoint loaded on one process)
+    must not hold a descriptor per file: with room for only a few more descriptors than are
+    open now, a load of 16 files works."""
+    import resource
+
+    tensors = {f"t{i}": torch.full((64,), float(i)) for i in range(16)}
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    open_now = len(os.listdir("/proc/self/fd"))
+    import torch.distributed.checkpoint as dcp  # noqa: F401  (imported before the limit)
+
+    try:
+        _save_and_load_with_threads(tmp_path / "warm", tensors, threads=16)  # imports done
+        resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + 12, hard))
+        loaded = _save_and_load_with_threads(tmp_path / "ckpt", tensors, threads=16)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert len(list((tmp_path / "ckpt").glob("*.distcp"))) == 16
+    assert all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+
+
+def test_a_manifest_of_a_newer_format_is_refused_in_one_line(tmp_path: Path) -> None:
+    import json
+
+    from torchtitan.components import checksums
+
+    _, _, newest = _two_checkpoints(tmp_path)
+    manifest = json.loads((newest / "checksums.json").read_text())
+    (newest / "checksums.json").write_text(json.dumps({**manifest, "format": 99}))
+    problem = checksums.verify(newest)
+    assert problem is not None and "has format 99, newer than this version reads" in problem

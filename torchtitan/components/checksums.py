@@ -66,6 +66,10 @@ class ItemChecksumError(ValueError):
     the file, the byte range and the rank that wrote it)."""
 
 
+class ManifestFormatError(ValueError):
+    """A manifest written by a newer version, in a format this one does not read."""
+
+
 def _digest(data: Any) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
@@ -109,8 +113,8 @@ class ChecksummingWriter(FileSystemWriter):
     rank wrote (``written``: file name -> its :data:`FileEntry`). The files are still in the
     page cache then, so this reads no disk."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        super().__init__(path)
+    def __init__(self, path: str | os.PathLike[str], **options: Any) -> None:
+        super().__init__(path, **options)  # FileSystemWriter's (thread_count, ...)
         self.folder = Path(path)
         self.written: dict[str, FileEntry] = {}
 
@@ -156,6 +160,11 @@ def write_manifest(folder: Path, written: dict[str, FileEntry]) -> None:
         files.update(part)
     digest, size = file_digest(folder / METADATA)
     files[METADATA] = {"xxh3_64": digest, "bytes": size, "rank": 0}
+    for path in folder.glob("__*_*.distcp"):
+        # A rank (or a writer thread) with nothing to write still creates its file, empty.
+        writer = path.name[2:].split("_", 1)[0]
+        if path.name not in files and path.stat().st_size == 0 and writer.isdigit():
+            files[path.name] = {"bytes": 0, "items": {}, "rank": int(writer)}
     unlisted = sorted(
         p.name for p in folder.iterdir() if p.name not in files and p.name not in (EXPECTED,)
     )
@@ -176,7 +185,7 @@ def state(folder: Path) -> str:
 
 
 def _writer(entry: dict[str, Any]) -> str:
-    return f"written by rank {entry['rank']}"
+    return f"written by rank {entry.get('rank', '?')}"
 
 
 def _check(folder: Path, name: str, entry: dict[str, Any]) -> str | None:
@@ -202,6 +211,11 @@ def _check(folder: Path, name: str, entry: dict[str, Any]) -> str | None:
 def read_manifest(folder: Path) -> dict[str, dict[str, Any]]:
     """The manifest's files (name -> entry); raises OSError or ValueError when unreadable."""
     manifest = json.loads((folder / MANIFEST).read_text())
+    if manifest.get("format", 1) > FORMAT:
+        raise ManifestFormatError(
+            f"{MANIFEST} has format {manifest['format']}, newer than this version reads "
+            f"({FORMAT}): load it with the version that wrote it"
+        )
     files = manifest["files"]
     if not isinstance(files, dict):
         raise ValueError(f"'files' is a {type(files).__name__}, not a mapping")
@@ -220,6 +234,9 @@ def verify(folder: Path) -> str | None:
     problem: str | None = None
     try:
         files = read_manifest(folder)
+    except ManifestFormatError as e:
+        problem = str(e)
+        files = {}
     except (OSError, ValueError, KeyError, TypeError) as e:
         problem = f"{MANIFEST} is unreadable ({type(e).__name__}: {e})"
         files = {}
@@ -299,26 +316,32 @@ class VerifyingReader(FileSystemReader):
     def check(self, read_item: ReadItem) -> None:
         """Raise :class:`ItemChecksumError` unless the bytes of ``read_item`` match."""
         name, offset, length = self._where(read_item)
-        entry = self.files.get(name)
-        written = entry["items"].get(str(offset)) if entry and "items" in entry else None
-        if entry is None or written is None or written[0] != length:
-            problem = f"{name}, bytes {offset}-{offset + length}: no such item in {MANIFEST}"
-            raise ItemChecksumError(f"checkpoint {self.folder}: {problem}")
+        entry = self.files.get(name) or {}
+        items = entry.get("items")
+        written = items.get(str(offset)) if isinstance(items, dict) else None
+        where = f"{name} ({_writer(entry)}), bytes [{offset}, {offset + length})"
+        if written is None or written[0] != length:
+            raise ItemChecksumError(
+                f"checkpoint {self.folder}: {where}: no such item in {MANIFEST}"
+            )
         data = self._view(name)
         if offset + length > len(data):
-            problem = f"{name} ({_writer(entry)}) has {len(data)} bytes"
-            raise ItemChecksumError(f"checkpoint {self.folder}: {problem}")
+            raise ItemChecksumError(
+                f"checkpoint {self.folder}: {where}: the file has {len(data)} bytes"
+            )
         digest = _digest(data[offset : offset + length])
         if digest != written[1]:
-            problem = (
-                f"{name} ({_writer(entry)}), bytes {offset}-{offset + length} fails its "
-                f"checksum (xxh3_64 {digest:016x}, {written[1]:016x} was written)"
+            raise ItemChecksumError(
+                f"checkpoint {self.folder}: {where} fails its checksum (xxh3_64 {digest:016x}, "
+                f"{written[1]:016x} was written)"
             )
-            raise ItemChecksumError(f"checkpoint {self.folder}: {problem}")
 
     def _view(self, name: str) -> memoryview:
+        """The file mapped; one file at a time (DCP reads file by file), so that a rank that
+        reads many ranks' files holds one descriptor, not one per file."""
         view = self._views.get(name)
         if view is None:
+            self._release_views()
             with open(self.folder / name, "rb") as f:
                 if os.fstat(f.fileno()).st_size == 0:
                     view = memoryview(b"")
@@ -326,6 +349,11 @@ class VerifyingReader(FileSystemReader):
                     view = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
             self._views[name] = view
         return view
+
+    def _release_views(self) -> None:
+        views, self._views = self._views, {}
+        for view in views.values():
+            view.release()
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         try:
@@ -341,6 +369,4 @@ class VerifyingReader(FileSystemReader):
                 self.check(read_item)
             raise e
         finally:
-            views, self._views = self._views, {}
-            for view in views.values():
-                view.release()
+            self._release_views()
