@@ -23,9 +23,18 @@ if [[ "$NGPU" == 1 ]]; then
   exec "$PYTHON" -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@"
 fi
 # Check the config once before starting NGPU ranks: a bad value then gives one error line,
-# not one per rank followed by torchrun's failure report.
-WORLD_SIZE="$NGPU" "$PYTHON" -c 'import sys; from torchtitan.train import check_config; sys.exit(check_config())' \
-  --job.config_file "$CONFIG_FILE" "$@"
+# not one per rank followed by torchrun's failure report. Status 3: the config names a command
+# to run instead (printed one argument per line), e.g. a semi-sync job's launcher.
+set +e
+INSTEAD=$(WORLD_SIZE="$NGPU" "$PYTHON" -c 'import sys; from torchtitan.train import check_config; sys.exit(check_config())' \
+  --job.config_file "$CONFIG_FILE" "$@")
+STATUS=$?
+set -e
+if [[ $STATUS == 3 ]]; then
+  mapfile -t COMMAND <<< "$INSTEAD"
+  exec "${COMMAND[@]}"
+fi
+if [[ $STATUS != 0 ]]; then exit $STATUS; fi
 exec "$PYTHON" -m torchtitan.tools.loopback_torchrun --nproc_per_node="$NGPU" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 --standalone \
   -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@"

@@ -5,6 +5,10 @@ The trainer class is ``torchtitan.trainer.Trainer`` unless the custom args modul
 module attribute ``TRAINER``) returns ``"package.module:ClassName"``. That is how an
 experiment swaps in its trainer subclass, chosen by the config.
 
+A custom args module may name a command to run instead (``run_instead``, see
+:func:`command_instead`): the fault-tolerance experiment's semi-sync method without fault
+tolerance runs one replica group against a lighthouse started for it.
+
 Exit status: 0 when training finished; 2 for a bad command line or config (one ``error:`` line,
 or tyro's usage box for flag syntax); 1 for a problem found while starting or training (one
 ``ERROR`` log line naming it: a checkpoint that cannot be loaded, a dataset that is not there);
@@ -22,6 +26,7 @@ from types import ModuleType
 from typing import Any
 
 from torchtitan.config import ConfigError, ConfigManager
+from torchtitan.config.manager import custom_module, flag_value, load_toml
 from torchtitan.tools.events import EventFile, EventKind, attach_event_file, detach_event_file
 from torchtitan.tools.logging import init_logger, logger
 
@@ -56,13 +61,33 @@ def resolve_trainer_class(custom_module: ModuleType | None, config: Any) -> type
     return cls
 
 
+#: ``check_config``'s exit status when another command should run in place of this one; it
+#: prints that command on stdout, one argument per line (``run_train.sh`` runs it).
+RUN_INSTEAD_STATUS = 3
+
+
+def command_instead(argv: list[str]) -> list[str] | None:
+    """Extension point: the command to run in place of this one, from the custom args module's
+    ``run_instead(argv)`` (a job that needs something started first, e.g. a lighthouse),
+    decided from the flags and the TOML before anything is parsed; None to run as asked."""
+    config_file = flag_value(argv, "job.config_file")
+    module = custom_module(argv, load_toml(config_file) if config_file else {})
+    run_instead = getattr(module, "run_instead", None)
+    return run_instead(argv) if run_instead is not None else None
+
+
 def check_config(argv: list[str] | None = None) -> int:
     """Parse and validate the config only, as :func:`main` does before training: 0 when it is
     good, else the exit status (2) after the same one-line error. ``run_train.sh`` runs this
     once before it starts several ranks, so that a bad flag gives one error line rather than
     one per rank plus torchrun's failure report."""
+    args = list(sys.argv[1:] if argv is None else argv)
     try:
-        ConfigManager().parse_args(argv)
+        instead = command_instead(args)
+        if instead is not None:
+            print("\n".join(instead))
+            return RUN_INSTEAD_STATUS
+        ConfigManager().parse_args(args)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -72,8 +97,14 @@ def check_config(argv: list[str] | None = None) -> int:
 def main(argv: list[str] | None = None) -> int:
     init_logger()
     manager = ConfigManager()
+    args = list(sys.argv[1:] if argv is None else argv)
     try:
-        config = manager.parse_args(argv)
+        if "RANK" not in os.environ:  # one process of its own, not a rank that torchrun started
+            instead = command_instead(args)
+            if instead is not None:
+                sys.stdout.flush()
+                os.execv(instead[0], instead)
+        config = manager.parse_args(args)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

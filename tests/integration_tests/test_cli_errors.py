@@ -128,8 +128,10 @@ SEMI_SYNC = "--job.custom_args_module=torchtitan.experiments.fault_tolerance.job
 @pytest.mark.parametrize(
     ("args", "field"),
     [
-        # The short command line of the semi-sync experiment, as a user types it first.
-        ([SEMI_SYNC, "--fault_tolerance.semi_sync_method=localsgd"],
+        # The short command line of the semi-sync experiment for 2 groups, without a
+        # lighthouse (for one group it runs: test_ft_launcher.py).
+        ([SEMI_SYNC, "--fault_tolerance.semi_sync_method=localsgd",
+          "--fault_tolerance.group_size=2"],
          "fault_tolerance.semi_sync_method"),
         # A field that would do nothing: the outer optimizer's, with LocalSGD.
         ([SEMI_SYNC, "--fault_tolerance.enable", "--fault_tolerance.group_size=2",

@@ -17,6 +17,7 @@ import pytest
 from tests.integration_tests.harness import (
     FAST_ARGS,
     PACED_ARGS,
+    REPO,
     check_loopback_only,
     per_step,
     tail,
@@ -161,3 +162,31 @@ def test_launcher_kill_and_restart(launch, tmp_path):
         f"healed at step {heals[-1]}; {len(sockets)} listening sockets, all on loopback; "
         "both groups finished step 40 identical"
     )
+
+
+@pytest.mark.parametrize("ranks", ["1", "2"])
+def test_the_semi_sync_command_line_runs_as_typed(tmp_path: Path, ranks: str) -> None:
+    """``./run_train.sh --job.custom_args_module=... --fault_tolerance.semi_sync_method=X``
+    without fault tolerance trains: one replica group against a lighthouse started for it (the
+    launcher, run in place of the command), which says how to add groups; nothing is left
+    running. With NGPU=2 the choice is made once, before torchrun, not once per rank."""
+    as_typed = [
+        "--job.custom_args_module=torchtitan.experiments.fault_tolerance.job_config",
+        "--fault_tolerance.semi_sync_method=localsgd",
+    ]
+    args = [*as_typed, *FAST_ARGS, "--training.steps=6", "--fault_tolerance.sync_steps=3",
+            f"--job.dump_folder={tmp_path / 'dump'}"]  # fmt: skip
+    with LocalJob(tmp_path / "job") as job:
+        run = job.start_process(
+            "run_train", [str(REPO / "run_train.sh"), *args],
+            {"OMP_NUM_THREADS": "1", "PYTHON": sys.executable, "NGPU": ranks},
+        )  # fmt: skip
+        assert run.wait(240) == 0, tail(run.text())
+        text = run.text()
+        leftovers = [p for p in processes_with_env(JOB_ENV, job.job_id) if p != run.pid]
+    assert "starting a lighthouse on 127.0.0.1 and this command as replica group 0 of 1" in text
+    assert "-m torchtitan.experiments.fault_tolerance.launcher --groups 2 -- ARGS" in text
+    assert text.count("[launcher] lighthouse at http://127.0.0.1:") == 1
+    assert re.search(r"^\[group 0\] .*step 6 sync: localsgd .* committed", text, re.M), text
+    assert text.rstrip().endswith("[launcher] all 1 groups finished (0 restart(s))")
+    assert leftovers == []

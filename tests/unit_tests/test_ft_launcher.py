@@ -90,3 +90,30 @@ def test_kill_at_a_step_acts_on_the_step_events_of_the_latest_start(
         assert len(kills) == 1 and group.last_step == 4  # each --kill fires once
     finally:
         logger.setLevel(level)
+
+
+def test_a_semi_sync_command_for_several_groups_without_a_lighthouse_is_still_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """group_size 2 and no TORCHFT_LIGHTHOUSE: two such commands must not each start a
+    lighthouse and train apart, so nothing is run in place of it (the config's error stays)."""
+    from torchtitan.experiments.fault_tolerance.launcher import command_for_one_group
+
+    semi_sync = [
+        "--job.custom_args_module=torchtitan.experiments.fault_tolerance.job_config",
+        "--fault_tolerance.semi_sync_method=diloco",
+    ]
+    assert command_for_one_group(semi_sync) is not None
+    assert command_for_one_group([*semi_sync, "--fault_tolerance.group_size=2"]) is None
+    assert command_for_one_group([*semi_sync, "--fault_tolerance.enable"]) is None
+    assert command_for_one_group([*semi_sync[:1], "--fault_tolerance.semi_sync_method=x"]) is None
+    assert command_for_one_group(semi_sync[:1]) is None  # synchronous FT: not semi-sync
+    toml = tmp_path / "job.toml"
+    toml.write_text('[fault_tolerance]\nsemi_sync_method = "localsgd"\nenable = true\n')
+    assert command_for_one_group([semi_sync[0], f"--job.config_file={toml}"]) is None
+    toml.write_text('[fault_tolerance]\nsemi_sync_method = "localsgd"\n')
+    command = command_for_one_group([semi_sync[0], f"--job.config_file={toml}"])
+    assert command is not None and command[-3:] == ["--", semi_sync[0], f"--job.config_file={toml}"]
+    assert command[command.index("--groups") + 1] == "1"
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:29610")
+    assert command_for_one_group(semi_sync) is None  # a lighthouse is named: join it

@@ -83,16 +83,8 @@ class ConfigManager:
         toml_data = load_toml(config_file) if config_file else {}
 
         config_cls = self.config_cls
-        module_name = flag_value(args, "job.custom_args_module")
-        if module_name is None:
-            job_table = toml_data.get("job")
-            in_toml = job_table.get("custom_args_module") if isinstance(job_table, dict) else None
-            module_name = (
-                in_toml if isinstance(in_toml, str) else config_cls().job.custom_args_module
-            )
-        self.custom_module = None
-        if module_name:
-            self.custom_module = _import_custom_module(module_name)
+        self.custom_module = custom_module(args, toml_data, config_cls)
+        if self.custom_module is not None:
             config_cls = merge_configs(config_cls, self.custom_module.JobConfig)
 
         asks_help = any(a in ("-h", "--help") for a in args)
@@ -179,6 +171,37 @@ def validate_config(config: Any) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Custom args modules
+
+
+def raw_value(args: Sequence[str], toml_data: dict[str, Any], name: str) -> Any:
+    """``section.field``'s value as given, before any parse: the flag's string (the last one;
+    ``"true"`` for a bare flag), else the TOML's value, else None."""
+    found: Any = None
+    for i, arg in enumerate(args):
+        flag, has_value, rest = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        if flag.replace("-", "_") != name:
+            continue
+        if has_value:
+            found = rest
+        elif i + 1 < len(args) and not args[i + 1].startswith("-"):
+            found = args[i + 1]
+        else:
+            found = "true"
+    if found is not None:
+        return found
+    section, _, field_name = name.partition(".")
+    table = toml_data.get(section)
+    return table.get(field_name) if isinstance(table, dict) else None
+
+
+def custom_module(
+    args: Sequence[str], toml_data: dict[str, Any], config_cls: type = JobConfig
+) -> types.ModuleType | None:
+    """The custom args module that ``args`` (or the TOML) name, imported; None without one."""
+    name = raw_value(args, toml_data, "job.custom_args_module")
+    if not isinstance(name, str):
+        name = config_cls().job.custom_args_module
+    return _import_custom_module(name) if name else None
 
 
 def _import_custom_module(name: str) -> types.ModuleType:

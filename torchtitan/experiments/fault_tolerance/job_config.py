@@ -35,6 +35,15 @@ PSEUDO_GRAD_DTYPES = ("float32", "bfloat16", "int8", "int4")
 OUTER_STATE_DEVICES = ("cpu", "device")
 
 
+def run_instead(argv: list[str]) -> list[str] | None:
+    """The core's ``command_instead`` hook: a semi-sync method typed without fault tolerance
+    runs as one replica group of a job the launcher starts (see
+    ``launcher.command_for_one_group``)."""
+    from torchtitan.experiments.fault_tolerance.launcher import command_for_one_group
+
+    return command_for_one_group(argv)
+
+
 def trainer_for(config: CoreJobConfig) -> str:
     """The trainer class this config runs: semi-sync with a method, else the core trainer."""
     return SEMI_SYNC_TRAINER if semi_sync_config(config).semi_sync_method else CORE_TRAINER

@@ -1,6 +1,7 @@
 """One command for a local fault-tolerant job: a lighthouse plus N replica groups.
 
-    .venv/bin/python -m torchtitan.experiments.fault_tolerance.launcher --groups 2 -- --training.steps=100
+    .venv/bin/python -m torchtitan.experiments.fault_tolerance.launcher --groups 2 -- \
+        --training.steps=100
 
 starts ``torchft_lighthouse`` on 127.0.0.1 (a free port), then N replica groups, each a
 ``run_train.sh`` (``--ngpu`` ranks) with its own manager port and ``--fault_tolerance.replica_id``.
@@ -37,7 +38,7 @@ from pathlib import Path
 
 from torchtitan.config.job_config import ConfigError
 from torchtitan.config.job_config import JobConfig as CoreJobConfig
-from torchtitan.config.manager import flag_value, load_toml
+from torchtitan.config.manager import flag_value, load_toml, raw_value
 from torchtitan.experiments.fault_tolerance.lineage import job_model
 from torchtitan.tools.cluster import (
     JOB_ENV,
@@ -368,6 +369,41 @@ def _kill_spec(text: str) -> tuple[int, int]:
     if not sep or not replica.isdigit() or not step.isdigit():
         raise argparse.ArgumentTypeError(f"{text!r}: expected R@S, e.g. 1@10")
     return int(replica), int(step)
+
+
+def command_for_one_group(train_args: list[str]) -> list[str] | None:
+    """The launcher's command for a semi-sync command line typed without fault tolerance
+    (``./run_train.sh --job.custom_args_module=... --fault_tolerance.semi_sync_method=localsgd``):
+    one replica group against a lighthouse started for it, as the user expects training to
+    start. None when fault tolerance is on, when ``group_size`` asks for more groups (two
+    groups must never each start a lighthouse and train apart), or when ``TORCHFT_LIGHTHOUSE``
+    names one: the config's own checks then say what to do."""
+    from torchtitan.experiments.fault_tolerance.job_config import SEMI_SYNC_METHODS
+
+    config_file = flag_value(train_args, "job.config_file")
+    toml_data = load_toml(config_file) if config_file else {}
+    method = raw_value(train_args, toml_data, "fault_tolerance.semi_sync_method")
+    enabled = raw_value(train_args, toml_data, "fault_tolerance.enable")
+    group_size = raw_value(train_args, toml_data, "fault_tolerance.group_size")
+    if (
+        method not in SEMI_SYNC_METHODS
+        or str(enabled).lower() == "true"
+        or str(group_size) not in ("None", "0", "1")
+        or os.environ.get("TORCHFT_LIGHTHOUSE")
+    ):
+        return None
+    launcher = [sys.executable, "-m", "torchtitan.experiments.fault_tolerance.launcher"]
+    shown = " ".join([python_command(), *launcher[1:]])
+    print(
+        f"[launcher] fault_tolerance.semi_sync_method={method} trains across replica groups "
+        "with fault tolerance: starting a lighthouse on 127.0.0.1 and this command as replica "
+        f"group 0 of 1. More groups on this machine: {shown} --groups 2 -- ARGS; on several "
+        "machines: docs/fault_tolerance.md (one lighthouse, one command per group)",
+        file=sys.stderr,
+        flush=True,
+    )
+    ranks = os.environ.get("NGPU", "1")
+    return [*launcher, "--groups", "1", "--ngpu", ranks, "--", *train_args]
 
 
 def main(argv: list[str] | None = None) -> int:
