@@ -105,3 +105,25 @@ def test_cpu_peak_is_positive_and_leaves_the_thread_count_alone() -> None:
     assert torch.get_num_threads() == threads
     # Any CPU this runs on does more than 0.1 GFLOP/s, and none 100 TFLOP/s in float32.
     assert 1e8 < peak < 1e14
+
+
+def test_the_step_line_is_coloured_only_for_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A piped log (the launcher's, a CI log) carries no escape codes; NO_COLOR and the field
+    turn them off on a terminal too."""
+    import io
+    import sys
+
+    from torchtitan.components.metrics import use_color
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    assert not use_color(False)
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    assert use_color(False)
+    assert not use_color(True)
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert not use_color(False)

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import resource
+import sys
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -52,6 +53,14 @@ def _step_line(values: dict[str, Any], color: bool) -> str:
         f"{head}  grad_norm: {values['grad_norm']:7.4f}  memory: {values['memory_gib']:5.2f} GiB  "
         f"tps: {values['tps']:,.0f}  tflops: {values['tflops']:.3f}  mfu: {mfu}{groups}"
     )
+
+
+def use_color(disabled: bool) -> bool:
+    """Colour the step line only for a terminal: not when ``metrics.disable_color_printing``
+    is set, ``NO_COLOR`` is (https://no-color.org), or the log (stderr) is a pipe or a file."""
+    if disabled or os.environ.get("NO_COLOR"):
+        return False
+    return sys.stderr.isatty()
 
 
 #: The step line. ``groups``: replica groups in the last quorum (None without fault tolerance
@@ -197,7 +206,7 @@ class MetricsProcessor:
         self.device = device
         self.flops_per_token = flops_per_token
         self.peak = peak_flops(device, job_config)
-        self.color = not job_config.metrics.disable_color_printing
+        self.color = use_color(job_config.metrics.disable_color_printing)
         self.writer = None
         if tb_folder is not None:
             from torch.utils.tensorboard import SummaryWriter

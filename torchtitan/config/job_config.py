@@ -375,7 +375,8 @@ class Metrics:
     """TensorBoard folder, relative to ``job.dump_folder``."""
 
     disable_color_printing: bool = False
-    """Plain log lines without ANSI colours."""
+    """Plain log lines without ANSI colours. They are plain anyway when ``NO_COLOR`` is set or
+    the log is not a terminal (a pipe, a file)."""
 
     log_param_digest: bool = False
     """Log a SHA-256 digest of the parameters (local shards) after every committed step, and
