@@ -117,3 +117,41 @@ def test_a_semi_sync_command_for_several_groups_without_a_lighthouse_is_still_re
     assert command[command.index("--groups") + 1] == "1"
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:29610")
     assert command_for_one_group(semi_sync) is None  # a lighthouse is named: join it
+
+
+@pytest.mark.parametrize(
+    ("visible", "args", "expected"),
+    [
+        ("0,1,2,3", ["--groups", "2", "--ngpu", "2"], ["0,1", "2,3"]),  # a GPU per rank
+        ("4,5,6,7", ["--groups", "2"], ["4", "5"]),  # in CUDA_VISIBLE_DEVICES' order
+        ("0", ["--groups", "2"], None),  # fewer GPUs than ranks: shared, with a note
+        ("", ["--groups", "2"], None),  # no GPU: nothing set
+        ("0,1,2,3", ["--groups", "2", "--gpus-per-group", "0"], None),  # asked to share
+        ("0,1,2,3", ["--groups", "3", "--gpus-per-group", "1"], ["0", "1", "2"]),
+    ],
+)
+def test_each_group_gets_gpus_of_its_own(
+    monkeypatch: pytest.MonkeyPatch, visible: str, args: list[str], expected: list[str] | None
+) -> None:
+    """On a GPU machine the groups do not all land on cuda:0: the visible GPUs are split."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert launcher.parse_args([*args, "--", "--training.steps=1"]).group_devices == expected
+
+
+def test_asking_for_more_gpus_than_there_are_is_an_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(SystemExit) as info:
+        launcher.parse_args(["--groups", "2", "--gpus-per-group", "2"])
+    assert info.value.code == 2
+    assert "2 group(s) x 2 GPU(s) need 4 GPUs, 2 are visible" in capsys.readouterr().err
+
+
+def test_a_group_start_gets_its_own_devices(tmp_path: Path) -> None:
+    from torchtitan.tools.cluster import LocalJob
+
+    job = LocalJob(tmp_path, groups=2, group_devices=["0,1", "2,3"])
+    job.lighthouse_address = "http://127.0.0.1:1"
+    assert [job.group_environment(r)["CUDA_VISIBLE_DEVICES"] for r in (0, 1)] == ["0,1", "2,3"]
+    assert "CUDA_VISIBLE_DEVICES" not in LocalJob(tmp_path, groups=2).group_environment(0)

@@ -50,6 +50,8 @@ from torchtitan.tools.cluster import (
     Process,
     Restarts,
     StepKills,
+    split_devices,
+    visible_gpus,
 )
 from torchtitan.tools.commands import python_command
 from torchtitan.tools.events import EventTail, event_file_path, read_events
@@ -103,6 +105,7 @@ class Launcher:
                 join_timeout_ms=args.join_timeout_ms,
             ),
             job_id=os.environ.get(JOB_ENV),
+            group_devices=args.group_devices,
         )
         self.dump_folder = groups_dump_folder(args.train_args)
         self.step_kills = StepKills(args.kill)
@@ -304,6 +307,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--groups", type=int, default=2, help="replica groups (default 2)")
     parser.add_argument("--ngpu", type=int, default=1, help="ranks per group (NGPU; default 1)")
     parser.add_argument(
+        "--gpus-per-group",
+        type=int,
+        default=None,
+        metavar="N",
+        help="give each group N GPUs of its own (CUDA_VISIBLE_DEVICES split in order: group 0 "
+        "the first N); 0: every group sees them all and puts its ranks on cuda:0.. (groups "
+        "share GPUs). Default: --ngpu when the machine has a GPU per rank of every group, "
+        "else 0 with a note",
+    )
+    parser.add_argument(
         "--min-replicas",
         type=int,
         default=1,
@@ -361,7 +374,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for replica, _ in args.kill:
         if not 0 <= replica < args.groups:
             parser.error(f"--kill: group {replica} does not exist (groups 0..{args.groups - 1})")
+    args.group_devices = _group_devices(parser, args)
     return args
+
+
+def _group_devices(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str] | None:
+    """Each group's CUDA_VISIBLE_DEVICES, or None to leave it alone (no GPU, or shared)."""
+    gpus = visible_gpus()
+    per_group = args.gpus_per_group
+    if per_group is None:
+        if not gpus:
+            return None
+        if len(gpus) < args.groups * args.ngpu:
+            _print(
+                "[launcher]",
+                f"{args.groups} group(s) x {args.ngpu} rank(s) on {len(gpus)} GPU(s): the groups "
+                "share them (--gpus-per-group=N gives each group N of its own)",
+            )
+            return None
+        per_group = args.ngpu
+    if per_group < 0:
+        parser.error(f"--gpus-per-group: {per_group} is not allowed; use 0 or more")
+    if per_group == 0:
+        return None
+    try:
+        return split_devices(gpus, args.groups, per_group)
+    except ValueError as e:
+        parser.error(f"--gpus-per-group: {per_group} is not allowed; {e}")
 
 
 def _kill_spec(text: str) -> tuple[int, int]:

@@ -21,6 +21,8 @@ from torchtitan.tools.cluster.job import (
     RUN_TRAIN_CONFIG,
     GroupLaunch,
     LocalJob,
+    split_devices,
+    visible_gpus,
 )
 from torchtitan.tools.cluster.lighthouse import LighthouseSettings
 from torchtitan.tools.cluster.listeners import listening_sockets
@@ -53,5 +55,7 @@ __all__ = [
     "process_tree",
     "processes_with_env",
     "signal_pids",
+    "split_devices",
     "strip_ansi",
+    "visible_gpus",
 ]

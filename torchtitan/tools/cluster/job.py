@@ -52,6 +52,28 @@ def _same_for_every_group(replica_id: int, spec: ProcessSpec) -> ProcessSpec:
     return spec
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs a process started from here may use, without importing torch: the entries of
+    ``CUDA_VISIBLE_DEVICES`` when it is set, else one per ``/dev/nvidia<N>`` device."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [d.strip() for d in listed.split(",") if d.strip()]
+    found = [p.name[len("nvidia") :] for p in Path("/dev").glob("nvidia[0-9]*")]
+    return sorted((d for d in found if d.isdigit()), key=int)
+
+
+def split_devices(gpus: Sequence[str], groups: int, per_group: int) -> list[str]:
+    """Each group's ``CUDA_VISIBLE_DEVICES``: ``per_group`` GPUs of ``gpus`` each, in order
+    (group r gets gpus[r * per_group : (r + 1) * per_group]). ValueError when there are not
+    enough."""
+    needed = groups * per_group
+    if len(gpus) < needed:
+        raise ValueError(
+            f"{groups} group(s) x {per_group} GPU(s) need {needed} GPUs, {len(gpus)} are visible"
+        )
+    return [",".join(gpus[r * per_group : (r + 1) * per_group]) for r in range(groups)]
+
+
 class LocalJob:
     """A lighthouse and replica groups on this machine; use as a context manager.
 
@@ -78,6 +100,7 @@ class LocalJob:
         launch_group: GroupLaunch = _same_for_every_group,
         launch_lighthouse: Launch = as_built,
         job_id: str | None = None,
+        group_devices: Sequence[str] | None = None,
     ) -> None:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -91,6 +114,8 @@ class LocalJob:
         self.launch_group = launch_group
         self.launch_lighthouse = launch_lighthouse
         self.job_id = job_id or uuid.uuid4().hex
+        #: Each group's ``CUDA_VISIBLE_DEVICES`` (see :func:`split_devices`); None: unchanged.
+        self.group_devices = list(group_devices) if group_devices is not None else None
         #: Every process started, in order (lighthouse starts included).
         self.processes: list[Process] = []
         #: The starts of each replica group, in order.
@@ -167,7 +192,7 @@ class LocalJob:
 
     # ---- replica groups ----------------------------------------------------------------------
 
-    def group_environment(self) -> dict[str, str]:
+    def group_environment(self, replica_id: int) -> dict[str, str]:
         """What a start of a replica group gets on top of :meth:`environment`."""
         env = {
             "NGPU": str(self.ngpu),
@@ -176,6 +201,8 @@ class LocalJob:
             # run_train.sh's interpreter: the one whose torchft runs the lighthouse.
             "PYTHON": os.environ.get("PYTHON", sys.executable),
         }
+        if self.group_devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.group_devices[replica_id]
         if self.log_all_ranks:
             env["LOG_RANK"] = ",".join(str(r) for r in range(self.ngpu))
         if self.threads is not None:
@@ -202,7 +229,7 @@ class LocalJob:
         group = self.start_process(
             f"group{replica_id}_start{len(starts)}",
             argv,
-            self.group_environment(),
+            self.group_environment(replica_id),
             lambda spec: self.launch_group(replica_id, spec),
             replica_id,
         )
