@@ -981,6 +981,24 @@ def test_local_sgd_is_an_alias(alias: str) -> None:
             ],
             "fault_tolerance.outer_momentum_every",
         ),
+        (  # Delayed Nesterov with momentum but without Nesterov
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=async_diloco",
+                "--fault_tolerance.outer_momentum_every=2",
+                "--fault_tolerance.outer_momentum=0.9",
+                "--fault_tolerance.outer_nesterov=false",
+            ],
+            "fault_tolerance.outer_momentum_every",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=async_diloco",
+                "--fault_tolerance.should_quantize",
+            ],
+            "fault_tolerance.should_quantize",
+        ),
     ],
 )
 def test_semi_sync_bad_value_names_the_field(argv: list[str], field: str) -> None:
@@ -1090,3 +1108,17 @@ def test_compressed_pseudo_gradients_parse_with_error_feedback(method: str, dtyp
         "--fault_tolerance.error_feedback",
     ).fault_tolerance
     assert (ft.pseudo_grad_dtype, ft.error_feedback) == (dtype, True)  # type: ignore[attr-defined]
+
+
+def test_should_quantize_is_refused_with_async_diloco_on_a_gpu_machine_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Not only because this machine lacks CUDA: async DiLoCo sends full precision."""
+    from torchtitan.experiments.fault_tolerance import job_config as semi_sync
+
+    monkeypatch.setattr(semi_sync, "_missing_for_quantization", lambda ft, config: "")
+    with pytest.raises(ConfigError, match="async_diloco sends full precision"):
+        parse_semi_sync(
+            *FT_ON, "--fault_tolerance.semi_sync_method=async_diloco",
+            "--fault_tolerance.should_quantize",
+        )  # fmt: skip

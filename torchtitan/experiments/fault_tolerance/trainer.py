@@ -791,7 +791,8 @@ class SemiSyncTrainer(Trainer):
             raise FaultToleranceError(
                 f"[semi-sync] replica groups disagree on the global parameters before sync "
                 f"#{sync} (digests {', '.join(distinct)}; no majority): stopping rather than "
-                "training on diverged copies. Restart the job from the last checkpoint."
+                "training on diverged copies. Restart the job from one group's checkpoint: "
+                "docs/fault_tolerance.md, 'After replica groups disagree'."
             )
         # Nobody commits this sync; the groups that differ from the majority step back one
         # sync, so that torchft heals them from a majority group at the next one.

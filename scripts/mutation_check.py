@@ -1,0 +1,192 @@
+"""A small mutation check of the semi-sync layer: does a plausible one-line bug fail a test?
+
+    .venv/bin/python scripts/mutation_check.py            # every mutant (a few minutes)
+    .venv/bin/python scripts/mutation_check.py -k divide  # the mutants whose name has "divide"
+
+Each mutant below changes one line of ``torchtitan/experiments/fault_tolerance`` the way a
+plausible bug would (a sign, a missing division, a branch taken the wrong way). The script
+copies the repository's tracked files to a scratch folder, applies one mutant there, runs the
+semi-sync unit tests against that copy (``-x``: the first failure kills the mutant) and reports
+which mutants every test let through ("survived"). The working tree is never touched. Not part
+of CI: run it after changing the sync layer or its tests. Exit status 1 when a mutant survives
+that is not listed in ``ACCEPTED`` with the reason it may.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = "torchtitan/experiments/fault_tolerance"
+#: The unit tests a mutant of the sync layer must fail.
+TESTS = [
+    "tests/unit_tests/test_semi_sync.py",
+    "tests/unit_tests/test_sync_averaging.py",
+    "tests/unit_tests/test_async_diloco.py",
+    "tests/unit_tests/test_transport.py",
+    "tests/unit_tests/test_compression.py",
+    "tests/unit_tests/test_outer_optimizer.py",
+    "tests/unit_tests/test_lineage.py",
+]
+TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str
+    original: str
+    mutated: str
+
+
+MUTANTS = [
+    Mutant(
+        "transport: an average is not divided by the number of groups",
+        f"{PACKAGE}/transport.py",
+        "divide_by = manager.num_participants() if average else 1",
+        "divide_by = 1",
+    ),
+    Mutant(
+        "transport: a healing group sends its own values instead of zeros",
+        f"{PACKAGE}/transport.py",
+        "tensor.zero_()  # a healing group sends nothing",
+        "pass  # a healing group sends nothing",
+    ),
+    Mutant(
+        "transport: an exact tensor travels compressed",
+        f"{PACKAGE}/transport.py",
+        "return self._submit(tensor.view(-1), divide_by, exact=True)",
+        "return self._submit(tensor.view(-1), divide_by, exact=False)",
+    ),
+    Mutant(
+        "transport: error-feedback residuals are kept after a failed sync",
+        f"{PACKAGE}/transport.py",
+        "            if committed:\n                self.error_feedback.commit()",
+        "            if True:\n                self.error_feedback.commit()",
+    ),
+    Mutant(
+        "async DiLoCo: the local copy follows the global one with the wrong sign",
+        f"{PACKAGE}/async_diloco.py",
+        "shift = self.global_[name] - self.start[name]",
+        "shift = self.start[name] - self.global_[name]",
+    ),
+    Mutant(
+        "async DiLoCo: the period's start does not move with the global copy",
+        f"{PACKAGE}/async_diloco.py",
+        "            self.start[name].copy_(self.global_[name])\n        _wait_for_copies",
+        "            pass\n        _wait_for_copies",
+    ),
+    Mutant(
+        "agreement: a tie counts as a majority",
+        f"{PACKAGE}/sync_quorum.py",
+        "2 * counts[top] > len(digests)",
+        "2 * counts[top] >= len(digests)",
+    ),
+    Mutant(
+        "agreement: the majority steps back instead of the minority",
+        f"{PACKAGE}/trainer.py",
+        "        if minority:\n            events.DIFFERS_FROM_MAJORITY",
+        "        if not minority:\n            events.DIFFERS_FROM_MAJORITY",
+    ),
+    Mutant(
+        "DyLU: the learning rate follows the group's own step count",
+        f"{PACKAGE}/trainer.py",
+        "        if not self.dynamic:\n            self.lr_scheduler.step()",
+        "        if True:\n            self.lr_scheduler.step()",
+    ),
+    Mutant(
+        "DyLU: training may end in the middle of a period",
+        f"{PACKAGE}/trainer.py",
+        "return self.training_done() and self.algorithm.local_step() == 0",
+        "return self.training_done()",
+    ),
+]
+
+#: Mutants that may survive the unit tests, with the reason (each is caught elsewhere, or is
+#: equivalent to the original). Empty until a run shows one.
+ACCEPTED: dict[str, str] = {}
+
+
+def copy_tree(target: Path) -> None:
+    """The tracked files of the repository (as they are in the working tree) into ``target``."""
+    files = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=REPO, check=True, capture_output=True, text=True
+    ).stdout.split("\0")
+    for name in filter(None, files):
+        source = REPO / name
+        if source.is_file():
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target / name)
+
+
+def run_tests(tree: Path) -> tuple[bool, float, str]:
+    """(whether every test passed, seconds, the last lines of the output) for ``tree``."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+               "-p", "no:xdist", *TESTS]  # fmt: skip
+    start = time.monotonic()
+    try:
+        done = subprocess.run(
+            command, cwd=tree, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        return False, time.monotonic() - start, f"timed out after {TIMEOUT_S} s"
+    tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-3:])
+    return done.returncode == 0, time.monotonic() - start, tail
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-k", default="", help="run only the mutants whose name contains this")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTANTS if args.k in m.name]
+    with tempfile.TemporaryDirectory(prefix="mutation_check_") as scratch:
+        tree = Path(scratch)
+        copy_tree(tree)
+        # The copy is what the tests import: the package of the copy, not the installed one.
+        probe = subprocess.run(
+            [sys.executable, "-c", "import torchtitan; print(torchtitan.__file__)"],
+            cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        assert probe.stdout.strip().startswith(str(tree)), probe.stdout
+        passed, seconds, tail = run_tests(tree)
+        if not passed:
+            print(f"the unmutated tests fail ({seconds:.0f} s):\n{tail}")
+            return 2
+        print(f"unmutated: the tests pass in {seconds:.0f} s")
+        survivors = []
+        for mutant in chosen:
+            path = tree / mutant.file
+            text = path.read_text()
+            if text.count(mutant.original) != 1:
+                print(f"STALE  {mutant.name}: its line is not in {mutant.file} exactly once")
+                survivors.append(mutant.name)
+                continue
+            path.write_text(text.replace(mutant.original, mutant.mutated))
+            try:
+                passed, seconds, tail = run_tests(tree)
+            finally:
+                path.write_text(text)
+            verdict = "SURVIVED" if passed else "killed"
+            print(f"{verdict:8s} {mutant.name} ({seconds:.0f} s)")
+            if passed:
+                survivors.append(mutant.name)
+                if mutant.name in ACCEPTED:
+                    print(f"         accepted: {ACCEPTED[mutant.name]}")
+    unaccepted = [name for name in survivors if name not in ACCEPTED]
+    print(f"{len(chosen) - len(survivors)} of {len(chosen)} mutants killed; "
+          f"{len(unaccepted)} survivor(s) not accepted")  # fmt: skip
+    return 1 if unaccepted else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
