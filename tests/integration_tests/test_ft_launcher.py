@@ -85,6 +85,19 @@ class LauncherRun:
                 raise AssertionError(message)
             time.sleep(0.2)
 
+    def wait_quorum_request(self, timeout: float) -> None:
+        """Until a group waits for a quorum at the launcher's lighthouse."""
+        from torchtitan.components.ft.torchft_adapter import lighthouse_groups_waiting
+
+        self.wait_for(r"^\[launcher\] lighthouse at http://", timeout)
+        found = re.search(r"^\[launcher\] lighthouse at (http://\S+)", self.text(), re.M)
+        assert found is not None
+        deadline = time.monotonic() + timeout
+        while lighthouse_groups_waiting(found.group(1)) == 0:
+            if not self.process.alive() or time.monotonic() > deadline:
+                raise AssertionError(f"nobody asked for a quorum:\n{tail(self.text())}")
+            time.sleep(0.2)
+
     def leftovers(self) -> list[int]:
         marked = processes_with_env(JOB_ENV, self.job.job_id)
         return [pid for pid in marked if pid != self.process.pid]
@@ -143,7 +156,7 @@ def test_launcher_kill_and_restart(launch, tmp_path):
     run.wait_for(r"^\[launcher\] group 1 restarted", timeout=60)
     # Both starts of group 1 have built their Manager: the restarted one asks for a quorum now.
     run.wait_for_event(1, MANAGER_STARTED, timeout=180, count=2)
-    time.sleep(1.0)  # its first quorum request reaches the lighthouse
+    run.wait_quorum_request(timeout=180)  # group 0 is paused: the request is group 1's
     pause.unlink()
     assert run.wait(300) == 0, tail(run.text())
     text = run.text()

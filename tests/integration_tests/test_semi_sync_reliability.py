@@ -85,7 +85,7 @@ def test_rejoin_with_a_period_longer_than_the_sync_timeout(
     job.start_group(1)
     job.wait_for_event(1, ASKING_FOR_QUORUM, timeout=180)
     asked_after = time.monotonic() - killed_at
-    time.sleep(0.5)  # its request reaches the lighthouse
+    job.wait_quorum_request(1)  # its request has reached the lighthouse (group 0 is held)
     hold.unlink()
     for r in range(2):
         assert job.wait_exit(r, timeout=300) == 0, tail(job.latest(r).text())
