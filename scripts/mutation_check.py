@@ -103,6 +103,30 @@ MUTANTS = [
         "        if True:\n            self.lr_scheduler.step()",
     ),
     Mutant(
+        "async DiLoCo: a failed in-flight sync is checkpointed as arrived",
+        f"{PACKAGE}/async_diloco.py",
+        "flight.arrived = not failed",
+        "flight.arrived = True",
+    ),
+    Mutant(
+        "heal: a running group keeps its error-feedback residuals",
+        f"{PACKAGE}/trainer.py",
+        "self.sync.reset_error_feedback()  # owed for state this group no longer has",
+        "pass  # owed for state this group no longer has",
+    ),
+    Mutant(
+        "heal: async DiLoCo keeps its error-feedback residuals",
+        f"{PACKAGE}/async_diloco.py",
+        "        self.manager.reset_error_feedback()\n        for state in self._states:",
+        "        pass\n        for state in self._states:",
+    ),
+    Mutant(
+        "restart: error-feedback residuals are not loaded from the checkpoint",
+        f"{PACKAGE}/trainer.py",
+        "                feedback.load_fragment_residual(i, mine[f\"fragment_{i}\"])",
+        "                pass",
+    ),
+    Mutant(
         "DyLU: training may end in the middle of a period",
         f"{PACKAGE}/trainer.py",
         "return self.training_done() and self.algorithm.local_step() == 0",

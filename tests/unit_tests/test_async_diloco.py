@@ -69,6 +69,8 @@ class FakeManager:
         self.commit = True
         self.fns: dict[str, tuple[Any, Any]] = {}
         self.heal_from: FakeManager | None = None
+        #: Times the error-feedback residuals were forgotten (after a heal).
+        self.feedback_resets = 0
 
     def register_state_dict_fn(self, key: str, load: Any, save: Any) -> None:
         self.fns[key] = (load, save)
@@ -95,7 +97,7 @@ class FakeManager:
         return False
 
     def reset_error_feedback(self) -> None:
-        pass
+        self.feedback_resets += 1
 
     def should_commit(self) -> bool:
         if self.commit:
@@ -330,6 +332,8 @@ def test_a_group_that_heals_sends_weight_zero_and_takes_the_global_copy():
         torch.equal(x, y) for x, y in zip(groups[0].globals_(), healed.globals_(), strict=True)
     )
     assert healed.loop.sync_points == groups[0].loop.sync_points == 3
+    # What its compression still owed belonged to the state it no longer has.
+    assert (healed.manager.feedback_resets, groups[0].manager.feedback_resets) == (1, 0)
     global_copy = healed.loop.global_parameters(0).values()
     for p, g in zip(healed.model.parameters(), global_copy, strict=True):
         assert torch.equal(p.detach(), g)
@@ -736,3 +740,30 @@ def _step_on(group: Group, device: str) -> None:
     group.optimizer.zero_grad()
     loss.backward()
     group.optimizer.step()
+
+
+def test_follow_global_moves_the_local_copy_by_the_global_change_and_restarts_the_period() -> None:
+    """When an average arrives mid-period: local = local + (global - start), then start =
+    global. The group keeps its inner progress since the period began (local - start), and the
+    next pseudo-gradient (start - local) is that progress alone, whatever the average did."""
+    from torchtitan.experiments.fault_tolerance.async_diloco import _Fragment
+
+    torch.manual_seed(0)
+    module = nn.Linear(3, 2)
+    fragment = _Fragment(module, torch.device("cpu"), 0.7, 0.0, False, 1)
+    fragment.non_blocking = False
+    start = {n: p.detach().clone() for n, p in module.named_parameters()}
+    progress = {n: torch.randn_like(p) for n, p in start.items()}  # inner steps since start
+    moved = {n: torch.randn_like(p) for n, p in start.items()}  # what the average did
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            fragment.start[name].copy_(start[name])
+            fragment.global_[name].copy_(start[name] + moved[name])
+            p.copy_(start[name] + progress[name])
+    fragment.follow_global()
+    for name, p in module.named_parameters():
+        expected = start[name] + moved[name] + progress[name]
+        torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-6)
+        assert torch.equal(fragment.start[name], fragment.global_[name])
+        next_pseudo_gradient = fragment.start[name] - p.detach()
+        torch.testing.assert_close(next_pseudo_gradient, -progress[name], rtol=0, atol=1e-6)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import astuple
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -182,6 +182,33 @@ def test_semi_sync_state_round_trips_through_dcp_into_a_fresh_process(tmp_path: 
             assert torch.equal(fragment._outer_optimizer.state[p]["momentum_buffer"], expected)
 
 
+def test_error_feedback_residuals_come_back_with_a_restart(tmp_path: Path) -> None:
+    """What each rank's compression still owed is in the checkpoint and owed again after a
+    restart, per fragment, committed and staged alike."""
+    from torchtitan.experiments.fault_tolerance.compression import ErrorFeedback
+
+    algo, _ = diloco(small_model(), fragments=2)
+    numels = [sum(p.numel() for p in f._model_fragment.parameters()) for f in algo._fragments]
+    owed = ErrorFeedback()
+    for i, numel in enumerate(numels):
+        owed.load_fragment_residual(i, torch.arange(numel, dtype=torch.float32) + 100 * i)
+    owed.load_fragment_residual(1, torch.full((numels[1],), 0.5), staged=True)
+    trainer = as_trainer(algo)
+    trainer.sync.error_feedback = owed
+    dcp.save({"semi_sync": SemiSyncState(trainer)}, checkpoint_id=tmp_path)
+
+    fresh, _ = diloco(small_model(), fragments=2)
+    restarted = as_trainer(fresh)
+    restarted.sync.error_feedback = ErrorFeedback()
+    dcp.load({"semi_sync": SemiSyncState(restarted)}, checkpoint_id=tmp_path)
+    again = restarted.sync.error_feedback
+    for i, numel in enumerate(numels):
+        assert torch.equal(again.fragment_residual(i, numel), owed.fragment_residual(i, numel))
+    assert again.has_staged(1) and not again.has_staged(0)
+    staged = again.fragment_residual(1, numels[1], staged=True)
+    assert torch.equal(staged, torch.full((numels[1],), 0.5))
+
+
 def test_checkpoint_without_outer_momentum_loads_none(tmp_path: Path) -> None:
     algo, _ = diloco(small_model(), fragments=1)
     dcp.save({"s": SemiSyncState(as_trainer(algo))}, checkpoint_id=tmp_path)
@@ -233,6 +260,7 @@ def test_healing_state_is_read_when_sent_not_at_start_up() -> None:
 
 
 def _stub(local_step: int, starting: bool = False) -> SimpleNamespace:
+    resets: list[int] = []
     return SimpleNamespace(
         algorithm=SimpleNamespace(local_step=lambda: local_step),
         ft=SimpleNamespace(manager=SimpleNamespace(current_step=lambda: 7)),
@@ -241,7 +269,7 @@ def _stub(local_step: int, starting: bool = False) -> SimpleNamespace:
         starting=starting,
         _peer=None,
         _localsgd_digest=123,
-        sync=SimpleNamespace(reset_error_feedback=lambda: None),
+        sync=SimpleNamespace(reset_error_feedback=lambda: resets.append(1), resets=resets),
         lineage=Lineage(),
     )
 
@@ -274,6 +302,7 @@ def test_a_running_group_heals_at_its_peer_s_position(caplog: pytest.LogCaptureF
     assert (healed[0]["peer"], healed[0].sync, healed[0].step) == (0, 8, 31)
     assert (healed[0]["inner_step"], healed[0]["case"]) == (4, "running")
     assert stub._localsgd_digest is None  # the digest of parameters it no longer holds
+    assert stub.sync.resets == [1]  # what its compression owed was for state it no longer has
     # Its model is the peer's from now on, and so is its lineage.
     assert stub.lineage == Lineage(last_shared_sync=6, solo_syncs=2, solo_since=1234.5)
 
@@ -384,3 +413,84 @@ def test_emulated_slowdown_computes_more_and_leaves_the_gradients_alone(
     assert torch.equal(loss, expected)
     for p, r in zip(model.parameters(), reference.parameters(), strict=True):
         assert p.grad is not None and torch.equal(p.grad, r.grad)
+
+
+class _Disagreeing:
+    """What ``SemiSyncTrainer._act_on_disagreement`` uses of the trainer: its Manager (at sync
+    #4) and where it announces the step it steps back to."""
+
+    def __init__(self) -> None:
+        self.errors: list[Exception] = []
+        self.announced: list[int] = []
+        manager = SimpleNamespace(current_step=lambda: 3, report_error=self.errors.append)
+        self.ft = SimpleNamespace(manager=manager)
+
+    def _announce(self, step: int) -> None:
+        self.announced.append(step)
+
+
+@pytest.mark.parametrize("minority", [True, False])
+def test_after_a_disagreement_only_the_minority_steps_back(
+    minority: bool, events: list[Any]
+) -> None:
+    """Three groups, one differs: nobody commits the sync; the group that differs from the
+    majority steps its Manager back one sync (so torchft heals it from a majority group),
+    and says so; a majority group stays where it is and says that the minority is elsewhere."""
+    trainer = _Disagreeing()
+    act = SemiSyncTrainer._act_on_disagreement
+    act(cast(Any, trainer), [7, 7, 9], no_majority=False, minority=minority)
+    assert len(trainer.errors) == 1  # the sync is not committed, by any group
+    names = [e.name for e in events]
+    if minority:
+        assert trainer.announced == [2] and "semi_sync.differs_from_majority" in names
+    else:
+        assert trainer.announced == [] and "semi_sync.minority_elsewhere" in names
+    assert {e.sync for e in events if e.name.startswith("semi_sync.")} == {4}
+
+
+def test_without_a_majority_every_group_stops() -> None:
+    with pytest.raises(FaultToleranceError, match="no majority"):
+        act = SemiSyncTrainer._act_on_disagreement
+        act(cast(Any, _Disagreeing()), [7, 9], no_majority=True, minority=False)
+
+
+class _DyLUGroup:
+    """What DyLU's schedule and end-of-training checks use: a group that takes 2 inner steps
+    per period where the job's period is 4, in its second period (one sync point passed)."""
+
+    dynamic = True
+    period = 4
+
+    def __init__(self, local_step: int, done: bool) -> None:
+        self.algorithm = SimpleNamespace(
+            local_step=lambda: local_step, steps_this_period=lambda: 2, sync_points=1
+        )
+        self._done = done
+        model = nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: step + 1)
+        self.job_config = SimpleNamespace(training=SimpleNamespace(steps=8))
+
+    def training_done(self) -> bool:
+        return self._done
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()`")
+def test_dylu_moves_the_learning_rate_to_the_jobs_progress_not_the_groups_steps() -> None:
+    """Halfway through its second period (1 of 2 inner steps), a DyLU group that takes half
+    the job's period is at job step 4 + 2 = 6 of the schedule: the LR of 6 steps taken, not
+    of the one step its own counter would give."""
+    group = _DyLUGroup(local_step=1, done=False)
+    SemiSyncTrainer._advance_schedule(cast(Any, group))
+    assert group.lr_scheduler.get_last_lr() == [7.0]  # lambda(6) = 7: six steps taken
+
+
+@pytest.mark.parametrize(("local_step", "done", "last"), [(0, True, True), (1, True, False),
+                                                          (0, False, False)])  # fmt: skip
+def test_dylu_training_ends_at_the_planned_sync_point(
+    local_step: int, done: bool, last: bool
+) -> None:
+    """Training ends once the planned sync points are done and the period is whole: at the
+    sync point, not one step into the next period (nor earlier)."""
+    group = _DyLUGroup(local_step=local_step, done=done)
+    assert SemiSyncTrainer._last_step_taken(cast(Any, group), step=5) is last
