@@ -4,7 +4,7 @@
 # args go to every group's run_train.sh, e.g. scripts/demo.sh --training.steps=400
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+scripts/setup.sh run  # training's dependencies only: the demo needs no test tools
 exec .venv/bin/python -m torchtitan.experiments.fault_tolerance.launcher --groups 2 -- \
   --job.custom_args_module=torchtitan.experiments.fault_tolerance.job_config \
   --fault_tolerance.semi_sync_method=diloco --fault_tolerance.sync_steps=20 \
