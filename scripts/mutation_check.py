@@ -123,7 +123,7 @@ MUTANTS = [
     Mutant(
         "restart: error-feedback residuals are not loaded from the checkpoint",
         f"{PACKAGE}/trainer.py",
-        "                feedback.load_fragment_residual(i, mine[f\"fragment_{i}\"])",
+        '                feedback.load_fragment_residual(i, mine[f"fragment_{i}"])',
         "                pass",
     ),
     Mutant(
