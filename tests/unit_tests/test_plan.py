@@ -1,0 +1,46 @@
+"""The semi-sync planner's arithmetic, and its command line."""
+
+from __future__ import annotations
+
+import pytest
+
+from torchtitan.experiments.fault_tolerance import plan as planner
+from torchtitan.experiments.fault_tolerance.plan import Plan, parse_count
+
+
+def test_a_sync_sends_a_ring_all_reduce_of_the_encoded_pseudo_gradient() -> None:
+    """8B parameters, 4 groups, 1 Gbit/s: fp32 sends 2 x 3/4 x 32 GB = 48 GB per group,
+    384 s; int8 about a quarter plus its scales (4 bytes per 128 values)."""
+    p = Plan(params=8e9, step_s=2.0, link_mbit=1000, groups=4, sync_steps=100)
+    assert p.sync_bytes("float32") == pytest.approx(48e9)
+    assert p.sync_s("float32") == pytest.approx(384.0)
+    assert p.sync_bytes("int8") == pytest.approx(48e9 / 4 * (1 + 4 / 128))
+    assert p.heal_s() == pytest.approx(8e9 * 20 * 8 / 1e9)  # 5 fp32 copies of the model
+
+
+def test_the_suggested_periods_hide_or_bound_the_sync() -> None:
+    p = Plan(params=8e9, step_s=2.0, link_mbit=1000, groups=4, sync_steps=1)
+    hide = planner.steps_to_hide(p, "int8")
+    assert Plan(8e9, 2.0, 1000, 4, hide).hidden("int8")
+    assert not Plan(8e9, 2.0, 1000, 4, hide - 1).hidden("int8")
+    bounded = planner.steps_for_idle(p, "int8", idle=0.05)
+    assert Plan(8e9, 2.0, 1000, 4, bounded).idle_share("int8") <= 0.05
+    assert Plan(8e9, 2.0, 1000, 4, bounded - 1).idle_share("int8") > 0.05
+
+
+def test_counts_read_as_users_write_them() -> None:
+    assert parse_count("8B") == 8e9 and parse_count("125M") == 125e6
+    assert parse_count("4.9e6") == 4.9e6 and parse_count("1000") == 1000
+
+
+def test_the_command_prints_every_dtype_and_refuses_bad_values(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert planner.main(["--params", "8B", "--step-s", "2", "--link-mbit", "1000"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"\n{d} " in out for d in ("float32", "bfloat16", "int8", "int4"))
+    # 2 groups: 8e9 values x 1.03125 B = 66 Gbit, 66 s at 1 Gbit/s: 33 steps of 2 s
+    assert "sync_steps 33 (suggested: hides an int8 sync)" in out
+    with pytest.raises(SystemExit) as info:
+        planner.main(["--params", "8B", "--step-s", "0", "--link-mbit", "1000"])
+    assert info.value.code == 2
