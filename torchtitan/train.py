@@ -69,7 +69,10 @@ RUN_INSTEAD_STATUS = 3
 def command_instead(argv: list[str]) -> list[str] | None:
     """Extension point: the command to run in place of this one, from the custom args module's
     ``run_instead(argv)`` (a job that needs something started first, e.g. a lighthouse),
-    decided from the flags and the TOML before anything is parsed; None to run as asked."""
+    decided from the flags and the TOML before anything is parsed; None to run as asked (and
+    for ``--help``, which is this command's)."""
+    if any(arg in ("-h", "--help") for arg in argv):
+        return None
     config_file = flag_value(argv, "job.config_file")
     module = custom_module(argv, load_toml(config_file) if config_file else {})
     run_instead = getattr(module, "run_instead", None)

@@ -155,3 +155,16 @@ def test_a_group_start_gets_its_own_devices(tmp_path: Path) -> None:
     job.lighthouse_address = "http://127.0.0.1:1"
     assert [job.group_environment(r)["CUDA_VISIBLE_DEVICES"] for r in (0, 1)] == ["0,1", "2,3"]
     assert "CUDA_VISIBLE_DEVICES" not in LocalJob(tmp_path, groups=2).group_environment(0)
+
+
+def test_help_is_never_run_elsewhere() -> None:
+    """``--help`` on the short semi-sync command line prints this command's help."""
+    from torchtitan.train import command_instead
+
+    semi_sync = [
+        "--job.custom_args_module=torchtitan.experiments.fault_tolerance.job_config",
+        "--fault_tolerance.semi_sync_method=diloco",
+    ]
+    assert command_instead(semi_sync) is not None
+    assert command_instead([*semi_sync, "--help"]) is None
+    assert command_instead(["--training.steps=3"]) is None  # no custom module: nothing else
