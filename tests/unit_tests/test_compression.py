@@ -452,10 +452,14 @@ def _collectives_worker(rank: int, world_size: int, store_path: str, out_dir: st
 
 
 def _dead_peer_worker(rank: int, world_size: int, store_path: str, out_dir: str) -> None:
-    """Rank 1 leaves right after joining; rank 0's collective must fail into on_error."""
+    """Rank 1 leaves right after the group has formed; rank 0's collective must fail into
+    on_error."""
     pg = _init(rank, world_size, store_path, timeout_s=5)
+    # Both ranks are connected before rank 1 goes (leaving during gloo's connection setup
+    # would fail rank 0's init instead of its collective, on a loaded machine).
+    dist.barrier()
     if rank == 1:
-        os._exit(0)  # gone before taking part in any collective
+        os._exit(0)  # gone before taking part in the compressed collective
     runner = AsyncCompressedAllReduce()
     errors: list[Exception] = []
     feedback = ErrorFeedback()
