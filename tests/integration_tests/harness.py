@@ -103,6 +103,17 @@ class FTJob(LocalJob):
             time.sleep(0.2)
         raise AssertionError(f"nobody asked for a quorum:\n{tail(self.latest(replica_id).text())}")
 
+    def _others(self, replica_id: int) -> str:
+        """The other groups' latest output, for a failure message: a group that waits for a
+        quorum in vain usually waits for one of them that died."""
+        parts = [
+            f"\n--- group {r} ({'running' if self.latest(r).alive() else 'exited'}):\n"
+            f"{tail(self.latest(r).text())}"
+            for r in sorted(self.starts)
+            if r != replica_id
+        ]
+        return "".join(parts)
+
     def all_text(self, replica_id: int) -> str:
         return "".join(group.text() for group in self.starts.get(replica_id, []))
 
@@ -159,12 +170,12 @@ class FTJob(LocalJob):
                     return events
                 raise AssertionError(
                     f"group {replica_id} exited ({run.returncode}) before {count}x "
-                    f"event {name}:\n{tail(run.text())}"
+                    f"event {name}:\n{tail(run.text())}{self._others(replica_id)}"
                 )
             if time.monotonic() > deadline:
                 raise AssertionError(
                     f"group {replica_id}: no {count}x event {name} within {timeout:.0f}s:\n"
-                    f"{tail(run.text())}"
+                    f"{tail(run.text())}{self._others(replica_id)}"
                 )
             time.sleep(0.2)
 
