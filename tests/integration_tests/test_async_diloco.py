@@ -80,24 +80,30 @@ def test_clean_run_syncs_identical_global_params(
 def test_groups_of_different_speeds_take_different_inner_steps_and_agree(
     ft_job: Callable[..., FTJob],
 ) -> None:
-    """DyLU (and Delayed Nesterov) with a straggler: group 1 computes 4x the work of a step
-    (``emulate_slowdown``, real compute). After its first period it takes fewer inner steps
-    per period than sync_steps=8, and fewer than group 0 (which fills the time group 1's
-    steps take: about 8); both pass the same 6 sync points, every sync is committed by both
-    with identical global digests, each sync's two weights are the groups' token shares and
-    add up to 1, and both end with the same model after their own numbers of steps."""
+    """DyLU (and Delayed Nesterov) with a straggler: group 1's steps take 4x as long as
+    group 0's, with 4x the work of a step (``emulate_slowdown``, real compute) and 4x the
+    pause after it (0.4 s against 0.1 s). The pauses set the ratio whatever the load on the
+    machine's cores: with compute alone, a period of milliseconds measured beside other
+    tests' processes gave group 1 a full period now and then. After its first period group 1
+    takes fewer inner steps per period than sync_steps=8, and fewer than group 0 (which fills
+    the time group 1's steps take: about 8); both pass the same 6 sync points, every sync is
+    committed by both with identical global digests, each sync's two weights are the groups'
+    token shares and add up to 1, and both end with the same model after their own numbers
+    of steps."""
     periods, sync_steps = 6, 8
     steps = periods * sync_steps
     base = [
-        *args(SEMI_SYNC_MODULE, "async_eager", f"--training.steps={steps}"),
+        *args(FAULTS_MODULE, "async_eager", f"--training.steps={steps}"),
         f"--fault_tolerance.sync_steps={sync_steps}",
         "--fault_tolerance.dynamic_local_steps",
         "--fault_tolerance.outer_momentum_every=2",  # Delayed Nesterov, in a real run too
     ]
     job = ft_job(groups=2, train_args=base)
     job.start_lighthouse()
-    job.start_group(0)
-    job.start_group(1, ["--fault_tolerance.emulate_slowdown=4"])
+    job.start_group(0, ["--fault_injection.step_sleep_s=0.1"])
+    job.start_group(
+        1, ["--fault_tolerance.emulate_slowdown=4", "--fault_injection.step_sleep_s=0.4"]
+    )
     for r in range(2):
         assert job.wait_exit(r, timeout=300) == 0, tail(job.latest(r).text())
     per_group = [syncs(job.events(r, SYNC)) for r in range(2)]
