@@ -55,6 +55,12 @@ MUTANTS = [
         "divide_by = 1",
     ),
     Mutant(
+        "transport: an average is divided by 2, whatever the number of groups",
+        f"{PACKAGE}/transport.py",
+        "divide_by = manager.num_participants() if average else 1",
+        "divide_by = 2 if average else 1",
+    ),
+    Mutant(
         "transport: a healing group sends its own values instead of zeros",
         f"{PACKAGE}/transport.py",
         "tensor.zero_()  # a healing group sends nothing",
@@ -131,6 +137,18 @@ MUTANTS = [
         f"{PACKAGE}/trainer.py",
         "return self.training_done() and self.algorithm.local_step() == 0",
         "return self.training_done()",
+    ),
+    Mutant(
+        "async DiLoCo: a failed all-reduce in flight is checkpointed as arrived",
+        f"{PACKAGE}/async_diloco.py",
+        "flight.arrived = not failed",
+        "flight.arrived = True",
+    ),
+    Mutant(
+        "async DiLoCo: eager_share's own share assumes two groups",
+        f"{PACKAGE}/async_diloco.py",
+        "1 / max(1, self.manager.num_participants())",
+        "1 / 2",
     ),
 ]
 

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.distributed import ReduceOp
 
 from torchtitan.experiments.fault_tolerance import async_diloco
 from torchtitan.experiments.fault_tolerance.async_diloco import (
@@ -35,19 +36,27 @@ def as_trainer(group: Group) -> Any:
 
 
 class Work:
-    def __init__(self, cluster: Cluster, round_: int) -> None:
-        self.cluster, self.round = cluster, round_
+    def __init__(self, cluster: Cluster, round_: int, manager: FakeManager) -> None:
+        self.cluster, self.round, self.manager = cluster, round_, manager
 
     def wait(self) -> None:
+        """As torchft's managed work: a failed collective is recorded by the Manager (its
+        ``errored()``), not raised, and the buffer keeps what it held."""
+        if self.round in self.cluster.failing:
+            self.manager.error = RuntimeError(f"all-reduce round {self.round} failed")
+            return
         self.cluster.reduce(self.round)
 
 
 class Cluster:
-    """An all-reduce among the groups' Managers: round ``r`` is every group's ``r``-th call."""
+    """An all-reduce among the groups' Managers: round ``r`` is every group's ``r``-th call.
+    ``failing`` holds rounds whose collective fails on every group."""
 
     def __init__(self) -> None:
         self.rounds: dict[int, list[torch.Tensor]] = {}
         self.done: set[int] = set()
+        self.failing: set[int] = set()
+        self.members: list[FakeManager] = []
 
     def reduce(self, round_: int) -> None:
         if round_ in self.done:
@@ -60,13 +69,19 @@ class Cluster:
 
 
 class FakeManager:
-    """What AsyncDiLoCo asks of the sync Manager, for one group."""
+    """What AsyncDiLoCo asks of the sync Manager, for one group in a quorum of every group of
+    its cluster: ``num_participants`` counts them, an error recorded by a failed collective
+    makes ``errored``, ``sync_failed`` and ``should_commit`` say so until the next quorum, as
+    the trainer's ``SyncManager`` over torchft's Manager does."""
 
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
+        cluster.members.append(self)
         self.calls = 0
         self.step = 0
+        #: False: this group's commit says no (a peer failed), without an error of its own.
         self.commit = True
+        self.error: Exception | None = None
         self.fns: dict[str, tuple[Any, Any]] = {}
         self.heal_from: FakeManager | None = None
         #: Times the error-feedback residuals were forgotten (after a heal).
@@ -76,16 +91,25 @@ class FakeManager:
         self.fns[key] = (load, save)
 
     def start_quorum(self) -> None:
+        self.error = None
         if self.heal_from is not None:
             for key, (load, _) in self.fns.items():
                 load(self.heal_from.fns[key][1]())
             self.step = self.heal_from.step
             self.heal_from = None
 
-    def allreduce(self, buffer: torch.Tensor, reduce_op: Any = None, exact: bool = False) -> Work:
+    def allreduce(
+        self,
+        buffer: torch.Tensor,
+        should_quantize: bool = False,
+        reduce_op: Any = None,
+        *,
+        exact: bool = False,
+    ) -> Work:
+        assert not should_quantize and reduce_op == ReduceOp.SUM, (should_quantize, reduce_op)
         self.cluster.rounds.setdefault(self.calls, []).append(buffer)
         self.calls += 1
-        return Work(self.cluster, self.calls - 1)
+        return Work(self.cluster, self.calls - 1, self)
 
     def flush(self) -> None:
         pass
@@ -94,24 +118,24 @@ class FakeManager:
         return 0, None
 
     def sync_failed(self) -> bool:
-        return False
+        return self.error is not None
 
     def reset_error_feedback(self) -> None:
         self.feedback_resets += 1
 
     def should_commit(self) -> bool:
-        if self.commit:
-            self.step += 1
-        return self.commit
+        committed = self.commit and self.error is None
+        self.step += committed
+        return committed
 
     def current_step(self) -> int:
         return self.step
 
     def num_participants(self) -> int:
-        return 2
+        return len(self.cluster.members)
 
-    def errored(self) -> None:
-        return None
+    def errored(self) -> Exception | None:
+        return self.error
 
     def allow_state_dict_read(self) -> None:
         pass
@@ -260,26 +284,27 @@ def test_eager_starts_where_the_outer_optimizer_would_go_on_its_own_pseudo_gradi
         assert torch.equal(g, b)
 
 
-def test_eager_share_applies_its_share_now_and_the_others_when_the_average_arrives():
-    """outer SGD lr 0.7 without momentum, 2 groups: after sync point 1 each group's model is the
-    global copy moved by 0.7 x its own pseudo-gradient / 2; after sync point 2 (the average of
-    period 1 arrived, the next period's share applied) the global copy has taken the average,
-    and every pseudo-gradient counted once, with weight 1/2 (arXiv 2502.12996's eager update)."""
+@pytest.mark.parametrize("count", [2, 3])
+def test_eager_share_applies_its_share_now_and_the_others_when_the_average_arrives(count):
+    """outer SGD lr 0.7 without momentum, 2 and 3 groups: after sync point 1 each group's model
+    is the global copy moved by 0.7 x its own pseudo-gradient / count (the number of groups in
+    the quorum); after sync point 2 (the average of period 1 arrived, the next period's share
+    applied) the global copy has taken the average, and every pseudo-gradient counted once,
+    with weight 1 / count (arXiv 2502.12996's eager update)."""
     cluster = Cluster()
     plain = dict(update="eager_share", outer_lr=0.7, outer_momentum=0.0)
-    groups = [Group(cluster, seed, **plain) for seed in (1, 2)]
+    groups = [Group(cluster, seed, **plain) for seed in range(1, count + 1)]
     before = [p.detach().clone() for p in groups[0].model.parameters()]
     ends = [models_at_sync_points(g) for g in groups]
     run(groups, 4)
-    for g, own_end in zip(groups, (ends[0][0], ends[1][0]), strict=True):
-        for p, b, e in zip(g.model.parameters(), before, own_end, strict=True):
-            torch.testing.assert_close(p.detach(), b - 0.7 * (b - e) / 2, rtol=0, atol=1e-6)
+    for g, own in zip(groups, ends, strict=True):
+        for p, b, e in zip(g.model.parameters(), before, own[0], strict=True):
+            torch.testing.assert_close(p.detach(), b - 0.7 * (b - e) / count, rtol=0, atol=1e-6)
     run(groups, 4)
     for g in groups:
-        for t, b, e0, e1 in zip(
-            g.loop.global_parameters(0).values(), before, ends[0][0], ends[1][0], strict=True
-        ):
-            torch.testing.assert_close(t, b - 0.7 * ((b - e0) + (b - e1)) / 2, rtol=0, atol=1e-6)
+        for k, (t, b) in enumerate(zip(g.loop.global_parameters(0).values(), before, strict=True)):
+            mean = sum(b - list(own[0])[k] for own in ends) / count
+            torch.testing.assert_close(t, b - 0.7 * mean, rtol=0, atol=1e-6)
 
 
 def test_outer_sgd_direction_matches_torch_sgd():
@@ -312,6 +337,39 @@ def test_an_uncommitted_sync_is_dropped_alike_and_the_local_copy_follows():
         g.manager.commit = True
     seen = run(groups, 8)
     assert all(torch.equal(x, y) for x, y in zip(seen[0][-1], seen[1][-1], strict=True))
+
+
+def test_a_failed_all_reduce_in_flight_is_dropped_by_every_group_and_never_saved_as_arrived():
+    """Sync 1's collective fails on every group (torchft records the error, it does not raise
+    it). A checkpoint taken mid-period after that keeps nothing as arrived and says the sync is
+    still in flight; at the next sync point no group commits it or applies it, the local copy
+    follows the unchanged global copy, and the next sync is committed again with the error
+    cleared by its quorum."""
+    cluster = Cluster()
+    groups = [Group(cluster, seed) for seed in (1, 2, 3)]
+    run(groups, 4)  # sync point 1: sync 1 started (rounds 0 and 1 of the cluster)
+    cluster.failing |= {0, 1}
+    before = [g.globals_() for g in groups]
+    run(groups, 1)
+    for g in groups:
+        state = g.loop.extra_state()
+        assert g.manager.errored() is not None and g.manager.sync_failed()
+        assert state["arrived"]["fragment"] == -1 and state["arrived"]["tokens"] == 0.0
+        assert g.loop.in_flight(0)
+    run(groups, 3)  # sync point 2: sync 1 dropped, sync 2 started
+    for g, b in zip(groups, before, strict=True):
+        outcome = g.loop.last_outcome(g.manager)
+        assert outcome is not None and outcome.committed is False and outcome.groups == 3
+        assert all(torch.equal(x, y) for x, y in zip(g.globals_(), b, strict=True))
+        assert g.manager.errored() is None  # the quorum of sync 2 cleared it
+    run(groups, 4)  # sync point 3: sync 2 committed by all
+    seen = [g.globals_() for g in groups]
+    for g in groups:
+        outcome = g.loop.last_outcome(g.manager)
+        assert outcome is not None and outcome.committed and g.manager.step == 1
+    assert not all(torch.equal(x, y) for x, y in zip(seen[0], before[0], strict=True))
+    for other in seen[1:]:
+        assert all(torch.equal(x, y) for x, y in zip(seen[0], other, strict=True))
 
 
 def test_a_group_that_heals_sends_weight_zero_and_takes_the_global_copy():

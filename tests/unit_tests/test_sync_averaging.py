@@ -1,14 +1,15 @@
 """Every semi-sync method really averages every parameter, whatever its size and dtype.
 
-Two replica groups (real gloo process groups, one thread each; ``gloo_groups``) train the same
-model on different data and sync. With outer lr 1 and momentum 0 a sync must move every
-global parameter by exactly the mean of what the groups sent: for LocalSGD the mean of their
-parameters, for DiLoCo and async DiLoCo the mean of their pseudo-gradients, which for DiLoCo
-and async ``delayed`` (periods that start from the global copy) makes the global parameters
-the mean of the groups' local ones. Exact up to fp32 rounding for float32, within the codec's
-stated bound otherwise (``compression.py``: half a quantization step, ``absmax / qmax / 2``, per
-encoding; bfloat16: 2^-8 relative). The bucket is lowered to 300 values, so the model has
-tensors larger than a bucket, tensors packed together, and a bucket that a tensor does not fit.
+Two replica groups, and three for a few cases (real gloo process groups, one thread each;
+``gloo_groups``), train the same model on different data and sync. With outer lr 1 and momentum
+0 a sync must move every global parameter by exactly the mean of what the groups sent: for
+LocalSGD the mean of their parameters, for DiLoCo and async DiLoCo the mean of their pseudo-
+gradients, which for DiLoCo and async ``delayed`` (periods that start from the global copy)
+makes the global parameters the mean of the groups' local ones. Exact up to fp32 rounding for
+float32, within the codec's stated bound otherwise (``compression.py``: half a quantization
+step, ``absmax / qmax / 2``, per encoding; bfloat16: 2^-8 relative). The bucket is lowered to
+300 values, so the model has tensors larger than a bucket, tensors packed together, and a bucket
+that a tensor does not fit.
 """
 
 from __future__ import annotations
@@ -97,13 +98,15 @@ def flat(tensors: Any) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1).float() for t in tensors])
 
 
-def train_and_record(rank: int, pg: Any, method: str, dtype: str) -> dict[str, Any]:
+def train_and_record(
+    rank: int, pg: Any, method: str, dtype: str, groups: int = GROUPS
+) -> dict[str, Any]:
     """One group: 3 syncs; per sync the tensors it sent (flat, in call order, divided by its
     token count for async DiLoCo), the global parameters of the synced fragment before and
     after, and its local parameters of that fragment at the sync point."""
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    manager = LoopbackManager(pg, rank, GROUPS)
+    manager = LoopbackManager(pg, rank, groups)
     loop: Any = None
     sync = sync_manager(
         manager, dtype, bucket_numel=BUCKET, fragment_of_sync=lambda: loop.current_fragment()
@@ -211,30 +214,40 @@ def bound(sent: list[torch.Tensor], dtype: str) -> torch.Tensor:
     return (own + reduced / qmax / 2) / len(sent)
 
 
-CASES = [("localsgd", "float32")] + [
-    (method, dtype)
+CASES = [("localsgd", "float32", GROUPS)] + [
+    (method, dtype, GROUPS)
     for method in ("diloco", "streaming_diloco", "streaming_diloco_delayed")
     + ("async_eager", "async_eager_share", "async_delayed")
     for dtype in PSEUDO_GRAD_DTYPES
 ]
+# Three groups: an average divided by 2 whatever the quorum's size fails here.
+CASES += [
+    ("localsgd", "float32", 3),
+    ("diloco", "int4", 3),
+    ("streaming_diloco", "bfloat16", 3),
+    ("async_eager", "int8", 3),
+    ("async_delayed", "float32", 3),
+]
 
 
-@pytest.mark.parametrize(("method", "dtype"), CASES)
+@pytest.mark.parametrize(("method", "dtype", "groups"), CASES)
 def test_a_sync_moves_every_global_parameter_by_the_mean_of_what_the_groups_sent(
-    method: str, dtype: str
+    method: str, dtype: str, groups: int
 ) -> None:
-    records = run_groups(GROUPS, lambda r, pg: train_and_record(r, pg, method, dtype))
-    first, second = records
-    assert all(first["commits"]) and all(second["commits"]), (first["commits"], second["commits"])
-    assert len(first["after"]) >= 3 and len(first["after"]) == len(second["after"])
+    records = run_groups(groups, lambda r, pg: train_and_record(r, pg, method, dtype, groups))
+    first = records[0]
+    assert all(all(r["commits"]) for r in records), [r["commits"] for r in records]
+    assert len(first["after"]) >= 3
+    assert all(len(r["after"]) == len(first["after"]) for r in records)
     largest = max(t.numel() for t in make_model().parameters())
     assert largest > BUCKET  # the case torchft 0.2.0's bucketing dropped
     for sync in range(len(first["after"])):
-        sent = [first["sent"][sync], second["sent"][sync]]
-        mean = (sent[0].double() + sent[1].double()) / 2
+        sent = [r["sent"][sync] for r in records]
+        mean = sum(s.double() for s in sent) / groups
         # Every group applied the same bits.
-        same = torch.equal(first["after"][sync], second["after"][sync])
-        assert same, f"sync {sync}: the groups' global parameters differ ({method}, {dtype})"
+        for other in records[1:]:
+            same = torch.equal(first["after"][sync], other["after"][sync])
+            assert same, f"sync {sync}: the groups' global parameters differ ({method}, {dtype})"
         before, after = first["before"][sync].double(), first["after"][sync].double()
         if method == "localsgd":
             moved_to, expected = after, mean  # the parameters become the mean
@@ -249,7 +262,7 @@ def test_a_sync_moves_every_global_parameter_by_the_mean_of_what_the_groups_sent
         assert mean.abs().max() > 10 * rounding  # the groups did send something
         if method in ("diloco", "streaming_diloco", "streaming_diloco_delayed", "async_delayed"):
             # Periods start from the global copy: the globals become the mean of the locals.
-            locals_ = (first["local"][sync].double() + second["local"][sync].double()) / 2
+            locals_ = sum(r["local"][sync].double() for r in records) / groups
             gap = (after - locals_).abs() - bound(sent, dtype).double() - 2 * rounding
             assert gap.max().item() <= 0, f"sync {sync}: globals are not the locals' mean"
 
