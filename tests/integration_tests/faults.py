@@ -88,7 +88,8 @@ class FaultInjection:
     """Sleep this long after every step (a longer period)."""
 
     corrupt_global_after_sync: int = 0
-    """After this group's sync K, add 1e-3 to one element of its DiLoCo global copy. 0: never."""
+    """After this group's sync K (the first time it gets there), add 1e-3 to one element of its
+    DiLoCo global copy. 0: never."""
 
     fail_syncs_from: int = 0
     """From sync K on, this group fails every sync after its all-reduce (its commit says no).
@@ -186,11 +187,15 @@ class StallingTrainer(StepFaults, SemiSyncTrainer):
             return allreduce(tensor, *args, **kwargs)
 
         self.sync.allreduce = allreduce_with_faults  # type: ignore[method-assign]
+        self._corrupted = False
 
     def _report_sync(self, step: int) -> None:
         super()._report_sync(step)
         sync = self.ft.manager.current_step()  # type: ignore[union-attr]
-        if sync == self.faults.corrupt_global_after_sync and self.method == "diloco":
+        # Once: a group that steps back after the agreement check is at sync K again.
+        corrupt = sync == self.faults.corrupt_global_after_sync and not self._corrupted
+        if corrupt and self.method == "diloco":
+            self._corrupted = True
             first = next(iter(self.algorithm.global_parameters(0).values()))
             first.view(-1)[0] += 1e-3
             CORRUPTED.emit(sync=sync)

@@ -36,10 +36,12 @@ from torchtitan.components.ft.manager import QUORUM_FORMED, QUORUM_WAITING
 from torchtitan.components.metrics import TRAIN_STEP
 from torchtitan.experiments.fault_tolerance.events import (
     ASKING_FOR_QUORUM,
+    DIFFERS_FROM_MAJORITY,
     FINAL_DIGEST,
     GLOBAL_DIGEST,
     GLOBAL_FROM_LOADED_MODEL,
     HEALED,
+    MINORITY_ELSEWHERE,
     OWN_CHECKPOINT_REJECTED,
     SYNC,
 )
@@ -218,6 +220,63 @@ def test_agreement_check_catches_a_corrupted_group(ft_job: Callable[..., FTJob])
         digests = global_digests(job.events(r, GLOBAL_DIGEST))
         assert sorted(digests) == [1, 2]  # sync #3 was never made
     print(f"caught at the next quorum: {errors[0]}")
+
+
+def test_with_three_groups_the_minority_heals_from_the_majority(
+    ft_job: Callable[..., FTJob],
+) -> None:
+    """Three groups, agreement_check_every=2: group 2's DiLoCo global copy is changed by one
+    number after sync #3. No check is due before sync #4 (3 syncs made), so sync #4 is made
+    with the copies apart; the check before sync #5 finds group 2 alone with its digest. Group 2
+    says it differs from the majority, groups 0 and 1 say a group elsewhere does; nobody commits
+    that attempt, group 2 heals from a majority group at the next one, and from then on all
+    three hold the majority's global parameters, which never took group 2's change: the
+    majority's digests never differ from each other, and the job finishes with one model."""
+    steps = 40  # 10 syncs of 4 steps
+    job = ft_job(
+        groups=3,
+        train_args=args(
+            FAULTS_MODULE,
+            "diloco",
+            f"--training.steps={steps}",
+            "--fault_tolerance.agreement_check_every=2",
+        ),
+    )
+    job.start_lighthouse()
+    job.start_group(0)
+    job.start_group(1)
+    job.start_group(2, ["--fault_injection.corrupt_global_after_sync=3"])
+    for r in range(3):
+        assert job.wait_exit(r, timeout=300) == 0, tail(job.latest(r).text())
+    assert [e.sync for e in job.events(2, CORRUPTED)] == [3]
+    differs = job.events(2, DIFFERS_FROM_MAJORITY)
+    assert [e.sync for e in differs] == [5], differs  # not before #4: the check was not due
+    assert len(differs[0]["digests"]) == 2, differs
+    for r in (0, 1):
+        elsewhere = job.events(r, MINORITY_ELSEWHERE)
+        assert [e.sync for e in elsewhere] == [5], elsewhere
+        assert elsewhere[0]["digests"] == differs[0]["digests"]
+        assert not job.events(r, DIFFERS_FROM_MAJORITY) and not job.events(r, HEALED)
+        dropped = [s.number for s in syncs(job.events(r, SYNC)) if not s.committed]
+        assert dropped == [5], dropped
+    healed = job.events(2, HEALED)
+    assert len(healed) == 1 and healed[0]["peer"] in (0, 1), healed
+    digests = [global_digests(job.events(r, GLOBAL_DIGEST)) for r in range(3)]
+    majority = assert_same_global_params(job, groups=2)  # groups 0 and 1 never differ
+    # 10 sync points, one of them the dropped attempt at #5: 9 syncs made.
+    assert sorted(majority) == list(range(1, steps // 4)), sorted(majority)
+    # Group 2 held the majority's copy up to #3 and from its heal on, and another at #4.
+    assert all(digests[2][n] == majority[n] for n in (1, 2, 3)), digests
+    assert digests[2][4] != majority[4], digests
+    after = [n for n in digests[2] if n > 4]
+    assert after and all(digests[2][n] == majority[n] for n in after), (after, digests)
+    final = [[e["digest"] for e in job.events(r, FINAL_DIGEST)] for r in range(3)]
+    assert final[0] == final[1] == final[2] and len(final[0]) == 1, final
+    print(
+        f"3 groups: group 2 corrupted after sync #3, found alone before sync #5 "
+        f"(digests {differs[0]['digests']}), healed from group {healed[0]['peer']} at sync "
+        f"#{healed[0].sync}; all end with {final[0][0]}"
+    )
 
 
 def test_min_replica_size_holds_in_semi_sync(ft_job: Callable[..., FTJob], tmp_path: Path) -> None:
