@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.unit_tests.fresh_interpreter import run_python
 from torchtitan.trainer import TRAINING_STARTED
 
@@ -37,11 +39,19 @@ def test_throughput_smoke_writes_its_figures(tmp_path: Path) -> None:
     figures = json.loads(output.read_text())
     assert figures["mode"] == "smoke"
     assert figures["measured_steps"] == figures["steps"] - figures["warmup_steps"] > 0
-    assert figures["tokens_per_s"] > 0
+    # The median of the measured steps lies between their slowest and fastest.
+    low, high = figures["tokens_per_s_min"], figures["tokens_per_s_max"]
+    assert 0 < low <= figures["tokens_per_s"] <= high
+    # FLOPs per token as the model counts them at the run's sequence length (read back from
+    # the trainer's step lines: a benchmark that read the wrong field or the wrong model fails).
+    from torchtitan.models.llama3 import llama3_configs
+
+    seq_len = int(next(a for a in figures["trainer_args"] if "seq_len" in a).split("=")[1])
+    _, model_flops = llama3_configs["debugmodel_small"].num_flops_per_token(seq_len)
+    assert figures["flops_per_token"] == pytest.approx(model_flops, rel=0.02)
+    mfu = 100 * figures["tokens_per_s"] * figures["flops_per_token"] / figures["matmul_peak_flops"]
+    assert figures["mfu_pct"] == pytest.approx(mfu) and 0 < mfu < 100
     assert 0 < figures["peak_rss_gib"] < 16
-    assert figures["matmul_peak_flops"] > 1e8
-    assert figures["flops_per_token"] > 0
-    assert 0 < figures["mfu_pct"] < 100
     assert figures["trainer_matmul_peak_flops"] > 1e8  # read from its train.started event
     sys.path.insert(0, str(REPO / "benchmarks"))
     assert importlib.import_module("throughput").TRAINING_STARTED == TRAINING_STARTED.name
