@@ -139,10 +139,10 @@ MUTANTS = [
         "return self.training_done()",
     ),
     Mutant(
-        "async DiLoCo: a failed all-reduce in flight is checkpointed as arrived",
+        "async DiLoCo: the checkpoint asks the group but not its Manager whether a sync failed",
         f"{PACKAGE}/async_diloco.py",
-        "flight.arrived = not failed",
-        "flight.arrived = True",
+        "failed = self.agree_in_group(int(self.manager.sync_failed()))",
+        "failed = self.agree_in_group(0)",
     ),
     Mutant(
         "async DiLoCo: eager_share's own share assumes two groups",
