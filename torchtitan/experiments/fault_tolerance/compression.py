@@ -97,7 +97,7 @@ __all__ = [
     "is_finite",
 ]
 
-PSEUDO_GRAD_DTYPES = ("float32", "bfloat16", "int8", "int4")
+from torchtitan.experiments.fault_tolerance.job_config import PSEUDO_GRAD_DTYPES  # noqa: E402
 
 # Elements per quantization block: one fp32 scale per block costs 4 / BLOCK bytes per element
 # (0.03 for 128), small next to the 1 or 0.5 bytes of the values themselves.
