@@ -26,6 +26,7 @@ from torchtitan.components.ft.build import MANAGER_STARTED
 from torchtitan.components.ft.manager import HEALED
 from torchtitan.components.metrics import TRAIN_STEP
 from torchtitan.tools.cluster import JOB_ENV, LocalJob, processes_with_env
+from torchtitan.tools.cluster.lighthouse import groups_waiting_at
 from torchtitan.tools.events import EVENTS_FOLDER, Event, EventKind, read_events
 from torchtitan.trainer import PARAM_DIGEST
 
@@ -87,13 +88,11 @@ class LauncherRun:
 
     def wait_quorum_request(self, timeout: float) -> None:
         """Until a group waits for a quorum at the launcher's lighthouse."""
-        from torchtitan.components.ft.torchft_adapter import lighthouse_groups_waiting
-
         self.wait_for(r"^\[launcher\] lighthouse at http://", timeout)
         found = re.search(r"^\[launcher\] lighthouse at (http://\S+)", self.text(), re.M)
         assert found is not None
         deadline = time.monotonic() + timeout
-        while lighthouse_groups_waiting(found.group(1)) == 0:
+        while groups_waiting_at(found.group(1)) == 0:
             if not self.process.alive() or time.monotonic() > deadline:
                 raise AssertionError(f"nobody asked for a quorum:\n{tail(self.text())}")
             time.sleep(0.2)

@@ -26,8 +26,6 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import logging
-import re
-import urllib.request
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -241,19 +239,3 @@ def replica_process_group(manager: Any) -> Any:
     reconfigures it at every quorum that changes membership): for collectives the Manager does
     not offer, such as compressed all-reduces."""
     return manager._pg
-
-
-# ---- the lighthouse ------------------------------------------------------------------------
-
-# The lighthouse's HTML status page names the groups waiting for a quorum like "[1/2
-# participants healthy]"; torchft 0.2.0 has no other way to ask for it.
-_WAITING = re.compile(r"\[(\d+)/\d+ participants healthy\]")
-
-
-def lighthouse_groups_waiting(address: str, timeout_s: float = 5.0) -> int:
-    """How many replica groups wait for a quorum at the lighthouse at ``address`` now
-    (``http://host:port``); raises ``OSError`` when the lighthouse cannot be reached."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(f"{address}/status", timeout=timeout_s) as response:
-        match = _WAITING.search(response.read().decode())
-    return int(match.group(1)) if match else 0

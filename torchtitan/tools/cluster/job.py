@@ -23,7 +23,11 @@ import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from torchtitan.tools.cluster.lighthouse import LighthouseSettings, wait_until_listening
+from torchtitan.tools.cluster.lighthouse import (
+    LighthouseSettings,
+    groups_waiting_at,
+    wait_until_listening,
+)
 from torchtitan.tools.cluster.ports import free_port
 from torchtitan.tools.cluster.process import Launch, Process, ProcessSpec, as_built, start
 from torchtitan.tools.cluster.process_tree import (
@@ -185,10 +189,7 @@ class LocalJob:
 
     def groups_waiting(self) -> int:
         """How many groups wait for a quorum at the lighthouse now."""
-        # Imported here: the adapter brings torch along, which a launcher does without.
-        from torchtitan.components.ft.torchft_adapter import lighthouse_groups_waiting
-
-        return lighthouse_groups_waiting(self.lighthouse_address)
+        return groups_waiting_at(self.lighthouse_address)
 
     # ---- replica groups ----------------------------------------------------------------------
 

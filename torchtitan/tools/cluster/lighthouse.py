@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,3 +77,18 @@ def wait_until_listening(lighthouse: Process, settings: LighthouseSettings, port
         f"torchft_lighthouse ({' '.join(settings.command(port))}) did not listen within "
         f"{settings.start_timeout_s:g}s (exit code {lighthouse.poll()}):\n{lighthouse.tail()}"
     )
+
+
+# The lighthouse's HTML status page names the groups waiting for a quorum like "[1/2
+# participants healthy]"; torchft 0.2.0 has no other way to ask for it (its version is pinned
+# in components/ft/torchft_adapter.py).
+_WAITING = re.compile(r"\[(\d+)/\d+ participants healthy\]")
+
+
+def groups_waiting_at(address: str, timeout_s: float = 5.0) -> int:
+    """How many replica groups wait for a quorum at the lighthouse at ``address`` now
+    (``http://host:port``); raises ``OSError`` when the lighthouse cannot be reached."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(f"{address}/status", timeout=timeout_s) as response:
+        match = _WAITING.search(response.read().decode())
+    return int(match.group(1)) if match else 0
