@@ -1,7 +1,7 @@
 """What checkpoint checksums cost: save and load with them against plain DCP, same states.
 
-    .venv/bin/python benchmarks/checkpoint_checksums.py           # the README's figures
-    .venv/bin/python benchmarks/checkpoint_checksums.py --smoke   # seconds; the plumbing only
+    .venv/bin/python -m benchmarks.checkpoint_checksums           # the README's figures
+    .venv/bin/python -m benchmarks.checkpoint_checksums --smoke   # seconds; the plumbing only
 
 The states are the trainer's: a Llama 3 model, its AdamW (one step taken, so both moments
 exist), the LR schedule and the train state, in one process. Each repeat saves and loads them
@@ -33,12 +33,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import provenance  # noqa: E402
-from ft_common import load_average  # noqa: E402
-from train_entry import register_flavors  # noqa: E402
+from benchmarks import provenance
+from benchmarks.ft_common import load_average
+from benchmarks.train_entry import register_flavors
 
 TARGET = 0.10
 FLAVORS = ("debugmodel", "bench_512x8", "bench_1024x8")

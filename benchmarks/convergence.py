@@ -1,10 +1,10 @@
 """Convergence at equal tokens: held-out loss of one group, synchronous DP, LocalSGD, DiLoCo,
 Streaming DiLoCo and async DiLoCo on the embedded corpus; or, with a straggler, against time.
 
-    .venv/bin/python benchmarks/convergence.py             # the README's figures (~35 min)
-    .venv/bin/python benchmarks/convergence.py --smoke     # seconds; checks the plumbing only
-    .venv/bin/python benchmarks/convergence.py --straggler 2   # blocking vs async + DyLU
-    .venv/bin/python benchmarks/convergence.py --sweep-outer-lr 0.5 1.0 \
+    .venv/bin/python -m benchmarks.convergence             # the README's figures (~35 min)
+    .venv/bin/python -m benchmarks.convergence --smoke     # seconds; checks the plumbing only
+    .venv/bin/python -m benchmarks.convergence --straggler 2   # blocking vs async + DyLU
+    .venv/bin/python -m benchmarks.convergence --sweep-outer-lr 0.5 1.0 \
         --sweep-outer-momentum 0.5 0.9                     # DiLoCo only, one run per pair
 
 Setup (defaults): the debug Llama (4.85M parameters), sequences of 128 tokens, batches of 8 per
@@ -53,13 +53,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import ft_common as common  # noqa: E402
-import provenance  # noqa: E402
-
-from torchtitan.tools.cluster import LocalJob  # noqa: E402
-from torchtitan.trainer import TRAINING_STARTED, VALIDATION  # noqa: E402
+from benchmarks import ft_common as common
+from benchmarks import provenance
+from torchtitan.tools.cluster import LocalJob
+from torchtitan.trainer import TRAINING_STARTED, VALIDATION
 
 CONFIGS = ["single_group", "sync_dp", "localsgd", "diloco", "streaming_diloco", "async_eager",
            "async_delayed", "async_eager_share", "async_eager_dn", "async_delayed_dn",

@@ -15,13 +15,9 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # the benchmarks run from a clone without installing it
-
-from torchtitan.components.metrics import TRAIN_STEP  # noqa: E402
-from torchtitan.experiments.fault_tolerance.events import SYNC  # noqa: E402
-from torchtitan.tools.cluster import (  # noqa: E402
+from torchtitan.components.metrics import TRAIN_STEP
+from torchtitan.experiments.fault_tolerance.events import SYNC
+from torchtitan.tools.cluster import (
     GroupLaunch,
     Launch,
     LighthouseSettings,
@@ -29,8 +25,8 @@ from torchtitan.tools.cluster import (  # noqa: E402
     Process,
     ProcessSpec,
 )
-from torchtitan.tools.cluster.process import as_built  # noqa: E402
-from torchtitan.tools.events import (  # noqa: E402
+from torchtitan.tools.cluster.process import as_built
+from torchtitan.tools.events import (
     EVENTS_FOLDER,
     Event,
     EventKind,
@@ -38,9 +34,12 @@ from torchtitan.tools.events import (  # noqa: E402
     event_file_path,
     read_events,
 )
-from torchtitan.trainer import VALIDATION  # noqa: E402
+from torchtitan.trainer import VALIDATION
 
-TRAIN_ENTRY = REPO / "benchmarks" / "train_entry.py"
+REPO = Path(__file__).resolve().parents[1]
+
+#: How a benchmark starts a trainer (from the repository root, as a job's processes run).
+TRAIN_ENTRY = [sys.executable, "-m", "benchmarks.train_entry"]
 SEMI_SYNC_MODULE = "--job.custom_args_module=torchtitan.experiments.fault_tolerance.job_config"
 # The semi-sync config plus trainers that emit per-step timing events (benchmarks/timed_trainer.py).
 TIMED_MODULE = "--job.custom_args_module=benchmarks.timed_trainer"
@@ -134,14 +133,14 @@ def trainer_job(
     launch_group: GroupLaunch = pin_to_core,
     launch_lighthouse: Launch = as_built,
 ) -> LocalJob:
-    """A job whose replica groups are one ``benchmarks/train_entry.py`` process each (one
+    """A job whose replica groups are one ``python -m benchmarks.train_entry`` process each (one
     thread, group i on core i unless ``launch_group`` says otherwise), without colour codes in
     their logs. Default lighthouse: every group needed for a quorum, 5 s heartbeat timeout.
     The caller starts the lighthouse and groups it needs."""
     return LocalJob(
         folder,
         groups=groups,
-        entry=[sys.executable, str(TRAIN_ENTRY)],
+        entry=TRAIN_ENTRY,
         train_args=[
             f"--job.dump_folder={folder / GROUPS_DUMP}",
             "--metrics.disable_color_printing",
@@ -162,8 +161,7 @@ def start_alone(
     of ``job`` named ``name``, with the dump folder ``<job folder>/<name>``; ``launch`` as for
     a job's groups."""
     argv = [
-        sys.executable,
-        str(TRAIN_ENTRY),
+        *TRAIN_ENTRY,
         f"--job.dump_folder={job.folder / name}",
         "--metrics.disable_color_printing",
         *train_args,

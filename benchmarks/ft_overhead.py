@@ -1,7 +1,7 @@
 """Throughput cost of fault tolerance: 2 replica groups, each pinned to its own core.
 
-    .venv/bin/python benchmarks/ft_overhead.py            # the README's figures (~15 min)
-    .venv/bin/python benchmarks/ft_overhead.py --smoke    # seconds; checks the plumbing only
+    .venv/bin/python -m benchmarks.ft_overhead            # the README's figures (~15 min)
+    .venv/bin/python -m benchmarks.ft_overhead --smoke    # seconds; checks the plumbing only
 
 Methods, each with 2 groups of 1 process (``taskset -c 0`` and ``-c 1``, OMP_NUM_THREADS=1):
 
@@ -24,13 +24,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import ft_common as common  # noqa: E402
-import provenance  # noqa: E402
-
-from torchtitan.components.metrics import TRAIN_STEP  # noqa: E402
-from torchtitan.experiments.fault_tolerance.events import SYNC  # noqa: E402
+from benchmarks import ft_common as common
+from benchmarks import provenance
+from torchtitan.components.metrics import TRAIN_STEP
+from torchtitan.experiments.fault_tolerance.events import SYNC
 
 ORDER = ["no_ft", "sync_ft", "localsgd", "diloco", "streaming_diloco"]
 

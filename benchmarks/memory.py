@@ -1,7 +1,7 @@
 """Peak resident memory of DiLoCo (and the other methods) against training without FT.
 
-    .venv/bin/python benchmarks/memory.py            # the README's figures (~8 min)
-    .venv/bin/python benchmarks/memory.py --smoke    # seconds; checks the plumbing only
+    .venv/bin/python -m benchmarks.memory            # the README's figures (~8 min)
+    .venv/bin/python -m benchmarks.memory --smoke    # seconds; checks the plumbing only
 
 The model is ``bench_1024x8`` (``benchmarks/train_entry.py``: dim 1024, 8 layers, 16 heads,
 8 kv heads, byte vocabulary; 94.9M parameters, 380 MB in fp32) with sequences of 64 tokens and
@@ -24,11 +24,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import ft_common as common  # noqa: E402
-import provenance  # noqa: E402
-from train_entry import BENCH_FLAVORS  # noqa: E402
+from benchmarks import ft_common as common
+from benchmarks import provenance
+from benchmarks.train_entry import BENCH_FLAVORS
 
 # method name -> (base method of ft_common.METHODS, extra semi-sync flags)
 VARIANTS: dict[str, tuple[str, list[str]]] = {

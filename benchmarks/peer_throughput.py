@@ -1,8 +1,8 @@
 """Trainer throughput against the peer, upstream torchtitan 0.3.0, on this CPU; and our MFU
 against this machine's own measured matmul peak.
 
-    .venv/bin/python benchmarks/peer_throughput.py            # the README's figures (~6 min)
-    .venv/bin/python benchmarks/peer_throughput.py --smoke    # seconds; no peer unless installed
+    .venv/bin/python -m benchmarks.peer_throughput            # the README's figures (~6 min)
+    .venv/bin/python -m benchmarks.peer_throughput --smoke    # seconds; no peer unless installed
 
 The peer runs in its own virtual environment, ``benchmarks/.peer_venv`` (git-ignored), which
 this script creates on first use: ``pip install torch==2.13.0 torchtitan==0.3.0`` (about 2
@@ -35,13 +35,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import ft_common as common  # noqa: E402
-import provenance  # noqa: E402
-
-from torchtitan.components.metrics import TRAIN_STEP  # noqa: E402
-from torchtitan.tools.cluster import LocalJob, Process, free_port  # noqa: E402
+from benchmarks import ft_common as common
+from benchmarks import provenance
+from torchtitan.components.metrics import TRAIN_STEP
+from torchtitan.tools.cluster import LocalJob, Process, free_port
 
 PEER_VENV = common.REPO / "benchmarks" / ".peer_venv"
 PEER_RUNNER = common.REPO / "benchmarks" / "peer_shim" / "run_peer.py"
@@ -188,7 +185,7 @@ def matmul_peaks(
 def run_ours(folder: Path, args: argparse.Namespace) -> dict:
     cmd = [
         # The dump folder of a trainer alone (common.start_alone), where trainer_events looks.
-        sys.executable, str(common.TRAIN_ENTRY), f"--job.dump_folder={folder / 'ours'}",
+        *common.TRAIN_ENTRY, f"--job.dump_folder={folder / 'ours'}",
         "--model.flavor=debugmodel", f"--training.seq_len={args.seq_len}",
         f"--training.local_batch_size={args.batch}", f"--training.steps={args.steps}",
         f"--metrics.log_freq={args.log_freq}", "--validation.enable=false",

@@ -37,7 +37,7 @@ def output_help(file_name: str) -> str:
 def command_line(script: str, argv: list[str] | None) -> str:
     """How a benchmark was run: the script and its arguments (``argv``; None: this process's)."""
     args = sys.argv[1:] if argv is None else argv
-    return " ".join([f"benchmarks/{Path(script).name}", *map(shlex.quote, args)])
+    return " ".join(["python -m", f"benchmarks.{Path(script).stem}", *map(shlex.quote, args)])
 
 
 def _git(*args: str) -> str:

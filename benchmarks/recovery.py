@@ -1,8 +1,8 @@
 """Recovery and soak of DiLoCo across 2 replica groups, with SIGKILLed groups.
 
-    .venv/bin/python benchmarks/recovery.py                # the README's figures (~18 min)
-    .venv/bin/python benchmarks/recovery.py --minutes 3    # shorter soak
-    .venv/bin/python benchmarks/recovery.py --smoke        # ~1 min; checks the plumbing
+    .venv/bin/python -m benchmarks.recovery                # the README's figures (~18 min)
+    .venv/bin/python -m benchmarks.recovery --minutes 3    # shorter soak
+    .venv/bin/python -m benchmarks.recovery --smoke        # ~1 min; checks the plumbing
 
 Method: DiLoCo (1 fragment, H = ``--sync-steps``), the semi-synchronous method this project is
 about; groups meet only at syncs, so a kill costs at most the work since the last sync.
@@ -56,26 +56,23 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import ft_common as common  # noqa: E402
-import provenance  # noqa: E402
-
-from benchmarks.timed_trainer import HEAL_TRANSFER, TIMING  # noqa: E402
-from torchtitan.experiments.fault_tolerance.events import (  # noqa: E402
+from benchmarks import ft_common as common
+from benchmarks import provenance
+from benchmarks.timed_trainer import HEAL_TRANSFER, TIMING
+from torchtitan.experiments.fault_tolerance.events import (
     ASKING_FOR_QUORUM,
     GLOBAL_DIGEST,
     HEALED,
     SYNC,
 )
-from torchtitan.tools.cluster import (  # noqa: E402
+from torchtitan.tools.cluster import (
     LighthouseSettings,
     LocalJob,
     PeriodicKills,
     Process,
     Restarts,
 )
-from torchtitan.tools.events import Event  # noqa: E402
+from torchtitan.tools.events import Event
 
 # ---- what a start of a group emitted (its events, oldest first) ------------------------------
 

@@ -1,8 +1,8 @@
 """Training throughput of the debug model on CPU: tokens/s, peak memory, matmul peak and MFU.
 
-    .venv/bin/python benchmarks/throughput.py               # 40 steps of the debug TOML (~1 min)
-    .venv/bin/python benchmarks/throughput.py --steps 100
-    .venv/bin/python benchmarks/throughput.py --smoke       # seconds; checks the plumbing only
+    .venv/bin/python -m benchmarks.throughput               # 40 steps of the debug TOML (~1 min)
+    .venv/bin/python -m benchmarks.throughput --steps 100
+    .venv/bin/python -m benchmarks.throughput --smoke       # seconds; checks the plumbing only
 
 The trainer runs as a user runs it (``python -m torchtitan.train`` with
 ``torchtitan/models/llama3/train_configs/debug_model.toml``: Llama 3 ``debugmodel``, sequences
@@ -36,20 +36,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # run from a clone without installing it
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-import provenance  # noqa: E402
-import torch  # noqa: E402
-
-from torchtitan.components.metrics import (  # noqa: E402
+from benchmarks import provenance
+from torchtitan.components.metrics import (
     cpu_threads,
     measure_matmul_peak_flops,
     read_metrics,
 )
-from torchtitan.tools.events import EVENTS_FOLDER, read_events  # noqa: E402
+from torchtitan.tools.events import EVENTS_FOLDER, read_events
+
+REPO = Path(__file__).resolve().parents[1]
 
 DEBUG_TOML = REPO / "torchtitan/models/llama3/train_configs/debug_model.toml"
 # The name of torchtitan.trainer.TRAINING_STARTED (its test checks that they agree): importing

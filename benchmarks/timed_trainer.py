@@ -1,6 +1,6 @@
 """A custom args module for ``wan.py`` and ``recovery.py``: the trainers, with per-step timing.
 
-    .venv/bin/python benchmarks/train_entry.py --job.custom_args_module=benchmarks.timed_trainer
+    .venv/bin/python -m benchmarks.train_entry --job.custom_args_module=benchmarks.timed_trainer
 
 Its config is the semi-sync experiment's; the trainer is the core one, or the semi-sync one
 when ``fault_tolerance.semi_sync_method`` is set, each extended through its extension points.

@@ -1,6 +1,6 @@
 """``python -m torchtitan.train`` plus the benchmarks' own Llama 3 flavors.
 
-    .venv/bin/python benchmarks/train_entry.py --model.flavor=bench_1024x8 [--section.field=...]
+    .venv/bin/python -m benchmarks.train_entry --model.flavor=bench_1024x8 [--section.field=...]
 
 The flavors are registered in this process only (the config cannot set model dimensions), so
 every flag, TOML and the fault-tolerance experiment work as with ``run_train.sh``.
@@ -11,10 +11,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from torchtitan.config.model_names import add_flavors  # noqa: E402
-from torchtitan.models.llama3 import TransformerModelArgs, llama3_configs  # noqa: E402
+from torchtitan.config.model_names import add_flavors
+from torchtitan.models.llama3 import TransformerModelArgs, llama3_configs
 
 DEFAULT_CONFIG = "torchtitan/models/llama3/train_configs/debug_model.toml"
 

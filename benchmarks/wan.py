@@ -1,7 +1,7 @@
 """Compute utilisation over an emulated WAN: synchronous FT vs (Streaming, async) DiLoCo.
 
-    sudo .venv/bin/python benchmarks/wan.py            # the README's figures (~10 min)
-    sudo .venv/bin/python benchmarks/wan.py --smoke    # tens of seconds; checks the plumbing
+    sudo .venv/bin/python -m benchmarks.wan            # the README's figures (~10 min)
+    sudo .venv/bin/python -m benchmarks.wan --smoke    # tens of seconds; checks the plumbing
 
 Each replica group runs in its own network namespace, joined to the lighthouse's namespace by a
 veth pair and a bridge; each group's link is shaped with ``tc tbf`` to ``--rates`` Mbit/s in
@@ -34,17 +34,13 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import ft_common as common  # noqa: E402
-import netns  # noqa: E402
-import provenance  # noqa: E402
-
-from benchmarks.timed_trainer import TIMING  # noqa: E402
-from torchtitan.experiments.fault_tolerance.events import SYNC  # noqa: E402
-from torchtitan.tools.cluster import Launch, LighthouseSettings, Process, ProcessSpec  # noqa: E402
-from torchtitan.tools.events import Event  # noqa: E402
-from torchtitan.trainer import TRAINING_STARTED  # noqa: E402
+from benchmarks import ft_common as common
+from benchmarks import netns, provenance
+from benchmarks.timed_trainer import TIMING
+from torchtitan.experiments.fault_tolerance.events import SYNC
+from torchtitan.tools.cluster import Launch, LighthouseSettings, Process, ProcessSpec
+from torchtitan.tools.events import Event
+from torchtitan.trainer import TRAINING_STARTED
 
 LIGHTHOUSE_PORT = 19610  # inside the hub namespace only (a fresh network stack: always free)
 ORDER = ["no_ft", "sync_ft", "diloco", "streaming_diloco", "async_diloco", "async_dylu"]

@@ -12,7 +12,6 @@ import contextlib
 import importlib
 import json
 import logging
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,12 +32,9 @@ from torchtitan.tools.events import (
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import VALIDATION
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-
 
 def _module(name: str):  # noqa: ANN202
-    return importlib.import_module(name)
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 def _read(path: Path) -> dict:

@@ -1,5 +1,5 @@
-"""Smoke run of ``benchmarks/throughput.py --smoke``: a real trainer subprocess on the smallest
-model for a few steps must write a JSON with every figure. The numbers are only checked for
+"""Smoke run of ``python -m benchmarks.throughput --smoke``: a real trainer subprocess on the
+smallest model for a few steps must write a JSON with every figure. The numbers are only checked for
 sanity: CI machines are noisy."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 def run_smoke(script: str, *args: str) -> subprocess.CompletedProcess[str]:
     """``benchmarks/<script> --smoke ARGS`` to its end; it must exit 0."""
     result = subprocess.run(
-        [sys.executable, f"benchmarks/{script}", "--smoke", *args],
+        [sys.executable, "-m", f"benchmarks.{Path(script).stem}", "--smoke", *args],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -53,15 +53,15 @@ def test_throughput_smoke_writes_its_figures(tmp_path: Path) -> None:
     assert figures["mfu_pct"] == pytest.approx(mfu) and 0 < mfu < 100
     assert 0 < figures["peak_rss_gib"] < 16
     assert figures["trainer_matmul_peak_flops"] > 1e8  # read from its train.started event
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    assert importlib.import_module("throughput").TRAINING_STARTED == TRAINING_STARTED.name
+    benchmark = importlib.import_module("benchmarks.throughput")
+    assert benchmark.TRAINING_STARTED == TRAINING_STARTED.name
 
 
 def test_train_entry_lets_a_config_name_the_benchmark_flavors() -> None:
     """The memory benchmark's wide models (``benchmarks/train_entry.py``) pass the config's
     flavor check and build (in a subprocess: registering them changes this process's tables)."""
     code = (
-        "import sys; sys.path.insert(0, 'benchmarks'); import train_entry\n"
+        "from benchmarks import train_entry\n"
         "from torchtitan.config.manager import ConfigManager\n"
         "train_entry.register_flavors()\n"
         "for flavor in train_entry.BENCH_FLAVORS:\n"

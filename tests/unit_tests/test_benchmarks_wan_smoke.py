@@ -12,7 +12,6 @@ import importlib
 import json
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +28,9 @@ from torchtitan.tools.events import (
 )
 from torchtitan.tools.logging import logger
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-
 
 def _module(name: str):  # noqa: ANN202
-    return importlib.import_module(name)
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 def _timing(step: int, compute_s: float, t: float) -> Event:
