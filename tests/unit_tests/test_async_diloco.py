@@ -70,9 +70,10 @@ class Cluster:
 
 class FakeManager:
     """What AsyncDiLoCo asks of the sync Manager, for one group in a quorum of every group of
-    its cluster: ``num_participants`` counts them, an error recorded by a failed collective
-    makes ``errored``, ``sync_failed`` and ``should_commit`` say so until the next quorum, as
-    the trainer's ``SyncManager`` over torchft's Manager does."""
+    its cluster: ``num_participants`` is the size of the last quorum (every group of the
+    cluster when it formed; the start-up quorum's before the first sync), an error recorded by
+    a failed collective makes ``errored``, ``sync_failed`` and ``should_commit`` say so until
+    the next quorum, as the trainer's ``SyncManager`` over torchft's Manager does."""
 
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
@@ -86,12 +87,14 @@ class FakeManager:
         self.heal_from: FakeManager | None = None
         #: Times the error-feedback residuals were forgotten (after a heal).
         self.feedback_resets = 0
+        self._quorum_size: int | None = None
 
     def register_state_dict_fn(self, key: str, load: Any, save: Any) -> None:
         self.fns[key] = (load, save)
 
     def start_quorum(self) -> None:
         self.error = None
+        self._quorum_size = len(self.cluster.members)
         if self.heal_from is not None:
             for key, (load, _) in self.fns.items():
                 load(self.heal_from.fns[key][1]())
@@ -132,7 +135,9 @@ class FakeManager:
         return self.step
 
     def num_participants(self) -> int:
-        return len(self.cluster.members)
+        if self._quorum_size is None:  # the start-up quorum, of every group
+            self._quorum_size = len(self.cluster.members)
+        return self._quorum_size
 
     def errored(self) -> Exception | None:
         return self.error

@@ -212,14 +212,30 @@ def test_ft_overhead_smoke_reports_ratio_to_no_ft(tmp_path: Path) -> None:
     summary, settings = data["summary"], data["settings"]
     assert set(summary) == {"no_ft", "diloco"}
     runs = {r["method"]: r for r in data["runs"]}
-    # The ratio is of the same repeat's runs; every group of the DiLoCo run synced once per
-    # period, the groups without FT never.
+    # Every group of the DiLoCo run synced once per period, the groups without FT never (the
+    # ratios pair runs of the same repeat: test_ft_overhead_ratios_pair_runs_of_the_same_repeat).
     ratio = runs["diloco"]["tokens_per_s_per_group"] / runs["no_ft"]["tokens_per_s_per_group"]
     assert summary["diloco"]["ratios_per_repeat"] == [round(ratio, 4)]
     assert summary["no_ft"]["ratio_to_no_ft"] == 1.0
     periods = settings["steps"] // settings["sync_steps_H"]
     assert [len(g["sync_ms"]) for g in runs["diloco"]["groups"]] == [periods] * 2
     assert [len(g["sync_ms"]) for g in runs["no_ft"]["groups"]] == [0, 0]
+
+
+def test_ft_overhead_ratios_pair_runs_of_the_same_repeat() -> None:
+    """Two repeats on a machine whose speed changed between them: each ratio is against the
+    baseline of its own repeat, and the summary is their median."""
+    ft = _module("ft_overhead")
+    runs = [
+        {"repeat": 0, "method": "no_ft", "tokens_per_s_per_group": 1000.0, "groups": []},
+        {"repeat": 0, "method": "diloco", "tokens_per_s_per_group": 950.0, "groups": []},
+        {"repeat": 1, "method": "diloco", "tokens_per_s_per_group": 450.0, "groups": []},
+        {"repeat": 1, "method": "no_ft", "tokens_per_s_per_group": 500.0, "groups": []},
+    ]
+    summary = ft.summarize(runs, ["no_ft", "diloco"])
+    assert summary["diloco"]["ratios_per_repeat"] == [0.95, 0.9]
+    assert summary["diloco"]["ratio_to_no_ft"] == pytest.approx(0.925)
+    assert summary["no_ft"]["ratios_per_repeat"] == [1.0, 1.0]
 
 
 def test_memory_smoke_reports_extra_over_parameter_bytes(tmp_path: Path) -> None:
@@ -238,7 +254,9 @@ def test_memory_smoke_reports_extra_over_parameter_bytes(tmp_path: Path) -> None
     }
     assert all(len(r["max_rss_mib_per_group"]) == 2 for r in runs)
     assert summary["diloco"]["median_max_rss_mib"] == round(median["diloco"], 1)
-    param_mib = data["settings"]["params"] * 4 / 2**20
+    from torchtitan.models.llama3 import llama3_configs
+
+    param_mib = llama3_configs[data["settings"]["flavor"]].num_params() * 4 / 2**20
     extra = (median["diloco"] - median["no_ft"]) / param_mib
     assert summary["diloco"]["extra_vs_no_ft_over_param_bytes"] == round(extra, 3)
 
