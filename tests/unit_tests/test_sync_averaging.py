@@ -6,7 +6,7 @@ Two replica groups, and three for a few cases (real gloo process groups, one thr
 LocalSGD the mean of their parameters, for DiLoCo and async DiLoCo the mean of their pseudo-
 gradients, which for DiLoCo and async ``delayed`` (periods that start from the global copy)
 makes the global parameters the mean of the groups' local ones. Exact up to fp32 rounding for
-float32, within the codec's stated bound otherwise (``compression.py``: half a quantization
+float32, within the codec's stated bound otherwise (``compression/codecs.py``: half a quantization
 step, ``absmax / qmax / 2``, per encoding; bfloat16: 2^-8 relative). The bucket is lowered to
 300 values, so the model has tensors larger than a bucket, tensors packed together, and a bucket
 that a tensor does not fit.

@@ -10,7 +10,7 @@ and whether the overlapped methods (Streaming DiLoCo, async DiLoCo) hide the syn
 a full heal; and the timeouts that fit. The arithmetic, per group and sync:
 
 * bytes sent: a ring all-reduce's ``2 (G - 1) / G`` times the encoded pseudo-gradient (the
-  codec's own wire size, scales included: ``compression.py``), over the group's share of the
+  codec's own wire size, scales included: ``compression/codecs.py``), over the group's share of the
   link (``--link-mbit``, all its ranks together);
 * blocking DiLoCo's idle share: ``sync / (period + sync)``; overlap hides a sync that takes less
   than one period;

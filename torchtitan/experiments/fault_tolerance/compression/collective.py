@@ -1,0 +1,228 @@
+"""The compressed SUM all-reduce of one flat fp32 tensor over a process group.
+
+It keeps the byte saving for any number ``n`` of ranks: the tensor is cut into ``n`` equal chunks
+(each a whole number of blocks, so blocks never straddle chunks; the last one is encoded as if
+padded with zeros) and every chunk is encoded; an all-to-all gives rank ``r`` every rank's chunk
+``r``, which it decodes and sums in fp32 in rank order; it encodes that reduced chunk once more
+and an all-gather hands every rank all ``n`` reduced chunks, which each rank decodes into the
+tensor. A rank sends ``2 * (n - 1)`` encoded chunks in all, as a ring all-reduce would.
+
+Every rank ends with bit-identical values: each reduced chunk is summed by one rank only, and
+every rank (its owner included) takes the result from the same re-encoded bytes, never from the
+owner's private fp32 sum; decoding is exact (``codecs``). So the outer optimizers of all replica
+groups step with the same average and their global parameters stay equal.
+
+Only ``alltoall_base``, ``allgather`` and ``allreduce`` of a torch.distributed-style process
+group (torch's Gloo/NCCL groups or torchft's reconfigurable wrappers) and plain torch ops are
+used, so the same code serves CPU/gloo and CUDA/nccl (tested on CPU/gloo; the CUDA path has
+not run on a GPU yet). It raises whatever the collectives raise, and then leaves the tensor
+undefined.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions
+
+from torchtitan.experiments.fault_tolerance.compression.codecs import (
+    BLOCK,
+    Scratch,
+    check_flat_fp32,
+    get_codec,
+)
+from torchtitan.experiments.fault_tolerance.compression.error_feedback import ErrorFeedback
+
+
+@dataclass
+class CompressionStats:
+    """What one compressed all-reduce cost this rank.
+
+    ``bytes_sent`` counts the bytes this rank put on the wire: for the compressed dtypes its
+    ``n - 1`` outgoing chunks of the all-to-all plus its re-encoded chunk to each of the
+    ``n - 1`` peers in the all-gather; for ``float32`` the nominal bandwidth-optimal volume
+    ``2 * (n - 1) * 4 * ceil(numel / n)`` (the backend chooses its own algorithm). The timings
+    are host seconds; on CUDA the stream is synchronized around each phase so that they hold.
+    """
+
+    dtype: str
+    numel: int
+    world_size: int
+    bytes_sent: int = 0
+    encode_s: float = 0.0
+    decode_s: float = 0.0
+    total_s: float = 0.0
+
+
+def _sync(t: torch.Tensor) -> None:
+    """Wait for the queued kernels on ``t``'s device, so that host timings measure them."""
+    if t.is_cuda:
+        torch.cuda.current_stream(t.device).synchronize()
+
+
+def _wait(work: Any, timeout: timedelta | None) -> None:
+    """Wait for a collective. The timeout goes to the options (gloo honours those) and to the
+    wait: torchft's nccl wrapper clears the options' timeout and honours only the wait's."""
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout)
+
+
+def chunk_numel(numel: int, world_size: int) -> int:
+    """Elements per rank's chunk: ``numel / world_size`` rounded up to whole blocks."""
+    return math.ceil(math.ceil(numel / world_size) / BLOCK) * BLOCK
+
+
+def compressed_all_reduce(
+    pg: dist.ProcessGroup,
+    tensor: torch.Tensor,
+    dtype: str,
+    *,
+    error_feedback: ErrorFeedback | None = None,
+    key: str = "",
+    scratch: Scratch | None = None,
+    timeout: timedelta | None = None,
+) -> CompressionStats:
+    """SUM all-reduce of the 1-D fp32 ``tensor`` in place over ``pg``, ``dtype`` on the wire.
+
+    Every rank must call it with the same ``dtype`` and ``tensor.numel()``, in the same order.
+    Blocks until the result is in ``tensor`` (bit-identical on every rank). With
+    ``error_feedback``, this rank's residual under ``key`` is added first, and the new one is
+    staged once the collectives succeed (``ErrorFeedback.stage``: owed only if the sync then
+    commits). ``scratch`` (of ``tensor``'s device) keeps the buffers for the next call of the
+    same thread. ``timeout``: the longest each collective may take (default: the process
+    group's). Raises what the collectives raise; ``tensor`` is then undefined.
+    """
+    codec = get_codec(dtype)
+    check_flat_fp32(tensor)
+    # No ``pg.rank()``: the collectives place each rank's part by rank themselves, and torchft's
+    # reconfigurable wrappers answer rank() with 0 whatever the real rank is.
+    n, numel = pg.size(), tensor.numel()
+    stats = CompressionStats(dtype=dtype, numel=numel, world_size=n)
+    start = time.perf_counter()
+
+    if dtype == "float32":
+        if error_feedback is not None:
+            # fp32 drops nothing, but a residual from another dtype is still owed.
+            error_feedback.correct_(key, tensor)
+        if n > 1:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
+            if timeout is not None:
+                opts.timeout = timeout
+            _wait(pg.allreduce([tensor], opts), timeout)
+            stats.bytes_sent = 2 * (n - 1) * 4 * math.ceil(numel / n)
+        if error_feedback is not None:
+            error_feedback.stage(key, torch.zeros_like(tensor))  # nothing dropped
+        _sync(tensor)
+        stats.total_s = time.perf_counter() - start
+        return stats
+
+    if numel == 0:
+        return stats
+    if scratch is None or scratch.device != tensor.device:
+        scratch = Scratch(tensor.device)
+    # Corrected in place: the tensor is undefined after a failure anyway, and the residual
+    # it owed stays in ``error_feedback`` until the collectives have succeeded.
+    corrected = tensor if error_feedback is None else error_feedback.correct_(key, tensor)
+    # What this rank's own encoding drops, filled in by the encode itself.
+    residual = None if error_feedback is None else error_feedback.residual_buffer(key, tensor)
+
+    if n == 1:
+        # Nobody to talk to: the result is what the encoding keeps of the tensor.
+        t0 = time.perf_counter()
+        packed = scratch.get("send", codec.wire_bytes(numel), torch.uint8)
+        codec.encode_into(corrected, packed, numel, residual=residual, scratch=scratch)
+        _sync(tensor)
+        t1 = time.perf_counter()
+        codec.decode_into(packed, numel, tensor, scratch=scratch)
+        _sync(tensor)
+        stats.encode_s, stats.decode_s = t1 - t0, time.perf_counter() - t1
+        if error_feedback is not None and residual is not None:
+            error_feedback.stage(key, residual)
+        stats.total_s = time.perf_counter() - start
+        return stats
+
+    chunk = chunk_numel(numel, n)
+    chunk_bytes = codec.wire_bytes(chunk)
+
+    def chunk_of(x: torch.Tensor, i: int) -> torch.Tensor:
+        """Chunk ``i`` of a tensor of ``numel`` values: short or empty at the end."""
+        return x[min(numel, i * chunk) : min(numel, (i + 1) * chunk)]
+
+    def bytes_of(buf: torch.Tensor, i: int) -> torch.Tensor:
+        return buf[i * chunk_bytes : (i + 1) * chunk_bytes]
+
+    # Phase 1: encode every chunk (the tensor's tail as zeros); all-to-all so that rank r holds
+    # every rank's chunk r.
+    t0 = time.perf_counter()
+    send = scratch.get("send", n * chunk_bytes, torch.uint8)
+    for i in range(n):
+        codec.encode_into(
+            chunk_of(corrected, i),
+            bytes_of(send, i),
+            chunk,
+            residual=None if residual is None else chunk_of(residual, i),
+            scratch=scratch,
+        )
+    _sync(send)
+    stats.encode_s += time.perf_counter() - t0
+    # The buffers the collectives write are new every time: a collective that failed on another
+    # rank's error must not be able to write into the next one's.
+    recv = torch.empty_like(send)
+    splits = [chunk_bytes] * n
+    alltoall_opts = dist.AllToAllOptions()
+    if timeout is not None:
+        alltoall_opts.timeout = timeout
+    _wait(pg.alltoall_base(recv, send, splits, splits, alltoall_opts), timeout)
+
+    # Reduce this rank's chunk in fp32, in rank order, so that a rerun gives the same bytes.
+    t0 = time.perf_counter()
+    # The tensor's values are all encoded by now: its head can hold the sum (it is decoded over
+    # only after the sum has been encoded).
+    reduced = tensor[:chunk] if chunk <= numel else scratch.get("reduced", chunk, torch.float32)
+    for i in range(n):
+        codec.decode_into(bytes_of(recv, i), chunk, reduced, accumulate=i > 0, scratch=scratch)
+    _sync(reduced)
+    t1 = time.perf_counter()
+    stats.decode_s += t1 - t0
+    mine = scratch.get("mine", chunk_bytes, torch.uint8)
+    codec.encode_into(reduced, mine, chunk, scratch=scratch)
+    _sync(mine)
+    stats.encode_s += time.perf_counter() - t1
+
+    # Phase 2: all-gather the re-encoded chunks; every rank decodes the same n chunks, its own
+    # included (from the bytes, not from ``reduced``), so that all ranks hold identical values.
+    gathered = [torch.empty_like(mine) for _ in range(n)]
+    allgather_opts = AllgatherOptions()
+    if timeout is not None:
+        allgather_opts.timeout = timeout
+    _wait(pg.allgather([gathered], [mine], allgather_opts), timeout)
+    t0 = time.perf_counter()
+    for i, packed in enumerate(gathered):
+        codec.decode_into(packed, chunk, chunk_of(tensor, i), scratch=scratch)
+    _sync(tensor)
+    stats.decode_s += time.perf_counter() - t0
+
+    if error_feedback is not None and residual is not None:
+        # Only now: had a collective failed, nothing was delivered and the old residual is
+        # still owed. Even now only staged: the sync's verdict decides (ErrorFeedback.commit).
+        error_feedback.stage(key, residual)
+    stats.bytes_sent = 2 * (n - 1) * chunk_bytes
+    stats.total_s = time.perf_counter() - start
+    return stats
+
+
+def is_finite(t: torch.Tensor) -> bool:
+    """Whether every value of ``t`` is finite: one reduction (the largest magnitude, which is
+    inf or NaN as soon as one value is)."""
+    if t.numel() == 0:
+        return True
+    return bool(torch.isfinite(torch.linalg.vector_norm(t, ord=math.inf)))
