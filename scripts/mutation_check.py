@@ -75,8 +75,8 @@ MUTANTS = [
     Mutant(
         "transport: error-feedback residuals are kept after a failed sync",
         f"{PACKAGE}/transport.py",
-        "            if committed:\n                self.error_feedback.commit()",
-        "            if True:\n                self.error_feedback.commit()",
+        "            if committed:\n                self.residuals.commit()",
+        "            if True:\n                self.residuals.commit()",
     ),
     Mutant(
         "async DiLoCo: the local copy follows the global one with the wrong sign",
@@ -129,7 +129,7 @@ MUTANTS = [
     Mutant(
         "restart: error-feedback residuals are not loaded from the checkpoint",
         f"{PACKAGE}/trainer.py",
-        '                feedback.load_fragment_residual(i, mine[f"fragment_{i}"])',
+        '                residuals.load(i, mine[f"fragment_{i}"])',
         "                pass",
     ),
     Mutant(

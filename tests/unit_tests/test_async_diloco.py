@@ -27,7 +27,7 @@ from torchtitan.experiments.fault_tolerance.lineage import Lineage
 from torchtitan.experiments.fault_tolerance.trainer import SemiSyncState
 
 #: The trainer's sync Manager as the checkpoint sees it when nothing is compressed.
-NO_COMPRESSION = SimpleNamespace(error_feedback=None, wait_for_transfers=lambda: None)
+NO_COMPRESSION = SimpleNamespace(residuals=None, wait_for_transfers=lambda: None)
 
 
 def as_trainer(group: Group) -> Any:

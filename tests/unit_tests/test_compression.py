@@ -239,51 +239,6 @@ def test_error_feedback_state_round_trips_and_keys_are_separate() -> None:
         first.correct("b", torch.zeros(7))
 
 
-def test_a_fragments_residuals_checkpoint_as_one_flat_tensor_and_continue_exactly() -> None:
-    """A fragment synced in two buckets (300 + 200 values): its residuals go into a checkpoint
-    as one flat tensor of the fragment's 500 values; a fresh ErrorFeedback loaded from it
-    encodes the next syncs bit for bit as the one that never stopped, and hands the loaded
-    values out in bucket order."""
-    codec = get_codec("int4")
-    key = ErrorFeedback.fragment_key
-
-    def sync(feedback: ErrorFeedback, seed: int) -> list[torch.Tensor]:
-        return [
-            feedback.encode(key(0, 0), _varied(300, seed), codec),
-            feedback.encode(key(0, 1), _varied(200, seed + 100), codec),
-        ]
-
-    running = ErrorFeedback()
-    assert torch.equal(running.fragment_residual(0, 500), torch.zeros(500))  # owes nothing yet
-    sync(running, seed=1)
-    running.encode(key(1, 0), _varied(50, 9), codec)  # another fragment stays apart
-    flat = running.fragment_residual(0, 500)
-    assert torch.equal(flat[:300], running.residual(key(0, 0)))
-    assert torch.equal(flat[300:], running.residual(key(0, 1)))
-
-    restarted = ErrorFeedback()
-    restarted.load_fragment_residual(0, flat)
-    assert torch.equal(restarted.fragment_residual(0, 500), flat)  # checkpointed again as is
-    for seed in (2, 3):
-        expected, got = sync(running, seed), sync(restarted, seed)
-        assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)), seed
-    assert restarted.residual(key(1, 0)) is None
-    with pytest.raises(ValueError, match="more than its 400"):
-        running.fragment_residual(0, 400)
-    # A loaded residual taken by a sync whose collective then fails is still owed.
-    failed = ErrorFeedback()
-    failed.load_fragment_residual(0, flat)
-    x = _varied(300, seed=5)
-    assert torch.equal(failed.correct_(key(0, 0), x.clone()), x + flat[:300])
-    assert torch.equal(failed.fragment_residual(0, 500), flat)
-    short = ErrorFeedback()
-    short.load_fragment_residual(0, flat[:250])
-    with pytest.raises(ValueError, match="has 250 values, 0 taken; this tensor needs 300"):
-        sync(short, seed=4)
-    short.reset()
-    assert short.fragment_residual(0, 500).count_nonzero() == 0  # a heal drops the loaded too
-
-
 class _OneRank:
     """The only thing a one-rank all-reduce asks of its group."""
 

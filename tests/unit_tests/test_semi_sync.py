@@ -137,7 +137,7 @@ def as_trainer(algo: Any) -> Any:
     loop = TorchftDiLoCo(algo, parts, algo._sync_every, algo._fragment_sync_delay)
     return SimpleNamespace(
         algorithm=loop,
-        sync=SimpleNamespace(error_feedback=None, wait_for_transfers=lambda: None),
+        sync=SimpleNamespace(residuals=None, wait_for_transfers=lambda: None),
         lineage=Lineage(),
     )
 
@@ -185,27 +185,27 @@ def test_semi_sync_state_round_trips_through_dcp_into_a_fresh_process(tmp_path: 
 def test_error_feedback_residuals_come_back_with_a_restart(tmp_path: Path) -> None:
     """What each rank's compression still owed is in the checkpoint and owed again after a
     restart, per fragment, committed and staged alike."""
-    from torchtitan.experiments.fault_tolerance.compression import ErrorFeedback
+    from torchtitan.experiments.fault_tolerance.transport import FragmentResiduals
 
     algo, _ = diloco(small_model(), fragments=2)
     numels = [sum(p.numel() for p in f._model_fragment.parameters()) for f in algo._fragments]
-    owed = ErrorFeedback()
+    owed = FragmentResiduals()
     for i, numel in enumerate(numels):
-        owed.load_fragment_residual(i, torch.arange(numel, dtype=torch.float32) + 100 * i)
-    owed.load_fragment_residual(1, torch.full((numels[1],), 0.5), staged=True)
+        owed.load(i, torch.arange(numel, dtype=torch.float32) + 100 * i)
+    owed.load(1, torch.full((numels[1],), 0.5), staged=True)
     trainer = as_trainer(algo)
-    trainer.sync.error_feedback = owed
+    trainer.sync.residuals = owed
     dcp.save({"semi_sync": SemiSyncState(trainer)}, checkpoint_id=tmp_path)
 
     fresh, _ = diloco(small_model(), fragments=2)
     restarted = as_trainer(fresh)
-    restarted.sync.error_feedback = ErrorFeedback()
+    restarted.sync.residuals = FragmentResiduals()
     dcp.load({"semi_sync": SemiSyncState(restarted)}, checkpoint_id=tmp_path)
-    again = restarted.sync.error_feedback
+    again = restarted.sync.residuals
     for i, numel in enumerate(numels):
-        assert torch.equal(again.fragment_residual(i, numel), owed.fragment_residual(i, numel))
+        assert torch.equal(again.flat(i, numel), owed.flat(i, numel))
     assert again.has_staged(1) and not again.has_staged(0)
-    staged = again.fragment_residual(1, numels[1], staged=True)
+    staged = again.flat(1, numels[1], staged=True)
     assert torch.equal(staged, torch.full((numels[1],), 0.5))
 
 

@@ -289,7 +289,7 @@ def test_error_feedback_keeps_a_residual_per_transfer_renewed_by_every_committed
                     loss.backward()
                     optimizer.step()
                     if loop.local_step() == 0:
-                        feedback = sync.error_feedback
+                        feedback = sync.residuals.feedback if sync.residuals else None
                         assert feedback is not None
                         owed.append(feedback.state_dict())
         finally:

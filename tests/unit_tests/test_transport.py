@@ -13,9 +13,15 @@ import torch
 from torch.distributed import ReduceOp
 
 from tests.unit_tests.gloo_groups import LoopbackManager, run_groups, sync_manager
+from tests.unit_tests.test_compression import _varied
 from torchtitan.components.ft import FaultToleranceError
 from torchtitan.experiments.fault_tolerance import events
-from torchtitan.experiments.fault_tolerance.transport import CollectiveTimeout, bucket_numel
+from torchtitan.experiments.fault_tolerance.compression import get_codec
+from torchtitan.experiments.fault_tolerance.transport import (
+    CollectiveTimeout,
+    FragmentResiduals,
+    bucket_numel,
+)
 from torchtitan.tools.events import event_of
 
 
@@ -107,7 +113,7 @@ def test_a_residual_changes_only_when_its_sync_commits() -> None:
     def group(rank: int, pg: Any) -> list[torch.Tensor | None]:
         manager = LoopbackManager(pg, rank, 2)
         sync = sync_manager(manager, "int8", error_feedback=True, bucket_numel=300)
-        feedback = sync.error_feedback
+        feedback = sync.residuals.feedback if sync.residuals else None
         assert feedback is not None
         seen: list[torch.Tensor | None] = []
         try:
@@ -136,7 +142,7 @@ def test_a_non_finite_pseudo_gradient_fails_the_sync_on_every_group(caplog) -> N
     def group(rank: int, pg: Any) -> dict[str, Any]:
         manager = LoopbackManager(pg, rank, 2)
         sync = sync_manager(manager, "int4", error_feedback=True, bucket_numel=300)
-        feedback = sync.error_feedback
+        feedback = sync.residuals.feedback if sync.residuals else None
         assert feedback is not None
         out: dict[str, Any] = {"committed": [], "residuals": []}
         try:
@@ -229,3 +235,49 @@ def test_after_an_error_the_rest_of_a_sync_sends_nothing() -> None:
             sync.shutdown()
 
     assert run_groups(2, group) == [(True, 0, True)] * 2
+
+
+def test_a_fragments_residuals_checkpoint_as_one_flat_tensor_and_continue_exactly() -> None:
+    """A fragment synced in two buckets (300 + 200 values): its residuals go into a checkpoint
+    as one flat tensor of the fragment's 500 values; fresh residuals loaded from it
+    encodes the next syncs bit for bit as the one that never stopped, and hands the loaded
+    values out in bucket order."""
+    codec = get_codec("int4")
+    key = FragmentResiduals.key
+
+    def sync(residuals: FragmentResiduals, seed: int) -> list[torch.Tensor]:
+        feedback = residuals.feedback
+        return [
+            feedback.encode(key(0, 0), _varied(300, seed), codec),
+            feedback.encode(key(0, 1), _varied(200, seed + 100), codec),
+        ]
+
+    running = FragmentResiduals()
+    assert torch.equal(running.flat(0, 500), torch.zeros(500))  # owes nothing yet
+    sync(running, seed=1)
+    running.feedback.encode(key(1, 0), _varied(50, 9), codec)  # another fragment stays apart
+    flat = running.flat(0, 500)
+    assert torch.equal(flat[:300], running.feedback.residual(key(0, 0)))
+    assert torch.equal(flat[300:], running.feedback.residual(key(0, 1)))
+
+    restarted = FragmentResiduals()
+    restarted.load(0, flat)
+    assert torch.equal(restarted.flat(0, 500), flat)  # checkpointed again as is
+    for seed in (2, 3):
+        expected, got = sync(running, seed), sync(restarted, seed)
+        assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)), seed
+    assert restarted.feedback.residual(key(1, 0)) is None
+    with pytest.raises(ValueError, match="more than its 400"):
+        running.flat(0, 400)
+    # A loaded residual taken by a sync whose collective then fails is still owed.
+    failed = FragmentResiduals()
+    failed.load(0, flat)
+    x = _varied(300, seed=5)
+    assert torch.equal(failed.feedback.correct_(key(0, 0), x.clone()), x + flat[:300])
+    assert torch.equal(failed.flat(0, 500), flat)
+    short = FragmentResiduals()
+    short.load(0, flat[:250])
+    with pytest.raises(ValueError, match="has 250 values, 0 taken; this tensor needs 300"):
+        sync(short, seed=4)
+    short.reset()
+    assert short.flat(0, 500).count_nonzero() == 0  # a heal drops the loaded too

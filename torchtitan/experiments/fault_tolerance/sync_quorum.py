@@ -24,8 +24,7 @@ from torch.distributed import ReduceOp
 from torchtitan.components.ft import FaultToleranceError, FTManager
 from torchtitan.components.ft.torchft_adapter import ManagerStandIn
 from torchtitan.experiments.fault_tolerance import events
-from torchtitan.experiments.fault_tolerance.compression import ErrorFeedback
-from torchtitan.experiments.fault_tolerance.transport import SyncTransport
+from torchtitan.experiments.fault_tolerance.transport import FragmentResiduals, SyncTransport
 
 #: Roles in a quorum: a group at its sync point, and a group that has just (re)started (with
 #: no checkpoint, or resumed from one).
@@ -129,8 +128,9 @@ class SyncManager(ManagerStandIn):
         return self.transport.dtype
 
     @property
-    def error_feedback(self) -> ErrorFeedback | None:
-        return self.transport.error_feedback
+    def residuals(self) -> FragmentResiduals | None:
+        """The error-feedback residuals by fragment (None: no error feedback)."""
+        return self.transport.residuals
 
     def allreduce(
         self,
@@ -167,8 +167,8 @@ class SyncManager(ManagerStandIn):
 
     def reset_error_feedback(self) -> None:
         """Forget the residuals (after a heal: they belong to state this group no longer has)."""
-        if self.transport.error_feedback is not None:
-            self.transport.error_feedback.reset()
+        if self.transport.residuals is not None:
+            self.transport.residuals.reset()
 
     def wait_for_transfers(self) -> None:
         """Every transfer of the sync in progress done (a checkpoint reads what they stage)."""

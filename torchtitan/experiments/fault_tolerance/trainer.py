@@ -155,17 +155,17 @@ class SemiSyncState:
         }
         if extra:
             state["extra"] = extra
-        feedback = self.trainer.sync.error_feedback
-        if feedback is not None:
+        residuals = self.trainer.sync.residuals
+        if residuals is not None:
             # Each rank's own residuals (of its shards), under a key of its own; and those an
             # arrived, undecided sync leaves if it commits (async DiLoCo: decided at the next
             # sync point, after a restart too).
             mine: dict[str, Any] = {}
             for i in range(len(loop.fragments)):
                 numel = _local_numel(loop, i)
-                staged = feedback.has_staged(i) and not loop.in_flight(i)
-                mine[f"fragment_{i}"] = feedback.fragment_residual(i, numel)
-                mine[f"staged_{i}"] = feedback.fragment_residual(i, numel, staged=True)
+                staged = residuals.has_staged(i) and not loop.in_flight(i)
+                mine[f"fragment_{i}"] = residuals.flat(i, numel)
+                mine[f"staged_{i}"] = residuals.flat(i, numel, staged=True)
                 mine[f"has_staged_{i}"] = staged
             state["error_feedback"] = {f"rank_{_group_rank()}": mine}
         for i in self._fragments():
@@ -218,13 +218,13 @@ class SemiSyncState:
                     )
         if "extra" in state:  # after the outer state above, which it may add to
             loop.load_extra_state(state["extra"])
-        feedback = self.trainer.sync.error_feedback
-        if feedback is not None and "error_feedback" in state:
+        residuals = self.trainer.sync.residuals
+        if residuals is not None and "error_feedback" in state:
             mine = state["error_feedback"][f"rank_{_group_rank()}"]
             for i in range(len(loop.fragments)):
-                feedback.load_fragment_residual(i, mine[f"fragment_{i}"])
+                residuals.load(i, mine[f"fragment_{i}"])
                 if mine[f"has_staged_{i}"]:
-                    feedback.load_fragment_residual(i, mine[f"staged_{i}"], staged=True)
+                    residuals.load(i, mine[f"staged_{i}"], staged=True)
         in_flight = int(state.get("in_flight_fragment", -1))
         if in_flight >= 0:
             # Saved while a fragment's all-reduce was in flight (fragment_sync_delay > 0): its

@@ -21,8 +21,10 @@ pseudo-gradient), async DiLoCo one flat tensor per fragment plus its token count
   and every group fails the sync alike (:meth:`SyncTransport.non_finite`); the residuals stay
   as they were.
 * **An error-feedback residual changes only when its sync commits.** The collective stages
-  the residual of transfer ``n`` of fragment ``f`` (``ErrorFeedback.fragment_key(f, n)``), and
-  :meth:`SyncTransport.end_sync` keeps it or drops it with the sync's verdict.
+  the residual of transfer ``n`` of fragment ``f`` (:meth:`FragmentResiduals.key`), and
+  :meth:`SyncTransport.end_sync` keeps it or drops it with the sync's verdict. The keys of a
+  fragment cover its parameters once, so a checkpoint holds a fragment's residuals as one flat
+  tensor of fixed size, whatever the buckets (:class:`FragmentResiduals`).
 * **A timeout sized for transfers of minutes.** Each collective may take up to
   ``fault_tolerance.sync_collective_timeout_s`` (the per-step ``process_group_timeout_ms`` does
   not apply; it is given to the collective's options for gloo and to its ``wait`` for torchft's
@@ -66,6 +68,125 @@ class CollectiveTimeout(RuntimeError):
 def _timed_out(error: BaseException) -> bool:
     text = str(error).lower()
     return isinstance(error, TimeoutError) or "timed out" in text or "timeout" in text
+
+
+class FragmentResiduals:
+    """This rank's error-feedback residuals by fragment, and their checkpoint.
+
+    The residual of transfer ``n`` of fragment ``f``'s sync lives under ``key(f, n)`` in a
+    per-key :class:`ErrorFeedback` store (:attr:`feedback`). Together a fragment's transfers
+    cover its parameters once, in order, so its residuals go into a checkpoint as one flat fp32
+    tensor of the fragment's size (:meth:`flat`), whatever the bucket sizes, and a restarted rank
+    hands the loaded tensor (:meth:`load`) back in slices as the sync's transfers ask for their
+    keys. What an undecided sync staged is checkpointed apart (``staged``) and owed only if that
+    sync then commits (:meth:`commit`).
+    """
+
+    def __init__(self) -> None:
+        #: Loaded flat residuals not handed out yet: fragment -> (flat, offset taken so far).
+        self._loaded: dict[int, tuple[torch.Tensor, int]] = {}
+        #: Residuals of an undecided sync, by fragment, as a checkpoint saved them.
+        self._staged_loaded: dict[int, torch.Tensor] = {}
+        self.feedback = ErrorFeedback(take_loaded=self._take_loaded)
+
+    @staticmethod
+    def key(fragment: int, index: int) -> str:
+        return f"fragment_{fragment}/{index}"
+
+    @staticmethod
+    def fragment_of(key: str) -> int | None:
+        """The fragment of a :meth:`key` (None for another key)."""
+        head, _, tail = key.partition("/")
+        if not head.startswith("fragment_") or not tail.isdigit():
+            return None
+        return int(head.removeprefix("fragment_"))
+
+    def _take_loaded(self, key: str, numel: int) -> torch.Tensor | None:
+        """The next ``numel`` values of the loaded flat residual of ``key``'s fragment."""
+        fragment = self.fragment_of(key)
+        if fragment is None or fragment not in self._loaded:
+            return None
+        flat, offset = self._loaded[fragment]
+        if offset + numel > flat.numel():
+            raise ValueError(
+                f"error feedback {key!r}: the checkpointed residual of fragment {fragment} has "
+                f"{flat.numel()} values, {offset} taken; this tensor needs {numel} more"
+            )
+        if offset + numel == flat.numel():
+            del self._loaded[fragment]
+        else:
+            self._loaded[fragment] = (flat, offset + numel)
+        return flat[offset : offset + numel]
+
+    def _keys(self, fragment: int, residuals: dict[str, torch.Tensor]) -> list[str]:
+        found = [
+            (int(k.rsplit("/", 1)[1]), k) for k in residuals if self.fragment_of(k) == fragment
+        ]
+        return [key for _, key in sorted(found)]
+
+    def flat(self, fragment: int, numel: int, staged: bool = False) -> torch.Tensor:
+        """This rank's residuals of ``fragment`` as one flat fp32 CPU tensor of ``numel``
+        values (the fragment's local parameters), in key order; zeros where it owes nothing
+        (before its first compressed sync, or right after a heal). ``staged``: the residuals
+        the undecided sync of ``fragment`` leaves if it commits (:meth:`has_staged`)."""
+        out = torch.zeros(numel, dtype=torch.float32)
+        if staged and fragment in self._staged_loaded:
+            out.copy_(self._staged_loaded[fragment])
+            return out
+        if not staged and fragment in self._loaded:
+            loaded, offset = self._loaded[fragment]
+            out[offset:] = loaded[offset:].cpu()
+        residuals = self.feedback.owed(staged)
+        offset = 0
+        for key in self._keys(fragment, residuals):
+            residual = residuals[key].reshape(-1)
+            if offset + residual.numel() > numel:
+                raise ValueError(
+                    f"error feedback: fragment {fragment}'s residuals hold more than its "
+                    f"{numel} parameter values (key {key!r})"
+                )
+            out[offset : offset + residual.numel()] = residual.cpu()
+            offset += residual.numel()
+        return out
+
+    def load(self, fragment: int, flat: torch.Tensor, staged: bool = False) -> None:
+        """Owe ``flat`` (from :meth:`flat`) again: the fragment's next sync takes it in slices,
+        one per transfer, in key order. ``staged``: what the undecided sync of ``fragment``
+        leaves if it commits (owed from :meth:`commit` on)."""
+        flat = flat.detach().reshape(-1).clone()
+        if staged:
+            self._staged_loaded[fragment] = flat
+            return
+        for key in self._keys(fragment, self.feedback.owed()):
+            self.feedback.reset(key)
+        self._loaded[fragment] = (flat, 0)
+
+    def has_staged(self, fragment: int) -> bool:
+        """Whether the undecided sync of ``fragment`` left residuals."""
+        staged = self.feedback.owed(staged=True)
+        return fragment in self._staged_loaded or bool(self._keys(fragment, staged))
+
+    def commit(self) -> None:
+        """The sync committed: what it staged (or a checkpoint loaded as staged) is owed."""
+        self.feedback.commit()
+        for fragment, flat in self._staged_loaded.items():
+            self.load(fragment, flat)
+        self._staged_loaded.clear()
+
+    def discard(self, loaded: bool = True) -> None:
+        """The sync did not commit (or was never decided): what was owed before stays owed.
+        ``loaded``: also drop what a checkpoint loaded as staged (False: keep it for the
+        verdict of the sync it belongs to)."""
+        self.feedback.discard()
+        if loaded:
+            self._staged_loaded.clear()
+
+    def reset(self) -> None:
+        """Owe nothing (after a heal: the residuals belong to state this group no longer has),
+        loaded residuals included."""
+        self.feedback.reset()
+        self._loaded.clear()
+        self._staged_loaded.clear()
 
 
 class _Done:
@@ -140,7 +261,8 @@ class SyncTransport:
         timeout_s: float,
     ) -> None:
         self.dtype = dtype
-        self.error_feedback = ErrorFeedback() if error_feedback and dtype != "float32" else None
+        #: The error-feedback residuals (None: no error feedback).
+        self.residuals = FragmentResiduals() if error_feedback and dtype != "float32" else None
         self.bucket_numel = bucket_numel(bucket_mb)
         self.timeout = timedelta(seconds=timeout_s)
         self._runner = AsyncCompressedAllReduce()
@@ -167,8 +289,8 @@ class SyncTransport:
         self.works = []
         self._all = []
         self.timed_out = None
-        if self.error_feedback is not None:
-            self.error_feedback.discard(loaded=False)
+        if self.residuals is not None:
+            self.residuals.discard(loaded=False)
 
     def allreduce(
         self, manager: Any, tensor: torch.Tensor, *, average: bool, exact: bool = False
@@ -234,7 +356,7 @@ class SyncTransport:
         manager = self._manager
         key = ""
         if not exact:
-            key = ErrorFeedback.fragment_key(self.fragment, self._transfers)
+            key = FragmentResiduals.key(self.fragment, self._transfers)
             self._transfers += 1
         numel = flat.numel()
 
@@ -255,7 +377,7 @@ class SyncTransport:
             flat,
             "float32" if exact else self.dtype,
             divide_by=divide_by,
-            error_feedback=None if exact else self.error_feedback,
+            error_feedback=None if exact or self.residuals is None else self.residuals.feedback,
             key=key,
             on_error=on_error,
             timeout=self.timeout,
@@ -282,11 +404,11 @@ class SyncTransport:
 
     def end_sync(self, committed: bool) -> None:
         """The sync's verdict: its staged error-feedback residuals are kept or dropped."""
-        if self.error_feedback is not None:
+        if self.residuals is not None:
             if committed:
-                self.error_feedback.commit()
+                self.residuals.commit()
             else:
-                self.error_feedback.discard()
+                self.residuals.discard()
 
     def wait(self) -> None:
         """Send what is pending and wait for every transfer of this sync (e.g. before a
