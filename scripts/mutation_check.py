@@ -128,7 +128,7 @@ MUTANTS = [
     ),
     Mutant(
         "restart: error-feedback residuals are not loaded from the checkpoint",
-        f"{PACKAGE}/trainer.py",
+        f"{PACKAGE}/method_state.py",
         '                residuals.load(i, mine[f"fragment_{i}"])',
         "                pass",
     ),

@@ -24,7 +24,7 @@ from torchtitan.experiments.fault_tolerance.async_diloco import (
     outer_sgd_direction,
 )
 from torchtitan.experiments.fault_tolerance.lineage import Lineage
-from torchtitan.experiments.fault_tolerance.trainer import SemiSyncState
+from torchtitan.experiments.fault_tolerance.method_state import SemiSyncState
 
 #: The trainer's sync Manager as the checkpoint sees it when nothing is compressed.
 NO_COMPRESSION = SimpleNamespace(residuals=None, wait_for_transfers=lambda: None)

@@ -17,8 +17,10 @@ from torchtitan.components.ft import FaultToleranceError
 from torchtitan.components.ft.torchft_adapter import ManagerStandIn
 from torchtitan.config import ConfigManager
 from torchtitan.experiments.fault_tolerance.events import HEALED
+from torchtitan.experiments.fault_tolerance.fragments import build_model_fragments
 from torchtitan.experiments.fault_tolerance.lineage import Lineage
-from torchtitan.experiments.fault_tolerance.outer_loop import TorchftDiLoCo
+from torchtitan.experiments.fault_tolerance.method_state import SemiSyncState
+from torchtitan.experiments.fault_tolerance.outer_loop import TorchftDiLoCo, TorchftLocalSGD
 from torchtitan.experiments.fault_tolerance.sync_quorum import (
     FRESH,
     RESUMED,
@@ -27,11 +29,7 @@ from torchtitan.experiments.fault_tolerance.sync_quorum import (
     compare_digests,
     exchange,
 )
-from torchtitan.experiments.fault_tolerance.trainer import (
-    SemiSyncState,
-    SemiSyncTrainer,
-    build_model_fragments,
-)
+from torchtitan.experiments.fault_tolerance.trainer import SemiSyncTrainer
 from torchtitan.models import get_train_spec
 from torchtitan.tools.digest import device_digest
 from torchtitan.tools.events import event_of
@@ -261,14 +259,16 @@ def test_healing_state_is_read_when_sent_not_at_start_up() -> None:
 
 def _stub(local_step: int, starting: bool = False) -> SimpleNamespace:
     resets: list[int] = []
+    forgot: list[int] = []
     return SimpleNamespace(
-        algorithm=SimpleNamespace(local_step=lambda: local_step),
+        algorithm=SimpleNamespace(
+            local_step=lambda: local_step, forget_global=lambda: forgot.append(1), forgot=forgot
+        ),
         ft=SimpleNamespace(manager=SimpleNamespace(current_step=lambda: 7)),
         train_state=SimpleNamespace(step=30),
         period=4,
         starting=starting,
         _peer=None,
-        _localsgd_digest=123,
         sync=SimpleNamespace(reset_error_feedback=lambda: resets.append(1), resets=resets),
         lineage=Lineage(),
     )
@@ -301,7 +301,7 @@ def test_a_running_group_heals_at_its_peer_s_position(caplog: pytest.LogCaptureF
     assert healed, caplog.text  # (caplog may see a record twice: through root and here)
     assert (healed[0]["peer"], healed[0].sync, healed[0].step) == (0, 8, 31)
     assert (healed[0]["inner_step"], healed[0]["case"]) == (4, "running")
-    assert stub._localsgd_digest is None  # the digest of parameters it no longer holds
+    assert stub.algorithm.forgot == [1]  # the digest of parameters it no longer holds
     assert stub.sync.resets == [1]  # what its compression owed was for state it no longer has
     # Its model is the peer's from now on, and so is its lineage.
     assert stub.lineage == Lineage(last_shared_sync=6, solo_syncs=2, solo_since=1234.5)
@@ -494,3 +494,26 @@ def test_dylu_training_ends_at_the_planned_sync_point(
     sync point, not one step into the next period (nor earlier)."""
     group = _DyLUGroup(local_step=local_step, done=done)
     assert SemiSyncTrainer._last_step_taken(cast(Any, group), step=5) is last
+
+
+def test_localsgd_knows_its_global_digest_only_at_a_period_start_and_forgets_it_on_a_heal() -> None:
+    """LocalSGD's global parameters are the model's right after a sync: the agreement digest is
+    taken then (and when the group joins at a period's start), and is unknown after a heal
+    until the next commit."""
+    model = small_model()
+    loop = TorchftLocalSGD(FakeManager(), model, torch.optim.SGD(model.parameters()), 4)
+    assert loop.agreement_digest() is None
+    loop.note_joined()  # inner step 0: the model is the last average
+    at_start = loop.agreement_digest()
+    assert at_start == device_digest(model.parameters())
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)  # a local step: not the global parameters
+    assert loop.agreement_digest() == at_start
+    loop.forget_global()
+    assert loop.agreement_digest() is None
+    loop.note_committed()
+    assert loop.agreement_digest() == device_digest(model.parameters()) != at_start
+    loop.set_local_step(2)
+    loop.forget_global()
+    loop.note_joined()  # mid-period: the model is not the global parameters
+    assert loop.agreement_digest() is None

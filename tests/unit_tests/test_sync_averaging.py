@@ -25,8 +25,8 @@ from torch import nn
 from tests.unit_tests.gloo_groups import LoopbackManager, run_groups, sync_manager
 from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo, _Fragment
 from torchtitan.experiments.fault_tolerance.compression import PSEUDO_GRAD_DTYPES, get_codec
+from torchtitan.experiments.fault_tolerance.fragments import ModelFragment
 from torchtitan.experiments.fault_tolerance.outer_loop import TorchftDiLoCo, TorchftLocalSGD
-from torchtitan.experiments.fault_tolerance.trainer import ModelFragment
 
 BUCKET = 300
 PERIOD = 3

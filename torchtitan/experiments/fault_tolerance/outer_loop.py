@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from torchtitan.components.ft import torchft_adapter as tft
+from torchtitan.tools.digest import device_digest
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -185,6 +186,23 @@ class OuterLoop:
         """After the last inner step: leave the model with the global parameters."""
         raise NotImplementedError
 
+    def agreement_digest(self) -> int | None:
+        """A digest of the global parameters of the last sync (this rank's shards), which every
+        group that holds them computes alike: what the agreement check compares. None: this
+        group does not know them now."""
+        return device_digest(
+            t for i in range(len(self.fragments)) for t in self.global_parameters(i).values()
+        )
+
+    def note_committed(self) -> None:
+        """After a committed sync (LocalSGD: the model is the global parameters now)."""
+
+    def note_joined(self) -> None:
+        """This group is in the job, at its own inner step (after a checkpoint, or fresh)."""
+
+    def forget_global(self) -> None:
+        """This group healed from a peer: what it knew of the global parameters is void."""
+
     def last_outcome(self, manager: Any) -> SyncOutcome | None:
         """The sync the last sync point decided, right after it (None: it decided none);
         ``manager``: the sync Manager, whose transport carried it."""
@@ -232,6 +250,21 @@ class TorchftLocalSGD(_TorchftLoop):
         self.algorithm = LocalSGD(manager, model, optimizer, sync_every)
         self.fragments = [model]
         self.period = sync_every
+        #: The model's digest right after the last committed sync (None: not known).
+        self._global_digest: int | None = None
+
+    def agreement_digest(self) -> int | None:
+        return self._global_digest
+
+    def note_committed(self) -> None:
+        self._global_digest = device_digest(self.fragments[0].parameters())
+
+    def note_joined(self) -> None:
+        if self.local_step() == 0:  # at a period's start the model is the last average
+            self.note_committed()
+
+    def forget_global(self) -> None:
+        self._global_digest = None
 
     def join_sync(self) -> bool:
         tft.localsgd_average(self.algorithm)

@@ -23,14 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.tensor import DTensor
 
 from torchtitan.components.checkpoint import CorruptCheckpointError
 from torchtitan.components.ft import FaultToleranceError, FTManager, build_ft_manager
@@ -43,13 +40,13 @@ from torchtitan.experiments.fault_tolerance.async_diloco import (
     dylu_inner_steps,
     dylu_period_seconds,
 )
+from torchtitan.experiments.fault_tolerance.fragments import ModelFragment
 from torchtitan.experiments.fault_tolerance.job_config import SEMI_SYNC_METHODS, semi_sync_config
 from torchtitan.experiments.fault_tolerance.lineage import Lineage
+from torchtitan.experiments.fault_tolerance.method_state import SemiSyncState
+from torchtitan.experiments.fault_tolerance.methods import build_method, describe
 from torchtitan.experiments.fault_tolerance.outer_loop import (
     OuterLoop,
-    TorchftDiLoCo,
-    TorchftLocalSGD,
-    as_param_layout,
     local_tensor,
 )
 from torchtitan.experiments.fault_tolerance.sync_quorum import (
@@ -62,190 +59,9 @@ from torchtitan.experiments.fault_tolerance.sync_quorum import (
     exchange,
 )
 from torchtitan.experiments.fault_tolerance.transport import SyncTransport
-from torchtitan.tools.digest import device_digest, tensor_digest
+from torchtitan.tools.digest import tensor_digest
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import StepResult, Trainer
-
-# ---- model fragments -----------------------------------------------------------------------
-
-
-class ModelFragment(nn.Module):
-    """Some of the model's parameters, synced together by Streaming DiLoCo. The parameters are
-    the model's own objects (not copies), registered under their model FQN with ``.`` -> ``__``.
-    """
-
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]]) -> None:
-        super().__init__()
-        for name, param in named_params:
-            self.register_parameter(name.replace(".", "__"), param)
-
-    def fqns(self) -> list[str]:
-        return [name.replace("__", ".") for name, _ in self.named_parameters()]
-
-
-def fragment_module_names(model: nn.Module, job_config: JobConfig) -> list[list[str]]:
-    """Module FQNs of each fragment, as ``[fault_tolerance]`` says: the explicit lists, or
-    ``num_fragments`` runs of consecutive transformer blocks (embeddings with the first)."""
-    ft = semi_sync_config(job_config)
-    if ft.module_fqns_per_model_fragment:
-        return [list(names) for names in ft.module_fqns_per_model_fragment]
-    # cast: nn.Module types attributes it looks up at run time as Tensor | Module.
-    blocks = [f"layers.{key}" for key in cast(nn.ModuleDict, model.layers).keys()]
-    n = ft.num_fragments
-    bounds = [round(i * len(blocks) / n) for i in range(n + 1)]
-    names = [blocks[bounds[i] : bounds[i + 1]] for i in range(n)]
-    if hasattr(model, "tok_embeddings"):
-        names[0].insert(0, "tok_embeddings")
-    return names
-
-
-def build_model_fragments(model: nn.Module, job_config: JobConfig) -> list[nn.Module]:
-    """The model split into its sync fragments. One fragment: the model itself. Every parameter
-    is in exactly one fragment: parameters of modules listed nowhere (e.g. the final norm and
-    output, or the rest of a block when only ``layers.0.attention`` is listed) join the last."""
-    ft = semi_sync_config(job_config)
-    if ft.num_fragments == 1 and not ft.module_fqns_per_model_fragment:
-        return [model]
-    modules = dict(model.named_modules())
-    owner: dict[int, int] = {}
-    for index, names in enumerate(fragment_module_names(model, job_config)):
-        for name in names:
-            for p in modules[name].parameters():
-                owner.setdefault(id(p), index)
-    count = ft.fragment_count()
-    groups: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(count)]
-    for name, p in model.named_parameters():
-        groups[owner.get(id(p), count - 1)].append((name, p))
-    return [ModelFragment(group) for group in groups]
-
-
-# ---- checkpointed state --------------------------------------------------------------------
-
-
-class SemiSyncState:
-    """Checkpoint view of the algorithm: the inner-step position in the sync period and, for
-    DiLoCo, each fragment's global parameters and outer-optimizer momentum; with
-    ``error_feedback``, what each rank's compression still owes.
-
-    Together with the Manager's step (``ft_manager``) and the core state (model, inner
-    optimizer, LR schedule, data position, step), a whole-job restart resumes exactly where the
-    job was. ``loaded`` tells whether a checkpoint supplied it: if not, the trainer makes the
-    loaded model the global parameters. Healing does not use this: torchft sends DiLoCo's own
-    copy of it, and the inner-step position travels with ``semi_sync_position``.
-    """
-
-    def __init__(self, trainer: SemiSyncTrainer) -> None:
-        self.trainer = trainer
-        self.loaded = False
-
-    def _fragments(self) -> range:
-        loop = self.trainer.algorithm
-        return range(len(loop.fragments) if loop.has_global_copies else 0)
-
-    def state_dict(self) -> dict[str, Any]:
-        loop: OuterLoop = self.trainer.algorithm
-        extra = loop.extra_state()  # first: it may take in a sync's result
-        # A sync's transfers stage residuals on the background thread: let them finish first.
-        self.trainer.sync.wait_for_transfers()
-        in_flight = [i for i in self._fragments() if loop.in_flight(i)]
-        state: dict[str, Any] = {
-            "local_step": loop.local_step(),
-            "in_flight_fragment": in_flight[0] if in_flight else -1,
-            "lineage": self.trainer.lineage.state_dict(),
-        }
-        if extra:
-            state["extra"] = extra
-        residuals = self.trainer.sync.residuals
-        if residuals is not None:
-            # Each rank's own residuals (of its shards), under a key of its own; and those an
-            # arrived, undecided sync leaves if it commits (async DiLoCo: decided at the next
-            # sync point, after a restart too).
-            mine: dict[str, Any] = {}
-            for i in range(len(loop.fragments)):
-                numel = _local_numel(loop, i)
-                staged = residuals.has_staged(i) and not loop.in_flight(i)
-                mine[f"fragment_{i}"] = residuals.flat(i, numel)
-                mine[f"staged_{i}"] = residuals.flat(i, numel, staged=True)
-                mine[f"has_staged_{i}"] = staged
-            state["error_feedback"] = {f"rank_{_group_rank()}": mine}
-        for i in self._fragments():
-            outer = loop.outer_optimizer(i)
-            params = loop.fragment_parameters(i)
-            stepped = loop.outer_parameters(i)
-            momentum = {
-                name: outer.state.get(t, {}).get("momentum_buffer") for name, t in stepped.items()
-            }
-            globals_ = loop.global_parameters(i)
-            state[f"fragment_{i}"] = {
-                "global_parameters": {
-                    name: as_param_layout(p, globals_[name]) for name, p in params.items()
-                },
-                "has_momentum": all(m is not None for m in momentum.values()),
-                # Placeholders where the outer optimizer has not stepped yet, so that a fresh
-                # process offers DCP a tensor to load the saved momentum into; on the device
-                # of the outer state, like the momentum itself.
-                "outer_momentum": {
-                    name: (
-                        m
-                        if isinstance(m, DTensor)
-                        else as_param_layout(
-                            params[name], torch.zeros_like(globals_[name]) if m is None else m
-                        )
-                    )
-                    for name, m in momentum.items()
-                },
-            }
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        loop: OuterLoop = self.trainer.algorithm
-        loop.set_local_step(int(state["local_step"]))
-        self.trainer.lineage.load_state_dict(state["lineage"])
-        for i in self._fragments():
-            saved = state[f"fragment_{i}"]
-            for name, value in saved["global_parameters"].items():
-                loop.global_parameters(i)[name].copy_(local_tensor(value))
-            outer = loop.outer_optimizer(i)
-            outer.state.clear()
-            if saved["has_momentum"]:
-                stepped = loop.outer_parameters(i)
-                for name, value in saved["outer_momentum"].items():
-                    target = stepped[name]
-                    outer.state[target]["momentum_buffer"] = (
-                        value.detach().clone()
-                        if isinstance(target, DTensor)
-                        else local_tensor(value).detach().to(target.device, copy=True)
-                    )
-        if "extra" in state:  # after the outer state above, which it may add to
-            loop.load_extra_state(state["extra"])
-        residuals = self.trainer.sync.residuals
-        if residuals is not None and "error_feedback" in state:
-            mine = state["error_feedback"][f"rank_{_group_rank()}"]
-            for i in range(len(loop.fragments)):
-                residuals.load(i, mine[f"fragment_{i}"])
-                if mine[f"has_staged_{i}"]:
-                    residuals.load(i, mine[f"staged_{i}"], staged=True)
-        in_flight = int(state.get("in_flight_fragment", -1))
-        if in_flight >= 0:
-            # Saved while a fragment's all-reduce was in flight (fragment_sync_delay > 0): its
-            # result is lost. Do what torchft does for a failed sync: put the fragment back to
-            # its global parameters and start the period again; the fragment is retried.
-            loop.restore_global_copies(in_flight)
-            loop.set_local_step(0)
-            events.IN_FLIGHT_SYNC_DROPPED.emit(fragment=in_flight)
-        self.loaded = True
-
-
-def _group_rank() -> int:
-    """This process's rank in its replica group."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _local_numel(loop: OuterLoop, index: int) -> int:
-    """Values of fragment ``index`` this rank holds (its shards): what its pseudo-gradient
-    all-reduce sends."""
-    return sum(local_tensor(p).numel() for p in loop.fragment_parameters(index).values())
-
 
 # ---- the trainer ---------------------------------------------------------------------------
 
@@ -287,13 +103,18 @@ class SemiSyncTrainer(Trainer):
             transport,
             fragment_of_sync=lambda: self.algorithm.current_fragment(),
         )
-        self.algorithm: OuterLoop
-        if self.method == "localsgd":
-            self.algorithm = TorchftLocalSGD(self.sync, self.model, self.optimizer, ft.sync_steps)
-        elif self.method == "async_diloco":
-            self.algorithm = self._build_async_diloco()
-        else:
-            self.algorithm = self._build_diloco()
+        self.algorithm: OuterLoop = build_method(
+            job_config,
+            self.sync,
+            self.model,
+            self.optimizer,
+            self.device,
+            group_ranks=self.parallel_dims.world_size,
+        )
+        if self.algorithm.has_global_copies:
+            for index in range(len(self.algorithm.fragments)):
+                outer = self.algorithm.outer_optimizer(index)
+                outer.register_step_pre_hook(self._measure_pseudo_gradient)
         if self.parallel_dims.world_size > 1:
             # The ranks of this group decide alike (one MAX all-reduce in the group).
             agree = self._agree_in_group
@@ -322,7 +143,6 @@ class SemiSyncTrainer(Trainer):
         self._start_attempts = 0
         self._peer: dict[str, int] | None = None
         self._checked_quorum = -2
-        self._localsgd_digest: int | None = None
         self._sync_seconds = 0.0
         self._hook_start = 0.0
         self._period_start: float | None = None
@@ -330,42 +150,7 @@ class SemiSyncTrainer(Trainer):
         self._pseudo_grad_norm: float | None = None
         # The agreement check of the last quorum: "agree", "disagree", or None (not checked).
         self._agreement: str | None = None
-        logger.info(
-            f"[semi-sync] {self.method}: sync every {ft.sync_steps} inner steps, "
-            f"{len(self.fragments)} fragment(s)"
-            + (
-                (
-                    f", outer Delayed Nesterov lr {ft.outer_lr} momentum {ft.outer_momentum} "
-                    f"every {ft.outer_momentum_every} outer steps"
-                    if ft.outer_momentum_every > 1
-                    else f", outer SGD lr {ft.outer_lr} momentum {ft.outer_momentum} "
-                    f"nesterov {ft.outer_nesterov}"
-                )
-                if self.algorithm.has_global_copies
-                else ""
-            )
-            + (
-                f", {ft.async_update} update overlapped with the next period, outer state on "
-                f"{ft.outer_state_device}"
-                + (
-                    f", DyLU (inner steps per period from each group's speed; training ends "
-                    f"after {self.total_sync_points} sync points)"
-                    if self.dynamic
-                    else ""
-                )
-                if self.method == "async_diloco"
-                else f", delay {ft.fragment_sync_delay}, alpha {ft.fragment_update_alpha}"
-                if self.method == "diloco"
-                else ""
-            )
-            + (
-                f"; pseudo-gradients sent as {ft.pseudo_grad_dtype}"
-                + (" with error feedback" if ft.error_feedback else "")
-                if ft.pseudo_grad_dtype != "float32"
-                else ""
-            )
-            + f"; sync quorum timeout {ft.sync_quorum_timeout_s:g}s"
-        )
+        logger.info(describe(job_config, self.algorithm))
         if len(self.fragments) > 1:
             for i, fragment in enumerate(self.fragments):
                 # cast: with more than one fragment, build_model_fragments made them all.
@@ -379,72 +164,6 @@ class SemiSyncTrainer(Trainer):
                 f"fault_tolerance.sync_steps={ft.sync_steps}: the local progress after the last "
                 "sync is not part of the final model (every group ends with the global one)"
             )
-
-    def _build_diloco(self) -> OuterLoop:
-        from torchft.local_sgd import USE_BUCKETIZATION_ENV, DiLoCo
-
-        if os.environ.get(USE_BUCKETIZATION_ENV) == "True":
-            raise FaultToleranceError(
-                f"{USE_BUCKETIZATION_ENV}=True turns on torchft 0.2.0's own bucketing, which sends "
-                "zeros for a tensor larger than a bucket and for every tensor after it: unset it "
-                "(the sync transport buckets instead: fault_tolerance.sync_bucket_mb)"
-            )
-        ft = semi_sync_config(self.job_config)
-        fragments = build_model_fragments(self.model, self.job_config)
-        outer = [
-            torch.optim.SGD(
-                fragment.parameters(),
-                lr=ft.outer_lr,
-                momentum=ft.outer_momentum,
-                # torch refuses Nesterov without momentum; with 0 it is plain SGD anyway.
-                nesterov=ft.outer_nesterov and ft.outer_momentum > 0,
-            )
-            for fragment in fragments
-        ]
-        # torchft registers each fragment's global parameters and outer optimizer for healing
-        # itself (under fixed keys: build it once per Manager).
-        algorithm = DiLoCo(
-            self.sync,
-            fragments,
-            self.optimizer,
-            outer,
-            sync_every=ft.sync_steps,
-            backup_device=self.device,
-            should_quantize=ft.should_quantize,
-            fragment_sync_delay=ft.fragment_sync_delay,
-            fragment_update_alpha=ft.fragment_update_alpha,
-            # One all-reduce call per pseudo-gradient: the sync Manager's transport packs them
-            # into buckets of its own (fault_tolerance.sync_bucket_mb). torchft 0.2.0's
-            # bucketing sends zeros for any tensor larger than a bucket and all after it.
-            use_bucketization=False,
-        )
-        for optimizer in outer:
-            optimizer.register_step_pre_hook(self._measure_pseudo_gradient)
-        return TorchftDiLoCo(
-            algorithm, fragments, ft.sync_steps // len(fragments), ft.fragment_sync_delay
-        )
-
-    def _build_async_diloco(self) -> OuterLoop:
-        ft = semi_sync_config(self.job_config)
-        training = self.job_config.training
-        loop = AsyncDiLoCo(
-            self.sync,
-            build_model_fragments(self.model, self.job_config),
-            self.optimizer,
-            sync_steps=ft.sync_steps,
-            update=ft.async_update,
-            outer_lr=ft.outer_lr,
-            outer_momentum=ft.outer_momentum,
-            outer_nesterov=ft.outer_nesterov,
-            outer_momentum_every=ft.outer_momentum_every,
-            state_device=torch.device("cpu") if ft.outer_state_device == "cpu" else self.device,
-            tokens_per_step=training.local_batch_size
-            * training.seq_len
-            * self.parallel_dims.world_size,
-        )
-        for index in range(len(loop.fragments)):
-            loop.outer_optimizer(index).register_step_pre_hook(self._measure_pseudo_gradient)
-        return loop
 
     def _agree_in_group(self, value: int) -> int:
         return self._most_in_group([value])[0]
@@ -576,9 +295,7 @@ class SemiSyncTrainer(Trainer):
         manager = self.ft.manager
         true_step = manager.current_step()
         self._start_role = RESUMED if (true_step > 0 or self.train_state.step > 0) else FRESH
-        if self.method == "localsgd" and self.algorithm.local_step() == 0:
-            # At a period's start the model is the global parameters (the last average).
-            self._localsgd_digest = device_digest(self.model.parameters())
+        self.algorithm.note_joined()
         self._announce(true_step - 1)
         self.starting = True
         self._start_attempts = 0
@@ -775,13 +492,7 @@ class SemiSyncTrainer(Trainer):
         if not due:
             return None
         self._checked_quorum = quorum
-        if not self.algorithm.has_global_copies:
-            return self._localsgd_digest
-        return device_digest(
-            t
-            for i in range(len(self.fragments))
-            for t in self.algorithm.global_parameters(i).values()
-        )
+        return self.algorithm.agreement_digest()
 
     def _act_on_disagreement(self, digests: list[int], no_majority: bool, minority: bool) -> None:
         manager = self.ft.manager
@@ -821,7 +532,7 @@ class SemiSyncTrainer(Trainer):
         starting group takes the peer's position (:meth:`_start`). A running group must be at
         the same inner step as its peer, or the sync that follows would pair different
         operations (a hang, or a wrong average): stop loudly instead."""
-        self._localsgd_digest = None  # a digest of parameters this group no longer holds
+        self.algorithm.forget_global()  # a digest of parameters this group no longer holds
         self.sync.reset_error_feedback()  # owed for state this group no longer has
         self.lineage.load_state_dict(
             {k.removeprefix("lineage_"): v for k, v in peer.items() if k.startswith("lineage_")}
@@ -989,8 +700,8 @@ class SemiSyncTrainer(Trainer):
         self.metrics.write_scalars(step, scalars)
         if committed:
             self.lineage.committed(sync_number, groups)
-        if committed and self.method == "localsgd":
-            self._localsgd_digest = device_digest(self.model.parameters())
+        if committed:
+            self.algorithm.note_committed()
         if committed and self.job_config.metrics.log_param_digest:
             events.GLOBAL_DIGEST.emit(step=step, sync=sync_number, digest=self.global_digest())
         self._check_period_length()

@@ -1,0 +1,151 @@
+"""The checkpoint of a semi-sync method's state (``semi_sync`` in the state registry).
+
+Together with the Manager's step and the core state (model, inner optimizer, LR schedule, data
+position, step), a whole-job restart resumes exactly where the job was: the inner-step position
+in the sync period, each fragment's global parameters and outer momentum, a method's own extra
+state (async DiLoCo: its sync in flight), and with ``error_feedback`` what each rank's
+compression still owes. Heals do not use it: torchft sends the methods' own registered state.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from torchtitan.experiments.fault_tolerance import events
+from torchtitan.experiments.fault_tolerance.outer_loop import (
+    OuterLoop,
+    as_param_layout,
+    local_tensor,
+)
+
+if TYPE_CHECKING:
+    from torchtitan.experiments.fault_tolerance.trainer import SemiSyncTrainer
+
+
+class SemiSyncState:
+    """Checkpoint view of the algorithm: the inner-step position in the sync period and, for
+    DiLoCo, each fragment's global parameters and outer-optimizer momentum; with
+    ``error_feedback``, what each rank's compression still owes.
+
+    Together with the Manager's step (``ft_manager``) and the core state (model, inner
+    optimizer, LR schedule, data position, step), a whole-job restart resumes exactly where the
+    job was. ``loaded`` tells whether a checkpoint supplied it: if not, the trainer makes the
+    loaded model the global parameters. Healing does not use this: torchft sends DiLoCo's own
+    copy of it, and the inner-step position travels with ``semi_sync_position``.
+    """
+
+    def __init__(self, trainer: SemiSyncTrainer) -> None:
+        self.trainer = trainer
+        self.loaded = False
+
+    def _fragments(self) -> range:
+        loop = self.trainer.algorithm
+        return range(len(loop.fragments) if loop.has_global_copies else 0)
+
+    def state_dict(self) -> dict[str, Any]:
+        loop: OuterLoop = self.trainer.algorithm
+        extra = loop.extra_state()  # first: it may take in a sync's result
+        # A sync's transfers stage residuals on the background thread: let them finish first.
+        self.trainer.sync.wait_for_transfers()
+        in_flight = [i for i in self._fragments() if loop.in_flight(i)]
+        state: dict[str, Any] = {
+            "local_step": loop.local_step(),
+            "in_flight_fragment": in_flight[0] if in_flight else -1,
+            "lineage": self.trainer.lineage.state_dict(),
+        }
+        if extra:
+            state["extra"] = extra
+        residuals = self.trainer.sync.residuals
+        if residuals is not None:
+            # Each rank's own residuals (of its shards), under a key of its own; and those an
+            # arrived, undecided sync leaves if it commits (async DiLoCo: decided at the next
+            # sync point, after a restart too).
+            mine: dict[str, Any] = {}
+            for i in range(len(loop.fragments)):
+                numel = _local_numel(loop, i)
+                staged = residuals.has_staged(i) and not loop.in_flight(i)
+                mine[f"fragment_{i}"] = residuals.flat(i, numel)
+                mine[f"staged_{i}"] = residuals.flat(i, numel, staged=True)
+                mine[f"has_staged_{i}"] = staged
+            state["error_feedback"] = {f"rank_{_group_rank()}": mine}
+        for i in self._fragments():
+            outer = loop.outer_optimizer(i)
+            params = loop.fragment_parameters(i)
+            stepped = loop.outer_parameters(i)
+            momentum = {
+                name: outer.state.get(t, {}).get("momentum_buffer") for name, t in stepped.items()
+            }
+            globals_ = loop.global_parameters(i)
+            state[f"fragment_{i}"] = {
+                "global_parameters": {
+                    name: as_param_layout(p, globals_[name]) for name, p in params.items()
+                },
+                "has_momentum": all(m is not None for m in momentum.values()),
+                # Placeholders where the outer optimizer has not stepped yet, so that a fresh
+                # process offers DCP a tensor to load the saved momentum into; on the device
+                # of the outer state, like the momentum itself.
+                "outer_momentum": {
+                    name: (
+                        m
+                        if isinstance(m, DTensor)
+                        else as_param_layout(
+                            params[name], torch.zeros_like(globals_[name]) if m is None else m
+                        )
+                    )
+                    for name, m in momentum.items()
+                },
+            }
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        loop: OuterLoop = self.trainer.algorithm
+        loop.set_local_step(int(state["local_step"]))
+        self.trainer.lineage.load_state_dict(state["lineage"])
+        for i in self._fragments():
+            saved = state[f"fragment_{i}"]
+            for name, value in saved["global_parameters"].items():
+                loop.global_parameters(i)[name].copy_(local_tensor(value))
+            outer = loop.outer_optimizer(i)
+            outer.state.clear()
+            if saved["has_momentum"]:
+                stepped = loop.outer_parameters(i)
+                for name, value in saved["outer_momentum"].items():
+                    target = stepped[name]
+                    outer.state[target]["momentum_buffer"] = (
+                        value.detach().clone()
+                        if isinstance(target, DTensor)
+                        else local_tensor(value).detach().to(target.device, copy=True)
+                    )
+        if "extra" in state:  # after the outer state above, which it may add to
+            loop.load_extra_state(state["extra"])
+        residuals = self.trainer.sync.residuals
+        if residuals is not None and "error_feedback" in state:
+            mine = state["error_feedback"][f"rank_{_group_rank()}"]
+            for i in range(len(loop.fragments)):
+                residuals.load(i, mine[f"fragment_{i}"])
+                if mine[f"has_staged_{i}"]:
+                    residuals.load(i, mine[f"staged_{i}"], staged=True)
+        in_flight = int(state.get("in_flight_fragment", -1))
+        if in_flight >= 0:
+            # Saved while a fragment's all-reduce was in flight (fragment_sync_delay > 0): its
+            # result is lost. Do what torchft does for a failed sync: put the fragment back to
+            # its global parameters and start the period again; the fragment is retried.
+            loop.restore_global_copies(in_flight)
+            loop.set_local_step(0)
+            events.IN_FLIGHT_SYNC_DROPPED.emit(fragment=in_flight)
+        self.loaded = True
+
+
+def _group_rank() -> int:
+    """This process's rank in its replica group."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _local_numel(loop: OuterLoop, index: int) -> int:
+    """Values of fragment ``index`` this rank holds (its shards): what its pseudo-gradient
+    all-reduce sends."""
+    return sum(local_tensor(p).numel() for p in loop.fragment_parameters(index).values())

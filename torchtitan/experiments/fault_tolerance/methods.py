@@ -1,0 +1,138 @@
+"""The semi-sync method a config names, built on the sync Manager, and one line that says what it
+is. The only place that branches on ``fault_tolerance.semi_sync_method``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchtitan.components.ft import FaultToleranceError
+from torchtitan.config.job_config import JobConfig
+from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
+from torchtitan.experiments.fault_tolerance.fragments import build_model_fragments
+from torchtitan.experiments.fault_tolerance.job_config import semi_sync_config
+from torchtitan.experiments.fault_tolerance.outer_loop import (
+    OuterLoop,
+    TorchftDiLoCo,
+    TorchftLocalSGD,
+)
+
+
+def build_method(
+    job_config: JobConfig,
+    sync: Any,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    *,
+    group_ranks: int,
+) -> OuterLoop:
+    """The method around ``optimizer`` (the inner one), syncing through ``sync`` (the trainer's
+    ``SyncManager``); ``group_ranks``: ranks of this replica group (async DiLoCo counts the
+    tokens of the whole group)."""
+    ft = semi_sync_config(job_config)
+    if ft.method == "localsgd":
+        return TorchftLocalSGD(sync, model, optimizer, ft.sync_steps)
+    fragments = build_model_fragments(model, job_config)
+    if ft.method == "async_diloco":
+        training = job_config.training
+        return AsyncDiLoCo(
+            sync,
+            fragments,
+            optimizer,
+            sync_steps=ft.sync_steps,
+            update=ft.async_update,
+            outer_lr=ft.outer_lr,
+            outer_momentum=ft.outer_momentum,
+            outer_nesterov=ft.outer_nesterov,
+            outer_momentum_every=ft.outer_momentum_every,
+            state_device=torch.device("cpu") if ft.outer_state_device == "cpu" else device,
+            tokens_per_step=training.local_batch_size * training.seq_len * group_ranks,
+        )
+    return _torchft_diloco(job_config, sync, fragments, optimizer, device)
+
+
+def _torchft_diloco(
+    job_config: JobConfig,
+    sync: Any,
+    fragments: list[nn.Module],
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+) -> OuterLoop:
+    from torchft.local_sgd import USE_BUCKETIZATION_ENV, DiLoCo
+
+    if os.environ.get(USE_BUCKETIZATION_ENV) == "True":
+        raise FaultToleranceError(
+            f"{USE_BUCKETIZATION_ENV}=True turns on torchft 0.2.0's own bucketing, which sends "
+            "zeros for a tensor larger than a bucket and for every tensor after it: unset it "
+            "(the sync transport buckets instead: fault_tolerance.sync_bucket_mb)"
+        )
+    ft = semi_sync_config(job_config)
+    outer = [
+        torch.optim.SGD(
+            fragment.parameters(),
+            lr=ft.outer_lr,
+            momentum=ft.outer_momentum,
+            # torch refuses Nesterov without momentum; with 0 it is plain SGD anyway.
+            nesterov=ft.outer_nesterov and ft.outer_momentum > 0,
+        )
+        for fragment in fragments
+    ]
+    # torchft registers each fragment's global parameters and outer optimizer for healing
+    # itself (under fixed keys: build it once per Manager).
+    algorithm = DiLoCo(
+        sync,
+        fragments,
+        optimizer,
+        outer,
+        sync_every=ft.sync_steps,
+        backup_device=device,
+        should_quantize=ft.should_quantize,
+        fragment_sync_delay=ft.fragment_sync_delay,
+        fragment_update_alpha=ft.fragment_update_alpha,
+        # One all-reduce call per pseudo-gradient: the sync Manager's transport packs them
+        # into buckets of its own (fault_tolerance.sync_bucket_mb). torchft 0.2.0's
+        # bucketing sends zeros for any tensor larger than a bucket and all after it.
+        use_bucketization=False,
+    )
+    return TorchftDiLoCo(
+        algorithm, fragments, ft.sync_steps // len(fragments), ft.fragment_sync_delay
+    )
+
+
+def describe(job_config: JobConfig, loop: OuterLoop) -> str:
+    """One log line: the method and every setting it runs with."""
+    ft = semi_sync_config(job_config)
+    parts = [f"sync every {ft.sync_steps} inner steps", f"{len(loop.fragments)} fragment(s)"]
+    if loop.has_global_copies:
+        if ft.outer_momentum_every > 1:
+            parts.append(
+                f"outer Delayed Nesterov lr {ft.outer_lr} momentum {ft.outer_momentum} "
+                f"every {ft.outer_momentum_every} outer steps"
+            )
+        else:
+            parts.append(
+                f"outer SGD lr {ft.outer_lr} momentum {ft.outer_momentum} "
+                f"nesterov {ft.outer_nesterov}"
+            )
+    if ft.method == "async_diloco":
+        parts.append(
+            f"{ft.async_update} update overlapped with the next period, outer state on "
+            f"{ft.outer_state_device}"
+        )
+        if ft.dynamic_local_steps:
+            points = job_config.training.steps // loop.period
+            parts.append(
+                "DyLU (inner steps per period from each group's speed; training ends after "
+                f"{points} sync points)"
+            )
+    elif ft.method == "diloco":
+        parts.append(f"delay {ft.fragment_sync_delay}, alpha {ft.fragment_update_alpha}")
+    line = f"[semi-sync] {ft.method}: " + ", ".join(parts)
+    if ft.pseudo_grad_dtype != "float32":
+        feedback = " with error feedback" if ft.error_feedback else ""
+        line += f"; pseudo-gradients sent as {ft.pseudo_grad_dtype}{feedback}"
+    return line + f"; sync quorum timeout {ft.sync_quorum_timeout_s:g}s"
