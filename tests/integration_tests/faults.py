@@ -188,9 +188,15 @@ class StallingTrainer(StepFaults, SemiSyncTrainer):
 
         self.sync.allreduce = allreduce_with_faults  # type: ignore[method-assign]
         self._corrupted = False
+        report = self.reporter.report
 
-    def _report_sync(self, step: int) -> None:
-        super()._report_sync(step)
+        def report_with_faults(step: int) -> None:
+            report(step)
+            self._corrupt_after_report()
+
+        self.reporter.report = report_with_faults  # type: ignore[method-assign]
+
+    def _corrupt_after_report(self) -> None:
         sync = self.ft.manager.current_step()  # type: ignore[union-attr]
         # Once: a group that steps back after the agreement check is at sync K again.
         corrupt = sync == self.faults.corrupt_global_after_sync and not self._corrupted

@@ -718,12 +718,13 @@ def test_a_period_dylu_ends_early_reports_the_sync_s_own_time_with_gradients_fre
     trainer's hooks cannot know before the method's own hook decides it. The sync reported is
     the 0.5 s the sync point took (not the period since the last sync), and the inner
     gradients are already freed when the sync runs."""
-    from torchtitan.experiments.fault_tolerance import trainer as trainer_module
+    from torchtitan.experiments.fault_tolerance import reporting
+    from torchtitan.experiments.fault_tolerance.reporting import SyncReporter
     from torchtitan.experiments.fault_tolerance.trainer import SemiSyncTrainer
 
     clock = FakeClock()
     monkeypatch.setattr(async_diloco, "time", clock)
-    monkeypatch.setattr(trainer_module, "time", clock)
+    monkeypatch.setattr(reporting, "time", clock)
     group = Group(Cluster(), 1)
     group.loop.period = 8
     group.loop.plan_period(8, seconds=8.0)
@@ -737,25 +738,16 @@ def test_a_period_dylu_ends_early_reports_the_sync_s_own_time_with_gradients_fre
 
     group.manager.start_quorum = slow_quorum  # type: ignore[method-assign]
     reported: list[float] = []
-    stub = SimpleNamespace(
-        optimizer=group.optimizer,
-        algorithm=group.loop,
-        delay=0,
-        period=8,
-        sync=SimpleNamespace(flush=lambda: None),
-        train_state=SimpleNamespace(step=0),
-        _sync_seconds=0.0,
-        _pseudo_grad_norm=None,
-        _hook_start=0.0,
-    )
-    stub._report_sync = lambda step: reported.append(stub._sync_seconds)
+    reporter = SyncReporter.__new__(SyncReporter)  # its hooks only: no events, no metrics
+    reporter.loop, reporter.sync = group.loop, SimpleNamespace(flush=lambda: None)
+    reporter.seconds, reporter.pseudo_grad_norm, reporter._clock = 0.0, None, 0.0
+    reporter.report = lambda step: reported.append(reporter.seconds)  # type: ignore[method-assign]
+    stub = SimpleNamespace(optimizer=group.optimizer, reporter=reporter)
     before = group.optimizer.register_step_post_hook(
         lambda *a: SemiSyncTrainer._before_torchft(stub, *a)  # type: ignore[arg-type]
     )
     with training([group]):
-        after = group.optimizer.register_step_post_hook(
-            lambda *a: SemiSyncTrainer._after_torchft(stub, *a)  # type: ignore[arg-type]
-        )
+        after = group.optimizer.register_step_post_hook(lambda *a: reporter.after_inner_step(1))
         try:
             for _ in range(4):
                 clock.now += 2.0

@@ -21,6 +21,7 @@ from torchtitan.experiments.fault_tolerance.fragments import build_model_fragmen
 from torchtitan.experiments.fault_tolerance.lineage import Lineage
 from torchtitan.experiments.fault_tolerance.method_state import SemiSyncState
 from torchtitan.experiments.fault_tolerance.outer_loop import TorchftDiLoCo, TorchftLocalSGD
+from torchtitan.experiments.fault_tolerance.reporting import SyncReporter
 from torchtitan.experiments.fault_tolerance.sync_quorum import (
     FRESH,
     RESUMED,
@@ -365,9 +366,9 @@ def test_exchange_gathers_every_member_in_quorum_order() -> None:
 def test_pseudo_gradient_norm_is_the_norm_of_the_outer_gradients() -> None:
     a, b = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2, 2))
     a.grad, b.grad = torch.tensor([3.0, 0.0, 0.0]), torch.tensor([[0.0, 4.0], [0.0, 0.0]])
-    stub = SimpleNamespace(device=torch.device("cpu"), parallel_dims=SimpleNamespace(world_size=1))
-    SemiSyncTrainer._measure_pseudo_gradient(stub, torch.optim.SGD([a, b], lr=1.0))  # type: ignore[arg-type]
-    assert stub._pseudo_grad_norm == pytest.approx(5.0)
+    stub = SimpleNamespace(device=torch.device("cpu"), group_ranks=1)
+    SyncReporter.measure_pseudo_gradient(stub, torch.optim.SGD([a, b], lr=1.0))  # type: ignore[arg-type]
+    assert stub.pseudo_grad_norm == pytest.approx(5.0)
 
 
 def test_device_digest_sees_one_changed_element_and_not_the_device_order() -> None:

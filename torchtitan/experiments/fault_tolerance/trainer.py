@@ -47,8 +47,8 @@ from torchtitan.experiments.fault_tolerance.method_state import SemiSyncState
 from torchtitan.experiments.fault_tolerance.methods import build_method, describe
 from torchtitan.experiments.fault_tolerance.outer_loop import (
     OuterLoop,
-    local_tensor,
 )
+from torchtitan.experiments.fault_tolerance.reporting import SyncReporter
 from torchtitan.experiments.fault_tolerance.sync_quorum import (
     FRESH,
     RESUMED,
@@ -69,7 +69,7 @@ from torchtitan.trainer import StepResult, Trainer
 class SemiSyncTrainer(Trainer):
     """Trains with ``fault_tolerance.semi_sync_method`` (LocalSGD or DiLoCo) across groups."""
 
-    params_agree_every_step = False  # they agree after each sync: see global_digest
+    params_agree_every_step = False  # they agree after each sync: SyncReporter.global_digest
     # Never None here, unlike in the core Trainer: __init__ checks that fault tolerance is on.
     ft: FTManager
 
@@ -111,10 +111,6 @@ class SemiSyncTrainer(Trainer):
             self.device,
             group_ranks=self.parallel_dims.world_size,
         )
-        if self.algorithm.has_global_copies:
-            for index in range(len(self.algorithm.fragments)):
-                outer = self.algorithm.outer_optimizer(index)
-                outer.register_step_pre_hook(self._measure_pseudo_gradient)
         if self.parallel_dims.world_size > 1:
             # The ranks of this group decide alike (one MAX all-reduce in the group).
             agree = self._agree_in_group
@@ -129,6 +125,16 @@ class SemiSyncTrainer(Trainer):
         self.dynamic = ft.dynamic_local_steps
         self.total_sync_points = job_config.training.steps // self.period
         self.lineage = Lineage()
+        self.reporter = SyncReporter(
+            job_config,
+            self.algorithm,
+            self.sync,
+            self.ft,
+            self.metrics,
+            self.lineage,
+            self.device,
+            self.parallel_dims.world_size,
+        )
         self.state = SemiSyncState(self)
         self.register_state("semi_sync", self.state, heal=False)
         # Not a checkpointed state: where in the sync period the sending group is, so that a
@@ -143,13 +149,6 @@ class SemiSyncTrainer(Trainer):
         self._start_attempts = 0
         self._peer: dict[str, int] | None = None
         self._checked_quorum = -2
-        self._sync_seconds = 0.0
-        self._hook_start = 0.0
-        self._period_start: float | None = None
-        self._warned_period = False
-        self._pseudo_grad_norm: float | None = None
-        # The agreement check of the last quorum: "agree", "disagree", or None (not checked).
-        self._agreement: str | None = None
         logger.info(describe(job_config, self.algorithm))
         if len(self.fragments) > 1:
             for i, fragment in enumerate(self.fragments):
@@ -222,7 +221,10 @@ class SemiSyncTrainer(Trainer):
         # sync, ours after it reports the result.
         stack.callback(self.optimizer.register_step_post_hook(self._before_torchft).remove)
         stack.enter_context(self.algorithm.hooks())
-        stack.callback(self.optimizer.register_step_post_hook(self._after_torchft).remove)
+        after = self.optimizer.register_step_post_hook(
+            lambda *_: self.reporter.after_inner_step(self.train_state.step + 1)
+        )
+        stack.callback(after.remove)
         return stack
 
     def train_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> StepResult:
@@ -383,19 +385,18 @@ class SemiSyncTrainer(Trainer):
             case="join_sync",
             waited_s=waited,
         )
-        self._sync_seconds = 0.0
-        self._pseudo_grad_norm = None
+        self.reporter.new_sync()
         self.sync.last_wait = waited  # this group's wait for the others' sync point
         start = time.perf_counter()
         performed = self.algorithm.join_sync()
         self.sync.flush()  # the running groups flushed theirs after the same hook
-        self._sync_seconds = time.perf_counter() - start
+        self.reporter.seconds = time.perf_counter() - start
         # The running groups are inside this step's optimizer.step(); finish it as they will.
         self._advance_schedule()
         last = self._last_step_taken(self.train_state.step + 1)
         self.train_state.step += 1
         if performed:
-            self._report_sync(self.train_state.step)
+            self.reporter.report(self.train_state.step)
         if last:
             # The running groups end the job at this sync point: end it with them.
             self._finish()
@@ -439,7 +440,9 @@ class SemiSyncTrainer(Trainer):
             *found_flags, plan = self._most_in_group([*flags, plan])
             flags = [bool(v) for v in found_flags]
         failed, disagree, no_majority, minority = flags
-        self._agreement = None if not verdict.digests else "disagree" if disagree else "agree"
+        self.reporter.agreement = (
+            None if not verdict.digests else "disagree" if disagree else "agree"
+        )
         if failed:
             return True
         assert members is not None
@@ -572,12 +575,13 @@ class SemiSyncTrainer(Trainer):
         model (a started all-reduce is let finish and dropped, alike in every group); LocalSGD
         runs a closing sync if the last step was not one."""
         manager = self.ft.manager
-        self._sync_seconds, start = 0.0, time.perf_counter()
+        self.reporter.new_sync()
+        start = time.perf_counter()
         ending = self.algorithm.finish()
         self.sync.discard_undecided()  # a sync dropped on the way leaves no residual
-        self._sync_seconds = time.perf_counter() - start
+        self.reporter.seconds = time.perf_counter() - start
         if ending.synced:
-            self._report_sync(self.train_state.step + 1)
+            self.reporter.report(self.train_state.step + 1)
         step = self.train_state.step + 1
         digest = tensor_digest(self.model.parameters())
         lineage = self.lineage
@@ -601,7 +605,7 @@ class SemiSyncTrainer(Trainer):
         if self.job_config.metrics.log_param_digest:
             events.FINAL_DIGEST.emit(step=step, digest=digest)
 
-    # ---- sync visibility ---------------------------------------------------------------------
+    # ---- the optimizer hook before the method's -----------------------------------------------
 
     def _before_torchft(self, *_: Any) -> None:
         # After every inner step, whether the method syncs in it or not (DyLU decides that
@@ -610,124 +614,4 @@ class SemiSyncTrainer(Trainer):
         # pseudo-gradients and the local copy a sync makes take their place instead of adding
         # to them. The sync's clock starts here too.
         self.optimizer.zero_grad(set_to_none=True)
-        self._hook_start = time.perf_counter()
-
-    @torch.no_grad()
-    def _measure_pseudo_gradient(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        """Outer-optimizer pre-hook: the fragment's gradients are now the pseudo-gradients
-        averaged over the groups (the same in every group), whatever the delay."""
-        grads = [
-            local_tensor(p.grad)
-            for group in optimizer.param_groups
-            for p in group["params"]
-            if p.grad is not None
-        ]
-        squares = torch.zeros((), dtype=torch.float64, device=self.device)
-        if grads:  # one fused norm (its time counts in the sync's): not a loop of reductions
-            squares += torch.nn.utils.get_total_norm(grads).double().square()
-        if self.parallel_dims.world_size > 1:  # shards of one group: sum over its ranks
-            dist.all_reduce(squares)
-        self._pseudo_grad_norm = squares.sqrt().item()
-
-    def _after_torchft(self, *_: Any) -> None:
-        local_step = self.algorithm.local_step()
-        # Streaming DiLoCo with a delay started a sync in this step (DyLU's periods may pass
-        # ``period`` steps, but have no delay).
-        prepared = self.delay > 0 and local_step == self.period - self.delay
-        performed = local_step == 0  # torchft resets the position after a sync
-        if not (prepared or performed):
-            return
-        if prepared:  # the all-reduce overlaps the next fragment_sync_delay steps: send it all
-            self.sync.flush()
-        self._sync_seconds += time.perf_counter() - self._hook_start
-        if performed:
-            self._report_sync(self.train_state.step + 1)  # inside the step's optimizer.step()
-            # The next sync's time and norm start from nothing (a delayed sync adds the time
-            # of its preparing step to that of its performing one).
-            self._sync_seconds = 0.0
-            self._pseudo_grad_norm = None
-
-    def _report_sync(self, step: int) -> None:
-        manager = self.ft.manager
-        outcome = self.algorithm.last_outcome(self.sync)
-        if outcome is None:  # async DiLoCo's first sync point: it only started a sync
-            return
-        committed, sync_number = outcome.committed, outcome.number
-        fragment_index, payload = outcome.fragment, outcome.bytes_sent
-        compression_s = outcome.compression_s
-        groups = outcome.groups
-        quorum_id = tft.quorum_id(manager)
-        norm = self._pseudo_grad_norm if committed else None
-        wait = self.sync.last_wait
-        events.SYNC.emit(
-            step=step,
-            sync=sync_number,
-            method=self.method,
-            fragment=fragment_index,
-            fragments=len(self.fragments),
-            committed=committed,
-            seconds=self._sync_seconds,
-            bytes_sent=payload,
-            groups=groups,
-            quorum_id=quorum_id,
-            pseudo_grad_norm=norm,
-            quorum_wait_s=wait,
-            agreement=self._agreement,
-            uncommitted_in_a_row=self.ft.uncommitted_in_a_row,
-            inner_steps=outcome.inner_steps,
-            tokens=outcome.tokens,
-            weight=outcome.weight,
-            pseudo_grad_dtype=self.sync.dtype,
-            compression_s=compression_s,
-        )
-        scalars = {
-            "sync/seconds": self._sync_seconds,
-            "sync/quorum_wait_seconds": wait,
-            "sync/bytes_sent": float(payload),
-            "sync/groups": float(groups),
-            "sync/committed": float(committed),
-            "sync/fragment": float(fragment_index),
-            "sync/quorum_id": float(quorum_id),
-        }
-        if norm is not None:
-            scalars["sync/pseudo_grad_norm"] = norm
-        if compression_s is not None:
-            scalars["sync/compression_seconds"] = compression_s
-        for name in ("inner_steps", "tokens", "weight"):
-            value = getattr(outcome, name)
-            if value is not None:
-                scalars[f"sync/{name}"] = float(value)
-        self.metrics.write_scalars(step, scalars)
-        if committed:
-            self.lineage.committed(sync_number, groups)
-        if committed:
-            self.algorithm.note_committed()
-        if committed and self.job_config.metrics.log_param_digest:
-            events.GLOBAL_DIGEST.emit(step=step, sync=sync_number, digest=self.global_digest())
-        self._check_period_length()
-
-    def _check_period_length(self) -> None:
-        """Warn once when a period comes close to the sync quorum timeout: a restarted group
-        waits up to one period for the running groups' next sync."""
-        now = time.monotonic()
-        last, self._period_start = self._period_start, now
-        timeout = semi_sync_config(self.job_config).sync_quorum_timeout_s
-        if last is None or self._warned_period or (now - last) * len(self.fragments) < timeout / 2:
-            return
-        self._warned_period = True
-        logger.warning(
-            f"[semi-sync] a sync period takes {(now - last) * len(self.fragments):.0f}s, more "
-            f"than half of fault_tolerance.sync_quorum_timeout_s={timeout:g}s: a restarted "
-            "group waits up to one period for the others' next sync; raise the timeout"
-        )
-
-    def global_digest(self) -> str:
-        """Digest of the global parameters every group holds after a sync: DiLoCo's global
-        copies of all fragments, or LocalSGD's averaged model parameters (this rank's shards)."""
-        if self.algorithm.has_global_copies:
-            return tensor_digest(
-                t
-                for i in range(len(self.fragments))
-                for t in self.algorithm.global_parameters(i).values()
-            )
-        return tensor_digest(self.model.parameters())
+        self.reporter.start_clock()

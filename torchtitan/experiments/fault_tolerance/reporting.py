@@ -1,0 +1,189 @@
+"""What each sync did, said once: the ``semi_sync.sync`` event and its TensorBoard scalars, the
+global digest after a committed sync, the job's lineage, and a warning when a period comes close
+to the sync quorum timeout.
+
+The trainer hands the reporter its optimizer hooks (:meth:`SyncReporter.start_clock` before
+torchft's, :meth:`SyncReporter.after_inner_step` after) and calls :meth:`SyncReporter.report`
+where a sync is decided outside them (a group joining at a sync point, the end of training).
+The method's own outcome (:meth:`OuterLoop.last_outcome`) says what the sync was.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchtitan.components.ft import FTManager
+from torchtitan.components.ft import torchft_adapter as tft
+from torchtitan.config.job_config import JobConfig
+from torchtitan.experiments.fault_tolerance import events
+from torchtitan.experiments.fault_tolerance.job_config import semi_sync_config
+from torchtitan.experiments.fault_tolerance.lineage import Lineage
+from torchtitan.experiments.fault_tolerance.outer_loop import OuterLoop, local_tensor
+from torchtitan.tools.digest import tensor_digest
+from torchtitan.tools.logging import logger
+
+
+class SyncReporter:
+    """Reports the syncs of ``loop`` (through the sync Manager ``sync``) for one rank."""
+
+    def __init__(
+        self,
+        job_config: JobConfig,
+        loop: OuterLoop,
+        sync: Any,
+        ft: FTManager,
+        metrics: Any,
+        lineage: Lineage,
+        device: torch.device,
+        group_ranks: int,
+    ) -> None:
+        self.job_config = job_config
+        self.loop = loop
+        self.sync = sync
+        self.ft = ft
+        self.metrics = metrics
+        self.lineage = lineage
+        self.device = device
+        self.group_ranks = group_ranks
+        #: Seconds the sync being reported took (a delayed sync: its preparing and performing
+        #: steps together).
+        self.seconds = 0.0
+        #: The averaged pseudo-gradient's norm of the sync being reported (None: not measured).
+        self.pseudo_grad_norm: float | None = None
+        #: The agreement check of the last quorum: "agree", "disagree", or None (not checked).
+        self.agreement: str | None = None
+        self._clock = 0.0
+        self._period_start: float | None = None
+        self._warned_period = False
+        if loop.has_global_copies:
+            for index in range(len(loop.fragments)):
+                loop.outer_optimizer(index).register_step_pre_hook(self.measure_pseudo_gradient)
+
+    def new_sync(self) -> None:
+        """The next sync's time and norm start from nothing."""
+        self.seconds = 0.0
+        self.pseudo_grad_norm = None
+
+    def start_clock(self) -> None:
+        """After an inner step, before the method's own hook: a sync (if any) starts now."""
+        self._clock = time.perf_counter()
+
+    @torch.no_grad()
+    def measure_pseudo_gradient(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        """Outer-optimizer pre-hook: the fragment's gradients are now the pseudo-gradients
+        averaged over the groups (the same in every group), whatever the delay."""
+        grads = [
+            local_tensor(p.grad)
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
+        squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        if grads:  # one fused norm (its time counts in the sync's): not a loop of reductions
+            squares += torch.nn.utils.get_total_norm(grads).double().square()
+        if self.group_ranks > 1:  # shards of one group: sum over its ranks
+            dist.all_reduce(squares)
+        self.pseudo_grad_norm = squares.sqrt().item()
+
+    def after_inner_step(self, step: int) -> None:
+        """After the method's own hook in inner step ``step``: report the sync it performed."""
+        loop = self.loop
+        local_step = loop.local_step()
+        # Streaming DiLoCo with a delay started a sync in this step (DyLU's periods may pass
+        # ``period`` steps, but have no delay).
+        prepared = loop.delay > 0 and local_step == loop.period - loop.delay
+        performed = local_step == 0  # torchft resets the position after a sync
+        if not (prepared or performed):
+            return
+        if prepared:  # the all-reduce overlaps the next fragment_sync_delay steps: send it all
+            self.sync.flush()
+        self.seconds += time.perf_counter() - self._clock
+        if performed:
+            self.report(step)  # inside the step's optimizer.step()
+            # A delayed sync adds the time of its preparing step to that of its performing one.
+            self.new_sync()
+
+    def report(self, step: int) -> None:
+        """The sync the method decided last, as of train step ``step``."""
+        outcome = self.loop.last_outcome(self.sync)
+        if outcome is None:  # async DiLoCo's first sync point: it only started a sync
+            return
+        committed, number = outcome.committed, outcome.number
+        quorum_id = tft.quorum_id(self.ft.manager)
+        norm = self.pseudo_grad_norm if committed else None
+        wait = self.sync.last_wait
+        events.SYNC.emit(
+            step=step,
+            sync=number,
+            method=self.loop.method,
+            fragment=outcome.fragment,
+            fragments=len(self.loop.fragments),
+            committed=committed,
+            seconds=self.seconds,
+            bytes_sent=outcome.bytes_sent,
+            groups=outcome.groups,
+            quorum_id=quorum_id,
+            pseudo_grad_norm=norm,
+            quorum_wait_s=wait,
+            agreement=self.agreement,
+            uncommitted_in_a_row=self.ft.uncommitted_in_a_row,
+            inner_steps=outcome.inner_steps,
+            tokens=outcome.tokens,
+            weight=outcome.weight,
+            pseudo_grad_dtype=self.sync.dtype,
+            compression_s=outcome.compression_s,
+        )
+        scalars = {
+            "sync/seconds": self.seconds,
+            "sync/quorum_wait_seconds": wait,
+            "sync/bytes_sent": float(outcome.bytes_sent),
+            "sync/groups": float(outcome.groups),
+            "sync/committed": float(committed),
+            "sync/fragment": float(outcome.fragment),
+            "sync/quorum_id": float(quorum_id),
+        }
+        if norm is not None:
+            scalars["sync/pseudo_grad_norm"] = norm
+        if outcome.compression_s is not None:
+            scalars["sync/compression_seconds"] = outcome.compression_s
+        for name in ("inner_steps", "tokens", "weight"):
+            value = getattr(outcome, name)
+            if value is not None:
+                scalars[f"sync/{name}"] = float(value)
+        self.metrics.write_scalars(step, scalars)
+        if committed:
+            self.lineage.committed(number, outcome.groups)
+            self.loop.note_committed()
+            if self.job_config.metrics.log_param_digest:
+                events.GLOBAL_DIGEST.emit(step=step, sync=number, digest=self.global_digest())
+        self._check_period_length()
+
+    def _check_period_length(self) -> None:
+        """Warn once when a period comes close to the sync quorum timeout: a restarted group
+        waits up to one period for the running groups' next sync."""
+        now = time.monotonic()
+        last, self._period_start = self._period_start, now
+        timeout = semi_sync_config(self.job_config).sync_quorum_timeout_s
+        period = (now - last) * len(self.loop.fragments) if last is not None else 0.0
+        if last is None or self._warned_period or period < timeout / 2:
+            return
+        self._warned_period = True
+        logger.warning(
+            f"[semi-sync] a sync period takes {period:.0f}s, more than half of "
+            f"fault_tolerance.sync_quorum_timeout_s={timeout:g}s: a restarted group waits up "
+            "to one period for the others' next sync; raise the timeout"
+        )
+
+    def global_digest(self) -> str:
+        """Digest of the global parameters every group holds after a sync: DiLoCo's global
+        copies of all fragments, or LocalSGD's averaged model parameters (this rank's shards)."""
+        loop = self.loop
+        if loop.has_global_copies:
+            return tensor_digest(
+                t for i in range(len(loop.fragments)) for t in loop.global_parameters(i).values()
+            )
+        return tensor_digest(loop.fragments[0].parameters())
