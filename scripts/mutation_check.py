@@ -98,7 +98,7 @@ MUTANTS = [
     ),
     Mutant(
         "agreement: the majority steps back instead of the minority",
-        f"{PACKAGE}/trainer.py",
+        f"{PACKAGE}/quorum_protocol.py",
         "        if minority:\n            events.DIFFERS_FROM_MAJORITY",
         "        if not minority:\n            events.DIFFERS_FROM_MAJORITY",
     ),
@@ -116,7 +116,7 @@ MUTANTS = [
     ),
     Mutant(
         "heal: a running group keeps its error-feedback residuals",
-        f"{PACKAGE}/trainer.py",
+        f"{PACKAGE}/quorum_protocol.py",
         "self.sync.reset_error_feedback()  # owed for state this group no longer has",
         "pass  # owed for state this group no longer has",
     ),

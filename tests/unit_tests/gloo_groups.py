@@ -117,7 +117,7 @@ def sync_manager(
         timeout_s=timeout_s,
     )
     ft: Any = OneGroupFT(manager)
-    return SyncManager(ft, 1, 60.0, lambda: True, transport, fragment_of_sync=fragment_of_sync)
+    return SyncManager(ft, 1, 60.0, transport=transport, fragment_of_sync=fragment_of_sync)
 
 
 def run_groups(

@@ -21,6 +21,7 @@ from torchtitan.experiments.fault_tolerance.fragments import build_model_fragmen
 from torchtitan.experiments.fault_tolerance.lineage import Lineage
 from torchtitan.experiments.fault_tolerance.method_state import SemiSyncState
 from torchtitan.experiments.fault_tolerance.outer_loop import TorchftDiLoCo, TorchftLocalSGD
+from torchtitan.experiments.fault_tolerance.quorum_protocol import QuorumFindings, QuorumProtocol
 from torchtitan.experiments.fault_tolerance.reporting import SyncReporter
 from torchtitan.experiments.fault_tolerance.sync_quorum import (
     FRESH,
@@ -295,7 +296,7 @@ def test_a_running_group_heals_at_its_peer_s_position(caplog: pytest.LogCaptureF
     caplog.set_level(logging.INFO, logger="torchtitan")
     stub = _stub(4)
     try:
-        SemiSyncTrainer._load_peer(stub, peer(4))  # type: ignore[arg-type]
+        QuorumProtocol.load_peer(stub, peer(4))  # type: ignore[arg-type]
     finally:
         logger.removeHandler(caplog.handler)
     healed = [e for e in map(event_of, caplog.records) if e is not None and e.name == HEALED.name]
@@ -310,14 +311,14 @@ def test_a_running_group_heals_at_its_peer_s_position(caplog: pytest.LogCaptureF
 
 def test_a_running_group_healed_at_another_position_stops() -> None:
     with pytest.raises(FaultToleranceError, match="inner step 3 of its sync period"):
-        SemiSyncTrainer._load_peer(_stub(4), peer(3, replica_id=1))  # type: ignore[arg-type]
+        QuorumProtocol.load_peer(_stub(4), peer(3, replica_id=1))  # type: ignore[arg-type]
     with pytest.raises(FaultToleranceError, match="starting up"):
-        SemiSyncTrainer._load_peer(_stub(4), peer(4, starting=1))  # type: ignore[arg-type]
+        QuorumProtocol.load_peer(_stub(4), peer(4, starting=1))  # type: ignore[arg-type]
 
 
 def test_a_starting_group_takes_its_peer_s_position() -> None:
     stub = _stub(0, starting=True)
-    SemiSyncTrainer._load_peer(stub, peer(3, replica_id=1))  # type: ignore[arg-type]
+    QuorumProtocol.load_peer(stub, peer(3, replica_id=1))  # type: ignore[arg-type]
     assert stub._peer == peer(3, replica_id=1)
 
 
@@ -417,7 +418,7 @@ def test_emulated_slowdown_computes_more_and_leaves_the_gradients_alone(
 
 
 class _Disagreeing:
-    """What ``SemiSyncTrainer._act_on_disagreement`` uses of the trainer: its Manager (at sync
+    """What ``QuorumProtocol._act_on_disagreement`` uses of the trainer: its Manager (at sync
     #4) and where it announces the step it steps back to."""
 
     def __init__(self) -> None:
@@ -426,7 +427,7 @@ class _Disagreeing:
         manager = SimpleNamespace(current_step=lambda: 3, report_error=self.errors.append)
         self.ft = SimpleNamespace(manager=manager)
 
-    def _announce(self, step: int) -> None:
+    def announce(self, step: int) -> None:
         self.announced.append(step)
 
 
@@ -438,7 +439,7 @@ def test_after_a_disagreement_only_the_minority_steps_back(
     majority steps its Manager back one sync (so torchft heals it from a majority group),
     and says so; a majority group stays where it is and says that the minority is elsewhere."""
     trainer = _Disagreeing()
-    act = SemiSyncTrainer._act_on_disagreement
+    act = QuorumProtocol._act_on_disagreement
     act(cast(Any, trainer), [7, 7, 9], no_majority=False, minority=minority)
     assert len(trainer.errors) == 1  # the sync is not committed, by any group
     names = [e.name for e in events]
@@ -451,7 +452,7 @@ def test_after_a_disagreement_only_the_minority_steps_back(
 
 def test_without_a_majority_every_group_stops() -> None:
     with pytest.raises(FaultToleranceError, match="no majority"):
-        act = SemiSyncTrainer._act_on_disagreement
+        act = QuorumProtocol._act_on_disagreement
         act(cast(Any, _Disagreeing()), [7, 9], no_majority=True, minority=False)
 
 
@@ -518,3 +519,15 @@ def test_localsgd_knows_its_global_digest_only_at_a_period_start_and_forgets_it_
     loop.forget_global()
     loop.note_joined()  # mid-period: the model is not the global parameters
     assert loop.agreement_digest() is None
+
+
+def test_quorum_findings_travel_as_ints_and_come_back_named() -> None:
+    """The group's ranks take the MAX of each finding (one all-reduce of ints): each field
+    comes back under its name."""
+    found = QuorumFindings(failed=False, disagree=True, no_majority=False, minority=True,
+                           planned_steps=7)  # fmt: skip
+    assert found.as_ints() == [0, 1, 0, 1, 7]
+    assert QuorumFindings.from_ints(found.as_ints()) == found
+    other = QuorumFindings(True, False, False, False, 9)
+    merged = [max(a, b) for a, b in zip(found.as_ints(), other.as_ints(), strict=True)]
+    assert QuorumFindings.from_ints(merged) == QuorumFindings(True, True, False, True, 9)

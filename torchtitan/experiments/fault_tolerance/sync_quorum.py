@@ -91,7 +91,8 @@ class SyncManager(ManagerStandIn):
     accounting and fails a sync that carried a non-finite value; all else is torchft's own.
 
     ``on_quorum`` runs in every member of a quorum that has enough groups (it may exchange a
-    few numbers) and returns whether the quorum is used; all members must decide alike.
+    few numbers) and returns whether the quorum is used; all members must decide alike (the
+    trainer sets its ``QuorumProtocol.on_quorum``; default: every quorum is used).
     ``fragment_of_sync`` names the fragment the sync whose quorum just formed is for (asked
     after the quorum: a heal in it moves this group to its peer's sync).
     """
@@ -101,7 +102,8 @@ class SyncManager(ManagerStandIn):
         ft: FTManager,
         min_groups: int,
         timeout_s: float,
-        on_quorum: Callable[[], bool],
+        on_quorum: Callable[[], bool] = lambda: True,
+        *,
         transport: SyncTransport,
         fragment_of_sync: Callable[[], int] = lambda: 0,
     ) -> None:

@@ -1,0 +1,379 @@
+"""How a replica group enters the job, and what every quorum of it decides.
+
+* **Start-up and join** (:meth:`QuorumProtocol.start`): a group asks for its first quorum as
+  soon as its Manager runs. Until it is in, it announces a Manager step one below its own, so
+  that torchft heals it from a running group (or from a starting one with a newer
+  checkpoint); healed at a running group's sync point, it takes part in that sync.
+* **The exchange at every quorum** (:meth:`QuorumProtocol.on_quorum`, run by every member of
+  a quorum with enough groups): roles, start-up attempts, every ``agreement_check_every``
+  syncs a digest of the global parameters, and DyLU's step times (``sync_quorum.exchange``).
+  Every member decides alike whether to use the quorum (a new job waits for all its groups)
+  and whether the groups agree (:class:`QuorumFindings`); a minority steps back one sync and
+  heals from the majority, no majority stops the run.
+* **Healing** (:meth:`QuorumProtocol.position` / :meth:`QuorumProtocol.load_peer`): the
+  sending group's position in its period and lineage travel with torchft's state.
+
+Failure semantics are written once, in docs/fault_tolerance.md ("Semi-synchronous training").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torchtitan.components.ft import FaultToleranceError, FTManager
+from torchtitan.components.ft import torchft_adapter as tft
+from torchtitan.config.job_config import JobConfig
+from torchtitan.experiments.fault_tolerance import events
+from torchtitan.experiments.fault_tolerance.async_diloco import (
+    dylu_inner_steps,
+    dylu_period_seconds,
+)
+from torchtitan.experiments.fault_tolerance.job_config import semi_sync_config
+from torchtitan.experiments.fault_tolerance.lineage import Lineage
+from torchtitan.experiments.fault_tolerance.outer_loop import OuterLoop
+from torchtitan.experiments.fault_tolerance.reporting import SyncReporter
+from torchtitan.experiments.fault_tolerance.sync_quorum import (
+    FRESH,
+    RESUMED,
+    RUNNING,
+    Member,
+    SyncManager,
+    compare_digests,
+    exchange,
+)
+
+
+@dataclass(frozen=True)
+class JoinAtSync:
+    """A starting group healed from a running group inside that group's sync quorum: it takes
+    part in the sync now, at the peer's inner step."""
+
+    local_step: int
+    peer: int
+    waited_s: float
+
+
+@dataclass
+class QuorumFindings:
+    """What one quorum's exchange found, alike in every rank of the group (each rank compared
+    its own shard's digest: the group acts on what any of its ranks found)."""
+
+    #: A member failed in the exchange: this quorum's sync fails anyway.
+    failed: bool
+    #: The digests of the global parameters differ.
+    disagree: bool
+    #: ... and no digest is held by a strict majority.
+    no_majority: bool
+    #: ... and this group's digest is not the majority's.
+    minority: bool
+    #: DyLU: the inner steps of this group's next period (0: not planned).
+    planned_steps: int = 0
+
+    def as_ints(self) -> list[int]:
+        return [int(v) for v in dataclasses.astuple(self)]
+
+    @classmethod
+    def from_ints(cls, values: list[int]) -> QuorumFindings:
+        failed, disagree, no_majority, minority, steps = values
+        return cls(bool(failed), bool(disagree), bool(no_majority), bool(minority), steps)
+
+
+class QuorumProtocol:
+    """The start-up, join and quorum exchange of one rank of a replica group."""
+
+    def __init__(
+        self,
+        job_config: JobConfig,
+        ft: FTManager,
+        sync: SyncManager,
+        algorithm: OuterLoop,
+        lineage: Lineage,
+        reporter: SyncReporter,
+        train_state: Any,
+        device: torch.device,
+        group_ranks: int,
+        most_in_group: Callable[[list[int]], list[int]],
+    ) -> None:
+        self.job_config = job_config
+        self.ft = ft
+        self.sync = sync
+        self.algorithm = algorithm
+        self.lineage = lineage
+        self.reporter = reporter
+        #: The trainer's step counter (read here, for the events).
+        self.train_state = train_state
+        self.device = device
+        self.group_ranks = group_ranks
+        self.most_in_group = most_in_group
+        self.period = algorithm.period
+        self.dynamic = semi_sync_config(job_config).dynamic_local_steps
+        #: Whether this group is asking for its first quorum.
+        self.starting = False
+        #: Why this group starts without a checkpoint of its own although it had some (all
+        #: failed their checksums): it must heal in full from a peer. Empty: not so.
+        self.heal_in_full = ""
+        self._start_role = FRESH
+        self._start_attempts = 0
+        self._peer: dict[str, int] | None = None
+        self._checked_quorum = -2
+
+    # ---- joining the job ---------------------------------------------------------------------
+
+    def start(self) -> JoinAtSync | None:
+        """Ask for the first quorum right away, and act on what it is.
+
+        Until it is in, a starting group announces a Manager step one below its own (-1 when
+        it starts with no checkpoint): torchft heals a group whose step is below the
+        quorum's highest, so a starting group always heals from a running group, even one of
+        the same step (its checkpoint was taken in the current period) or of step 0 (a
+        group killed before the job's first sync). Starting groups alone keep their order,
+        so a whole-job restart heals only those behind the newest checkpoint. Afterwards:
+
+        * healed from a running group at its sync point: take part in that sync (returned:
+          the trainer performs this group's part of it);
+        * healed from a starting group: continue from that group's position;
+        * not healed (all starting, this one the newest): continue from its own position.
+        """
+        assert self.ft is not None
+        ft = semi_sync_config(self.job_config)
+        manager = self.ft.manager
+        true_step = manager.current_step()
+        self._start_role = RESUMED if (true_step > 0 or self.train_state.step > 0) else FRESH
+        self.algorithm.note_joined()
+        self.announce(true_step - 1)
+        self.starting = True
+        self._start_attempts = 0
+        self._peer = None
+        self.ft.waiting_for = "start-up"
+        self.ft.waiting_needs = (
+            f"all {ft.group_size} replica groups of a new job, or the running groups' next sync"
+        )
+        self.ft.waiting_reason = "start-up"
+        events.ASKING_FOR_QUORUM.emit(
+            step=self.train_state.step, role="resumed" if self._start_role == RESUMED else "fresh"
+        )
+        # Up to a period for a running job's next sync, or the others' start-up for a new one.
+        timeout_s, timeout_field = max(
+            (ft.sync_quorum_timeout_s, "fault_tolerance.sync_quorum_timeout_s"),
+            (ft.quorum_timeout_s, "fault_tolerance.quorum_timeout_s"),
+        )
+        start = time.perf_counter()
+        try:
+            while True:
+                self.ft.join_quorum(
+                    needed=ft.min_replica_size,
+                    timeout_s=timeout_s,
+                    timeout_field=timeout_field,
+                    accept=self.on_quorum,
+                )
+                if manager.errored() is None:
+                    break
+                # The quorum failed on purpose (a disagreement) or a member died: go again.
+                manager.should_commit()
+                if self._peer is not None and not self._peer["starting"]:
+                    # The running groups go on from where this group copied them: be healed
+                    # again, at their next sync.
+                    self._peer = None
+                    self.announce(manager.current_step() - 1)
+        finally:
+            self.starting = False
+            self.ft.waiting_for = self.ft.waiting_needs = self.ft.waiting_reason = ""
+        self.sync.begin_sync()  # a group joining at a sync point takes part in it now
+        peer = self._peer
+        if self.heal_in_full and peer is None:
+            raise FaultToleranceError(
+                f"[semi-sync] no checkpoint of this group passed its checksums "
+                f"({self.heal_in_full}), and no other group had a state to heal from: every "
+                "group of the job started without one. Restore a checkpoint folder from a copy."
+            )
+        if peer is not None and peer["at_sync"]:
+            return JoinAtSync(peer["local_step"], peer["replica_id"], time.perf_counter() - start)
+        self.announce(manager.current_step() + 1)
+        if peer is not None:  # healed from a starting group, whose step was announced low
+            self.algorithm.set_local_step(peer["local_step"])
+            events.HEALED.emit(
+                step=self.train_state.step + 1,
+                sync=manager.current_step() + 1,
+                peer=peer["replica_id"],
+                inner_step=peer["local_step"],
+                period=self.period,
+                case="newer_checkpoint",
+                waited_s=None,
+            )
+        events.IN_JOB.emit(
+            step=self.train_state.step + 1,
+            sync=manager.current_step() + 1,
+            groups=manager.num_participants(),
+            inner_step=self.algorithm.local_step(),
+            period=self.period,
+        )
+        return None
+
+    def announce(self, step: int) -> None:
+        manager = self.ft.manager
+        manager.load_state_dict({"step": step, "batches_committed": manager.batches_committed()})
+
+    # ---- the exchange at every quorum --------------------------------------------------------
+
+    def on_quorum(self) -> bool:
+        """Run by every member of a quorum with enough groups: exchange roles and digests, and
+        decide alike whether to use the quorum (a starting group waits for all groups of a new
+        job) and whether the groups agree."""
+        manager = self.ft.manager
+        ft = self.job_config.fault_tolerance
+        if self.starting:
+            self._start_attempts += 1
+            joined = int(self._peer is not None and not self._peer["starting"])
+            mine = Member(self._start_role, joined, self._start_attempts)
+        else:
+            mine = Member(RUNNING)
+        digest = self._digest_if_due()
+        if digest is not None:
+            mine.has_digest, mine.digest = 1, digest
+        if self.dynamic:
+            mine.step_us = round(self.algorithm.step_seconds() * 1e6)
+        members = exchange(manager, mine, self.device)
+        verdict = compare_digests(members or [])
+        own = mine.digest if mine.has_digest else None
+        speeds = [m.step_us / 1e6 for m in members or []]
+        found = QuorumFindings(
+            failed=members is None,
+            disagree=not verdict.agree,
+            no_majority=not verdict.agree and verdict.majority is None,
+            minority=not verdict.agree and own is not None and own != verdict.majority,
+            planned_steps=(
+                dylu_inner_steps(self.period, speeds, mine.step_us / 1e6) if self.dynamic else 0
+            ),
+        )
+        if self.group_ranks > 1:
+            # Each rank exchanged with the same rank of the other groups (and compared its own
+            # shard): the group acts on what any of its ranks found, and all its ranks take
+            # the same number of inner steps.
+            found = QuorumFindings.from_ints(self.most_in_group(found.as_ints()))
+        self.reporter.agreement = (
+            None if not verdict.digests else "disagree" if found.disagree else "agree"
+        )
+        if found.failed:
+            return True
+        assert members is not None
+        if self.dynamic:
+            self._plan_period(found.planned_steps, speeds, mine.step_us / 1e6)
+        running = any(m.role == RUNNING for m in members)
+        if not running and len(members) < ft.group_size:
+            # Only starting groups, not all of them: a new job waits for all; a restarted one
+            # goes on without a missing group after quorum_timeout_s.
+            resumed = any(m.role == RESUMED for m in members)
+            grace = math.ceil(ft.quorum_timeout_s / self.ft.poll_s)
+            if not resumed or max(m.attempts for m in members) < grace:
+                return False
+        if running and any(m.role != RUNNING and not m.joined for m in members):
+            # A starting group that did not heal from the running ones holds a checkpoint at
+            # or beyond their step: it cannot take part in their sync. Nobody commits this
+            # one; it heals at the next (its step goes below theirs).
+            manager.report_error(RuntimeError("a starting group is ahead of the running job"))
+            if self.starting and not mine.joined:
+                events.CHECKPOINT_AHEAD.emit(step=self.train_state.step)
+                self.announce(manager.current_step() - 1)
+        if found.disagree:
+            self._act_on_disagreement(verdict.digests, found.no_majority, found.minority)
+        return True
+
+    def _plan_period(self, steps: int, speeds: list[float], mine: float) -> None:
+        """DyLU: the next period's inner steps (said in the log when they change)."""
+        if steps != self.algorithm.steps_this_period():
+            fastest = min((s for s in speeds if s > 0), default=0.0)
+            events.INNER_STEPS_PLANNED.emit(
+                step=self.train_state.step,
+                steps=steps,
+                period=self.period,
+                ms_per_step=mine * 1e3,
+                fastest_ms_per_step=fastest * 1e3,
+            )
+        self.algorithm.plan_period(steps, dylu_period_seconds(self.period, speeds))
+
+    def _digest_if_due(self) -> int | None:
+        """A digest of the global parameters of the last sync, every ``agreement_check_every``
+        syncs, whenever the quorum changed (a group (re)joined or left), and at start-up."""
+        manager = self.ft.manager
+        every = semi_sync_config(self.job_config).agreement_check_every
+        quorum = tft.quorum_id(manager)
+        due = (
+            self.starting
+            or quorum != self._checked_quorum
+            or (every > 0 and manager.current_step() % every == 0)
+        )
+        if not due:
+            return None
+        self._checked_quorum = quorum
+        return self.algorithm.agreement_digest()
+
+    def _act_on_disagreement(self, digests: list[int], no_majority: bool, minority: bool) -> None:
+        manager = self.ft.manager
+        distinct = [f"{d & (2**64 - 1):016x}" for d in sorted(set(digests))]
+        sync = manager.current_step() + 1
+        if no_majority:
+            raise FaultToleranceError(
+                f"[semi-sync] replica groups disagree on the global parameters before sync "
+                f"#{sync} (digests {', '.join(distinct)}; no majority): stopping rather than "
+                "training on diverged copies. Restart the job from one group's checkpoint: "
+                "docs/fault_tolerance.md, 'After replica groups disagree'."
+            )
+        # Nobody commits this sync; the groups that differ from the majority step back one
+        # sync, so that torchft heals them from a majority group at the next one.
+        manager.report_error(RuntimeError("global parameters disagree"))
+        if minority:
+            events.DIFFERS_FROM_MAJORITY.emit(sync=sync, digests=distinct)
+            self.announce(manager.current_step() - 1)
+        else:
+            events.MINORITY_ELSEWHERE.emit(sync=sync, digests=distinct)
+
+    # ---- healing -----------------------------------------------------------------------------
+
+    def position(self) -> dict[str, Any]:
+        """Sent to a group that heals from this one: where this group is, and its lineage
+        (the healed group's model is this one's from then on)."""
+        return {
+            "local_step": self.algorithm.local_step(),
+            "at_sync": int(self.sync.in_quorum and not self.starting),
+            "starting": int(self.starting),
+            "replica_id": self.job_config.fault_tolerance.replica_id,
+            **{f"lineage_{k}": v for k, v in self.lineage.state_dict().items()},
+        }
+
+    def load_peer(self, peer: dict[str, int]) -> None:
+        """On the group that heals, after torchft loaded the peer's state (in the quorum). A
+        starting group takes the peer's position (:meth:`start`). A running group must be at
+        the same inner step as its peer, or the sync that follows would pair different
+        operations (a hang, or a wrong average): stop loudly instead."""
+        self.algorithm.forget_global()  # a digest of parameters this group no longer holds
+        self.sync.reset_error_feedback()  # owed for state this group no longer has
+        self.lineage.load_state_dict(
+            {k.removeprefix("lineage_"): v for k, v in peer.items() if k.startswith("lineage_")}
+        )
+        if self.starting:
+            self._peer = dict(peer)
+            return
+        mine = self.algorithm.local_step()
+        if peer["starting"] or peer["local_step"] != mine:
+            raise FaultToleranceError(
+                f"[semi-sync] healed from replica group {peer['replica_id']} at inner step "
+                f"{peer['local_step']} of its sync period"
+                + (" (a group that is starting up)" if peer["starting"] else "")
+                + f", but this group is at {mine}: their syncs would not pair up"
+            )
+        events.HEALED.emit(
+            step=self.train_state.step + 1,
+            sync=self.ft.manager.current_step() + 1,
+            peer=peer["replica_id"],
+            inner_step=mine,
+            period=self.period,
+            case="running",
+            waited_s=None,
+        )
