@@ -19,6 +19,7 @@ from dataclasses import astuple, dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from torchtitan.components.ft import FaultToleranceError, FTManager
@@ -81,6 +82,19 @@ def compare_digests(members: list[Member]) -> Verdict:
     top = max(counts, key=counts.__getitem__) if counts else None
     majority = top if top is not None and 2 * counts[top] > len(digests) else None
     return Verdict(digests, majority)
+
+
+def most_in_group(values: list[int], device: torch.device) -> list[int]:
+    """Element by element, the largest of this replica group's ranks' ``values`` (one MAX
+    all-reduce in the group's default process group): how its ranks decide alike."""
+    found = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    return [int(v) for v in found.tolist()]
+
+
+def most_of_one_in_group(value: int, device: torch.device) -> int:
+    """The largest of this replica group's ranks' ``value``."""
+    return most_in_group([value], device)[0]
 
 
 class SyncManager(ManagerStandIn):

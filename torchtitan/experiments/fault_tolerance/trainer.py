@@ -22,11 +22,11 @@ training"), and tested in tests/integration_tests/test_semi_sync*.py.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 
 from torchtitan.components.checkpoint import CorruptCheckpointError
 from torchtitan.components.ft import FTManager, build_ft_manager
@@ -49,6 +49,8 @@ from torchtitan.experiments.fault_tolerance.quorum_protocol import JoinAtSync, Q
 from torchtitan.experiments.fault_tolerance.reporting import SyncReporter
 from torchtitan.experiments.fault_tolerance.sync_quorum import (
     SyncManager,
+    most_in_group,
+    most_of_one_in_group,
 )
 from torchtitan.experiments.fault_tolerance.transport import SyncTransport
 from torchtitan.tools.digest import tensor_digest
@@ -104,7 +106,7 @@ class SemiSyncTrainer(Trainer):
         )
         if self.parallel_dims.world_size > 1:
             # The ranks of this group decide alike (one MAX all-reduce in the group).
-            agree = self._agree_in_group
+            agree = functools.partial(most_of_one_in_group, device=self.device)
             self.sync.agree_in_group = agree
             if isinstance(self.algorithm, AsyncDiLoCo):
                 self.algorithm.agree_in_group = agree
@@ -141,7 +143,7 @@ class SemiSyncTrainer(Trainer):
             self.train_state,
             self.device,
             self.parallel_dims.world_size,
-            self._most_in_group,
+            functools.partial(most_in_group, device=self.device),
         )
         # Every member of a sync's quorum runs the protocol's exchange in it.
         self.sync.on_quorum = self.protocol.on_quorum
@@ -162,16 +164,6 @@ class SemiSyncTrainer(Trainer):
                 f"fault_tolerance.sync_steps={ft.sync_steps}: the local progress after the last "
                 "sync is not part of the final model (every group ends with the global one)"
             )
-
-    def _agree_in_group(self, value: int) -> int:
-        return self._most_in_group([value])[0]
-
-    def _most_in_group(self, values: list[int]) -> list[int]:
-        """Element by element, the largest of this group's ranks' ``values`` (one MAX
-        all-reduce in the group)."""
-        found = torch.tensor(values, dtype=torch.int64, device=self.device)
-        dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        return [int(v) for v in found.tolist()]
 
     # ---- extension points of the core trainer ------------------------------------------------
 
