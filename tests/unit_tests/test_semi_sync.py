@@ -531,3 +531,18 @@ def test_quorum_findings_travel_as_ints_and_come_back_named() -> None:
     other = QuorumFindings(True, False, False, False, 9)
     merged = [max(a, b) for a, b in zip(found.as_ints(), other.as_ints(), strict=True)]
     assert QuorumFindings.from_ints(merged) == QuorumFindings(True, True, False, True, 9)
+
+
+def test_every_method_implements_its_whole_interface() -> None:
+    """OuterLoop and GlobalCopyLoop are abstract; each method is concrete (no stub left to
+    raise at run time), and only the methods with global copies are GlobalCopyLoops."""
+    import inspect
+
+    from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
+    from torchtitan.experiments.fault_tolerance.outer_loop import GlobalCopyLoop, OuterLoop
+
+    assert inspect.isabstract(OuterLoop) and inspect.isabstract(GlobalCopyLoop)
+    for cls in (TorchftLocalSGD, TorchftDiLoCo, AsyncDiLoCo):
+        assert not inspect.isabstract(cls), (cls, cls.__abstractmethods__)
+    assert issubclass(TorchftDiLoCo, GlobalCopyLoop) and issubclass(AsyncDiLoCo, GlobalCopyLoop)
+    assert not issubclass(TorchftLocalSGD, GlobalCopyLoop)

@@ -55,7 +55,7 @@ from torch.distributed import ReduceOp
 
 from torchtitan.experiments.fault_tolerance.outer_loop import (
     Ending,
-    OuterLoop,
+    GlobalCopyLoop,
     SyncOutcome,
     as_param_layout,
     local_tensor,
@@ -343,11 +343,10 @@ class _Arrived:
         pass
 
 
-class AsyncDiLoCo(OuterLoop):
+class AsyncDiLoCo(GlobalCopyLoop):
     """DiLoCo whose outer step is applied one sync point later, overlapped with compute."""
 
     method = "async_diloco"
-    dynamic_periods = True
 
     def __init__(
         self,

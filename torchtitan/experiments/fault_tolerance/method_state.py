@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.experiments.fault_tolerance import events
 from torchtitan.experiments.fault_tolerance.outer_loop import (
+    GlobalCopyLoop,
     OuterLoop,
     as_param_layout,
     local_tensor,
@@ -42,16 +43,19 @@ class SemiSyncState:
         self.trainer = trainer
         self.loaded = False
 
-    def _fragments(self) -> range:
+    def _global_fragments(self) -> list[tuple[int, GlobalCopyLoop]]:
+        """Each fragment with the method, when the method keeps global copies (else none)."""
         loop = self.trainer.algorithm
-        return range(len(loop.fragments) if loop.has_global_copies else 0)
+        if not isinstance(loop, GlobalCopyLoop):
+            return []
+        return [(i, loop) for i in range(len(loop.fragments))]
 
     def state_dict(self) -> dict[str, Any]:
         loop: OuterLoop = self.trainer.algorithm
         extra = loop.extra_state()  # first: it may take in a sync's result
         # A sync's transfers stage residuals on the background thread: let them finish first.
         self.trainer.sync.wait_for_transfers()
-        in_flight = [i for i in self._fragments() if loop.in_flight(i)]
+        in_flight = [i for i, _ in self._global_fragments() if loop.in_flight(i)]
         state: dict[str, Any] = {
             "local_step": loop.local_step(),
             "in_flight_fragment": in_flight[0] if in_flight else -1,
@@ -72,14 +76,14 @@ class SemiSyncState:
                 mine[f"staged_{i}"] = residuals.flat(i, numel, staged=True)
                 mine[f"has_staged_{i}"] = staged
             state["error_feedback"] = {f"rank_{_group_rank()}": mine}
-        for i in self._fragments():
-            outer = loop.outer_optimizer(i)
-            params = loop.fragment_parameters(i)
-            stepped = loop.outer_parameters(i)
+        for i, method in self._global_fragments():
+            outer = method.outer_optimizer(i)
+            params = method.fragment_parameters(i)
+            stepped = method.outer_parameters(i)
             momentum = {
                 name: outer.state.get(t, {}).get("momentum_buffer") for name, t in stepped.items()
             }
-            globals_ = loop.global_parameters(i)
+            globals_ = method.global_parameters(i)
             state[f"fragment_{i}"] = {
                 "global_parameters": {
                     name: as_param_layout(p, globals_[name]) for name, p in params.items()
@@ -105,14 +109,14 @@ class SemiSyncState:
         loop: OuterLoop = self.trainer.algorithm
         loop.set_local_step(int(state["local_step"]))
         self.trainer.lineage.load_state_dict(state["lineage"])
-        for i in self._fragments():
+        for i, method in self._global_fragments():
             saved = state[f"fragment_{i}"]
             for name, value in saved["global_parameters"].items():
-                loop.global_parameters(i)[name].copy_(local_tensor(value))
-            outer = loop.outer_optimizer(i)
+                method.global_parameters(i)[name].copy_(local_tensor(value))
+            outer = method.outer_optimizer(i)
             outer.state.clear()
             if saved["has_momentum"]:
-                stepped = loop.outer_parameters(i)
+                stepped = method.outer_parameters(i)
                 for name, value in saved["outer_momentum"].items():
                     target = stepped[name]
                     outer.state[target]["momentum_buffer"] = (
@@ -134,6 +138,7 @@ class SemiSyncState:
             # Saved while a fragment's all-reduce was in flight (fragment_sync_delay > 0): its
             # result is lost. Do what torchft does for a failed sync: put the fragment back to
             # its global parameters and start the period again; the fragment is retried.
+            assert isinstance(loop, GlobalCopyLoop)  # only a global copy is ever in flight
             loop.restore_global_copies(in_flight)
             loop.set_local_step(0)
             events.IN_FLIGHT_SYNC_DROPPED.emit(fragment=in_flight)

@@ -15,6 +15,7 @@ from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
 from torchtitan.experiments.fault_tolerance.fragments import build_model_fragments
 from torchtitan.experiments.fault_tolerance.job_config import semi_sync_config
 from torchtitan.experiments.fault_tolerance.outer_loop import (
+    GlobalCopyLoop,
     OuterLoop,
     TorchftDiLoCo,
     TorchftLocalSGD,
@@ -107,7 +108,7 @@ def describe(job_config: JobConfig, loop: OuterLoop) -> str:
     """One log line: the method and every setting it runs with."""
     ft = semi_sync_config(job_config)
     parts = [f"sync every {ft.sync_steps} inner steps", f"{len(loop.fragments)} fragment(s)"]
-    if loop.has_global_copies:
+    if isinstance(loop, GlobalCopyLoop):
         if ft.outer_momentum_every > 1:
             parts.append(
                 f"outer Delayed Nesterov lr {ft.outer_lr} momentum {ft.outer_momentum} "

@@ -11,6 +11,7 @@ own algorithms, driven through the adapter (:class:`TorchftLocalSGD`, :class:`To
 from __future__ import annotations
 
 import contextlib
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,120 +88,82 @@ class Ending:
     dropped_inner_steps: int | None
 
 
-class OuterLoop:
+class OuterLoop(ABC):
     """A semi-sync method: the model's ``fragments`` (one: the model itself) sync in turn,
     one every ``period`` inner steps; a fragment's sync is started ``delay`` steps before it
-    is applied (0: at once)."""
+    is applied (0: at once). What every method does; :class:`GlobalCopyLoop` adds what a
+    method with global copies and an outer optimizer (DiLoCo) does."""
 
     method: str
     fragments: list[nn.Module]
     period: int
     delay: int = 0
-    #: Whether the method keeps global copies of the parameters and an outer optimizer
-    #: (DiLoCo); LocalSGD's global parameters are the model's right after a sync.
-    has_global_copies: bool = True
     #: Sync points passed in this job (kept by methods that support DyLU, alike in every
     #: group: they pass sync points together).
     sync_points: int = 0
-    #: Whether the method can take a different number of inner steps per period (DyLU:
-    #: ``step_seconds`` and ``plan_period``).
-    dynamic_periods: bool = False
 
-    def step_seconds(self) -> float:
-        """DyLU: this group's seconds per inner step in its last period (0: not measured)."""
-        return 0.0
-
-    def plan_period(self, steps: int, seconds: float = 0.0) -> None:
-        """DyLU: the period that starts after this quorum takes ``steps`` inner steps (and is
-        planned to last ``seconds``; 0: not known)."""
-        raise NotImplementedError(f"{self.method} takes the same inner steps every period")
-
+    @abstractmethod
     def hooks(self) -> contextlib.AbstractContextManager:
         """Installs the optimizer hooks that sync (entered around the training loop)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def local_step(self) -> int:
         """Inner steps since the last sync point."""
-        raise NotImplementedError
+
+    @abstractmethod
+    def set_local_step(self, step: int) -> None:
+        """Move to inner step ``step`` of the period (a restart or a heal)."""
+
+    @abstractmethod
+    def join_sync(self) -> bool:
+        """A group healed inside the running groups' sync quorum takes part in that sync
+        now. Returns whether the sync was applied (False: started, applied later)."""
+
+    @abstractmethod
+    def finish(self) -> Ending:
+        """After the last inner step: leave the model with the global parameters."""
+
+    @abstractmethod
+    def agreement_digest(self) -> int | None:
+        """A digest of the global parameters of the last sync (this rank's shards), which every
+        group that holds them computes alike: what the agreement check compares. None: this
+        group does not know them now."""
 
     def steps_this_period(self) -> int:
         """Inner steps between the last sync point and the next: ``period``, unless the
         method adapts it to this group's speed (DyLU)."""
         return self.period
 
-    def set_local_step(self, step: int) -> None:
-        raise NotImplementedError
-
     def current_fragment(self) -> int:
         """The fragment the next sync point syncs (alike in every group)."""
         return 0
 
-    def global_parameters(self, index: int) -> dict[str, torch.Tensor]:
-        """A fragment's global copy (this rank's shards), by fragment parameter name."""
-        raise NotImplementedError
-
     def fragment_parameters(self, index: int) -> dict[str, nn.Parameter]:
-        """The model parameters of a fragment (the model's own objects), by the same names."""
+        """The model parameters of a fragment (the model's own objects), by parameter name."""
         return dict(self.fragments[index].named_parameters())
 
-    def outer_optimizer(self, index: int) -> torch.optim.Optimizer:
-        raise NotImplementedError
-
-    def outer_parameters(self, index: int) -> dict[str, torch.Tensor]:
-        """The tensors the outer optimizer steps (its momentum is keyed by them), by the same
-        names: the model's parameters in torchft's DiLoCo."""
-        return dict(self.fragment_parameters(index))
-
     def in_flight(self, index: int) -> bool:
-        """Whether a fragment's pseudo-gradient all-reduce has been started and its result is
-        not in this process (a checkpoint taken now cannot hold that sync)."""
+        """Whether a fragment's sync has been started and its result is not in this process
+        (a checkpoint taken now cannot hold that sync). A method that syncs at once: never."""
         return False
 
     def extra_state(self) -> dict[str, Any]:
         """What else a checkpoint must hold to resume exactly (checkpointed with the global
         copies, outer momentum and position; tensors laid out like the parameters). The same
-        keys in every process, so that a fresh one offers DCP something to load into."""
+        keys in every process, so that a fresh one offers DCP something to load into. Most
+        methods: nothing."""
         return {}
 
-    def load_extra_state(self, state: dict[str, Any]) -> None:
+    def load_extra_state(self, state: dict[str, Any]) -> None:  # noqa: B027 (a no-op unless a method needs it)
         """Take back what :meth:`extra_state` gave, as loaded."""
 
-    def drop_in_flight(self, index: int) -> None:
-        """Let a started all-reduce finish (every group started it) and drop its result."""
-
-    def restore_global_copies(self, index: int) -> None:
-        """Put a fragment's global copy back into the model."""
-        raise NotImplementedError
-
-    def take_global_copies(self) -> None:
-        """Make the model's current parameters every fragment's global copy (fresh outer
-        state), e.g. after weights were loaded into the model."""
-        raise NotImplementedError
-
-    def join_sync(self) -> bool:
-        """A group healed inside the running groups' sync quorum takes part in that sync
-        now. Returns whether the sync was applied (False: started, applied later)."""
-        raise NotImplementedError
-
-    def finish(self) -> Ending:
-        """After the last inner step: leave the model with the global parameters."""
-        raise NotImplementedError
-
-    def agreement_digest(self) -> int | None:
-        """A digest of the global parameters of the last sync (this rank's shards), which every
-        group that holds them computes alike: what the agreement check compares. None: this
-        group does not know them now."""
-        return device_digest(
-            t for i in range(len(self.fragments)) for t in self.global_parameters(i).values()
-        )
-
-    def note_committed(self) -> None:
+    def note_committed(self) -> None:  # noqa: B027 (a no-op unless a method needs it)
         """After a committed sync (LocalSGD: the model is the global parameters now)."""
 
-    def note_joined(self) -> None:
+    def note_joined(self) -> None:  # noqa: B027 (a no-op unless a method needs it)
         """This group is in the job, at its own inner step (after a checkpoint, or fresh)."""
 
-    def forget_global(self) -> None:
+    def forget_global(self) -> None:  # noqa: B027 (a no-op unless a method needs it)
         """This group healed from a peer: what it knew of the global parameters is void."""
 
     def last_outcome(self, manager: Any) -> SyncOutcome | None:
@@ -219,6 +182,41 @@ class OuterLoop:
             sent,
             manager.num_participants(),
             compression_s=compression_s,
+        )
+
+
+class GlobalCopyLoop(OuterLoop):
+    """A method with a global copy of each fragment's parameters and an outer optimizer that
+    steps it with the averaged pseudo-gradient (DiLoCo, Streaming and async DiLoCo)."""
+
+    @abstractmethod
+    def global_parameters(self, index: int) -> dict[str, torch.Tensor]:
+        """A fragment's global copy (this rank's shards), by fragment parameter name."""
+
+    @abstractmethod
+    def outer_optimizer(self, index: int) -> torch.optim.Optimizer:
+        """The outer optimizer of a fragment."""
+
+    @abstractmethod
+    def restore_global_copies(self, index: int) -> None:
+        """Put a fragment's global copy back into the model."""
+
+    @abstractmethod
+    def take_global_copies(self) -> None:
+        """Make the model's current parameters every fragment's global copy (fresh outer
+        state), e.g. after weights were loaded into the model."""
+
+    def outer_parameters(self, index: int) -> dict[str, torch.Tensor]:
+        """The tensors the outer optimizer steps (its momentum is keyed by them), by the same
+        names: the model's parameters in torchft's DiLoCo."""
+        return dict(self.fragment_parameters(index))
+
+    def drop_in_flight(self, index: int) -> None:  # noqa: B027 (a no-op: nothing in flight)
+        """Let a started all-reduce finish (every group started it) and drop its result."""
+
+    def agreement_digest(self) -> int | None:
+        return device_digest(
+            t for i in range(len(self.fragments)) for t in self.global_parameters(i).values()
         )
 
 
@@ -242,7 +240,6 @@ class TorchftLocalSGD(_TorchftLoop):
     """torchft's LocalSGD: every ``sync_every`` steps the groups average their parameters."""
 
     method = "localsgd"
-    has_global_copies = False
 
     def __init__(self, manager: Any, model: nn.Module, optimizer: Any, sync_every: int) -> None:
         from torchft.local_sgd import LocalSGD
@@ -278,7 +275,7 @@ class TorchftLocalSGD(_TorchftLoop):
         return Ending(bool(steps_since), steps_since, None)
 
 
-class TorchftDiLoCo(_TorchftLoop):
+class TorchftDiLoCo(_TorchftLoop, GlobalCopyLoop):
     """torchft's DiLoCo (Streaming DiLoCo with more than one fragment)."""
 
     method = "diloco"
@@ -307,7 +304,7 @@ class TorchftDiLoCo(_TorchftLoop):
     def in_flight(self, index: int) -> bool:
         return tft.in_flight(self._states[index])
 
-    def drop_in_flight(self, index: int) -> None:
+    def drop_in_flight(self, index: int) -> None:  # noqa: B027 (a no-op: nothing in flight)
         tft.wait_in_flight(self._states[index])
 
     def restore_global_copies(self, index: int) -> None:

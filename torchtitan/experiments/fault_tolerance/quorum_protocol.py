@@ -32,6 +32,7 @@ from torchtitan.components.ft import torchft_adapter as tft
 from torchtitan.config.job_config import JobConfig
 from torchtitan.experiments.fault_tolerance import events
 from torchtitan.experiments.fault_tolerance.async_diloco import (
+    AsyncDiLoCo,
     dylu_inner_steps,
     dylu_period_seconds,
 )
@@ -238,7 +239,7 @@ class QuorumProtocol:
         if digest is not None:
             mine.has_digest, mine.digest = 1, digest
         if self.dynamic:
-            mine.step_us = round(self.algorithm.step_seconds() * 1e6)
+            mine.step_us = round(self._dylu().step_seconds() * 1e6)
         members = exchange(manager, mine, self.device)
         verdict = compare_digests(members or [])
         own = mine.digest if mine.has_digest else None
@@ -296,7 +297,13 @@ class QuorumProtocol:
                 ms_per_step=mine * 1e3,
                 fastest_ms_per_step=fastest * 1e3,
             )
-        self.algorithm.plan_period(steps, dylu_period_seconds(self.period, speeds))
+        self._dylu().plan_period(steps, dylu_period_seconds(self.period, speeds))
+
+    def _dylu(self) -> AsyncDiLoCo:
+        """The method, which plans its periods (DyLU runs with async_diloco only: the config
+        refuses it otherwise)."""
+        assert isinstance(self.algorithm, AsyncDiLoCo), self.algorithm.method
+        return self.algorithm
 
     def _digest_if_due(self) -> int | None:
         """A digest of the global parameters of the last sync, every ``agreement_check_every``

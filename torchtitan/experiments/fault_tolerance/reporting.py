@@ -22,7 +22,11 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.experiments.fault_tolerance import events
 from torchtitan.experiments.fault_tolerance.job_config import semi_sync_config
 from torchtitan.experiments.fault_tolerance.lineage import Lineage
-from torchtitan.experiments.fault_tolerance.outer_loop import OuterLoop, local_tensor
+from torchtitan.experiments.fault_tolerance.outer_loop import (
+    GlobalCopyLoop,
+    OuterLoop,
+    local_tensor,
+)
 from torchtitan.tools.digest import tensor_digest
 from torchtitan.tools.logging import logger
 
@@ -59,7 +63,7 @@ class SyncReporter:
         self._clock = 0.0
         self._period_start: float | None = None
         self._warned_period = False
-        if loop.has_global_copies:
+        if isinstance(loop, GlobalCopyLoop):
             for index in range(len(loop.fragments)):
                 loop.outer_optimizer(index).register_step_pre_hook(self.measure_pseudo_gradient)
 
@@ -182,7 +186,7 @@ class SyncReporter:
         """Digest of the global parameters every group holds after a sync: DiLoCo's global
         copies of all fragments, or LocalSGD's averaged model parameters (this rank's shards)."""
         loop = self.loop
-        if loop.has_global_copies:
+        if isinstance(loop, GlobalCopyLoop):
             return tensor_digest(
                 t for i in range(len(loop.fragments)) for t in loop.global_parameters(i).values()
             )

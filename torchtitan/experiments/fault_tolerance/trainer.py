@@ -43,6 +43,7 @@ from torchtitan.experiments.fault_tolerance.lineage import Lineage
 from torchtitan.experiments.fault_tolerance.method_state import SemiSyncState
 from torchtitan.experiments.fault_tolerance.methods import build_method, describe
 from torchtitan.experiments.fault_tolerance.outer_loop import (
+    GlobalCopyLoop,
     OuterLoop,
 )
 from torchtitan.experiments.fault_tolerance.quorum_protocol import JoinAtSync, QuorumProtocol
@@ -195,7 +196,7 @@ class SemiSyncTrainer(Trainer):
     def join_replica_groups(self) -> None:
         """After the checkpoint is loaded: make sure DiLoCo's global parameters are the
         loaded ones, start the Manager and join the job (``QuorumProtocol.start``)."""
-        if not self.state.loaded and self.algorithm.has_global_copies:
+        if not self.state.loaded and isinstance(self.algorithm, GlobalCopyLoop):
             # DiLoCo copied the global parameters when it was built, before any checkpoint was
             # loaded: take them again from the model as loaded, with fresh outer momentum.
             self.algorithm.take_global_copies()
