@@ -80,14 +80,15 @@ MUTANTS = [
     ),
     Mutant(
         "async DiLoCo: the local copy follows the global one with the wrong sign",
-        f"{PACKAGE}/async_diloco.py",
-        "shift = self.global_[name] - self.start[name]",
-        "shift = self.start[name] - self.global_[name]",
+        f"{PACKAGE}/async_state.py",
+        "shift = self.global_copy[name] - self.period_start[name]",
+        "shift = self.period_start[name] - self.global_copy[name]",
     ),
     Mutant(
         "async DiLoCo: the period's start does not move with the global copy",
-        f"{PACKAGE}/async_diloco.py",
-        "            self.start[name].copy_(self.global_[name])\n        _wait_for_copies",
+        f"{PACKAGE}/async_state.py",
+        "            self.period_start[name].copy_(self.global_copy[name])\n"
+        "        _wait_for_copies",
         "            pass\n        _wait_for_copies",
     ),
     Mutant(

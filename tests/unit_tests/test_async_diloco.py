@@ -15,13 +15,13 @@ from torch import nn
 from torch.distributed import ReduceOp
 
 from torchtitan.experiments.fault_tolerance import async_diloco
-from torchtitan.experiments.fault_tolerance.async_diloco import (
-    AsyncDiLoCo,
+from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
+from torchtitan.experiments.fault_tolerance.async_state import FragmentState, outer_sgd_direction
+from torchtitan.experiments.fault_tolerance.dylu import (
     dylu_inner_steps,
     dylu_next_correction,
     dylu_period_seconds,
     dylu_steps_to_deadline,
-    outer_sgd_direction,
 )
 from torchtitan.experiments.fault_tolerance.lineage import Lineage
 from torchtitan.experiments.fault_tolerance.method_state import SemiSyncState
@@ -768,7 +768,7 @@ def test_on_cuda_non_blocking_copies_to_pinned_host_state_match_blocking_ones(up
     with every copy blocking."""
 
     def globals_of_run(non_blocking: bool) -> list[list[torch.Tensor]]:
-        monkeypatch.setattr(async_diloco._Fragment, "non_blocking", non_blocking)
+        monkeypatch.setattr(FragmentState, "non_blocking", non_blocking)
         cluster = Cluster()
         groups = [Group(cluster, seed, update=update) for seed in (1, 2)]
         for g in groups:
@@ -778,7 +778,7 @@ def test_on_cuda_non_blocking_copies_to_pinned_host_state_match_blocking_ones(up
                 outer_momentum=0.9, outer_nesterov=True, state_device=torch.device("cpu"),
                 tokens_per_step=10,
             )  # fmt: skip
-            assert next(iter(g.loop._states[0].global_.values())).is_pinned()
+            assert next(iter(g.loop._states[0].global_copy.values())).is_pinned()
             g.step = lambda g=g: _step_on(g, "cuda")  # type: ignore[method-assign]
         seen = run(groups, 12)
         return [[t.cpu() for t in sync] for sync in seen[0]]
@@ -801,24 +801,23 @@ def test_follow_global_moves_the_local_copy_by_the_global_change_and_restarts_th
     """When an average arrives mid-period: local = local + (global - start), then start =
     global. The group keeps its inner progress since the period began (local - start), and the
     next pseudo-gradient (start - local) is that progress alone, whatever the average did."""
-    from torchtitan.experiments.fault_tolerance.async_diloco import _Fragment
 
     torch.manual_seed(0)
     module = nn.Linear(3, 2)
-    fragment = _Fragment(module, torch.device("cpu"), 0.7, 0.0, False, 1)
+    fragment = FragmentState(module, torch.device("cpu"), 0.7, 0.0, False, 1)
     fragment.non_blocking = False
     start = {n: p.detach().clone() for n, p in module.named_parameters()}
     progress = {n: torch.randn_like(p) for n, p in start.items()}  # inner steps since start
     moved = {n: torch.randn_like(p) for n, p in start.items()}  # what the average did
     with torch.no_grad():
         for name, p in module.named_parameters():
-            fragment.start[name].copy_(start[name])
-            fragment.global_[name].copy_(start[name] + moved[name])
+            fragment.period_start[name].copy_(start[name])
+            fragment.global_copy[name].copy_(start[name] + moved[name])
             p.copy_(start[name] + progress[name])
     fragment.follow_global()
     for name, p in module.named_parameters():
         expected = start[name] + moved[name] + progress[name]
         torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-6)
-        assert torch.equal(fragment.start[name], fragment.global_[name])
-        next_pseudo_gradient = fragment.start[name] - p.detach()
+        assert torch.equal(fragment.period_start[name], fragment.global_copy[name])
+        next_pseudo_gradient = fragment.period_start[name] - p.detach()
         torch.testing.assert_close(next_pseudo_gradient, -progress[name], rtol=0, atol=1e-6)

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.unit_tests.gloo_groups import LoopbackManager, run_groups, sync_manager
-from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo, _Fragment
+from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
+from torchtitan.experiments.fault_tolerance.async_state import FragmentState
 from torchtitan.experiments.fault_tolerance.compression import PSEUDO_GRAD_DTYPES, get_codec
 from torchtitan.experiments.fault_tolerance.fragments import ModelFragment
 from torchtitan.experiments.fault_tolerance.outer_loop import TorchftDiLoCo, TorchftLocalSGD
@@ -136,18 +137,18 @@ def train_and_record(
 
     if method.startswith("async_"):
         # The average of the sync started at one sync point is applied at the next one.
-        original_apply = _Fragment.apply_average
-        original_pg = _Fragment.pseudo_gradient
+        original_apply = FragmentState.apply_average
+        original_pg = FragmentState.pseudo_gradient
 
-        def spy_pg(state: _Fragment, out: torch.Tensor) -> None:
+        def spy_pg(state: FragmentState, out: torch.Tensor) -> None:
             record["local"].append(flat(model.parameters()))
-            record["start"] = record.get("start", []) + [flat(state.start.values())]
+            record["start"] = record.get("start", []) + [flat(state.period_start.values())]
             original_pg(state, out)
 
-        def spy_apply(state: _Fragment, average: torch.Tensor) -> None:
-            record["before"].append(flat(state.global_.values()))
+        def spy_apply(state: FragmentState, average: torch.Tensor) -> None:
+            record["before"].append(flat(state.global_copy.values()))
             original_apply(state, average)
-            record["after"].append(flat(state.global_.values()))
+            record["after"].append(flat(state.global_copy.values()))
 
         state = loop._states[0]
         state.pseudo_gradient = lambda out: spy_pg(state, out)

@@ -28,7 +28,7 @@ One sync point ``j`` (every ``period`` inner steps; with fragments, fragment ``j
    a group that has just healed sends zeros and weight 0.
 
 With DyLU (``dynamic_local_steps``, arXiv 2401.09135) a group's period is not ``period`` inner
-steps but as many as its speed allows (:func:`dylu_inner_steps`, decided in each sync quorum
+steps but as many as its speed allows (:func:`~.dylu.dylu_inner_steps`, decided in each sync quorum
 by the trainer, :meth:`AsyncDiLoCo.plan_period`); the token weights then give each group's
 pseudo-gradient its share. Groups still pass sync points together (every sync point is a
 quorum), so ``sync_points`` counts the job's progress alike in every group.
@@ -53,6 +53,9 @@ import torch
 from torch import nn
 from torch.distributed import ReduceOp
 
+from torchtitan.experiments.fault_tolerance.async_state import FragmentState
+from torchtitan.experiments.fault_tolerance.dylu import dylu_next_correction, dylu_steps_to_deadline
+from torchtitan.experiments.fault_tolerance.job_config import ASYNC_UPDATES
 from torchtitan.experiments.fault_tolerance.outer_loop import (
     Ending,
     GlobalCopyLoop,
@@ -60,254 +63,6 @@ from torchtitan.experiments.fault_tolerance.outer_loop import (
     as_param_layout,
     local_tensor,
 )
-from torchtitan.experiments.fault_tolerance.outer_optimizer import DelayedNesterov
-
-#: How a group's next local period starts while its pseudo-gradient is being averaged.
-UPDATES = ("eager", "eager_share", "delayed")
-
-
-def _state_tensor(like: torch.Tensor, device: torch.device) -> torch.Tensor:
-    t = torch.empty(like.shape, dtype=torch.float32, device=device)
-    if t.device.type == "cpu" and torch.cuda.is_available():
-        t = t.pin_memory()
-    return t
-
-
-def _wait_for_copies(device: torch.device) -> None:
-    """Wait until the copies queued on ``device``'s current stream are done. Copies between the
-    model (on CUDA) and the outer state (pinned host memory) are issued ``non_blocking``, a
-    whole fragment at a time; the host waits once, before it reads what came from the device
-    or overwrites what goes to it. Nothing to wait for on the CPU, where copies are done when
-    they return."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-
-
-class _Fragment:
-    """One fragment's outer state: its global copy, where this group's local period started,
-    and the outer optimizer over the global copy."""
-
-    #: Copies between the model and the outer state are queued without blocking the host
-    #: (waited for where the host needs them: :func:`_wait_for_copies`). False: each copy
-    #: blocks, the reference the CUDA tests compare with.
-    non_blocking = True
-
-    def __init__(
-        self,
-        module: nn.Module,
-        device: torch.device,
-        lr: float,
-        momentum: float,
-        nesterov: bool,
-        momentum_every: int,
-    ) -> None:
-        self.params = dict(module.named_parameters())
-        self.global_ = {n: _state_tensor(local_tensor(p), device) for n, p in self.params.items()}
-        self.start = {n: _state_tensor(local_tensor(p), device) for n, p in self.params.items()}
-        self.outer: torch.optim.Optimizer
-        if momentum_every > 1:
-            self.outer = DelayedNesterov(
-                list(self.global_.values()), lr=lr, momentum=momentum, delay=momentum_every
-            )
-        else:
-            self.outer = torch.optim.SGD(
-                list(self.global_.values()),
-                lr=lr,
-                momentum=momentum,
-                nesterov=nesterov and momentum > 0,
-            )
-        #: Inner steps this group took since the fragment's last sync point.
-        self.steps = 0
-        #: Where the model's shards live (copies to and from it are queued on its stream).
-        self.model_device = local_tensor(next(iter(self.params.values()))).device
-
-    def numel(self) -> int:
-        return sum(t.numel() for t in self.global_.values())
-
-    @torch.no_grad()
-    def model_to_global(self) -> None:
-        """The model's current values become the global copy and the local start."""
-        for name, p in self.params.items():
-            self.global_[name].copy_(local_tensor(p.data), non_blocking=self.non_blocking)
-        _wait_for_copies(self.model_device)
-        for name in self.params:
-            self.start[name].copy_(self.global_[name])
-
-    @torch.no_grad()
-    def pseudo_gradient(self, out: torch.Tensor) -> None:
-        """Write start - model (this group's progress since its local period started, with
-        the sign of a gradient) into the flat ``out``."""
-        offset = 0
-        for name, p in self.params.items():
-            local = local_tensor(p.data)
-            n = local.numel()
-            view = out[offset : offset + n].view_as(local)
-            view.copy_(self.start[name], non_blocking=self.non_blocking)
-            view.sub_(local)
-            offset += n
-        _wait_for_copies(self.model_device)  # the host rewrites ``start`` next
-
-    @torch.no_grad()
-    def apply_average(self, flat: torch.Tensor) -> None:
-        """One outer step on the global copy with the averaged pseudo-gradient ``flat``."""
-        offset = 0
-        for t in self.global_.values():
-            n = t.numel()
-            t.grad = (
-                flat[offset : offset + n].view_as(t).to(t.device, non_blocking=self.non_blocking)
-            )
-            offset += n
-        _wait_for_copies(flat.device)  # the outer step reads them on the host
-        self.outer.step()
-        self.outer.zero_grad(set_to_none=True)
-
-    @torch.no_grad()
-    def follow_global(self) -> None:
-        """Shift the local copy by how far the global copy is from the local start, and start
-        the local period there: inner progress since is kept, what the period assumed about
-        the global copy is replaced by what it is."""
-        for name, p in self.params.items():
-            local = local_tensor(p.data)
-            shift = self.global_[name] - self.start[name]
-            # ``shift`` is a fresh tensor nobody writes to: it may still be in flight below.
-            local.add_(shift.to(local.device, non_blocking=self.non_blocking))
-            self.start[name].copy_(self.global_[name])
-        _wait_for_copies(self.model_device)  # the shifts are freed on return
-
-    @torch.no_grad()
-    def start_period(self, estimate: torch.Tensor | None, scale: float = 1.0) -> None:
-        """Start the fragment's next local period at the global copy, moved by the outer step
-        ``scale x estimate`` (a flat pseudo-gradient) would make when given (``eager``)."""
-        offset = 0
-        lr = self.outer.param_groups[0]["lr"]
-        if estimate is not None:  # from the device to the host, all queued, waited for once
-            grads = {}
-            for name in self.params:
-                n = self.start[name].numel()
-                part = estimate[offset : offset + n].view_as(self.start[name])
-                grads[name] = part.to(self.start[name].device, non_blocking=self.non_blocking)
-                offset += n
-            _wait_for_copies(estimate.device)
-        for name, p in self.params.items():
-            target = self.start[name]
-            target.copy_(self.global_[name])
-            if estimate is not None:
-                grad = grads[name] if scale == 1.0 else grads[name] * scale
-                target.sub_(self._outer_direction(name, grad), alpha=lr)
-            local_tensor(p.data).copy_(target, non_blocking=self.non_blocking)
-        _wait_for_copies(self.model_device)  # ``start`` is rewritten at the next sync point
-
-    def _outer_direction(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        """The direction the outer optimizer's next step takes the global copy ``name`` along
-        for gradient ``grad``, its state left as it is."""
-        global_ = self.global_[name]
-        if isinstance(self.outer, DelayedNesterov):
-            return self.outer.direction(global_, grad)
-        group = self.outer.param_groups[0]
-        momentum = self.outer.state.get(global_, {}).get("momentum_buffer")
-        return outer_sgd_direction(grad, momentum, group["momentum"], group["nesterov"])
-
-    def delayed_state(self) -> dict[str, Any]:
-        """Delayed Nesterov's state besides the momentum (a checkpoint needs it): where in
-        its window the optimizer is, and the pseudo-gradients summed in the window so far
-        (zeros where nothing is summed, so that every checkpoint has the same keys)."""
-        if not isinstance(self.outer, DelayedNesterov):
-            return {}
-        sums = {}
-        for name, p in self.params.items():
-            summed = self.outer.state.get(self.global_[name], {}).get("grad_sum")
-            if summed is None:
-                summed = torch.zeros_like(self.global_[name])
-            sums[name] = as_param_layout(p, summed)
-        return {"outer_step": self.outer.param_groups[0]["step"], "grad_sum": sums}
-
-    @torch.no_grad()
-    def load_delayed_state(self, saved: dict[str, Any]) -> None:
-        if not isinstance(self.outer, DelayedNesterov):
-            return
-        self.outer.param_groups[0]["step"] = int(saved["outer_step"])
-        for name, value in saved["grad_sum"].items():
-            target = self.global_[name]
-            self.outer.state[target]["grad_sum"] = local_tensor(value).to(target.device, copy=True)
-
-    def state_for_heal(self) -> dict[str, Any]:
-        return {
-            "global": dict(self.global_),
-            "start": dict(self.start),
-            "outer": self.outer.state_dict(),
-            "steps": self.steps,
-        }
-
-    @torch.no_grad()
-    def load_from_heal(self, state: dict[str, Any]) -> None:
-        """The peer's global copy, outer state and local start (which goes with the model the
-        peer sends alongside): this group goes on exactly as the peer."""
-        for name, value in state["global"].items():
-            self.global_[name].copy_(value)
-            self.start[name].copy_(state["start"][name])
-        self.outer.load_state_dict(state["outer"])
-        # The peer's inner steps since the fragment's last sync point go with its model (a
-        # group that was behind in a sync quorum then drops them: ``AsyncDiLoCo._after_heal``).
-        self.steps = int(state.get("steps", 0))
-
-
-def outer_sgd_direction(
-    grad: torch.Tensor, momentum_buffer: torch.Tensor | None, momentum: float, nesterov: bool
-) -> torch.Tensor:
-    """The direction ``torch.optim.SGD`` (no weight decay, no dampening) steps along for
-    ``grad`` with this momentum buffer, without changing the buffer: the estimate ``eager``
-    applies is exactly the step the outer optimizer would take if every group had sent the
-    same pseudo-gradient as this one."""
-    if momentum == 0:
-        return grad
-    buf = grad.clone() if momentum_buffer is None else momentum_buffer * momentum + grad
-    return grad + momentum * buf if nesterov else buf
-
-
-def dylu_inner_steps(period: int, step_seconds: list[float], mine: float) -> int:
-    """DyLU: this group's inner steps for the next period, so that every group reaches the sync
-    point at about the same time. ``step_seconds``: every group's seconds per inner step in its
-    last period (0: not measured yet, e.g. just (re)started); ``mine``: this group's.
-
-    The slowest group takes the whole steps closest to the time the fastest group needs for
-    ``period`` steps; that time (its steps x its step time) is the period's length, and every
-    other group takes the whole steps closest to it (up to ``2 * period``). A group then waits
-    at most about half of its own step for the others, whatever the speeds. Every group
-    computes this from the same exchanged numbers, so the plans fit together. Unmeasured
-    groups take ``period`` steps."""
-    length = dylu_period_seconds(period, step_seconds)
-    if mine <= 0 or length <= 0:
-        return period
-    return max(1, min(2 * period, round(length / mine)))
-
-
-def dylu_period_seconds(period: int, step_seconds: list[float]) -> float:
-    """The wall-clock length DyLU gives the next period: the slowest group's whole steps
-    closest to the time the fastest needs for ``period`` steps (0: nobody measured yet)."""
-    measured = [s for s in step_seconds if s > 0]
-    if not measured:
-        return 0.0
-    fastest, slowest = min(measured), max(measured)
-    return max(1, round(period * fastest / slowest)) * slowest
-
-
-def dylu_steps_to_deadline(taken: int, elapsed: float, length: float, period: int) -> int:
-    """The whole inner steps this period should take in all, ``taken`` of them done in
-    ``elapsed`` seconds, to end closest to ``length`` seconds after it began: this period's
-    own speed corrects the plan made from the last one (at least ``taken``, at most
-    ``2 * period``)."""
-    if taken <= 0 or elapsed <= 0:
-        return max(1, taken)
-    remaining = round((length - elapsed) * taken / elapsed)
-    return max(taken, min(2 * period, taken + remaining))
-
-
-def dylu_next_correction(taken: int, planned: int) -> int | None:
-    """The inner step at which DyLU next corrects a period of ``planned`` steps, ``taken`` of
-    them done: halfway through what is left (None once fewer than 2 are left). For 20 steps
-    on plan: after steps 10, 15, 17, 18 and 19."""
-    left = planned - taken
-    return taken + left // 2 if left >= 2 else None
 
 
 @dataclass
@@ -325,7 +80,7 @@ class _InFlight:
     arrived: bool = False
 
 
-class _AllOf:
+class _AllTransfers:
     """The works of one sync's all-reduce: the pseudo-gradient and, exact, the token count."""
 
     def __init__(self, works: list[Any]) -> None:
@@ -336,7 +91,7 @@ class _AllOf:
             work.wait()
 
 
-class _Arrived:
+class _AlreadyArrived:
     """The work of an all-reduce whose result is already in its buffer."""
 
     def wait(self) -> None:
@@ -367,8 +122,8 @@ class AsyncDiLoCo(GlobalCopyLoop):
         healing); ``sync_steps``: inner steps between two syncs of one fragment; ``update``:
         ``eager`` or ``delayed``; ``tokens_per_step``: tokens this group trains on per inner
         step (the weight of its pseudo-gradients)."""
-        if update not in UPDATES:
-            raise ValueError(f"update must be one of {UPDATES}, not {update!r}")
+        if update not in ASYNC_UPDATES:
+            raise ValueError(f"update must be one of {ASYNC_UPDATES}, not {update!r}")
         self.manager = manager
         self.fragments = fragments
         self.period = sync_steps // len(fragments)
@@ -376,7 +131,7 @@ class AsyncDiLoCo(GlobalCopyLoop):
         self.tokens_per_step = tokens_per_step
         self.inner_optimizer = inner_optimizer
         self._states = [
-            _Fragment(
+            FragmentState(
                 f, state_device, outer_lr, outer_momentum, outer_nesterov, outer_momentum_every
             )
             for f in fragments
@@ -473,7 +228,7 @@ class AsyncDiLoCo(GlobalCopyLoop):
         self._start_all_reduce(index, buffer, steps)
         self._period_began = time.perf_counter()
 
-    def _buffer(self, state: _Fragment) -> torch.Tensor:
+    def _buffer(self, state: FragmentState) -> torch.Tensor:
         device = local_tensor(next(iter(state.params.values()))).device
         return torch.empty(state.numel() + 1, dtype=torch.float32, device=device)
 
@@ -493,7 +248,7 @@ class AsyncDiLoCo(GlobalCopyLoop):
             self.manager.allreduce(buffer[-1:], reduce_op=ReduceOp.SUM, exact=True),
         ]
         self.manager.flush()
-        self._in_flight = _InFlight(index, buffer, _AllOf(works), steps, tokens)
+        self._in_flight = _InFlight(index, buffer, _AllTransfers(works), steps, tokens)
 
     def _finish_in_flight(self) -> SyncOutcome | None:
         """Wait for the sync in flight, commit it or not, apply it or not (alike in every
@@ -513,7 +268,7 @@ class AsyncDiLoCo(GlobalCopyLoop):
         # process that saved it).
         sent, compression_s = (
             (flight.buffer.numel() * 4, None)
-            if isinstance(flight.work, _Arrived)
+            if isinstance(flight.work, _AlreadyArrived)
             else self.manager.sync_stats()
         )
         return SyncOutcome(
@@ -537,8 +292,8 @@ class AsyncDiLoCo(GlobalCopyLoop):
     def plan_period(self, steps: int, seconds: float = 0.0) -> None:
         """The next period (which starts after this quorum) takes ``steps`` inner steps; with
         ``seconds`` (the period's planned length), the group corrects its step count by its
-        speed in the period so far (:func:`dylu_steps_to_deadline`) halfway through it, then
-        halfway through what is left, until one step is left (:func:`dylu_next_correction`):
+        speed in the period so far (:func:`~.dylu.dylu_steps_to_deadline`) halfway through it, then
+        halfway through what is left, until one step is left (:func:`~.dylu.dylu_next_correction`):
         how fast a group computes varies from one period to the next and within one, and an
         error of the estimate would otherwise make the other groups wait for all of it."""
         if not 1 <= steps <= 2 * self.period:
@@ -588,13 +343,13 @@ class AsyncDiLoCo(GlobalCopyLoop):
             self._in_flight = _InFlight(
                 int(arrived["fragment"]),
                 arrived["buffer"].detach().clone(),
-                _Arrived(),
+                _AlreadyArrived(),
                 int(arrived["inner_steps"]),
                 int(arrived["tokens"]),
                 arrived=True,
             )
 
-    def _load_from_heal(self, state: _Fragment, saved: dict[str, Any]) -> None:
+    def _load_from_heal(self, state: FragmentState, saved: dict[str, Any]) -> None:
         state.load_from_heal(saved)
         self._healed = True
 
@@ -630,13 +385,13 @@ class AsyncDiLoCo(GlobalCopyLoop):
         return self.manager.current_step() % len(self.fragments)
 
     def global_parameters(self, index: int) -> dict[str, torch.Tensor]:
-        return self._states[index].global_
+        return self._states[index].global_copy
 
     def outer_optimizer(self, index: int) -> torch.optim.Optimizer:
         return self._states[index].outer
 
     def outer_parameters(self, index: int) -> dict[str, torch.Tensor]:
-        return self._states[index].global_
+        return self._states[index].global_copy
 
     def in_flight(self, index: int) -> bool:
         flight = self._in_flight
@@ -656,26 +411,29 @@ class AsyncDiLoCo(GlobalCopyLoop):
             flight.arrived = not failed
         kept = flight if flight is not None and flight.arrived else None
         state: dict[str, Any] = {"sync_points": self.sync_points}
-        for index, fs in enumerate(self._states):
+        for index, fragment_state in enumerate(self._states):
             state[f"fragment_{index}"] = {
                 "local_start": {
-                    name: as_param_layout(p, fs.start[name]) for name, p in fs.params.items()
+                    name: as_param_layout(p, fragment_state.period_start[name])
+                    for name, p in fragment_state.params.items()
                 },
-                "steps": fs.steps,
-                **fs.delayed_state(),
+                "steps": fragment_state.steps,
+                **fragment_state.delayed_state(),
             }
         # Every parameter of the model has an entry (zeros outside the kept fragment), so the
         # keys do not depend on which fragment was in flight.
         arrived_sum: dict[str, dict[str, torch.Tensor]] = {}
-        for index, fs in enumerate(self._states):
+        for index, fragment_state in enumerate(self._states):
             offset = 0
             part_of = arrived_sum[f"fragment_{index}"] = {}
-            for name, p in fs.params.items():
+            for name, p in fragment_state.params.items():
                 local = local_tensor(p.data)
                 part = (
                     kept.buffer[offset : offset + local.numel()].view_as(local)
                     if kept is not None and kept.fragment == index
-                    else torch.zeros_like(fs.global_[name])  # where the outer state lives
+                    else torch.zeros_like(
+                        fragment_state.global_copy[name]
+                    )  # where the outer state lives
                 )
                 part_of[name] = as_param_layout(p, part)
                 offset += local.numel()
@@ -691,12 +449,12 @@ class AsyncDiLoCo(GlobalCopyLoop):
     @torch.no_grad()
     def load_extra_state(self, state: dict[str, Any]) -> None:
         self.sync_points = int(state["sync_points"])
-        for index, fs in enumerate(self._states):
+        for index, fragment_state in enumerate(self._states):
             saved = state[f"fragment_{index}"]
             for name, value in saved["local_start"].items():
-                fs.start[name].copy_(local_tensor(value))
-            fs.steps = int(saved["steps"])
-            fs.load_delayed_state(saved)
+                fragment_state.period_start[name].copy_(local_tensor(value))
+            fragment_state.steps = int(saved["steps"])
+            fragment_state.load_delayed_state(saved)
         arrived = state["arrived"]
         self._in_flight = None
         fragment = int(arrived["fragment"])
@@ -710,7 +468,7 @@ class AsyncDiLoCo(GlobalCopyLoop):
             self._in_flight = _InFlight(
                 fragment,
                 buffer,
-                _Arrived(),
+                _AlreadyArrived(),
                 int(arrived["inner_steps"]),
                 int(arrived["own_tokens"]),
                 arrived=True,

@@ -31,11 +31,8 @@ from torchtitan.components.ft import FaultToleranceError, FTManager
 from torchtitan.components.ft import torchft_adapter as tft
 from torchtitan.config.job_config import JobConfig
 from torchtitan.experiments.fault_tolerance import events
-from torchtitan.experiments.fault_tolerance.async_diloco import (
-    AsyncDiLoCo,
-    dylu_inner_steps,
-    dylu_period_seconds,
-)
+from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
+from torchtitan.experiments.fault_tolerance.dylu import dylu_inner_steps, dylu_period_seconds
 from torchtitan.experiments.fault_tolerance.job_config import semi_sync_config
 from torchtitan.experiments.fault_tolerance.lineage import Lineage
 from torchtitan.experiments.fault_tolerance.outer_loop import OuterLoop
