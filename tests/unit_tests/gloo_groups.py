@@ -84,7 +84,6 @@ class OneGroupFT:
     def __init__(self, manager: LoopbackManager) -> None:
         self.manager = manager
         self.replica_id = manager.rank
-        self.waiting_sync: int | None = None
         self.uncommitted_in_a_row = 0
 
     def join_quorum(self, *args: Any, accept: Callable[[], bool] | None = None, **kw: Any) -> float:

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from torchtitan.components.ft import FaultToleranceError, FTManager
-from torchtitan.components.ft.manager import COMMITTED_AFTER_STALL, QUORUM_WAITING
+from torchtitan.components.ft.manager import COMMITTED_AFTER_STALL, QUORUM_WAITING, QuorumPurpose
 from torchtitan.components.ft.watchdog import QuorumWaitWatchdog, report_times
 from torchtitan.config import JobConfig
 
@@ -161,6 +161,38 @@ def test_a_long_wait_reports_what_it_waits_for(events, monkeypatch):
     assert waits[0].step == 6 and waits[0]["what"] == "step 6"
     assert waits[0]["reason"] == "min_replica_size" and waits[0]["groups_needed"] == 2
     assert waits[0]["last_quorum_groups"] == 1
+
+
+@pytest.mark.parametrize(
+    ("purpose", "subject"),
+    [
+        (QuorumPurpose("sync #4", sync=4), {"sync": 4, "what": "sync #4", "step": None}),
+        (
+            QuorumPurpose("start-up", needs="all 2 replica groups", reason="start-up"),
+            {"sync": None, "what": "start-up", "step": None},
+        ),
+    ],
+)
+def test_a_wait_for_a_quorum_of_another_purpose_says_so(events, monkeypatch, purpose, subject):
+    """A sync's quorum or a start-up's is reported as that (its number, what it needs and
+    why), and the next step's quorum as a step again: the purpose is an argument of that one
+    wait, not state left behind."""
+    monkeypatch.setattr(QuorumWaitWatchdog, "SCHEDULE_S", (0.05,))
+    manager = ScriptedManager([(1, 5), (1, 5)], step=5)
+    ft = make_ft(manager, min_replica_size=2, quorum_timeout_s=1.0)
+    with pytest.raises(FaultToleranceError):
+        ft.join_quorum(needed=2, timeout_s=0.5, purpose=purpose)
+    with pytest.raises(FaultToleranceError):
+        ft.join_quorum(needed=2, timeout_s=0.5)
+    ft.shutdown()
+    waits = [e for e in events if e.name == QUORUM_WAITING.name]
+    first, after = waits[0], waits[-1]
+    assert {"sync": first.sync, "what": first["what"], "step": first.step} == subject
+    if purpose.needs:
+        assert (first["needs"], first["reason"]) == (purpose.needs, purpose.reason)
+    else:
+        assert first["reason"] == "min_replica_size"
+    assert after["what"] == "step 6" and after.step == 6
 
 
 def test_the_documented_report_schedule() -> None:

@@ -26,7 +26,7 @@ from torchtitan.components.ft.build import (
 )
 from torchtitan.components.ft.errors import FaultToleranceError
 from torchtitan.components.ft.healing import NOT_HEALED, register_healing_state
-from torchtitan.components.ft.manager import FTManager
+from torchtitan.components.ft.manager import FTManager, QuorumPurpose
 from torchtitan.components.ft.network import (
     bind_ip,
     confine_to_host,
@@ -40,6 +40,7 @@ __all__ = [
     "QUORUM_RETRY_INTERVAL_S",
     "FTManager",
     "FaultToleranceError",
+    "QuorumPurpose",
     "bind_ip",
     "build_ft_manager",
     "confine_to_host",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -38,7 +39,7 @@ def _waiting_line(v: dict[str, Any], _: bool) -> str:
 
 #: Still waiting for a quorum (when: ``QuorumWaitWatchdog.SCHEDULE_S``).
 #: ``reason``: ``group_size`` (a new job needs all groups), ``min_replica_size``, or the
-#: caller's (``FTManager.waiting_reason``); ``needs`` says it in words.
+#: caller's (``QuorumPurpose.reason``); ``needs`` says it in words.
 QUORUM_WAITING = EventKind("ft.quorum_waiting", _waiting_line, logging.WARNING)
 #: A quorum formed after a wait long enough to have been reported.
 QUORUM_FORMED = EventKind(
@@ -66,6 +67,20 @@ COMMITTED_AFTER_STALL = EventKind(
         "since the previous commit"
     ),
 )
+
+
+@dataclass(frozen=True)
+class QuorumPurpose:
+    """What a quorum other than the next step's is for, as its wait is reported."""
+
+    #: Named in the log and events ("sync #3", "start-up").
+    what: str
+    #: The sync the quorum is for (the events' sync number); None: not a sync.
+    sync: int | None = None
+    #: What the wait needs, in words, and its ``reason`` in ``ft.quorum_waiting`` events
+    #: (empty: the groups ``join_quorum`` needs).
+    needs: str = ""
+    reason: str = ""
 
 
 class FTManager:
@@ -111,14 +126,8 @@ class FTManager:
         #: Commits and commit attempts (steps or syncs) of this process.
         self.commits = 0
         self.attempts = 0
-        #: What the current wait is for, set by callers that wait for something else than the
-        #: next step: a sync's number, or a label ("start-up").
-        self.waiting_sync: int | None = None
-        self.waiting_for = ""
-        #: What the current wait needs, in words, and its reason in ``ft.quorum_waiting``
-        #: events (default: the groups join_quorum needs).
-        self.waiting_needs = ""
-        self.waiting_reason = ""
+        #: What the current quorum is for (None: the next step).
+        self._purpose: QuorumPurpose | None = None
         self.watchdog = QuorumWaitWatchdog(self._report_wait)
 
     # ---- life cycle --------------------------------------------------------------------------
@@ -183,16 +192,18 @@ class FTManager:
 
     def _subject(self) -> dict[str, Any]:
         """What the current quorum is for: the event's step or sync number, and ``what``."""
-        if self.waiting_sync is not None:
-            return {"sync": self.waiting_sync, "what": f"sync #{self.waiting_sync}"}
-        if self.waiting_for:
-            return {"what": self.waiting_for}
+        purpose = self._purpose
+        if purpose is not None and purpose.sync is not None:
+            return {"sync": purpose.sync, "what": purpose.what}
+        if purpose is not None:
+            return {"what": purpose.what}
         step = self.manager.current_step() + 1
         return {"step": step, "what": f"step {step}"}
 
     def _report_wait(self, waited: float) -> None:
-        if self.waiting_needs:
-            reason, needs = self.waiting_reason, self.waiting_needs
+        purpose = self._purpose
+        if purpose is not None and purpose.needs:
+            reason, needs = purpose.reason, purpose.needs
         elif self._needed >= self.group_size and self.manager.current_step() <= 0:
             reason = "group_size"
             needs = f"all {self.group_size} replica groups needed before step 1"
@@ -220,6 +231,7 @@ class FTManager:
         timeout_s: float | None = None,
         timeout_field: str = "fault_tolerance.quorum_timeout_s",
         accept: Callable[[], bool] | None = None,
+        purpose: QuorumPurpose | None = None,
     ) -> float:
         """Join a quorum with at least ``needed`` groups (default: all groups before the
         job's first commit, ``min_replica_size`` after) for which ``accept()`` (a check every
@@ -230,7 +242,10 @@ class FTManager:
         also applies any state a joiner received in it). Waiting is bounded by ``timeout_s``
         (``timeout_field``, named in the error): a lighthouse that is down is retried within
         that time (torchft's quorum retries), so a restarted lighthouse is picked up again.
+        ``purpose``: what the quorum is for, as the wait's reports and events say it (default:
+        the next step).
         """
+        self._purpose = purpose
         self._timeout_s = self.quorum_timeout_s if timeout_s is None else timeout_s
         self._timeout_field = timeout_field
         start = time.monotonic()

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from torchtitan.components.ft import FaultToleranceError, FTManager
+from torchtitan.components.ft import FaultToleranceError, FTManager, QuorumPurpose
 from torchtitan.components.ft import torchft_adapter as tft
 from torchtitan.config.job_config import JobConfig
 from torchtitan.experiments.fault_tolerance import events
@@ -149,11 +149,12 @@ class QuorumProtocol:
         self.starting = True
         self._start_attempts = 0
         self._peer = None
-        self.ft.waiting_for = "start-up"
-        self.ft.waiting_needs = (
-            f"all {ft.group_size} replica groups of a new job, or the running groups' next sync"
+        purpose = QuorumPurpose(
+            "start-up",
+            needs=f"all {ft.group_size} replica groups of a new job, or the running groups' "
+            "next sync",
+            reason="start-up",
         )
-        self.ft.waiting_reason = "start-up"
         events.ASKING_FOR_QUORUM.emit(
             step=self.train_state.step, role="resumed" if self._start_role == RESUMED else "fresh"
         )
@@ -170,6 +171,7 @@ class QuorumProtocol:
                     timeout_s=timeout_s,
                     timeout_field=timeout_field,
                     accept=self.on_quorum,
+                    purpose=purpose,
                 )
                 if manager.errored() is None:
                     break
@@ -182,7 +184,6 @@ class QuorumProtocol:
                     self.announce(manager.current_step() - 1)
         finally:
             self.starting = False
-            self.ft.waiting_for = self.ft.waiting_needs = self.ft.waiting_reason = ""
         self.sync.begin_sync()  # a group joining at a sync point takes part in it now
         peer = self._peer
         if self.heal_in_full and peer is None:

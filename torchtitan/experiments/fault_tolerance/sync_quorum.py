@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from torchtitan.components.ft import FaultToleranceError, FTManager
+from torchtitan.components.ft import FaultToleranceError, FTManager, QuorumPurpose
 from torchtitan.components.ft.torchft_adapter import ManagerStandIn
 from torchtitan.experiments.fault_tolerance import events
 from torchtitan.experiments.fault_tolerance.transport import FragmentResiduals, SyncTransport
@@ -199,7 +199,7 @@ class SyncManager(ManagerStandIn):
         self.transport.shutdown()
 
     def start_quorum(self, *args: Any, **kwargs: Any) -> None:
-        self.ft.waiting_sync = self.ft.manager.current_step() + 1
+        sync = self.ft.manager.current_step() + 1
         self.in_quorum = True
         start = time.perf_counter()
         try:
@@ -208,11 +208,11 @@ class SyncManager(ManagerStandIn):
                 timeout_s=self.timeout_s,
                 timeout_field="fault_tolerance.sync_quorum_timeout_s",
                 accept=self.on_quorum,
+                purpose=QuorumPurpose(f"sync #{sync}", sync=sync),
             )
         finally:
             self.last_wait = time.perf_counter() - start
             self.in_quorum = False
-            self.ft.waiting_sync = None
         self.begin_sync()
 
     def begin_sync(self) -> None:
