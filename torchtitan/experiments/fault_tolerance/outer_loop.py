@@ -171,7 +171,7 @@ class OuterLoop(ABC):
         ``manager``: the sync Manager, whose transport carried it."""
         # The failure count is reset to 0 by a commit and raised by a failed one, so right
         # after should_commit it is the verdict of this sync.
-        committed = tft.commit_failures(manager) == 0
+        committed = manager.commit_failures() == 0
         number = manager.current_step() + (0 if committed else 1)
         fragment = (number - 1) % len(self.fragments)
         sent, compression_s = manager.sync_stats()

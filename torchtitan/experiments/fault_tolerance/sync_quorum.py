@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from torchtitan.components.ft import FaultToleranceError, FTManager, QuorumPurpose
+from torchtitan.components.ft import torchft_adapter as tft
 from torchtitan.components.ft.torchft_adapter import ManagerStandIn
 from torchtitan.experiments.fault_tolerance import events
 from torchtitan.experiments.fault_tolerance.transport import FragmentResiduals, SyncTransport
@@ -265,8 +266,29 @@ class SyncManager(ManagerStandIn):
             )
         return committed
 
+    # ---- the rest of what the methods ask of a Manager: torchft's answers ------------------
+
     def register_state_dict_fn(self, key: str, load: Any, save: Any) -> None:
         self.ft.register_state_dict_fn(key, load, save)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.ft.manager, name)
+    def current_step(self) -> int:
+        return int(self.ft.manager.current_step())
+
+    def num_participants(self) -> int:
+        return int(self.ft.manager.num_participants())
+
+    def errored(self) -> Exception | None:
+        return self.ft.manager.errored()
+
+    def report_error(self, error: Exception) -> None:
+        self.ft.manager.report_error(error)
+
+    def allow_state_dict_read(self) -> None:
+        self.ft.manager.allow_state_dict_read()
+
+    def disallow_state_dict_read(self) -> None:
+        self.ft.manager.disallow_state_dict_read()
+
+    def commit_failures(self) -> int:
+        """Failed ``should_commit`` calls in a row (0 right after a commit)."""
+        return tft.commit_failures(self.ft.manager)
