@@ -238,9 +238,17 @@ def test_kill_mid_inner_steps_and_during_sync_then_heal(
 
     Steps take milliseconds and a restart takes seconds, so while group 1 restarts, group 0 is
     held between two steps (alive and heartbeating) by a pause file, and let go once the new
-    group 1 trains: it must not run out of steps before its peer is back."""
+    group 1 trains: it must not run out of steps before its peer is back. Between seeing group
+    0 sync alone and holding it, the test polls; a pause of 0.03 s after each step keeps group
+    0 from running its last steps meanwhile (unpaced, on a loaded machine it once finished all
+    100 steps in that time)."""
     pause = tmp_path / "pause_group0"
-    job = ft_job(groups=2, train_args=args(FAULTS_MODULE, method, "--training.steps=100"))
+    job = ft_job(
+        groups=2,
+        train_args=args(
+            FAULTS_MODULE, method, "--training.steps=160", "--fault_injection.step_sleep_s=0.03"
+        ),
+    )
     job.start_lighthouse()
     job.start_group(0, [f"--fault_injection.pause_file={pause}"])
     job.start_group(1, ["--fault_injection.stall_after_step=6"])

@@ -246,6 +246,18 @@ class FTManager:
         the next step).
         """
         self._purpose = purpose
+        try:
+            return self._join_quorum(needed, timeout_s, timeout_field, accept)
+        finally:
+            self._purpose = None
+
+    def _join_quorum(
+        self,
+        needed: int | None,
+        timeout_s: float | None,
+        timeout_field: str,
+        accept: Callable[[], bool] | None,
+    ) -> float:
         self._timeout_s = self.quorum_timeout_s if timeout_s is None else timeout_s
         self._timeout_field = timeout_field
         start = time.monotonic()

@@ -226,12 +226,12 @@ def localsgd_average(algorithm: Any) -> None:
 
 def commit_failures(manager: Any) -> int:
     """Consecutive failed ``should_commit`` calls (0 right after a commit)."""
-    return int(getattr(manager, "_commit_failures", 0))
+    return int(manager._commit_failures)
 
 
 def quorum_id(manager: Any) -> int:
     """The id of the quorum the Manager is configured for (the lighthouse's; -1: none yet)."""
-    return int(getattr(manager, "_quorum_id", -1))
+    return int(manager._quorum_id)
 
 
 def replica_process_group(manager: Any) -> Any:

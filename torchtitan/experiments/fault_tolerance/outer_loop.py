@@ -304,7 +304,7 @@ class TorchftDiLoCo(_TorchftLoop, GlobalCopyLoop):
     def in_flight(self, index: int) -> bool:
         return tft.in_flight(self._states[index])
 
-    def drop_in_flight(self, index: int) -> None:  # noqa: B027 (a no-op: nothing in flight)
+    def drop_in_flight(self, index: int) -> None:
         tft.wait_in_flight(self._states[index])
 
     def restore_global_copies(self, index: int) -> None:

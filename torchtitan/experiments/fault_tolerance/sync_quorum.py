@@ -2,8 +2,8 @@
 their Manager, and the few numbers the groups of a quorum exchange before they sync.
 
 torchft's algorithms call ``manager.start_quorum()`` at each sync point and then all-reduce.
-:class:`SyncManager` stands in for the Manager there (everything else goes to torchft's Manager
-unchanged) and turns that call into the core's bounded quorum wait
+:class:`SyncManager` stands in for the Manager there (with typed forwarders to torchft's Manager
+for the rest the methods ask) and turns that call into the core's bounded quorum wait
 (``FTManager.join_quorum``): at least ``min_replica_size`` groups (a survivor left with fewer
 waits, and says so, instead of training alone and discarding every period), a timeout of its own
 (``fault_tolerance.sync_quorum_timeout_s``, sized for periods of minutes) that ends in one error
@@ -98,16 +98,23 @@ def most_of_one_in_group(value: int, device: torch.device) -> int:
     return most_in_group([value], device)[0]
 
 
+def _no_exchange_yet() -> bool:
+    raise RuntimeError("SyncManager.on_quorum was never set: no quorum may skip its exchange")
+
+
 class SyncManager(ManagerStandIn):
     """torchft's Manager as LocalSGD/DiLoCo (and async DiLoCo) see it: ``start_quorum`` is the
     gated sync quorum (always synchronous), ``allreduce`` goes through the sync's
     :class:`~.transport.SyncTransport` (buckets of its own, ``pseudo_grad_dtype`` on the wire,
     finite checks, a timeout sized for periods), ``should_commit`` counts in the core's failure
-    accounting and fails a sync that carried a non-finite value; all else is torchft's own.
+    accounting and fails a sync that carried a non-finite value; the rest the methods ask
+    (``current_step``, ``num_participants``, ``errored``, ``report_error``, the state-read
+    gates, ``commit_failures``) is forwarded to torchft's Manager, typed.
 
     ``on_quorum`` runs in every member of a quorum that has enough groups (it may exchange a
     few numbers) and returns whether the quorum is used; all members must decide alike (the
-    trainer sets its ``QuorumProtocol.on_quorum``; default: every quorum is used).
+    trainer sets its ``QuorumProtocol.on_quorum`` once that is built; until then a quorum is
+    refused loudly, so that no sync can skip the exchange).
     ``fragment_of_sync`` names the fragment the sync whose quorum just formed is for (asked
     after the quorum: a heal in it moves this group to its peer's sync).
     """
@@ -117,7 +124,7 @@ class SyncManager(ManagerStandIn):
         ft: FTManager,
         min_groups: int,
         timeout_s: float,
-        on_quorum: Callable[[], bool] = lambda: True,
+        on_quorum: Callable[[], bool] | None = None,
         *,
         transport: SyncTransport,
         fragment_of_sync: Callable[[], int] = lambda: 0,
@@ -125,7 +132,7 @@ class SyncManager(ManagerStandIn):
         self.ft = ft
         self.min_groups = min_groups
         self.timeout_s = timeout_s
-        self.on_quorum = on_quorum
+        self.on_quorum: Callable[[], bool] = on_quorum or _no_exchange_yet
         self.transport = transport
         self._fragment_of_sync = fragment_of_sync
         #: True while this group is inside a sync quorum (a peer healing from it then gets

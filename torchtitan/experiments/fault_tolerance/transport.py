@@ -158,7 +158,7 @@ class FragmentResiduals:
             self._staged_loaded[fragment] = flat
             return
         for key in self._keys(fragment, self.feedback.owed()):
-            self.feedback.reset(key)
+            self.feedback.forget(key)
         self._loaded[fragment] = (flat, 0)
 
     def has_staged(self, fragment: int) -> bool:

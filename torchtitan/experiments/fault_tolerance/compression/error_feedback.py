@@ -134,6 +134,10 @@ class ErrorFeedback:
         """The residuals owed by key (``staged``: those the undecided sync left), not copied."""
         return dict(self._staged if staged else self._residuals)
 
+    def forget(self, key: str) -> None:
+        """Owe nothing more under ``key`` (its spare buffer and anything staged stay)."""
+        self._residuals.pop(key, None)
+
     def reset(self, key: str | None = None) -> None:
         """Drop the residual of ``key``, or all of them (and any staged)."""
         if key is None:
