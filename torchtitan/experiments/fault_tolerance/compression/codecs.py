@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import sys
+from abc import ABC, abstractmethod
 
 import torch
 
@@ -95,7 +96,7 @@ def _pieces(numel: int) -> range:
     return range(0, numel, PIECE)
 
 
-class Codec:
+class Codec(ABC):
     """Encodes a flat fp32 tensor into one uint8 tensor and back.
 
     ``encode``/``decode`` are the plain interface. :func:`compressed_all_reduce` uses
@@ -106,9 +107,9 @@ class Codec:
 
     name: str = ""
 
+    @abstractmethod
     def wire_bytes(self, numel: int) -> int:
         """The exact size in bytes of ``encode`` of ``numel`` elements."""
-        raise NotImplementedError
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (1-D contiguous fp32) as a new uint8 tensor of ``wire_bytes(x.numel())``."""
@@ -172,6 +173,7 @@ class Codec:
             return
         self._decode(packed, numel, out, accumulate, scratch or Scratch(out.device))
 
+    @abstractmethod
     def _encode(
         self,
         x: torch.Tensor,
@@ -180,8 +182,9 @@ class Codec:
         residual: torch.Tensor | None,
         scratch: Scratch,
     ) -> None:
-        raise NotImplementedError
+        """``encode_into`` once its arguments are checked and the tensor is not empty."""
 
+    @abstractmethod
     def _decode(
         self,
         packed: torch.Tensor,
@@ -190,7 +193,7 @@ class Codec:
         accumulate: bool,
         scratch: Scratch,
     ) -> None:
-        raise NotImplementedError
+        """``decode_into`` once its arguments are checked and the output is not empty."""
 
     def _check_packed(self, packed: torch.Tensor, numel: int) -> None:
         expected = self.wire_bytes(numel)
