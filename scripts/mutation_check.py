@@ -111,9 +111,9 @@ MUTANTS = [
     ),
     Mutant(
         "async DiLoCo: a failed in-flight sync is checkpointed as arrived",
-        f"{PACKAGE}/async_diloco.py",
-        "flight.arrived = not failed",
-        "flight.arrived = True",
+        f"{PACKAGE}/async_state.py",
+        "self.arrived = not agree(int(manager.sync_failed()))",
+        "self.arrived = True",
     ),
     Mutant(
         "heal: a running group keeps its error-feedback residuals",
@@ -141,9 +141,9 @@ MUTANTS = [
     ),
     Mutant(
         "async DiLoCo: the checkpoint asks the group but not its Manager whether a sync failed",
-        f"{PACKAGE}/async_diloco.py",
-        "failed = self.agree_in_group(int(self.manager.sync_failed()))",
-        "failed = self.agree_in_group(0)",
+        f"{PACKAGE}/async_state.py",
+        "self.arrived = not agree(int(manager.sync_failed()))",
+        "self.arrived = not agree(0)",
     ),
     Mutant(
         "async DiLoCo: eager_share's own share assumes two groups",

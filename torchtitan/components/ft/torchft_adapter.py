@@ -28,12 +28,17 @@ import importlib.metadata
 import logging
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed import ProcessGroup
 
 from torchtitan.components.ft.errors import FaultToleranceError
 from torchtitan.components.ft.network import host_port
+
+if TYPE_CHECKING:  # torchft ships no type information: these name what each accessor takes
+    from torchft.local_sgd import DiLoCo, LocalSGD, _StreamingDiLoCoFragment
+    from torchft.manager import Manager
 
 #: The torchft release these accessors were written against.
 TORCHFT_VERSION = "0.2.0"
@@ -140,82 +145,85 @@ class ManagerStandIn:
 # ---- the inner-step position ---------------------------------------------------------------
 
 
-def local_step(algorithm: Any) -> int:
+def local_step(algorithm: LocalSGD | DiLoCo) -> int:
     """Inner steps since the last sync (LocalSGD), or since the last fragment sync (DiLoCo)."""
     return int(algorithm._local_step)
 
 
-def set_local_step(algorithm: Any, step: int) -> None:
+def set_local_step(algorithm: LocalSGD | DiLoCo, step: int) -> None:
     algorithm._local_step = step
 
 
-# ---- DiLoCo's fragments --------------------------------------------------------------------
+# ---- DiLoCo's fragment syncs ---------------------------------------------------------------
+# A *fragment* is a part of the model synced together (``fragments.ModelFragment``); torchft
+# keeps one ``_StreamingDiLoCoFragment`` per fragment, called its *fragment sync* here: the
+# fragment's global copy, outer optimizer and in-flight all-reduce.
 
 
-def fragments(algorithm: Any) -> list[Any]:
-    """DiLoCo's per-fragment sync state (empty for LocalSGD)."""
+def fragment_syncs(algorithm: DiLoCo) -> list[_StreamingDiLoCoFragment]:
+    """DiLoCo's fragment syncs, by fragment index."""
     return list(getattr(algorithm, "_fragments", []))
 
 
-def current_fragment(algorithm: Any) -> int:
+def current_fragment(algorithm: DiLoCo) -> int:
     """The fragment DiLoCo syncs next (chosen from the Manager's step, alike in every group)."""
     return int(algorithm._current_fragment())
 
 
-def fragment_parameters(fragment: Any) -> dict[str, torch.nn.Parameter]:
+def fragment_parameters(sync: _StreamingDiLoCoFragment) -> dict[str, torch.nn.Parameter]:
     """The model parameters of a fragment (the model's own objects), by fragment name."""
-    return dict(fragment._model_fragment.named_parameters())
+    return dict(sync._model_fragment.named_parameters())
 
 
-def global_parameters(fragment: Any) -> dict[str, torch.Tensor]:
+def global_parameters(sync: _StreamingDiLoCoFragment) -> dict[str, torch.Tensor]:
     """A fragment's global copy: the parameters every group held after its last sync."""
-    return fragment.original_parameters
+    return sync.original_parameters
 
 
-def outer_optimizer(fragment: Any) -> torch.optim.Optimizer:
-    return fragment._outer_optimizer
+def outer_optimizer(sync: _StreamingDiLoCoFragment) -> torch.optim.Optimizer:
+    return sync._outer_optimizer
 
 
-def in_flight(fragment: Any) -> bool:
+def in_flight(sync: _StreamingDiLoCoFragment) -> bool:
     """Whether the fragment's pseudo-gradient all-reduce has been started and not applied."""
-    return bool(fragment._allreduce_work)
+    return bool(sync._allreduce_work)
 
 
-def wait_in_flight(fragment: Any) -> None:
+def wait_in_flight(sync: _StreamingDiLoCoFragment) -> None:
     """Let a started all-reduce finish (every group started it) and drop its result."""
-    for work in fragment._allreduce_work:
+    for work in sync._allreduce_work:
         work.wait()
-    fragment._allreduce_work = []
-    fragment._grads.clear()
+    sync._allreduce_work = []
+    sync._grads.clear()
 
 
-def prepare_sync(fragment: Any) -> None:
+def prepare_sync(sync: _StreamingDiLoCoFragment) -> None:
     """First half of a fragment sync: compute the pseudo-gradients and start their
     all-reduce (what DiLoCo's hook does ``fragment_sync_delay`` steps before the sync)."""
-    fragment.prepare_sync()
+    sync.prepare_sync()
 
 
-def perform_sync(fragment: Any) -> bool:
+def perform_sync(sync: _StreamingDiLoCoFragment) -> bool:
     """Second half: wait for the all-reduce, ask ``should_commit``, apply the outer step (or
     restore the global copy when not committed). Returns the verdict."""
-    return bool(fragment.perform_sync())
+    return bool(sync.perform_sync())
 
 
-def take_global_copies(algorithm: Any) -> None:
+def take_global_copies(algorithm: DiLoCo) -> None:
     """Make the model's current parameters every fragment's global copy (as DiLoCo does when
     it is built), e.g. after weights were loaded into the model."""
     algorithm._save_parameters()
 
 
-def restore_global_copies(fragment: Any) -> None:
+def restore_global_copies(sync: _StreamingDiLoCoFragment) -> None:
     """Put a fragment's global copy back into the model."""
-    fragment.restore_parameters()
+    sync.restore_parameters()
 
 
 # ---- LocalSGD ------------------------------------------------------------------------------
 
 
-def localsgd_average(algorithm: Any) -> None:
+def localsgd_average(algorithm: LocalSGD) -> None:
     """LocalSGD's sync after its quorum: all-reduce the parameters and apply the average if
     committed."""
     algorithm._perform_sync()
@@ -224,17 +232,17 @@ def localsgd_average(algorithm: Any) -> None:
 # ---- the Manager ---------------------------------------------------------------------------
 
 
-def commit_failures(manager: Any) -> int:
+def commit_failures(manager: Manager) -> int:
     """Consecutive failed ``should_commit`` calls (0 right after a commit)."""
     return int(manager._commit_failures)
 
 
-def quorum_id(manager: Any) -> int:
+def quorum_id(manager: Manager) -> int:
     """The id of the quorum the Manager is configured for (the lighthouse's; -1: none yet)."""
     return int(manager._quorum_id)
 
 
-def replica_process_group(manager: Any) -> Any:
+def replica_process_group(manager: Manager) -> ProcessGroup:
     """The process group across replica groups the Manager's own all-reduces run on (torchft
     reconfigures it at every quorum that changes membership): for collectives the Manager does
     not offer, such as compressed all-reduces."""

@@ -44,58 +44,31 @@ accelerator; pinned when a GPU is present).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed import ReduceOp
 
-from torchtitan.experiments.fault_tolerance.async_state import FragmentState
+from torchtitan.experiments.fault_tolerance.async_state import (
+    FragmentState,
+    InFlightSync,
+    checkpoint_arrived,
+    load_arrived,
+)
 from torchtitan.experiments.fault_tolerance.dylu import dylu_next_correction, dylu_steps_to_deadline
 from torchtitan.experiments.fault_tolerance.job_config import ASYNC_UPDATES
 from torchtitan.experiments.fault_tolerance.outer_loop import (
     Ending,
     GlobalCopyLoop,
     SyncOutcome,
-    as_param_layout,
     local_tensor,
 )
 
-
-@dataclass
-class _InFlight:
-    """A started all-reduce: ``buffer`` holds [sum of tokens x pseudo-gradient, sum of tokens]
-    once ``work`` is done."""
-
-    fragment: int
-    buffer: torch.Tensor
-    work: Any
-    #: This group's inner steps and tokens in the sync (its weight before normalizing).
-    inner_steps: int
-    tokens: int
-    #: The result is in ``buffer`` (waited for; or loaded from a checkpoint).
-    arrived: bool = False
-
-
-class _AllTransfers:
-    """The works of one sync's all-reduce: the pseudo-gradient and, exact, the token count."""
-
-    def __init__(self, works: list[Any]) -> None:
-        self.works = works
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-
-
-class _AlreadyArrived:
-    """The work of an all-reduce whose result is already in its buffer."""
-
-    def wait(self) -> None:
-        pass
+if TYPE_CHECKING:
+    from torchtitan.experiments.fault_tolerance.sync_quorum import SyncManager
 
 
 class AsyncDiLoCo(GlobalCopyLoop):
@@ -105,7 +78,7 @@ class AsyncDiLoCo(GlobalCopyLoop):
 
     def __init__(
         self,
-        manager: Any,
+        manager: SyncManager,
         fragments: list[nn.Module],
         inner_optimizer: torch.optim.Optimizer,
         *,
@@ -151,7 +124,7 @@ class AsyncDiLoCo(GlobalCopyLoop):
         #: step in the last period that ended (0: none yet).
         self._period_began: float | None = None
         self._step_seconds = 0.0
-        self._in_flight: _InFlight | None = None
+        self._in_flight: InFlightSync | None = None
         self._outcome: SyncOutcome | None = None
         #: Set when torchft loaded a peer's state into this group in the last quorum.
         self._healed = False
@@ -159,7 +132,7 @@ class AsyncDiLoCo(GlobalCopyLoop):
         for index, state in enumerate(self._states):
             manager.register_state_dict_fn(
                 f"async_diloco_fragment_{index}",
-                lambda saved, state=state: self._load_from_heal(state, saved),
+                functools.partial(self._load_from_heal, state),
                 state.state_for_heal,
             )
         manager.register_state_dict_fn("async_diloco_progress", self._load_progress, self._progress)
@@ -233,55 +206,17 @@ class AsyncDiLoCo(GlobalCopyLoop):
         return torch.empty(state.numel() + 1, dtype=torch.float32, device=device)
 
     def _start_all_reduce(self, index: int, buffer: torch.Tensor, steps: int) -> None:
-        """All-reduce (SUM) ``[tokens x pseudo-gradient, tokens]`` for the pseudo-gradient in
-        ``buffer[:-1]``, from ``steps`` inner steps (0: this group sends zeros)."""
+        """Start fragment ``index``'s all-reduce of the pseudo-gradient in ``buffer[:-1]``,
+        from ``steps`` inner steps (0: this group sends zeros)."""
         tokens = steps * self.tokens_per_step
-        if tokens == 0:
-            buffer.zero_()
-        else:
-            buffer[:-1].mul_(tokens)
-            buffer[-1] = tokens
-        # The pseudo-gradient as pseudo_grad_dtype says, the token count exact (fp32, no error
-        # feedback); all of it sent now, to arrive while the next period computes.
-        works = [
-            self.manager.allreduce(buffer[:-1], reduce_op=ReduceOp.SUM),
-            self.manager.allreduce(buffer[-1:], reduce_op=ReduceOp.SUM, exact=True),
-        ]
-        self.manager.flush()
-        self._in_flight = _InFlight(index, buffer, _AllTransfers(works), steps, tokens)
+        self._in_flight = InFlightSync.start(self.manager, index, buffer, steps, tokens)
 
     def _finish_in_flight(self) -> SyncOutcome | None:
-        """Wait for the sync in flight, commit it or not, apply it or not (alike in every
-        group), and let its fragment's local copy follow the global copy."""
+        """Decide the sync in flight, if any (:meth:`InFlightSync.finish`)."""
         flight, self._in_flight = self._in_flight, None
         if flight is None:
             return None
-        flight.work.wait()  # a failed all-reduce is recorded by the Manager, not raised
-        committed = bool(self.manager.should_commit())
-        state = self._states[flight.fragment]
-        total = float(flight.buffer[-1])
-        if committed and total > 0:
-            state.apply_average(flight.buffer[:-1].div_(total))
-        state.follow_global()
-        number = self.manager.current_step() + (0 if committed else 1)
-        # Bytes of a sync loaded as arrived from a checkpoint: its payload (it was sent by the
-        # process that saved it).
-        sent, compression_s = (
-            (flight.buffer.numel() * 4, None)
-            if isinstance(flight.work, _AlreadyArrived)
-            else self.manager.sync_stats()
-        )
-        return SyncOutcome(
-            number,
-            flight.fragment,
-            committed,
-            sent,
-            self.manager.num_participants(),
-            compression_s=compression_s,
-            inner_steps=flight.inner_steps,
-            tokens=flight.tokens,
-            weight=flight.tokens / total if committed and total > 0 else None,
-        )
+        return flight.finish(self.manager, self._states[flight.fragment])
 
     # ---- DyLU ---------------------------------------------------------------------------------
 
@@ -325,12 +260,7 @@ class AsyncDiLoCo(GlobalCopyLoop):
         state: dict[str, Any] = {"sync_points": self.sync_points}
         flight = self._in_flight
         if flight is not None and flight.arrived:
-            state["arrived"] = {
-                "fragment": flight.fragment,
-                "buffer": flight.buffer,
-                "inner_steps": flight.inner_steps,
-                "tokens": flight.tokens,
-            }
+            state["arrived"] = flight.for_heal()
         return state
 
     def _load_progress(self, saved: dict[str, Any]) -> None:
@@ -338,16 +268,7 @@ class AsyncDiLoCo(GlobalCopyLoop):
         then apply the same average at the next sync point."""
         self.sync_points = int(saved["sync_points"])
         arrived = saved.get("arrived")
-        self._in_flight = None
-        if arrived is not None:
-            self._in_flight = _InFlight(
-                int(arrived["fragment"]),
-                arrived["buffer"].detach().clone(),
-                _AlreadyArrived(),
-                int(arrived["inner_steps"]),
-                int(arrived["tokens"]),
-                arrived=True,
-            )
+        self._in_flight = None if arrived is None else InFlightSync.from_heal(arrived)
 
     def _load_from_heal(self, state: FragmentState, saved: dict[str, Any]) -> None:
         state.load_from_heal(saved)
@@ -404,75 +325,21 @@ class AsyncDiLoCo(GlobalCopyLoop):
         uninterrupted job does. Unless the all-reduce failed: then nothing is kept, and the
         restarted job drops that sync (``in_flight`` stays true)."""
         flight = self._in_flight
-        if flight is not None and not flight.arrived:
-            flight.work.wait()
-            # Every rank of the group decides alike (each sees only its own shard's failure).
-            failed = self.agree_in_group(int(self.manager.sync_failed()))
-            flight.arrived = not failed
-        kept = flight if flight is not None and flight.arrived else None
+        if flight is not None:
+            flight.wait_for_checkpoint(self.manager, self.agree_in_group)
         state: dict[str, Any] = {"sync_points": self.sync_points}
         for index, fragment_state in enumerate(self._states):
-            state[f"fragment_{index}"] = {
-                "local_start": {
-                    name: as_param_layout(p, fragment_state.period_start[name])
-                    for name, p in fragment_state.params.items()
-                },
-                "steps": fragment_state.steps,
-                **fragment_state.delayed_state(),
-            }
-        # Every parameter of the model has an entry (zeros outside the kept fragment), so the
-        # keys do not depend on which fragment was in flight.
-        arrived_sum: dict[str, dict[str, torch.Tensor]] = {}
-        for index, fragment_state in enumerate(self._states):
-            offset = 0
-            part_of = arrived_sum[f"fragment_{index}"] = {}
-            for name, p in fragment_state.params.items():
-                local = local_tensor(p.data)
-                part = (
-                    kept.buffer[offset : offset + local.numel()].view_as(local)
-                    if kept is not None and kept.fragment == index
-                    else torch.zeros_like(
-                        fragment_state.global_copy[name]
-                    )  # where the outer state lives
-                )
-                part_of[name] = as_param_layout(p, part)
-                offset += local.numel()
-        state["arrived"] = {
-            "fragment": kept.fragment if kept is not None else -1,
-            "inner_steps": kept.inner_steps if kept is not None else 0,
-            "own_tokens": kept.tokens if kept is not None else 0,
-            "sum": arrived_sum,
-            "tokens": float(kept.buffer[-1]) if kept is not None else 0.0,
-        }
+            state[f"fragment_{index}"] = fragment_state.checkpoint()
+        kept = flight if flight is not None and flight.arrived else None
+        state["arrived"] = checkpoint_arrived(kept, self._states)
         return state
 
     @torch.no_grad()
     def load_extra_state(self, state: dict[str, Any]) -> None:
         self.sync_points = int(state["sync_points"])
         for index, fragment_state in enumerate(self._states):
-            saved = state[f"fragment_{index}"]
-            for name, value in saved["local_start"].items():
-                fragment_state.period_start[name].copy_(local_tensor(value))
-            fragment_state.steps = int(saved["steps"])
-            fragment_state.load_delayed_state(saved)
-        arrived = state["arrived"]
-        self._in_flight = None
-        fragment = int(arrived["fragment"])
-        if fragment >= 0:
-            sums = arrived["sum"][f"fragment_{fragment}"]
-            parts = [
-                local_tensor(sums[n]).reshape(-1).float() for n in self._states[fragment].params
-            ]
-            tokens = torch.tensor([float(arrived["tokens"])], device=parts[0].device)
-            buffer = torch.cat([*parts, tokens])
-            self._in_flight = _InFlight(
-                fragment,
-                buffer,
-                _AlreadyArrived(),
-                int(arrived["inner_steps"]),
-                int(arrived["own_tokens"]),
-                arrived=True,
-            )
+            fragment_state.load_checkpoint(state[f"fragment_{index}"])
+        self._in_flight = load_arrived(state["arrived"], self._states)
 
     def drop_in_flight(self, index: int) -> None:
         if self.in_flight(index):
@@ -488,7 +355,7 @@ class AsyncDiLoCo(GlobalCopyLoop):
             state.model_to_global()
             state.outer.state.clear()
 
-    def last_outcome(self, manager: Any) -> SyncOutcome | None:
+    def last_outcome(self, manager: SyncManager) -> SyncOutcome | None:
         return self._outcome
 
     def finish(self) -> Ending:

@@ -1,6 +1,15 @@
-"""One fragment's outer state in async DiLoCo: its global copy, where this group's local period
-started, the outer optimizer over the global copy, and the outer step and copies between the
-model and that state (``async_diloco`` runs the algorithm around it).
+"""Async DiLoCo's state (``async_diloco`` runs the algorithm around it).
+
+* :class:`FragmentState`, one per fragment: its global copy, where this group's local period
+  started, the outer optimizer over the global copy, and the outer step and the copies between
+  the model and that state.
+* :class:`InFlightSync`: the sync in flight, one fragment's pseudo-gradient all-reduce from its
+  start at a sync point to its verdict at the next, and how it is saved. It sums
+  ``[tokens x pseudo-gradient, tokens]`` over the groups, so the average is weighted by the
+  tokens each group processed in the fragment's period (arXiv 2401.09135). A sync is *arrived*
+  when its result is in the buffer and known good (waited for by a checkpoint, or loaded from
+  one or from a peer); it is still undecided, committed or dropped at the next sync point alike
+  in every group, as in an uninterrupted job. A sync whose all-reduce failed never arrives.
 
 The global copies, the outer momentum and the start of the local period live on the state
 device (the CPU by default: 3x the parameters off the accelerator; pinned when a GPU is
@@ -10,13 +19,23 @@ waited for where the host reads or rewrites their tensors.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.distributed import ReduceOp
 
-from torchtitan.experiments.fault_tolerance.outer_loop import as_param_layout, local_tensor
+from torchtitan.experiments.fault_tolerance.outer_loop import (
+    SyncOutcome,
+    as_param_layout,
+    local_tensor,
+)
 from torchtitan.experiments.fault_tolerance.outer_optimizer import DelayedNesterov
+
+if TYPE_CHECKING:
+    from torchtitan.experiments.fault_tolerance.sync_quorum import SyncManager
 
 
 def _state_tensor(like: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -166,28 +185,41 @@ class FragmentState:
         momentum = self.outer.state.get(copy, {}).get("momentum_buffer")
         return outer_sgd_direction(grad, momentum, group["momentum"], group["nesterov"])
 
-    def delayed_state(self) -> dict[str, Any]:
-        """Delayed Nesterov's state besides the momentum (a checkpoint needs it): where in
-        its window the optimizer is, and the pseudo-gradients summed in the window so far
-        (zeros where nothing is summed, so that every checkpoint has the same keys)."""
-        if not isinstance(self.outer, DelayedNesterov):
-            return {}
-        sums = {}
-        for name, p in self.params.items():
-            summed = self.outer.state.get(self.global_copy[name], {}).get("grad_sum")
-            if summed is None:
-                summed = torch.zeros_like(self.global_copy[name])
-            sums[name] = as_param_layout(p, summed)
-        return {"outer_step": self.outer.param_groups[0]["step"], "grad_sum": sums}
+    def checkpoint(self) -> dict[str, Any]:
+        """What a checkpoint holds of the fragment besides its global copy and momentum: the
+        start of the local period (laid out like the parameters), the inner steps since the
+        fragment's last sync point and, with Delayed Nesterov, where in its window the outer
+        optimizer is and the pseudo-gradients summed in the window so far (zeros where nothing
+        is summed, so that every checkpoint has the same keys)."""
+        saved: dict[str, Any] = {
+            "local_start": {
+                name: as_param_layout(p, self.period_start[name]) for name, p in self.params.items()
+            },
+            "steps": self.steps,
+        }
+        if isinstance(self.outer, DelayedNesterov):
+            sums = {}
+            for name, p in self.params.items():
+                summed = self.outer.state.get(self.global_copy[name], {}).get("grad_sum")
+                if summed is None:
+                    summed = torch.zeros_like(self.global_copy[name])
+                sums[name] = as_param_layout(p, summed)
+            saved |= {"outer_step": self.outer.param_groups[0]["step"], "grad_sum": sums}
+        return saved
 
     @torch.no_grad()
-    def load_delayed_state(self, saved: dict[str, Any]) -> None:
-        if not isinstance(self.outer, DelayedNesterov):
-            return
-        self.outer.param_groups[0]["step"] = int(saved["outer_step"])
-        for name, value in saved["grad_sum"].items():
-            target = self.global_copy[name]
-            self.outer.state[target]["grad_sum"] = local_tensor(value).to(target.device, copy=True)
+    def load_checkpoint(self, saved: dict[str, Any]) -> None:
+        """Take back what :meth:`checkpoint` gave, as loaded."""
+        for name, value in saved["local_start"].items():
+            self.period_start[name].copy_(local_tensor(value))
+        self.steps = int(saved["steps"])
+        if isinstance(self.outer, DelayedNesterov):
+            self.outer.param_groups[0]["step"] = int(saved["outer_step"])
+            for name, value in saved["grad_sum"].items():
+                target = self.global_copy[name]
+                self.outer.state[target]["grad_sum"] = local_tensor(value).to(
+                    target.device, copy=True
+                )
 
     def state_for_heal(self) -> dict[str, Any]:
         return {
@@ -221,3 +253,160 @@ def outer_sgd_direction(
         return grad
     buf = grad.clone() if momentum_buffer is None else momentum_buffer * momentum + grad
     return grad + momentum * buf if nesterov else buf
+
+
+class _AllTransfers:
+    """The works of one sync's all-reduce: the pseudo-gradient and, exact, the token count."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+class _AlreadyArrived:
+    """The work of an all-reduce whose result is already in its buffer."""
+
+    def wait(self) -> None:
+        pass
+
+
+@dataclass
+class InFlightSync:
+    """A started all-reduce: ``buffer`` holds [sum of tokens x pseudo-gradient, sum of tokens]
+    once ``work`` is done."""
+
+    fragment: int
+    buffer: torch.Tensor
+    work: _AllTransfers | _AlreadyArrived
+    #: This group's inner steps and tokens in the sync (its weight before normalizing).
+    inner_steps: int
+    tokens: int
+    #: The result is in ``buffer`` (waited for; or loaded from a checkpoint or a peer).
+    arrived: bool = False
+
+    @classmethod
+    def start(
+        cls, manager: SyncManager, fragment: int, buffer: torch.Tensor, steps: int, tokens: int
+    ) -> InFlightSync:
+        """All-reduce (SUM) ``[tokens x pseudo-gradient, tokens]`` for the pseudo-gradient in
+        ``buffer[:-1]``, from ``steps`` inner steps (0 tokens: this group sends zeros)."""
+        if tokens == 0:
+            buffer.zero_()
+        else:
+            buffer[:-1].mul_(tokens)
+            buffer[-1] = tokens
+        # The pseudo-gradient as pseudo_grad_dtype says, the token count exact (fp32, no error
+        # feedback); all of it sent now, to arrive while the next period computes.
+        works = [
+            manager.allreduce(buffer[:-1], reduce_op=ReduceOp.SUM),
+            manager.allreduce(buffer[-1:], reduce_op=ReduceOp.SUM, exact=True),
+        ]
+        manager.flush()
+        return cls(fragment, buffer, _AllTransfers(works), steps, tokens)
+
+    def finish(self, manager: SyncManager, state: FragmentState) -> SyncOutcome:
+        """Wait, commit or not, apply the average or not (alike in every group), and let the
+        fragment's local copy follow its global copy (``state``)."""
+        self.work.wait()  # a failed all-reduce is recorded by the Manager, not raised
+        committed = bool(manager.should_commit())
+        total = float(self.buffer[-1])
+        if committed and total > 0:
+            state.apply_average(self.buffer[:-1].div_(total))
+        state.follow_global()
+        # Bytes of a sync loaded as arrived: its payload (the process that saved it sent it).
+        sent, compression_s = (
+            (self.buffer.numel() * 4, None)
+            if isinstance(self.work, _AlreadyArrived)
+            else manager.sync_stats()
+        )
+        return SyncOutcome(
+            manager.current_step() + (0 if committed else 1),
+            self.fragment,
+            committed,
+            sent,
+            manager.num_participants(),
+            compression_s=compression_s,
+            inner_steps=self.inner_steps,
+            tokens=self.tokens,
+            weight=self.tokens / total if committed and total > 0 else None,
+        )
+
+    def wait_for_checkpoint(self, manager: SyncManager, agree: Callable[[int], int]) -> None:
+        """Wait for the result (a checkpoint blocks anyway) and mark it arrived unless the
+        all-reduce failed; ``agree``: the most of the group's ranks' numbers (each rank sees
+        only its own shards' failure, and the group decides alike)."""
+        if self.arrived:
+            return
+        self.work.wait()
+        self.arrived = not agree(int(manager.sync_failed()))
+
+    # ---- to and from a peer ------------------------------------------------------------------
+
+    def for_heal(self) -> dict[str, Any]:
+        return {
+            "fragment": self.fragment,
+            "buffer": self.buffer,
+            "inner_steps": self.inner_steps,
+            "tokens": self.tokens,
+        }
+
+    @classmethod
+    def from_heal(cls, saved: dict[str, Any]) -> InFlightSync:
+        return cls(
+            int(saved["fragment"]),
+            saved["buffer"].detach().clone(),
+            _AlreadyArrived(),
+            int(saved["inner_steps"]),
+            int(saved["tokens"]),
+            arrived=True,
+        )
+
+
+# ---- to and from a checkpoint ----------------------------------------------------------------
+
+
+def checkpoint_arrived(kept: InFlightSync | None, states: list[FragmentState]) -> dict[str, Any]:
+    """The checkpoint entry of an arrived sync (``kept``; None: none). Every parameter of the
+    model has an entry (zeros outside the kept fragment), so the keys do not depend on which
+    fragment was in flight and a fresh process offers DCP the same tensors to load into."""
+    sums: dict[str, dict[str, torch.Tensor]] = {}
+    for index, state in enumerate(states):
+        offset = 0
+        part_of = sums[f"fragment_{index}"] = {}
+        for name, p in state.params.items():
+            numel = local_tensor(p.data).numel()
+            part = (
+                kept.buffer[offset : offset + numel].view_as(local_tensor(p.data))
+                if kept is not None and kept.fragment == index
+                else torch.zeros_like(state.global_copy[name])  # where the outer state lives
+            )
+            part_of[name] = as_param_layout(p, part)
+            offset += numel
+    return {
+        "fragment": kept.fragment if kept is not None else -1,
+        "inner_steps": kept.inner_steps if kept is not None else 0,
+        "own_tokens": kept.tokens if kept is not None else 0,
+        "sum": sums,
+        "tokens": float(kept.buffer[-1]) if kept is not None else 0.0,
+    }
+
+
+def load_arrived(saved: dict[str, Any], states: list[FragmentState]) -> InFlightSync | None:
+    """The arrived sync of a :func:`checkpoint_arrived` entry (None: it held none)."""
+    fragment = int(saved["fragment"])
+    if fragment < 0:
+        return None
+    sums = saved["sum"][f"fragment_{fragment}"]
+    parts = [local_tensor(sums[n]).reshape(-1).float() for n in states[fragment].params]
+    tokens = torch.tensor([float(saved["tokens"])], device=parts[0].device)
+    return InFlightSync(
+        fragment,
+        torch.cat([*parts, tokens]),
+        _AlreadyArrived(),
+        int(saved["inner_steps"]),
+        int(saved["own_tokens"]),
+        arrived=True,
+    )

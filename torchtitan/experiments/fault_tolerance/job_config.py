@@ -66,145 +66,102 @@ class FaultTolerance(CoreFaultTolerance):
     """Fault tolerance across replica groups, with semi-synchronous training."""
 
     semi_sync_method: SemiSyncMethod | None = None
-    """Semi-synchronous method across replica groups. Unset: synchronous FT (gradients averaged
-    every step). ``localsgd`` (or ``local_sgd``): groups train alone for ``sync_steps`` steps,
-    then average parameters. ``diloco``: groups train alone for ``sync_steps`` steps, then
-    average pseudo-gradients (global - local parameters) and apply the outer optimizer;
-    Streaming DiLoCo when there is more than one fragment. ``async_diloco``: DiLoCo whose
-    pseudo-gradient all-reduce runs behind the next period's inner steps, its average applied
-    at the next sync point (see ``async_update``); the average is weighted by the tokens each
-    group trained on."""
+    """Semi-synchronous method across replica groups; unset: synchronous FT (gradients
+    averaged every step). ``localsgd`` (``local_sgd``): average parameters every
+    ``sync_steps``. ``diloco``: average pseudo-gradients and step an outer optimizer (Streaming
+    DiLoCo with fragments). ``async_diloco``: DiLoCo whose average arrives behind the next
+    period's compute (``async_update``). See docs/fault_tolerance.md."""
 
     sync_steps: int = 5
     """Inner steps between two syncs (DiLoCo's H). With fragments, each fragment syncs once
-    every ``sync_steps`` steps, fragment syncs spread evenly across them."""
+    every ``sync_steps`` steps, the fragments' syncs spread evenly across them."""
 
     sync_quorum_timeout_s: float = 3600.0
-    """How long a group waits for the quorum of a sync (the slowest group's arrival at the sync
-    point) before it stops with an error naming this field. A group that (re)starts into a
-    running job waits up to one sync period for the others' next sync (at most the larger of
-    this and ``quorum_timeout_s``), so keep this above the period: with steps of seconds and
-    ``sync_steps`` of tens, periods last minutes (torchft advises an hour or more). The
-    per-step ``quorum_timeout_s`` does not apply to syncs."""
+    """How long a group waits at a sync point for the sync's quorum (the slowest group) before
+    it stops with an error naming this field. Keep it above a period (minutes on GPUs);
+    ``quorum_timeout_s`` does not apply to syncs."""
 
     sync_collective_timeout_s: float = 300.0
-    """How long one collective of a sync (one bucket of pseudo-gradients, or of LocalSGD's
-    parameters: ``sync_bucket_mb``) may take before the sync fails with an error naming this
-    field. Size it for a bucket on the slowest link, with margin: a 32 MiB bucket as int8 puts
-    at most about 17 MB on the wire, 1.4 s at 100 Mbit/s, 2.3 min at 1 Mbit/s. It is also how
-    long survivors of a sync wait for a group that hangs inside it (a dead group's sockets
-    close at once). The per-step ``process_group_timeout_ms`` does not apply to syncs. Two
-    syncs in a row that time out with every group still in the quorum stop the run."""
+    """How long one bucket's collective of a sync may take before the sync fails, naming this
+    field; size it for a bucket on the slowest link (32 MiB as int8: about 17 MB, 1.4 s at
+    100 Mbit/s). Two timed-out syncs in a row with every group alive stop the run."""
 
     sync_bucket_mb: float = 32.0
-    """Tensors of a sync travel in buckets of up to this many MiB of fp32 values (before
-    compression): smaller tensors are packed together, in order; a larger one is cut into
-    bucket-sized pieces. Each bucket is one transfer, bounded by ``sync_collective_timeout_s``.
-    Fewer, larger buckets mean fewer round trips on a slow link; each bucket in flight costs
-    its size in memory once more."""
+    """A sync's tensors travel in buckets of up to this many MiB of fp32 values: small ones
+    packed together, a large one cut into pieces. One bucket is one transfer; each in flight
+    costs its size in memory once more."""
 
     agreement_check_every: int = 1
-    """Every this many syncs (and whenever the quorum changes: a group joins, rejoins or
-    leaves), the groups of a sync's quorum compare a 64-bit digest of the global parameters
-    of the previous sync, computed on the device (one pass over the parameters, one tiny
-    all-reduce). On a mismatch a strict majority wins: the sync is dropped and the other groups
-    heal from a majority group at the next one; without a majority (e.g. two groups) the run
-    stops with an error naming the digests. 0: only when the quorum changes."""
+    """Every this many syncs, and whenever the quorum changes, the groups compare a digest of
+    the global parameters: a strict majority wins and the others heal from it; without one
+    the run stops naming the digests. 0: only when the quorum changes."""
 
     outer_lr: float = 0.7
-    """DiLoCo's outer learning rate: the outer optimizer (SGD) applies the averaged
-    pseudo-gradient with it. Its best value depends on the number of groups and sync_steps."""
+    """DiLoCo's outer learning rate (its best value depends on the groups and sync_steps)."""
 
     outer_momentum: float = 0.9
     """DiLoCo's outer optimizer momentum."""
 
     outer_nesterov: bool = True
-    """Nesterov momentum in DiLoCo's outer optimizer (with outer_momentum 0 both are plain
-    SGD)."""
+    """Nesterov momentum in DiLoCo's outer optimizer."""
 
     num_fragments: int = 1
-    """Streaming DiLoCo: split the model into this many fragments of consecutive transformer
-    blocks (embeddings with the first, final norm and output with the last); each syncs in
-    turn. 1: plain DiLoCo. Not together with ``module_fqns_per_model_fragment``."""
+    """Streaming DiLoCo: this many fragments of consecutive transformer blocks, each syncing in
+    turn (embeddings with the first, final norm and output with the last). 1: plain DiLoCo.
+    Not with ``module_fqns_per_model_fragment``."""
 
     module_fqns_per_model_fragment: list[list[str]] = field(default_factory=list)
-    """Streaming DiLoCo: module names of each fragment, one inner list per fragment, e.g.
-    ``[["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]``. Parameters of modules
-    listed nowhere join the last fragment, so every parameter is synced."""
+    """Streaming DiLoCo: each fragment's module names, e.g.
+    ``[["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]``; unlisted modules join
+    the last fragment."""
 
     fragment_sync_delay: int = 0
     """Streaming DiLoCo: inner steps a fragment's all-reduce overlaps with compute before its
-    result is applied (tau). Must be < sync_steps / fragments."""
+    result is applied (tau); below sync_steps / fragments."""
 
     fragment_update_alpha: float = 0.0
-    """Streaming DiLoCo: mix of local and global parameters after a sync, in [0, 1]:
-    new = (1 - alpha) * global + alpha * local. 0: take the global parameters."""
+    """Streaming DiLoCo: after a sync, new = (1 - alpha) * global + alpha * local, alpha in
+    [0, 1]. 0: take the global parameters."""
 
     async_update: AsyncUpdate = "eager"
-    """async_diloco: where a group's next period starts while its pseudo-gradient is being
-    averaged. ``eager``: from the global parameters moved by the outer step this group's own
-    pseudo-gradient would make (the estimate of the average), corrected when the average
-    arrives. ``eager_share``: the same with this group's share of the average (its
-    pseudo-gradient divided by the number of groups), the others' shares applied when the
-    average arrives (arXiv 2502.12996's eager update). ``delayed``: from the global
-    parameters, which take each average one period late."""
+    """async_diloco: where the next period starts while the average is in flight. ``eager``:
+    the global parameters moved by this group's own pseudo-gradient (an estimate, corrected on
+    arrival); ``eager_share``: by its share of the average (arXiv 2502.12996); ``delayed``: the
+    global parameters, which take each average one period late."""
 
     outer_state_device: OuterStateDevice = "cpu"
-    """async_diloco: where the global copy of the parameters, the outer momentum and the start
-    of the local period live (3x the parameters). ``cpu`` (pinned when a GPU is present) keeps
-    them off the accelerator; ``device`` keeps them next to the model."""
+    """async_diloco: where the global copy, the outer momentum and the period's start live (3x
+    the parameters): ``cpu`` (pinned with a GPU) or ``device``, next to the model."""
 
     outer_momentum_every: int = 1
-    """async_diloco: Delayed Nesterov (arXiv 2401.09135) when > 1. The outer momentum is
-    updated once every this many outer steps, from the mean of their averaged
-    pseudo-gradients; in between each outer step applies its own average divided by this
-    number, so a window of them moves as one Nesterov step on their mean. Stale averages
-    (applied one period late) then do not compound through the momentum. 1: Nesterov SGD
-    (``outer_nesterov``) at every outer step. Needs ``outer_momentum`` > 0 and
-    ``outer_nesterov``."""
+    """async_diloco: > 1 is Delayed Nesterov (arXiv 2401.09135), the outer momentum updated
+    once every this many outer steps, so stale averages do not compound through it. Needs
+    ``outer_momentum`` > 0 and ``outer_nesterov``. 1: Nesterov at every outer step."""
 
     dynamic_local_steps: bool = False
-    """async_diloco: DyLU (arXiv 2401.09135). Each group takes as many inner steps per period as
-    its speed allows, so that all groups reach the sync point at about the same time: the
-    slowest group takes the whole steps closest to the time the fastest one needs for
-    ``sync_steps`` (per fragment: ``sync_steps / fragments``), and every other group the whole
-    steps closest to that time (the fastest about ``sync_steps``, at most twice it); decided at
-    every sync quorum from the speeds the groups exchange (seconds per inner step in their
-    last period), and corrected by the group's speed in the period halfway through it, then
-    halfway through what is left, to end closest to the planned length in seconds. Training
-    then ends after ``training.steps / sync_steps`` periods (every group at the same sync
-    point, after its own number of steps), and each group's learning rate follows the job's
-    progress through the schedule, not its own step count. The number of steps then depends on
-    measured time: runs are not bit-for-bit repeatable."""
+    """async_diloco: DyLU (arXiv 2401.09135), each group's inner steps per period planned from
+    the groups' speeds so that all reach the sync point together. Training ends after
+    ``training.steps / sync_steps`` periods; the LR follows the job's progress. Not
+    bit-for-bit repeatable. The plan: torchtitan/experiments/fault_tolerance/README.md."""
 
     emulate_slowdown: float = 1.0
-    """Benchmarks and tests: make this group a straggler that computes this many times the
-    work of a step (extra forward and backward passes over the step's batch, the last one on
-    part of it; their gradients are discarded, so the training itself is unchanged). It takes
-    real compute time, as a slower machine would, not idle time. 1: off."""
+    """Benchmarks and tests: this group computes this many times a step's work (extra passes
+    whose gradients are discarded), a straggler in real compute time. 1: off."""
 
     pseudo_grad_dtype: PseudoGradDtype = "float32"
-    """diloco and async_diloco: how pseudo-gradients travel. ``float32``: as they are.
-    ``bfloat16``: half the bytes. ``int8`` / ``int4``: a quarter / an eighth, with one fp32
-    scale per block of 128 values (int4 packs two values per byte). Tested on CPU (gloo); the
-    CUDA (nccl) path is written but has not run on a GPU yet. The all-reduce keeps the saving
-    for any number of groups (each group reduces one chunk, then the reduced chunks are
-    gathered, compressed again) and every group decodes the same bytes, so global parameters
-    stay identical. A failed compressed all-reduce fails the sync like any other (nothing
-    applied)."""
+    """diloco and async_diloco: how pseudo-gradients travel: ``float32``, ``bfloat16`` (half
+    the bytes), ``int8`` / ``int4`` (a quarter / an eighth, one fp32 scale per 128 values).
+    Every group decodes the same bytes, so global parameters stay identical. The CUDA path has
+    not run on a GPU yet."""
 
     error_feedback: bool = False
-    """With a compressed ``pseudo_grad_dtype``: each group adds what its compression dropped
-    from a pseudo-gradient to its next one (of the same fragment), so the error is delivered
-    later instead of lost. The residuals are per rank and checkpointed (a whole-job restart
-    continues exactly); a group that heals starts them at zero (they belong to a model it no
-    longer has)."""
+    """With a compressed ``pseudo_grad_dtype``: what compression dropped is added to the
+    fragment's next pseudo-gradient. Residuals are per rank and checkpointed; a healing group
+    starts them at zero."""
 
     should_quantize: bool = False
-    """DiLoCo: torchft's own fp8 all-reduce of pseudo-gradients (its Triton kernels). Needs
-    CUDA, the nccl process group and an importable triton, and is refused elsewhere at parse
-    time: off CUDA torchft sends full precision without a word. ``pseudo_grad_dtype`` works on
-    every device and is the one to use; the two do not combine."""
+    """DiLoCo: torchft's own fp8 all-reduce (Triton). Needs CUDA, nccl and triton, refused
+    elsewhere; ``pseudo_grad_dtype`` works on every device, and the two do not combine."""
 
     @property
     def method(self) -> str | None:

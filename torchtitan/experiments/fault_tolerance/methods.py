@@ -4,7 +4,7 @@ is. The only place that branches on ``fault_tolerance.semi_sync_method``."""
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -21,10 +21,13 @@ from torchtitan.experiments.fault_tolerance.outer_loop import (
     TorchftLocalSGD,
 )
 
+if TYPE_CHECKING:
+    from torchtitan.experiments.fault_tolerance.sync_quorum import SyncManager
+
 
 def build_method(
     job_config: JobConfig,
-    sync: Any,
+    sync: SyncManager,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     device: torch.device,
@@ -58,7 +61,7 @@ def build_method(
 
 def _torchft_diloco(
     job_config: JobConfig,
-    sync: Any,
+    sync: SyncManager,
     fragments: list[nn.Module],
     optimizer: torch.optim.Optimizer,
     device: torch.device,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -22,6 +22,11 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.components.ft import torchft_adapter as tft
 from torchtitan.tools.digest import device_digest
+
+if TYPE_CHECKING:
+    from torchft.local_sgd import DiLoCo, LocalSGD
+
+    from torchtitan.experiments.fault_tolerance.sync_quorum import SyncManager
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -166,7 +171,7 @@ class OuterLoop(ABC):
     def forget_global(self) -> None:  # noqa: B027 (a no-op unless a method needs it)
         """This group healed from a peer: what it knew of the global parameters is void."""
 
-    def last_outcome(self, manager: Any) -> SyncOutcome | None:
+    def last_outcome(self, manager: SyncManager) -> SyncOutcome | None:
         """The sync the last sync point decided, right after it (None: it decided none);
         ``manager``: the sync Manager, whose transport carried it."""
         # The failure count is reset to 0 by a commit and raised by a failed one, so right
@@ -224,7 +229,7 @@ class _TorchftLoop(OuterLoop):
     """One of torchft's algorithms (``algorithm``): a context manager that hooks the inner
     optimizer, and keeps the inner-step position itself."""
 
-    algorithm: Any
+    algorithm: LocalSGD | DiLoCo
 
     def hooks(self) -> contextlib.AbstractContextManager:
         return self.algorithm
@@ -241,7 +246,13 @@ class TorchftLocalSGD(_TorchftLoop):
 
     method = "localsgd"
 
-    def __init__(self, manager: Any, model: nn.Module, optimizer: Any, sync_every: int) -> None:
+    def __init__(
+        self,
+        manager: SyncManager,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        sync_every: int,
+    ) -> None:
         from torchft.local_sgd import LocalSGD
 
         self.algorithm = LocalSGD(manager, model, optimizer, sync_every)
@@ -280,12 +291,14 @@ class TorchftDiLoCo(_TorchftLoop, GlobalCopyLoop):
 
     method = "diloco"
 
-    def __init__(self, algorithm: Any, fragments: list[nn.Module], period: int, delay: int) -> None:
+    def __init__(
+        self, algorithm: DiLoCo, fragments: list[nn.Module], period: int, delay: int
+    ) -> None:
         """``algorithm``: a built ``torchft.local_sgd.DiLoCo`` over ``fragments``, syncing one
         fragment every ``period`` steps with ``fragment_sync_delay=delay``."""
         self.algorithm = algorithm
         self.fragments = fragments
-        self._states = tft.fragments(algorithm)
+        self._syncs = tft.fragment_syncs(algorithm)
         self.period = period
         self.delay = delay
 
@@ -293,22 +306,22 @@ class TorchftDiLoCo(_TorchftLoop, GlobalCopyLoop):
         return tft.current_fragment(self.algorithm)
 
     def global_parameters(self, index: int) -> dict[str, torch.Tensor]:
-        return tft.global_parameters(self._states[index])
+        return tft.global_parameters(self._syncs[index])
 
     def fragment_parameters(self, index: int) -> dict[str, nn.Parameter]:
-        return tft.fragment_parameters(self._states[index])
+        return tft.fragment_parameters(self._syncs[index])
 
     def outer_optimizer(self, index: int) -> torch.optim.Optimizer:
-        return tft.outer_optimizer(self._states[index])
+        return tft.outer_optimizer(self._syncs[index])
 
     def in_flight(self, index: int) -> bool:
-        return tft.in_flight(self._states[index])
+        return tft.in_flight(self._syncs[index])
 
     def drop_in_flight(self, index: int) -> None:
-        tft.wait_in_flight(self._states[index])
+        tft.wait_in_flight(self._syncs[index])
 
     def restore_global_copies(self, index: int) -> None:
-        tft.restore_global_copies(self._states[index])
+        tft.restore_global_copies(self._syncs[index])
 
     def take_global_copies(self) -> None:
         tft.take_global_copies(self.algorithm)
@@ -316,7 +329,7 @@ class TorchftDiLoCo(_TorchftLoop, GlobalCopyLoop):
             self.outer_optimizer(index).state.clear()
 
     def join_sync(self) -> bool:
-        state = self._states[self.current_fragment()]
+        state = self._syncs[self.current_fragment()]
         tft.prepare_sync(state)
         if self.delay:
             return False

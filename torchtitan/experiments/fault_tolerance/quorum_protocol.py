@@ -23,7 +23,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,6 +46,9 @@ from torchtitan.experiments.fault_tolerance.sync_quorum import (
     compare_digests,
     exchange,
 )
+
+if TYPE_CHECKING:
+    from torchtitan.trainer import TrainState
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,7 @@ class QuorumProtocol:
         algorithm: OuterLoop,
         lineage: Lineage,
         reporter: SyncReporter,
-        train_state: Any,
+        train_state: TrainState,
         device: torch.device,
         group_ranks: int,
         most_in_group: Callable[[list[int]], list[int]],

@@ -11,7 +11,7 @@ The method's own outcome (:meth:`OuterLoop.last_outcome`) says what the sync was
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,10 @@ from torchtitan.experiments.fault_tolerance.outer_loop import (
 from torchtitan.tools.digest import tensor_digest
 from torchtitan.tools.logging import logger
 
+if TYPE_CHECKING:
+    from torchtitan.components.metrics import MetricsProcessor
+    from torchtitan.experiments.fault_tolerance.sync_quorum import SyncManager
+
 
 class SyncReporter:
     """Reports the syncs of ``loop`` (through the sync Manager ``sync``) for one rank."""
@@ -38,9 +42,9 @@ class SyncReporter:
         self,
         job_config: JobConfig,
         loop: OuterLoop,
-        sync: Any,
+        sync: SyncManager,
         ft: FTManager,
-        metrics: Any,
+        metrics: MetricsProcessor,
         lineage: Lineage,
         device: torch.device,
         group_ranks: int,

@@ -16,7 +16,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import astuple, dataclass
-from typing import Any
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,15 @@ from torchtitan.components.ft import FaultToleranceError, FTManager, QuorumPurpo
 from torchtitan.components.ft import torchft_adapter as tft
 from torchtitan.components.ft.torchft_adapter import ManagerStandIn
 from torchtitan.experiments.fault_tolerance import events
-from torchtitan.experiments.fault_tolerance.transport import FragmentResiduals, SyncTransport
+from torchtitan.experiments.fault_tolerance.transport import (
+    FragmentResiduals,
+    SyncTransport,
+    TransferWork,
+)
+
+if TYPE_CHECKING:
+    from torch.distributed import Work
+    from torchft.manager import Manager
 
 #: Roles in a quorum: a group at its sync point, and a group that has just (re)started (with
 #: no checkpoint, or resumed from one).
@@ -49,7 +58,7 @@ class Member:
     step_us: int = 0
 
 
-def exchange(manager: Any, mine: Member, device: torch.device) -> list[Member] | None:
+def exchange(manager: Manager, mine: Member, device: torch.device) -> list[Member] | None:
     """Every member's :class:`Member`, in quorum order: an all-gather written as one SUM
     all-reduce over the replica process group (each member fills its own slot). None when the
     collective failed (a member died): torchft then fails this quorum's commit anyway."""
@@ -163,7 +172,7 @@ class SyncManager(ManagerStandIn):
         reduce_op: ReduceOp.RedOpType = ReduceOp.AVG,
         *,
         exact: bool = False,
-    ) -> Any:
+    ) -> TransferWork | Work:
         """torchft's ``Manager.allreduce``, through the sync's transport; ``exact`` sends the
         tensor as fp32 without error feedback (e.g. token counts), in order with the rest.
         ``should_quantize`` is torchft's own fp8 all-reduce (CUDA and Triton only), which
@@ -206,7 +215,11 @@ class SyncManager(ManagerStandIn):
     def shutdown(self) -> None:
         self.transport.shutdown()
 
-    def start_quorum(self, *args: Any, **kwargs: Any) -> None:
+    def start_quorum(self) -> None:
+        """The sync's quorum (torchft's ``Manager.start_quorum``, called without arguments by
+        its LocalSGD and DiLoCo and by async DiLoCo): the lighthouse's, through
+        ``FTManager.join_quorum``, with ``sync_quorum_timeout_s`` and the quorum protocol's
+        exchange."""
         sync = self.ft.manager.current_step() + 1
         self.in_quorum = True
         start = time.perf_counter()
@@ -228,7 +241,7 @@ class SyncManager(ManagerStandIn):
         are numbered from 0, for the fragment it syncs."""
         self.transport.begin_sync(self.ft.manager, self._fragment_of_sync())
 
-    def should_commit(self, timeout: Any = None) -> bool:
+    def should_commit(self, timeout: timedelta | None = None) -> bool:
         """The sync's verdict (every rank of the group alike, torchft's ``should_commit``),
         after its transfers are done. A sync that carried a value that is not finite fails
         here on every group (each group's result shows it); a collective that failed or ended
@@ -275,7 +288,9 @@ class SyncManager(ManagerStandIn):
 
     # ---- the rest of what the methods ask of a Manager: torchft's answers ------------------
 
-    def register_state_dict_fn(self, key: str, load: Any, save: Any) -> None:
+    def register_state_dict_fn(
+        self, key: str, load: Callable[[Any], None], save: Callable[[], Any]
+    ) -> None:
         self.ft.register_state_dict_fn(key, load, save)
 
     def current_step(self) -> int:

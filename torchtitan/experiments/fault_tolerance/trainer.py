@@ -112,7 +112,7 @@ class SemiSyncTrainer(Trainer):
             if isinstance(self.algorithm, AsyncDiLoCo):
                 self.algorithm.agree_in_group = agree
         self.fragments = self.algorithm.fragments
-        self.period, self.delay = self.algorithm.period, self.algorithm.delay
+        self.period = self.algorithm.period
         # DyLU: groups take different numbers of inner steps, so training ends after a number
         # of sync points (the fastest group's steps), and the learning rate follows the job's
         # progress through them.

@@ -37,9 +37,10 @@ Failure semantics are torchft's: a failed collective is reported to the Manager
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -49,6 +50,9 @@ from torchtitan.experiments.fault_tolerance.compression import (
     CompressedWork,
     ErrorFeedback,
 )
+
+if TYPE_CHECKING:
+    from torchft.manager import Manager
 
 #: The default bucket: fp32 values of one compressed transfer (``fault_tolerance.sync_bucket_mb``).
 DEFAULT_BUCKET_MB = 32.0
@@ -244,6 +248,10 @@ class BucketedWork:
         return self._bucket.work.wait()
 
 
+#: What :meth:`SyncTransport.allreduce` returns: each waits until its tensor holds the result.
+TransferWork = _Done | _Pieces | BucketedWork | CompressedWork
+
+
 class SyncTransport:
     """Carries the tensors of each sync (see the module docstring).
 
@@ -266,7 +274,7 @@ class SyncTransport:
         self.bucket_numel = bucket_numel(bucket_mb)
         self.timeout = timedelta(seconds=timeout_s)
         self._runner = AsyncCompressedAllReduce()
-        self._manager: Any = None
+        self._manager: Manager | None = None
         self.fragment = 0
         self._transfers = 0
         self._pending: _Bucket | None = None
@@ -278,7 +286,7 @@ class SyncTransport:
 
     # ---- one sync ------------------------------------------------------------------------------
 
-    def begin_sync(self, manager: Any, fragment: int) -> None:
+    def begin_sync(self, manager: Manager, fragment: int) -> None:
         """A sync of ``fragment`` starts (its quorum is in): transfers are numbered from 0. What
         an earlier sync staged and nobody decided (it was dropped, e.g. at the end of
         training) is void; residuals a checkpoint loaded as staged stay for the next verdict."""
@@ -293,8 +301,8 @@ class SyncTransport:
             self.residuals.discard(loaded=False)
 
     def allreduce(
-        self, manager: Any, tensor: torch.Tensor, *, average: bool, exact: bool = False
-    ) -> Any:
+        self, manager: Manager, tensor: torch.Tensor, *, average: bool, exact: bool = False
+    ) -> TransferWork:
         """All-reduce (SUM, or the mean over the quorum with ``average``) ``tensor`` in place.
 
         ``exact``: sent as fp32, without error feedback (e.g. a token count), after any
@@ -339,6 +347,7 @@ class SyncTransport:
             for tensor, offset in bucket.members:
                 tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
 
+        assert self._manager is not None  # set by the allreduce that filled the bucket
         if self._manager.errored() is not None:
             bucket.work = CompressedWork(flat)
             bucket.work.complete()
@@ -351,9 +360,10 @@ class SyncTransport:
         divide_by: float,
         *,
         exact: bool = False,
-        then: Any = None,
+        then: Callable[[], None] | None = None,
     ) -> CompressedWork:
         manager = self._manager
+        assert manager is not None  # set by allreduce, the only caller (through flush too)
         key = ""
         if not exact:
             key = FragmentResiduals.key(self.fragment, self._transfers)
