@@ -44,6 +44,8 @@ from torchtitan.trainer import TRAINING_STARTED
 
 LIGHTHOUSE_PORT = 19610  # inside the hub namespace only (a fresh network stack: always free)
 ORDER = ["no_ft", "sync_ft", "diloco", "streaming_diloco", "async_diloco", "async_dylu"]
+#: Variants run only when named: DyLU without the speed probe of its first period.
+VARIANTS = ["async_dylu_no_probe"]
 TARGETS = {"streaming_diloco": 0.95, "diloco": 0.80, "async_diloco": 0.98, "async_dylu": 0.98}
 #: With ``--straggler``: every group of async DiLoCo with DyLU computes at least this share.
 STRAGGLER_TARGET = 0.95
@@ -69,7 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny model and steps (CI)")
     p.add_argument("--rates", type=float, nargs="+", default=[100.0, 1000.0],
                    help="link rates to emulate, Mbit/s (default 100 1000)")  # fmt: skip
-    p.add_argument("--methods", nargs="+", default=ORDER, choices=ORDER)
+    p.add_argument("--methods", nargs="+", default=ORDER, choices=ORDER + VARIANTS,
+                   help="default: all but async_dylu_no_probe (DyLU with "
+                   "dylu_probe_steps=0)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of each method and rate, interleaved; the summary takes the "
                    "median run (by utilisation)")  # fmt: skip
@@ -126,8 +130,10 @@ def method_args(method: str, args: argparse.Namespace) -> tuple[list[str], int, 
         f"--fault_tolerance.semi_sync_method={semi_sync_method}",
         f"--fault_tolerance.sync_steps={args.sync_steps}",
     ]
-    if method == "async_dylu":
+    if method.startswith("async_dylu"):
         flags.append("--fault_tolerance.dynamic_local_steps")
+    if method == "async_dylu_no_probe":
+        flags.append("--fault_tolerance.dylu_probe_steps=0")
     if args.pseudo_grad_dtype != "float32":
         flags.append(f"--fault_tolerance.pseudo_grad_dtype={args.pseudo_grad_dtype}")
     if args.error_feedback:
@@ -152,11 +158,14 @@ def straggler_args(method: str, group: int, args: argparse.Namespace) -> list[st
 def sync_point_steps(method: str, events: Iterable[Event], h: int) -> list[int]:
     """The steps at which a semi-sync group passed its sync points. Blocking DiLoCo reports
     each sync at its sync point; async DiLoCo reports sync k at sync point k + 1 (the first
-    sync point, after a full period of ``h`` steps, reports nothing) and the last sync once
-    more at the end of training."""
-    steps = [e.step for e in events if e.name == SYNC.name and e.step is not None]
+    sync point reports nothing: it comes after sync 1's ``inner_steps``, ``h`` unless DyLU's
+    speed probe planned the first period) and the last sync once more at the end of
+    training."""
+    syncs = [e for e in events if e.name == SYNC.name and e.step is not None]
+    steps = [e.step for e in syncs if e.step is not None]
     if method.startswith("async"):
-        return [h, *steps[:-1]]
+        first = int(syncs[0].fields.get("inner_steps", h)) if syncs else h
+        return [first, *steps[:-1]]
     return steps
 
 
@@ -181,6 +190,18 @@ def utilisation(events: Iterable[Event], warmup: int, last: int) -> dict[str, fl
     }
 
 
+def whole_run_utilisation(events: Iterable[Event]) -> float:
+    """Compute seconds over wall seconds from ``train.started`` to the last step: start-up
+    after it, every period (the first, with its waits, too) and the closing sync count."""
+    found = list(events)
+    started = [e.time for e in found if e.name == TRAINING_STARTED.name]
+    timings = [e for e in found if e.name == TIMING.name]
+    if not started or not timings:
+        raise ValueError("no train.started or bench.timing event")
+    last = max(timings, key=lambda e: e.time)
+    return float(last["compute_s"]) / (last.time - started[0])
+
+
 def group_figures(
     proc: Process,
     method: str,
@@ -198,6 +219,7 @@ def group_figures(
         window = (points[0], points[args.periods - 1])
         steps = max(e.step for e in events if e.name == TIMING.name and e.step is not None)
     row: dict[str, object] = utilisation(events, *window)
+    row["whole_run_utilisation"] = round(whole_run_utilisation(events), 4)
     started = [e for e in events if e.name == TRAINING_STARTED.name]
     n_params = started[0]["parameters"] if started else 0
     sent = [e for e in events if e.name == SYNC.name]
@@ -294,6 +316,7 @@ def run_one(
             3,  # type: ignore[misc]
         ),
         "min_group_utilisation": round(min(g["compute_utilisation"] for g in per_group), 4),  # type: ignore[type-var]
+        "whole_run_utilisation": [g["whole_run_utilisation"] for g in per_group],
         "qdisc": qdisc,
         "groups": per_group,
     }
@@ -331,6 +354,10 @@ def main(argv: list[str] | None = None) -> int:
             "streaming": f"{args.fragments} fragments, fragment_sync_delay={args.delay}",
             "async_diloco": "async_update=eager (the default), 1 fragment",
             "async_dylu": "async_diloco with dynamic_local_steps (DyLU)",
+            "async_dylu_no_probe": "the same with dylu_probe_steps=0 (no speed probe in the "
+            "first period)",
+            "whole_run_utilisation": "per group, compute seconds / wall seconds from "
+            "train.started to its last step",
             "straggler": (
                 f"group 1 computes {args.straggler:g}x the forward/backward work per step "
                 "(fault_tolerance.emulate_slowdown: extra passes, real compute on its core)"
@@ -370,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"[wan] {rate:6g} Mbit/s {method:17s} {dtype:8s} (run {repeat + 1}/{args.repeats}) "
                 f"compute utilisation "
-                f"{run['compute_utilisation']:.3f}  payload "
+                f"{run['compute_utilisation']:.3f} (whole run, per group: "
+                f"{', '.join(f'{u:.3f}' for u in run['whole_run_utilisation'])})  payload "
                 f"{run['payload_mib_per_group_per_step']:.2f} MiB/step  wire "
                 f"{run['wire_tx_mib_per_group_per_step']:.2f} MiB/step  (load {load:.2f})",
                 flush=True,
@@ -396,7 +424,7 @@ def plot(runs: list[dict[str, object]], path: Path) -> str:
     except ImportError:
         return "matplotlib is not installed (pip install -e '.[bench]'): no PNG written"
     rates = sorted({float(r["rate_mbit"]) for r in runs if r["method"] != "no_ft"})  # type: ignore[arg-type]
-    methods = [m for m in ORDER if m != "no_ft" and any(r["method"] == m for r in runs)]
+    methods = [m for m in ORDER + VARIANTS if m != "no_ft" and any(r["method"] == m for r in runs)]
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / max(1, len(rates))
     for j, rate in enumerate(rates):
@@ -436,6 +464,7 @@ def median_runs(runs: list[dict[str, object]]) -> list[dict[str, object]]:
         ordered = sorted(repeats, key=lambda r: float(r["compute_utilisation"]))  # type: ignore[arg-type]
         median = dict(ordered[(len(ordered) - 1) // 2])
         median["repeats_utilisation"] = [r["compute_utilisation"] for r in repeats]
+        median["repeats_whole_run"] = [r.get("whole_run_utilisation") for r in repeats]
         picked.append(median)
     return picked
 
@@ -473,6 +502,8 @@ def summarize(runs: list[dict[str, object]]) -> dict[str, dict[str, object]]:
             "compute_utilisation": run["compute_utilisation"],
             "repeats_utilisation": run["repeats_utilisation"],
             "per_group_utilisation": [g["compute_utilisation"] for g in groups],  # type: ignore[union-attr,index]
+            "per_group_whole_run_utilisation": [g.get("whole_run_utilisation") for g in groups],  # type: ignore[union-attr]
+            "repeats_per_group_whole_run_utilisation": run.get("repeats_whole_run"),
             "min_group_utilisation": run.get("min_group_utilisation"),
             "per_group_compute_s_per_step": [round(g["compute_s_per_step"], 4) for g in groups],  # type: ignore[union-attr,index]
             "per_group_inner_steps": [

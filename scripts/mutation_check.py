@@ -31,6 +31,7 @@ TESTS = [
     "tests/unit_tests/test_semi_sync.py",
     "tests/unit_tests/test_sync_averaging.py",
     "tests/unit_tests/test_async_diloco.py",
+    "tests/unit_tests/test_dylu_probe.py",
     "tests/unit_tests/test_transport.py",
     "tests/unit_tests/test_compression.py",
     "tests/unit_tests/test_outer_optimizer.py",
@@ -144,6 +145,18 @@ MUTANTS = [
         f"{PACKAGE}/async_state.py",
         "self.arrived = not agree(int(manager.sync_failed()))",
         "self.arrived = not agree(0)",
+    ),
+    Mutant(
+        "DyLU's probe: the timed steps include the first",
+        f"{PACKAGE}/dylu.py",
+        "            self._began, self._planned_from = now, 1",
+        "            pass",
+    ),
+    Mutant(
+        "DyLU's probe: the rest of the first period is planned as a whole period",
+        f"{PACKAGE}/speed_exchange.py",
+        "        rest = self.period - taken",
+        "        rest = self.period",
     ),
     Mutant(
         "async DiLoCo: eager_share's own share assumes two groups",

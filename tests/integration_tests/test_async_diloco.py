@@ -28,6 +28,7 @@ from torchtitan.experiments.fault_tolerance.events import (
     GLOBAL_DIGEST,
     HEALED,
     INNER_STEPS_PLANNED,
+    SPEED_PROBE,
     SYNC,
 )
 from torchtitan.experiments.fault_tolerance.lineage import job_model
@@ -84,9 +85,10 @@ def test_groups_of_different_speeds_take_different_inner_steps_and_agree(
     group 0's, with 4x the work of a step (``emulate_slowdown``, real compute) and 4x the
     pause after it (0.4 s against 0.1 s). The pauses set the ratio whatever the load on the
     machine's cores: with compute alone, a period of milliseconds measured beside other
-    tests' processes gave group 1 a full period now and then. After its first period group 1
-    takes fewer inner steps per period than sync_steps=8, and fewer than group 0 (which fills
-    the time group 1's steps take: about 8); both pass the same 6 sync points, every sync is
+    tests' processes gave group 1 a full period now and then. In every period, the first too
+    (planned by the speed probe after inner step 2), group 1 takes fewer inner steps than
+    sync_steps=8, and fewer than group 0 (which fills the time group 1's steps take: about
+    8); both pass the same 6 sync points, every sync is
     committed by both with identical global digests, each sync's two weights are the groups'
     token shares and add up to 1, and both end with the same model after their own numbers
     of steps."""
@@ -113,9 +115,13 @@ def test_groups_of_different_speeds_take_different_inner_steps_and_agree(
     assert_clean_syncs_agree(job, per_group, periods)
     raw = [job.events(r, SYNC) for r in range(2)]
     inner = [[e["inner_steps"] for e in raw[r]] for r in range(2)]
-    assert inner[0][0] == inner[1][0] == sync_steps, inner  # nothing measured before
-    assert all(n < sync_steps for n in inner[1][1:]), inner
-    assert all(n0 > n1 for n0, n1 in zip(inner[0][1:], inner[1][1:], strict=True)), inner
+    assert all(n < sync_steps for n in inner[1]), inner
+    assert all(n0 > n1 for n0, n1 in zip(inner[0], inner[1], strict=True)), inner
+    probes = [job.events(r, SPEED_PROBE) for r in range(2)]
+    assert [[(e["after"], e["steps"]) for e in found] for found in probes] == [
+        [(2, inner[0][0])],
+        [(2, inner[1][0])],
+    ], probes
     for e0, e1 in zip(raw[0], raw[1], strict=True):
         assert e0["weight"] + e1["weight"] == pytest.approx(1.0)
         assert e1["weight"] == pytest.approx(e1["tokens"] / (e0["tokens"] + e1["tokens"]))

@@ -542,7 +542,7 @@ def test_a_period_slower_than_planned_is_shortened_halfway(monkeypatch):
     clock = FakeClock()
     monkeypatch.setattr(async_diloco, "time", clock)
     group = Group(Cluster(), 1)
-    group.loop.period = 8
+    group.loop.period = group.loop.plan.period = 8
     asked: list[int] = []
     group.loop.agree_in_group = lambda n: asked.append(n) or 6
     group.loop.plan_period(8, seconds=8.0)
@@ -574,7 +574,7 @@ def test_a_period_that_slows_down_late_is_corrected_again(monkeypatch):
     clock = FakeClock()
     monkeypatch.setattr(async_diloco, "time", clock)
     group = Group(Cluster(), 1)
-    group.loop.period = 16
+    group.loop.period = group.loop.plan.period = 16
     asked: list[int] = []
     group.loop.agree_in_group = lambda n: asked.append(n) or n
     group.loop.plan_period(16, seconds=16.0)
@@ -726,7 +726,7 @@ def test_a_period_dylu_ends_early_reports_the_sync_s_own_time_with_gradients_fre
     monkeypatch.setattr(async_diloco, "time", clock)
     monkeypatch.setattr(reporting, "time", clock)
     group = Group(Cluster(), 1)
-    group.loop.period = 8
+    group.loop.period = group.loop.plan.period = 8
     group.loop.plan_period(8, seconds=8.0)
     grads_at_sync: list[bool] = []
     start_quorum = group.manager.start_quorum

@@ -61,6 +61,25 @@ def test_sync_points_of_blocking_and_async_groups() -> None:
     assert wan.sync_point_steps("diloco", blocking, 4) == [4, 8, 12]
     async_ = [Event(SYNC.name, step=s, sync=k) for k, s in enumerate((7, 10, 10), 1)]
     assert wan.sync_point_steps("async_dylu", async_, 4) == [4, 7, 10]
+    # DyLU's speed probe planned the first period: 6 inner steps, reported with sync 1.
+    probed = [
+        Event(SYNC.name, step=s, sync=k, fields={"inner_steps": n})
+        for k, (s, n) in enumerate(((9, 6), (12, 3), (12, 3)), 1)
+    ]
+    assert wan.sync_point_steps("async_dylu", probed, 4) == [6, 9, 12]
+
+
+def test_whole_run_utilisation_counts_from_the_start_to_the_last_step() -> None:
+    """Compute 3 s of the 10 s from ``train.started`` to the last step (the first period's
+    wait included), where the window of steps 2..4 alone would give 1.5 / 2."""
+    wan = _module("wan")
+    events = [Event("train.started", time=100.0)]
+    for step, compute, t in ((1, 1.5, 106.0), (2, 2.0, 107.0), (3, 2.5, 108.0), (4, 3.0, 110.0)):
+        events.append(Event(TIMING.name, step=step, fields={"compute_s": compute, "t": t}, time=t))
+    assert wan.whole_run_utilisation(events) == pytest.approx(0.3)
+    assert wan.utilisation(events, warmup=2, last=4)["compute_utilisation"] == pytest.approx(1 / 3)
+    with pytest.raises(ValueError):
+        wan.whole_run_utilisation(events[1:])
 
 
 def test_repeats_are_summarized_by_their_median_run() -> None:

@@ -648,12 +648,13 @@ def _field_docstrings(cls: type) -> dict[str, str]:
     """The docstring under each field of the dataclass ``cls`` (as tyro reads them)."""
     import ast
     import inspect
+    import itertools
     import textwrap
 
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
     assert isinstance(body, ast.ClassDef)
     found = {}
-    for node, after in zip(body.body, body.body[1:]):
+    for node, after in itertools.pairwise(body.body):
         if (
             isinstance(node, ast.AnnAssign)
             and isinstance(node.target, ast.Name)

@@ -58,7 +58,7 @@ from torchtitan.experiments.fault_tolerance.async_state import (
     checkpoint_arrived,
     load_arrived,
 )
-from torchtitan.experiments.fault_tolerance.dylu import dylu_next_correction, dylu_steps_to_deadline
+from torchtitan.experiments.fault_tolerance.dylu import PeriodPlan
 from torchtitan.experiments.fault_tolerance.job_config import ASYNC_UPDATES
 from torchtitan.experiments.fault_tolerance.outer_loop import (
     Ending,
@@ -110,20 +110,12 @@ class AsyncDiLoCo(GlobalCopyLoop):
             for f in fragments
         ]
         self._local_step = 0
-        #: Inner steps of the current period (``period`` unless DyLU planned fewer).
-        self._steps_this_period = self.period
-        #: DyLU: the planned length of the current period in seconds (0: none), and the
-        #: inner step after which the step count is corrected to it (None: not corrected).
-        self._period_seconds = 0.0
-        self._replan_at: int | None = None
+        #: The current period's inner steps (``period`` unless DyLU planned others).
+        self.plan = PeriodPlan(self.period)
         #: The most of this group's ranks' numbers (the trainer sets a MAX all-reduce when the
         #: group has more than one rank).
         self.agree_in_group: Callable[[int], int] = lambda n: n
         self.sync_points = 0
-        #: When the current period's inner steps began, and this group's seconds per inner
-        #: step in the last period that ended (0: none yet).
-        self._period_began: float | None = None
-        self._step_seconds = 0.0
         self._in_flight: InFlightSync | None = None
         self._outcome: SyncOutcome | None = None
         #: Set when torchft loaded a peer's state into this group in the last quorum.
@@ -141,7 +133,7 @@ class AsyncDiLoCo(GlobalCopyLoop):
 
     @contextlib.contextmanager
     def _installed(self) -> Iterator[AsyncDiLoCo]:
-        self._period_began = time.perf_counter()
+        self.plan.begin(time.perf_counter())
         handles = [
             self.inner_optimizer.register_step_pre_hook(self._before_step),
             self.inner_optimizer.register_step_post_hook(self._after_step),
@@ -164,15 +156,17 @@ class AsyncDiLoCo(GlobalCopyLoop):
         for state in self._states:
             state.steps += 1
         self._local_step += 1
-        if self._local_step == self._replan_at:
-            self._replan()
-        if self._local_step >= self._steps_this_period:
+        if self.plan.probe_due(self._local_step, time.perf_counter()):
+            # DyLU's first period: the groups exchange speeds and plan the rest of it.
+            self.manager.probe_quorum()
+        elif self.plan.due_correction(self._local_step):
+            self.plan.correct(self._local_step, time.perf_counter(), self.agree_in_group)
+        if self._local_step >= self.plan.steps:
             self.sync_point()
 
     def sync_point(self) -> None:
         """Finish the sync in flight, start this fragment's (see the module docstring)."""
-        if self._period_began is not None and self._local_step > 0:
-            self._step_seconds = (time.perf_counter() - self._period_began) / self._local_step
+        self.plan.end(self._local_step, time.perf_counter())
         self.sync_points += 1
         # At the quorum every group is at inner step 0 of its next period, whatever the length
         # of the one it ended (DyLU): a group healing from it continues from there.
@@ -199,7 +193,7 @@ class AsyncDiLoCo(GlobalCopyLoop):
             index = self.current_fragment()
             buffer = self._buffer(self._states[index])
         self._start_all_reduce(index, buffer, steps)
-        self._period_began = time.perf_counter()
+        self.plan.begin(time.perf_counter())
 
     def _buffer(self, state: FragmentState) -> torch.Tensor:
         device = local_tensor(next(iter(state.params.values()))).device
@@ -222,7 +216,7 @@ class AsyncDiLoCo(GlobalCopyLoop):
 
     def step_seconds(self) -> float:
         """This group's seconds per inner step in its last period (0: no period yet)."""
-        return self._step_seconds
+        return self.plan.step_seconds
 
     def plan_period(self, steps: int, seconds: float = 0.0) -> None:
         """The next period (which starts after this quorum) takes ``steps`` inner steps; with
@@ -231,25 +225,14 @@ class AsyncDiLoCo(GlobalCopyLoop):
         halfway through what is left, until one step is left (:func:`~.dylu.dylu_next_correction`):
         how fast a group computes varies from one period to the next and within one, and an
         error of the estimate would otherwise make the other groups wait for all of it."""
-        if not 1 <= steps <= 2 * self.period:
-            raise ValueError(f"a period takes 1 to {2 * self.period} inner steps, not {steps}")
-        self._steps_this_period = steps
-        self._period_seconds = seconds
-        self._replan_at = dylu_next_correction(0, steps) if seconds > 0 else None
+        self.plan.plan(steps, seconds)
 
-    def _replan(self) -> None:
-        if self._period_began is None:  # restarted mid-period: keep the plan
-            self._replan_at = None
-            return
-        elapsed = time.perf_counter() - self._period_began
-        steps = dylu_steps_to_deadline(self._local_step, elapsed, self._period_seconds, self.period)
-        # Every rank of the group takes the same number of steps, and so corrects at the same
-        # step next time.
-        self._steps_this_period = self.agree_in_group(steps)
-        self._replan_at = dylu_next_correction(self._local_step, self._steps_this_period)
+    def plan_rest_of_period(self, steps: int, seconds: float) -> None:
+        """After the speed probe: ``steps`` more inner steps in this period, in ``seconds``."""
+        self.plan.plan_rest(self._local_step, steps, seconds, time.perf_counter())
 
     def steps_this_period(self) -> int:
-        return self._steps_this_period
+        return self.plan.steps
 
     # ---- healing -----------------------------------------------------------------------------
 
@@ -291,7 +274,7 @@ class AsyncDiLoCo(GlobalCopyLoop):
         self._start_all_reduce(index, self._buffer(self._states[index]), 0)
         self._healed = False
         self._local_step = 0
-        self._period_began = time.perf_counter()
+        self.plan.begin(time.perf_counter())
         return False
 
     # ---- what the trainer asks -----------------------------------------------------------------

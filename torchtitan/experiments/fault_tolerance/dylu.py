@@ -1,9 +1,11 @@
 """DyLU (arXiv 2401.09135): how many inner steps each group takes per period, so that the groups
 reach the sync point at about the same time, and when a group corrects that within a period.
-Pure arithmetic on the groups' measured seconds per inner step; ``async_diloco`` and the quorum
-protocol apply it."""
+Arithmetic on the groups' measured seconds per inner step, and :class:`PeriodPlan`, one group's
+plan of its current period; ``async_diloco`` and the quorum protocol apply them."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 
 def dylu_inner_steps(period: int, step_seconds: list[float], mine: float) -> int:
@@ -50,3 +52,96 @@ def dylu_next_correction(taken: int, planned: int) -> int | None:
     on plan: after steps 10, 15, 17, 18 and 19."""
     left = planned - taken
     return taken + left // 2 if left >= 2 else None
+
+
+class PeriodPlan:
+    """How many inner steps this group's current period takes, and when it corrects that.
+
+    Without DyLU every period takes ``period`` steps. With it, each sync quorum plans the next
+    period (:meth:`plan`) from the speeds the groups exchanged there, and the group corrects the
+    count by its speed in the period so far at the steps :func:`dylu_next_correction` names.
+    The job's first period has no measured speeds: the groups may agree, at their start, to
+    time ``probe_steps`` inner steps after the first (which carries one-time costs), exchange
+    those speeds (the *speed probe*, a quorum of its own) and plan the rest of that period
+    (:meth:`plan_rest`). Times are the caller's clock, so that tests can drive it.
+    """
+
+    def __init__(self, period: int) -> None:
+        self.period = period
+        #: Inner steps of the current period in all.
+        self.steps = period
+        #: The planned length of what is planned of the period, in seconds (0: none), and the
+        #: inner step after which the count is corrected to it (None: not corrected).
+        self._seconds = 0.0
+        self._correct_at: int | None = None
+        #: When the planned part of the period began (None: not in this process, e.g. after a
+        #: restart mid-period), and the inner steps taken before it (the probe's).
+        self._began: float | None = None
+        self._planned_from = 0
+        #: The inner step after which this group probes its speed (None: no probe due).
+        self.probe_at: int | None = None
+        #: This group's seconds per inner step in its last period (or in the probe's steps).
+        self.step_seconds = 0.0
+
+    def begin(self, now: float) -> None:
+        """A period begins (at inner step 0)."""
+        self._began, self._planned_from = now, 0
+
+    def end(self, taken: int, now: float) -> None:
+        """The period ends after ``taken`` inner steps: measure this group's speed in it."""
+        self.measure(taken, now)
+        self.probe_at = None
+
+    def measure(self, taken: int, now: float) -> None:
+        """This group's seconds per inner step since the planned part of the period began."""
+        steps = taken - self._planned_from
+        if self._began is not None and steps > 0:
+            self.step_seconds = (now - self._began) / steps
+
+    def plan(self, steps: int, seconds: float = 0.0) -> None:
+        """The next period takes ``steps`` inner steps; with ``seconds`` (its planned length)
+        the count is corrected halfway through it, then halfway through what is left."""
+        if not 1 <= steps <= 2 * self.period:
+            raise ValueError(f"a period takes 1 to {2 * self.period} inner steps, not {steps}")
+        self.steps, self._seconds = steps, seconds
+        self._correct_at = dylu_next_correction(0, steps) if seconds > 0 else None
+
+    def probe_after(self, steps: int) -> None:
+        """Probe this group's speed in the ``steps`` inner steps after the first of the
+        current period (when at least one more step is left in it after them)."""
+        self.probe_at = steps + 1 if 0 < steps and steps + 1 < self.steps else None
+
+    def probe_due(self, taken: int, now: float) -> bool:
+        """After inner step ``taken``: whether to probe now (this group's speed measured)."""
+        if self.probe_at is None:
+            return False
+        if taken == 1:  # the timed steps begin
+            self._began, self._planned_from = now, 1
+        if taken < self.probe_at:
+            return False
+        self.probe_at = None
+        self.measure(taken, now)
+        return True
+
+    def plan_rest(self, taken: int, steps: int, seconds: float, now: float) -> None:
+        """After the probe (``taken`` steps done): ``steps`` more in ``seconds``, from now."""
+        self._began, self._planned_from = now, taken
+        self.steps = taken + max(1, min(2 * self.period - taken, steps))
+        self._seconds = seconds
+        self._correct_at = dylu_next_correction(taken, self.steps) if seconds > 0 else None
+
+    def due_correction(self, taken: int) -> bool:
+        return taken == self._correct_at
+
+    def correct(self, taken: int, now: float, agree: Callable[[int], int]) -> None:
+        """Correct the period's step count by its speed so far (``agree``: the most of the
+        group's ranks' counts, so that every rank takes the same number of steps)."""
+        if self._began is None:  # restarted mid-period: keep the plan
+            self._correct_at = None
+            return
+        base = self._planned_from
+        steps = base + dylu_steps_to_deadline(
+            taken - base, now - self._began, self._seconds, self.period
+        )
+        self.steps = agree(min(2 * self.period, steps))
+        self._correct_at = dylu_next_correction(taken, self.steps)

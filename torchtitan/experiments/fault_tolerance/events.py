@@ -100,6 +100,14 @@ INNER_STEPS_PLANNED = EventKind(
     "{ms_per_step:.1f} ms per step, the fastest {fastest_ms_per_step:.1f} ms)",
 )
 
+#: DyLU's speed probe in a new job's first period planned the rest of that period.
+SPEED_PROBE = EventKind(
+    "semi_sync.speed_probe",
+    "[semi-sync] DyLU speed probe after inner step {after}: the first period takes "
+    "{steps}/{period} inner steps (this group {ms_per_step:.1f} ms per step, the fastest "
+    "{fastest_ms_per_step:.1f} ms)",
+)
+
 #: A (re)started group has started its Manager and asks for its first quorum.
 ASKING_FOR_QUORUM = EventKind(
     "semi_sync.asking_for_quorum",

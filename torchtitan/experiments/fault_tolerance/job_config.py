@@ -144,6 +144,12 @@ class FaultTolerance(CoreFaultTolerance):
     ``training.steps / sync_steps`` periods; the LR follows the job's progress. Not
     bit-for-bit repeatable. The plan: torchtitan/experiments/fault_tolerance/README.md."""
 
+    dylu_probe_steps: int = 1
+    """DyLU in a new job's first period, which has no measured speeds: the groups time this
+    many inner steps after the first, exchange those speeds (a quorum of its own, no sync)
+    and plan the rest of the period, so that fast groups do not wait at the first sync
+    point. 0: no probe (nor when the period has too few steps)."""
+
     emulate_slowdown: float = 1.0
     """Benchmarks and tests: this group computes this many times a step's work (extra passes
     whose gradients are discarded), a straggler in real compute time. 1: off."""
@@ -237,7 +243,7 @@ class FaultTolerance(CoreFaultTolerance):
                     "only applies to semi_sync_method=diloco or async_diloco (LocalSGD averages "
                     "parameters; it has no outer optimizer and sends no pseudo-gradients)",
                 )
-        self._validate_fragments(config)
+        _validate_fragments(self, config)
         if self.outer_lr <= 0:
             raise ConfigError("fault_tolerance.outer_lr", self.outer_lr, "must be > 0")
         if not 0 <= self.outer_momentum < 1:
@@ -293,6 +299,16 @@ class FaultTolerance(CoreFaultTolerance):
                 "Delayed Nesterov needs fault_tolerance.outer_nesterov=true and "
                 f"outer_momentum > 0 (is {self.outer_momentum}); or set it to 1",
             )
+        period = self.sync_steps // self.fragment_count()
+        if self._changed(("dylu_probe_steps",)) and not (
+            self.dynamic_local_steps and 0 <= self.dylu_probe_steps < period - 1
+        ):
+            raise ConfigError(
+                "fault_tolerance.dylu_probe_steps",
+                self.dylu_probe_steps,
+                "needs fault_tolerance.dynamic_local_steps and a value in [0, sync_steps / "
+                f"fragments - 1) = [0, {period - 1}) (0: no probe)",
+            )
         steps = config.training.steps
         if self.dynamic_local_steps and steps % self.sync_steps:
             raise ConfigError(
@@ -314,46 +330,48 @@ class FaultTolerance(CoreFaultTolerance):
                 changed.append(name)
         return changed
 
-    def _validate_fragments(self, config: CoreJobConfig) -> None:
-        if self.num_fragments < 1:
-            raise ConfigError("fault_tolerance.num_fragments", self.num_fragments, "must be >= 1")
-        if self.num_fragments > 1 and self.module_fqns_per_model_fragment:
-            raise ConfigError(
-                "fault_tolerance.num_fragments",
-                self.num_fragments,
-                "give either num_fragments > 1 or module_fqns_per_model_fragment, not both",
-            )
-        fragments = self.fragment_count()
-        if self.sync_steps % fragments != 0:
-            raise ConfigError(
-                "fault_tolerance.sync_steps",
-                self.sync_steps,
-                f"must be a multiple of the number of fragments ({fragments})",
-            )
-        period = self.sync_steps // fragments
-        if not 0 <= self.fragment_sync_delay < period:
-            raise ConfigError(
-                "fault_tolerance.fragment_sync_delay",
-                self.fragment_sync_delay,
-                f"must be in [0, sync_steps / fragments) = [0, {period})",
-            )
-        if not 0.0 <= self.fragment_update_alpha <= 1.0:
-            raise ConfigError(
-                "fault_tolerance.fragment_update_alpha",
-                self.fragment_update_alpha,
-                "must be in [0, 1]",
-            )
-        model = _meta_model(config)
-        # cast: nn.Module types attributes it looks up at run time as Tensor | Module.
-        n_layers = len(cast("nn.ModuleDict", model.layers))
-        if self.num_fragments > n_layers:
-            raise ConfigError(
-                "fault_tolerance.num_fragments",
-                self.num_fragments,
-                f"at most the model's {n_layers} transformer blocks",
-            )
-        if self.module_fqns_per_model_fragment:
-            check_fragment_fqns(model, self.module_fqns_per_model_fragment)
+
+def _validate_fragments(ft: FaultTolerance, config: CoreJobConfig) -> None:
+    """The Streaming DiLoCo fields, against each other and the configured model."""
+    if ft.num_fragments < 1:
+        raise ConfigError("fault_tolerance.num_fragments", ft.num_fragments, "must be >= 1")
+    if ft.num_fragments > 1 and ft.module_fqns_per_model_fragment:
+        raise ConfigError(
+            "fault_tolerance.num_fragments",
+            ft.num_fragments,
+            "give either num_fragments > 1 or module_fqns_per_model_fragment, not both",
+        )
+    fragments = ft.fragment_count()
+    if ft.sync_steps % fragments != 0:
+        raise ConfigError(
+            "fault_tolerance.sync_steps",
+            ft.sync_steps,
+            f"must be a multiple of the number of fragments ({fragments})",
+        )
+    period = ft.sync_steps // fragments
+    if not 0 <= ft.fragment_sync_delay < period:
+        raise ConfigError(
+            "fault_tolerance.fragment_sync_delay",
+            ft.fragment_sync_delay,
+            f"must be in [0, sync_steps / fragments) = [0, {period})",
+        )
+    if not 0.0 <= ft.fragment_update_alpha <= 1.0:
+        raise ConfigError(
+            "fault_tolerance.fragment_update_alpha",
+            ft.fragment_update_alpha,
+            "must be in [0, 1]",
+        )
+    model = _meta_model(config)
+    # cast: nn.Module types attributes it looks up at run time as Tensor | Module.
+    n_layers = len(cast("nn.ModuleDict", model.layers))
+    if ft.num_fragments > n_layers:
+        raise ConfigError(
+            "fault_tolerance.num_fragments",
+            ft.num_fragments,
+            f"at most the model's {n_layers} transformer blocks",
+        )
+    if ft.module_fqns_per_model_fragment:
+        check_fragment_fqns(model, ft.module_fqns_per_model_fragment)
 
 
 def check_fragment_fqns(model: nn.Module, fragments: list[list[str]]) -> None:
@@ -407,6 +425,7 @@ ASYNC_FIELDS = (
     "outer_state_device",
     "outer_momentum_every",
     "dynamic_local_steps",
+    "dylu_probe_steps",
 )
 SEMI_SYNC_FIELDS = (
     "sync_steps",

@@ -32,11 +32,11 @@ from torchtitan.components.ft import torchft_adapter as tft
 from torchtitan.config.job_config import JobConfig
 from torchtitan.experiments.fault_tolerance import events
 from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
-from torchtitan.experiments.fault_tolerance.dylu import dylu_inner_steps, dylu_period_seconds
 from torchtitan.experiments.fault_tolerance.job_config import semi_sync_config
 from torchtitan.experiments.fault_tolerance.lineage import Lineage
 from torchtitan.experiments.fault_tolerance.outer_loop import OuterLoop
 from torchtitan.experiments.fault_tolerance.reporting import SyncReporter
+from torchtitan.experiments.fault_tolerance.speed_exchange import SpeedExchange
 from torchtitan.experiments.fault_tolerance.sync_quorum import (
     FRESH,
     RESUMED,
@@ -114,7 +114,20 @@ class QuorumProtocol:
         self.group_ranks = group_ranks
         self.most_in_group = most_in_group
         self.period = algorithm.period
-        self.dynamic = semi_sync_config(job_config).dynamic_local_steps
+        ft_config = semi_sync_config(job_config)
+        #: DyLU's plans (None: no DyLU; the config allows it with async DiLoCo only).
+        self.speeds: SpeedExchange | None = None
+        if ft_config.dynamic_local_steps:
+            assert isinstance(algorithm, AsyncDiLoCo), algorithm.method
+            self.speeds = SpeedExchange(
+                algorithm,
+                ft_config.dylu_probe_steps,
+                ft,
+                train_state,
+                device,
+                group_ranks,
+                most_in_group,
+            )
         #: Whether this group is asking for its first quorum.
         self.starting = False
         #: Why this group starts without a checkpoint of its own although it had some (all
@@ -239,19 +252,18 @@ class QuorumProtocol:
         digest = self._digest_if_due()
         if digest is not None:
             mine.has_digest, mine.digest = 1, digest
-        if self.dynamic:
-            mine.step_us = round(self._dylu().step_seconds() * 1e6)
+        if self.speeds is not None:
+            self.speeds.fill(mine)
         members = exchange(manager, mine, self.device)
         verdict = compare_digests(members or [])
         own = mine.digest if mine.has_digest else None
-        speeds = [m.step_us / 1e6 for m in members or []]
         found = QuorumFindings(
             failed=members is None,
             disagree=not verdict.agree,
             no_majority=not verdict.agree and verdict.majority is None,
             minority=not verdict.agree and own is not None and own != verdict.majority,
             planned_steps=(
-                dylu_inner_steps(self.period, speeds, mine.step_us / 1e6) if self.dynamic else 0
+                0 if self.speeds is None else self.speeds.planned_steps(members or [], mine)
             ),
         )
         if self.group_ranks > 1:
@@ -265,8 +277,12 @@ class QuorumProtocol:
         if found.failed:
             return True
         assert members is not None
-        if self.dynamic:
-            self._plan_period(found.planned_steps, speeds, mine.step_us / 1e6)
+        if any(m.probe for m in members):
+            # Running groups in DyLU's speed probe: they go on without this group, which
+            # meets them at their next sync point.
+            return False
+        if self.speeds is not None:
+            self.speeds.plan(found.planned_steps, members, mine)
         running = any(m.role == RUNNING for m in members)
         if not running and len(members) < ft.group_size:
             # Only starting groups, not all of them: a new job waits for all; a restarted one
@@ -285,26 +301,9 @@ class QuorumProtocol:
                 self.announce(manager.current_step() - 1)
         if found.disagree:
             self._act_on_disagreement(verdict.digests, found.no_majority, found.minority)
+        elif self.starting and self.speeds is not None:
+            self.speeds.probe_if_new_job(members)
         return True
-
-    def _plan_period(self, steps: int, speeds: list[float], mine: float) -> None:
-        """DyLU: the next period's inner steps (said in the log when they change)."""
-        if steps != self.algorithm.steps_this_period():
-            fastest = min((s for s in speeds if s > 0), default=0.0)
-            events.INNER_STEPS_PLANNED.emit(
-                step=self.train_state.step,
-                steps=steps,
-                period=self.period,
-                ms_per_step=mine * 1e3,
-                fastest_ms_per_step=fastest * 1e3,
-            )
-        self._dylu().plan_period(steps, dylu_period_seconds(self.period, speeds))
-
-    def _dylu(self) -> AsyncDiLoCo:
-        """The method, which plans its periods (DyLU runs with async_diloco only: the config
-        refuses it otherwise)."""
-        assert isinstance(self.algorithm, AsyncDiLoCo), self.algorithm.method
-        return self.algorithm
 
     def _digest_if_due(self) -> int | None:
         """A digest of the global parameters of the last sync, every ``agreement_check_every``

@@ -56,6 +56,9 @@ class Member:
     digest: int = 0
     #: DyLU: this group's microseconds per inner step in its last period (0: not measured).
     step_us: int = 0
+    #: 1 in DyLU's speed probe (a quorum of the job's first period that is no sync): a group
+    #: that meets a probing one in its own quorum does not use that quorum.
+    probe: int = 0
 
 
 def exchange(manager: Manager, mine: Member, device: torch.device) -> list[Member] | None:
@@ -108,7 +111,9 @@ def most_of_one_in_group(value: int, device: torch.device) -> int:
 
 
 def _no_exchange_yet() -> bool:
-    raise RuntimeError("SyncManager.on_quorum was never set: no quorum may skip its exchange")
+    raise RuntimeError(
+        "SyncManager.on_quorum or on_probe was never set: no quorum may skip its exchange"
+    )
 
 
 class SyncManager(ManagerStandIn):
@@ -142,6 +147,8 @@ class SyncManager(ManagerStandIn):
         self.min_groups = min_groups
         self.timeout_s = timeout_s
         self.on_quorum: Callable[[], bool] = on_quorum or _no_exchange_yet
+        #: The exchange of DyLU's speed probe (the trainer sets the quorum protocol's).
+        self.on_probe: Callable[[], bool] = _no_exchange_yet
         self.transport = transport
         self._fragment_of_sync = fragment_of_sync
         #: True while this group is inside a sync quorum (a peer healing from it then gets
@@ -235,6 +242,18 @@ class SyncManager(ManagerStandIn):
             self.last_wait = time.perf_counter() - start
             self.in_quorum = False
         self.begin_sync()
+
+    def probe_quorum(self) -> None:
+        """DyLU's speed probe in the job's first period: a quorum that is no sync, in which
+        ``on_probe`` exchanges the groups' speeds (nothing else is sent; nothing is committed:
+        the Manager's step stays). Bounded by ``sync_quorum_timeout_s``, like a sync's."""
+        self.ft.join_quorum(
+            needed=self.min_groups,
+            timeout_s=self.timeout_s,
+            timeout_field="fault_tolerance.sync_quorum_timeout_s",
+            accept=self.on_probe,
+            purpose=QuorumPurpose("DyLU's speed probe"),
+        )
 
     def begin_sync(self) -> None:
         """The quorum of a sync is in (this one's, or a starting group's first): its transfers

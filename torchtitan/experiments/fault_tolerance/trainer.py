@@ -148,6 +148,8 @@ class SemiSyncTrainer(Trainer):
         )
         # Every member of a sync's quorum runs the protocol's exchange in it.
         self.sync.on_quorum = self.protocol.on_quorum
+        if self.protocol.speeds is not None:  # DyLU's speed probe runs its own exchange
+            self.sync.on_probe = self.protocol.speeds.on_probe
         self.ft.register_state_dict_fn(
             "semi_sync_position", self.protocol.load_peer, self.protocol.position
         )

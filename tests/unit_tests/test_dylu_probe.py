@@ -1,0 +1,162 @@
+"""DyLU's first period: the speed probe plans it (``dylu.PeriodPlan``, ``speed_exchange``), and
+a group that meets a probe in its own start-up quorum does not use that quorum."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+import torch
+
+from tests.unit_tests.test_semi_sync import SummingManager
+from torchtitan.experiments.fault_tolerance.dylu import PeriodPlan
+from torchtitan.experiments.fault_tolerance.events import SPEED_PROBE
+from torchtitan.experiments.fault_tolerance.quorum_protocol import QuorumProtocol
+from torchtitan.experiments.fault_tolerance.speed_exchange import SpeedExchange
+from torchtitan.experiments.fault_tolerance.sync_quorum import (
+    FRESH,
+    RESUMED,
+    RUNNING,
+    Member,
+)
+from torchtitan.tools.events import Event
+
+
+def test_the_probe_times_the_steps_after_the_first_and_not_its_own_wait() -> None:
+    """Period 8, probe over 1 step: the first step takes 5 s (one-time costs), the second 1 s;
+    the probe comes after step 2 and measures 1 s per step. The group then waits 3 s in the
+    probe's quorum; the rest is planned from there: its speed at the end of the period is
+    that of the planned steps (1 s each), not diluted by the wait or the first step."""
+    plan = PeriodPlan(8)
+    plan.begin(0.0)
+    plan.probe_after(1)
+    assert not plan.probe_due(1, 5.0)
+    assert plan.probe_due(2, 6.0) and plan.step_seconds == pytest.approx(1.0)
+    assert not plan.probe_due(3, 7.0)  # once
+    plan.plan_rest(2, 6, 6.0, now=9.0)  # after the 3 s wait: 6 more steps in 6 s
+    assert plan.steps == 8
+    now = 9.0
+    for taken in range(3, 9):
+        now += 1.0
+        if plan.due_correction(taken):
+            plan.correct(taken, now, agree=lambda n: n)
+    assert plan.steps == 8  # on plan: the corrections keep the count
+    plan.end(8, now)
+    assert plan.step_seconds == pytest.approx(1.0)
+
+
+def test_a_correction_after_the_probe_counts_only_the_planned_steps() -> None:
+    """Planned after the probe (2 steps done): 6 more in 6 s. They take 2 s each, so at the
+    first correction (halfway: after step 5, 6 s gone) the period ends there: 5 steps in all,
+    not the count a measurement from the period's start would give."""
+    plan = PeriodPlan(8)
+    plan.plan_rest(2, 6, 6.0, now=0.0)
+    assert plan.due_correction(5)
+    plan.correct(5, 6.0, agree=lambda n: n)
+    assert plan.steps == 5
+
+
+@pytest.mark.parametrize(("probe_steps", "expected"), [(0, None), (1, 2), (6, 7), (7, None)])
+def test_a_probe_needs_a_step_left_after_it(probe_steps: int, expected: int | None) -> None:
+    plan = PeriodPlan(8)
+    plan.probe_after(probe_steps)
+    assert plan.probe_at == expected
+
+
+class _Method:
+    """What the speed exchange asks of async DiLoCo, around a real ``PeriodPlan``."""
+
+    def __init__(self, period: int, taken: int, step_seconds: float) -> None:
+        self.period = period
+        self.plan = PeriodPlan(period)
+        self.plan.step_seconds = step_seconds
+        self.taken = taken
+
+    def step_seconds(self) -> float:
+        return self.plan.step_seconds
+
+    def local_step(self) -> int:
+        return self.taken
+
+    def steps_this_period(self) -> int:
+        return self.plan.steps
+
+    def plan_rest_of_period(self, steps: int, seconds: float) -> None:
+        self.plan.plan_rest(self.taken, steps, seconds, now=0.0)
+
+
+def _exchange(method: _Method, rank: int, others: dict[int, Member]) -> SpeedExchange:
+    ft = SimpleNamespace(manager=SummingManager(rank, others))
+    return SpeedExchange(
+        cast(Any, method),
+        1,
+        cast(Any, ft),
+        cast(Any, SimpleNamespace(step=2)),
+        torch.device("cpu"),
+        group_ranks=1,
+        most_in_group=lambda v: v,
+    )
+
+
+def test_after_the_probe_both_groups_plan_to_reach_the_first_sync_point_together(
+    events: list[Event],
+) -> None:
+    """Period 20, probe after step 2: group 0 takes 0.1 s per step, group 1 twice that. Each
+    plans the rest of the period from both speeds: the straggler fewer steps, and both end
+    the period within half a straggler's step of each other."""
+    speeds = [0.1, 0.2]
+    methods = [_Method(20, 2, s) for s in speeds]
+    for rank, method in enumerate(methods):
+        other = 1 - rank
+        them = Member(RUNNING, probe=1, step_us=round(speeds[other] * 1e6))
+        assert _exchange(method, rank, {other: them}).on_probe() is True
+    rest = [m.plan.steps - 2 for m in methods]
+    assert methods[0].plan.steps == 20 and methods[1].plan.steps < methods[0].plan.steps
+    ends = [r * s for r, s in zip(rest, speeds, strict=True)]
+    assert abs(ends[0] - ends[1]) <= speeds[1] / 2 + 1e-9, (rest, ends)
+    probes = [e for e in events if e.name == SPEED_PROBE.name]
+    assert [(e["after"], e["steps"]) for e in probes] == [(2, 20), (2, methods[1].plan.steps)]
+
+
+def test_a_member_that_does_not_probe_leaves_the_period_as_planned() -> None:
+    """A group that restarted meanwhile meets the probe in its start-up quorum: the probing
+    group keeps its full period (and its quorum is done: it returns True)."""
+    method = _Method(20, 2, 0.1)
+    starting = Member(FRESH, attempts=1)
+    assert _exchange(method, 0, {1: starting}).on_probe() is True
+    assert method.plan.steps == 20 and method.plan.probe_at is None
+
+
+@pytest.mark.parametrize(
+    ("roles", "probes"),
+    [([FRESH, FRESH], True), ([FRESH], False), ([FRESH, RESUMED], False),
+     ([FRESH, RUNNING], False)],
+)  # fmt: skip
+def test_only_a_new_job_of_several_groups_probes(roles: list[int], probes: bool) -> None:
+    method = _Method(20, 0, 0.0)
+    members = [Member(role) for role in roles]
+    _exchange(method, 0, {}).probe_if_new_job(members)
+    assert (method.plan.probe_at is not None) is probes
+
+
+def test_a_starting_group_that_meets_a_probe_does_not_use_that_quorum() -> None:
+    """The start-up exchange of a group that (re)started while the others probe: it sees a
+    probing member and refuses the quorum (it asks again, and meets them at their first sync
+    point), whatever else the quorum holds."""
+    protocol = SimpleNamespace(
+        ft=SimpleNamespace(manager=SummingManager(1, {0: Member(RUNNING, probe=1)}), poll_s=1.0),
+        job_config=SimpleNamespace(
+            fault_tolerance=SimpleNamespace(group_size=2, quorum_timeout_s=60.0)
+        ),
+        starting=True,
+        _start_attempts=0,
+        _peer=None,
+        _start_role=FRESH,
+        _digest_if_due=lambda: None,
+        speeds=None,
+        device=torch.device("cpu"),
+        group_ranks=1,
+        reporter=SimpleNamespace(agreement=None),
+    )
+    assert QuorumProtocol.on_quorum(cast(Any, protocol)) is False
