@@ -28,7 +28,7 @@ group, AdamW lr 2e-3 with 20 warmup steps and linear decay (the debug TOML), see
   with error feedback). These and the async rows add ``ratio_to_diloco``.
 
 ``--straggler F`` runs a different comparison: group 1 computes F times the work of each step
-(``fault_tolerance.emulate_slowdown``), and blocking DiLoCo (``diloco``) is compared with async
+(``training.emulate_slowdown``), and blocking DiLoCo (``diloco``) is compared with async
 DiLoCo with DyLU (``async_dylu``) by group 0's held-out loss against wall-clock time (seconds
 since its start of training; it evaluates at each of its sync points). The summary gives each
 method's loss when the faster of the two runs ended (equal wall-clock time). It writes
@@ -102,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--png", type=Path, help="chart (default: --out, as .png)")
     p.add_argument("--straggler", type=float, default=None,
                    help="group 1 computes this many times the work per step "
-                   "(fault_tolerance.emulate_slowdown): compare blocking DiLoCo and async "
+                   "(training.emulate_slowdown): compare blocking DiLoCo and async "
                    "DiLoCo with DyLU by held-out loss against wall-clock time")  # fmt: skip
     p.add_argument("--reuse", action="store_true",
                    help="keep the runs in --out (same settings); run the rest")  # fmt: skip
@@ -373,7 +373,7 @@ def straggler_curves(
     """{config: {seed: {wall seconds: held-out loss}}} of group 0 (the fast group) with group
     1 a straggler; seconds from group 0's start of training to each validation."""
     curves: dict[str, dict[int, dict[float, float]]] = {}
-    slow = [[], [f"--fault_tolerance.emulate_slowdown={args.straggler}"]]
+    slow = [[], [f"--training.emulate_slowdown={args.straggler}"]]
     for seed in args.seeds:
         for config in args.configs:
             procs = common.run_method(
@@ -478,7 +478,7 @@ def straggler_main(args: argparse.Namespace, argv: list[str] | None) -> int:
         "benchmark": "convergence_straggler",
         "settings": {
             **settings(args),
-            "straggler": f"group 1: fault_tolerance.emulate_slowdown={args.straggler}",
+            "straggler": f"group 1: training.emulate_slowdown={args.straggler}",
             "loss": "group 0's held-out loss (K batches), at each of its sync points",
             "load_avg_1min_at_start": round(load, 2),
         },

@@ -10,8 +10,17 @@ only bandwidth is limited. Groups bind and advertise their namespace address
 (``--fault_tolerance.hostname=10.123.0.1x``, ``GLOO_SOCKET_IFNAME=wan0``). Group i is pinned to
 core i (``taskset``), one thread each.
 
-Compute utilisation = time in forward/backward, gradient clipping and the inner optimizer
-update ÷ wall time, per group, over the measured steps (the ``bench.timing`` events of the
+**Goodput** (``--goodput``): per group, the tokens of inner steps that reached a committed
+global model (a dropped sync's period counts nothing) per wall-second, over the whole job
+(from its first ``train.started`` to the group's last step) and in the steady state (the
+window below), divided by the same group's tokens per second without fault tolerance. That
+baseline (``no_ft_pair``) runs first in every repeat: every group's trainer at once, without
+torchft, pinned and slowed (``--straggler``) as in the FT runs, for as many steps. The job's
+goodput is the groups' summed goodput over their summed baselines. With ``--repeats`` the
+summary gives the median and range of each.
+
+Compute utilisation (a diagnostic) = time in forward/backward, gradient clipping and the inner
+optimizer update ÷ wall time, per group, over the measured steps (the ``bench.timing`` events of the
 trainers in ``benchmarks/timed_trainer.py``). Synchronous FT: the steps after the first
 ``--sync-ft-warmup``. Semi-sync: ``--periods`` + 1 periods of H steps are run and periods 2 to
 ``--periods`` measured, whole periods, each with one sync point (the first period warms up; the
@@ -46,6 +55,9 @@ LIGHTHOUSE_PORT = 19610  # inside the hub namespace only (a fresh network stack:
 ORDER = ["no_ft", "sync_ft", "diloco", "streaming_diloco", "async_diloco", "async_dylu"]
 #: Variants run only when named: DyLU without the speed probe of its first period.
 VARIANTS = ["async_dylu_no_probe"]
+#: The goodput baseline: every group's trainer without fault tolerance, all at once, pinned and
+#: slowed (``--straggler``) as in the FT runs; run first in every repeat with ``--goodput``.
+BASELINE = "no_ft_pair"
 TARGETS = {"streaming_diloco": 0.95, "diloco": 0.80, "async_diloco": 0.98, "async_dylu": 0.98}
 #: With ``--straggler``: every group of async DiLoCo with DyLU computes at least this share.
 STRAGGLER_TARGET = 0.95
@@ -87,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="semi-sync: measured periods + 1 (one more runs after them)")  # fmt: skip
     p.add_argument("--straggler", type=float, default=1.0,
                    help="group 1 computes this many times the work of each step "
-                   "(fault_tolerance.emulate_slowdown; 1: no straggler)")  # fmt: skip
+                   "(training.emulate_slowdown; 1: no straggler)")  # fmt: skip
     p.add_argument("--groups", type=int, default=2,
                    help="replica groups (group i on core i mod the cores: with more "
                    "groups than cores utilisation means little, bytes still do)")  # fmt: skip
@@ -106,6 +118,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--png", type=Path, default=None, help="chart (default: --out, as .png)")
     p.add_argument("--keep", type=Path, default=None,
                    help="keep every run's job folder (logs, events) under this folder")  # fmt: skip
+    p.add_argument("--goodput", action="store_true",
+                   help="in every repeat, first run the baseline (each group's trainer without "
+                   "fault tolerance, all at once, pinned and slowed alike) and report each "
+                   "run's goodput against it")  # fmt: skip
     p.add_argument("--summarize-only", action="store_true",
                    help="recompute the summary of the JSON at --out, run nothing")  # fmt: skip
     args = p.parse_args(argv)
@@ -123,6 +139,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def method_args(method: str, args: argparse.Namespace) -> tuple[list[str], int, int, int]:
     """(trainer flags, steps, warm-up steps, last measured step) of one method."""
+    if method == BASELINE:  # as long as the semi-sync runs, the whole run measured
+        return [], (args.periods + 1) * args.sync_steps, 1, (args.periods + 1) * args.sync_steps
     if method in ("no_ft", "sync_ft"):
         return [], args.sync_ft_steps, args.sync_ft_warmup, args.sync_ft_steps
     semi_sync_method = "async_diloco" if method.startswith("async") else "diloco"
@@ -148,11 +166,12 @@ def method_args(method: str, args: argparse.Namespace) -> tuple[list[str], int, 
 
 
 def straggler_args(method: str, group: int, args: argparse.Namespace) -> list[str]:
-    """Group 1 of a semi-sync method is the straggler (``--straggler``): real extra compute
-    per step, not a sleep (``fault_tolerance.emulate_slowdown``)."""
+    """Group 1 of a semi-sync method, and of the goodput baseline, is the straggler
+    (``--straggler``): real extra compute per step, not a sleep (``training.emulate_slowdown``,
+    which works without fault tolerance too)."""
     if group != 1 or args.straggler == 1.0 or method in ("no_ft", "sync_ft"):
         return []
-    return [f"--fault_tolerance.emulate_slowdown={args.straggler}"]
+    return [f"--training.emulate_slowdown={args.straggler}"]
 
 
 def sync_point_steps(method: str, events: Iterable[Event], h: int) -> list[int]:
@@ -202,6 +221,51 @@ def whole_run_utilisation(events: Iterable[Event]) -> float:
     return float(last["compute_s"]) / (last.time - started[0])
 
 
+def committed_tokens(
+    method: str, events: Iterable[Event], tokens_per_step: int, h: int, fragments: int
+) -> list[tuple[int, int]]:
+    """(sync point step, tokens) of each committed sync of a semi-sync group: the tokens of
+    the inner steps whose period ended in that sync (async DiLoCo: the sync's ``tokens``; a
+    blocking method: its period's steps). A dropped sync's tokens count nowhere."""
+    syncs = [e for e in events if e.name == SYNC.name and e.step is not None]
+    points = sync_point_steps(method, syncs, h)
+    found = []
+    for point, e in zip(points, syncs, strict=False):
+        if not e["committed"]:
+            continue
+        if method.startswith("async"):
+            found.append((point, int(e["tokens"])))
+        else:
+            period = h // (fragments if method == "streaming_diloco" else 1)
+            found.append((point, period * tokens_per_step))
+    return found
+
+
+def goodput(
+    method: str,
+    events: list[Event],
+    job_start: float,
+    window: tuple[int, int],
+    args: argparse.Namespace,
+) -> dict[str, float]:
+    """A group's goodput in tokens per second: whole run (tokens that reached a committed
+    global model, from the job's first ``train.started`` to this group's last step) and steady
+    state (the committed syncs in ``window``, over its wall time). Synchronous FT and the
+    baseline: every committed step's tokens."""
+    tokens_per_step = args.batch * args.seq_len
+    timings = {e.step: e for e in events if e.name == TIMING.name and e.step is not None}
+    last = timings[max(timings)]
+    if method in ("no_ft", "sync_ft", BASELINE):
+        done = [(step, tokens_per_step) for step in sorted(timings)]
+    else:
+        done = committed_tokens(method, events, tokens_per_step, args.sync_steps, args.fragments)
+    whole = sum(t for _, t in done) / (last.time - job_start)
+    a, b = window
+    in_window = sum(t for point, t in done if a < point <= b)
+    steady = in_window / (timings[b].time - timings[a].time) if a in timings else 0.0
+    return {"whole_run_tokens_per_s": whole, "steady_tokens_per_s": steady}
+
+
 def group_figures(
     proc: Process,
     method: str,
@@ -209,17 +273,20 @@ def group_figures(
     window: tuple[int, int],
     tx_bytes: int,
     args: argparse.Namespace,
+    job_start: float,
 ) -> dict[str, object]:
-    """One group's compute utilisation, payload and wire bytes per step, from its events and
-    its interface's ``tx_bytes`` over the run. Semi-sync: over whole periods, from its first
-    sync point to its ``--periods``-th (with DyLU a group's periods have its own lengths)."""
+    """One group's compute utilisation, goodput, payload and wire bytes per step, from its
+    events and its interface's ``tx_bytes`` over the run. Semi-sync: steady state over whole
+    periods, from its first sync point to its ``--periods``-th (with DyLU a group's periods
+    have its own lengths)."""
     events = common.trainer_events(proc, TIMING, SYNC, TRAINING_STARTED)
-    if method not in ("no_ft", "sync_ft"):
+    if method not in ("no_ft", "sync_ft", BASELINE):
         points = sync_point_steps(method, events, args.sync_steps)
         window = (points[0], points[args.periods - 1])
         steps = max(e.step for e in events if e.name == TIMING.name and e.step is not None)
     row: dict[str, object] = utilisation(events, *window)
     row["whole_run_utilisation"] = round(whole_run_utilisation(events), 4)
+    row.update(goodput(method, events, job_start, window, args))
     started = [e for e in events if e.name == TRAINING_STARTED.name]
     n_params = started[0]["parameters"] if started else 0
     sent = [e for e in events if e.name == SYNC.name]
@@ -262,6 +329,7 @@ def run_one(
         *flags,
     ]
     groups = 1 if method == "no_ft" else args.groups
+    alone = method in ("no_ft", BASELINE)
     lighthouse = LighthouseSettings(
         min_replicas=groups, heartbeat_timeout_ms=5000, host=netns.HUB_IP
     )
@@ -274,9 +342,16 @@ def run_one(
             launch_group=functools.partial(group_in_its_namespace, wan),
             launch_lighthouse=in_namespace(wan, wan.hub),
         ) as job:
-            if method == "no_ft":
-                alone = functools.partial(group_in_its_namespace, wan, 0)
-                procs = [common.start_alone(job, f"{method}_g0", train, alone)]
+            if alone:
+                procs = [
+                    common.start_alone(
+                        job,
+                        f"{method}_g{i}",
+                        [*train, *straggler_args(method, i, args)],
+                        functools.partial(group_in_its_namespace, wan, i),
+                    )
+                    for i in range(groups)
+                ]
             else:
                 job.start_lighthouse(LIGHTHOUSE_PORT)
                 procs = [
@@ -292,8 +367,9 @@ def run_one(
             common.wait_all(procs, args.timeout)
         tx = [wan.tx_bytes(i) for i in range(groups)]
         qdisc = wan.qdisc(0) if rate is not None else ""
+    job_start = min(e.time for proc in procs for e in common.trainer_events(proc, TRAINING_STARTED))
     per_group = [
-        group_figures(proc, method, steps, (warmup, last), tx[i], args)
+        group_figures(proc, method, steps, (warmup, last), tx[i], args, job_start)
         for i, proc in enumerate(procs)
     ]
     mean = sum(g["compute_utilisation"] for g in per_group) / len(per_group)  # type: ignore[misc]
@@ -360,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
             "train.started to its last step",
             "straggler": (
                 f"group 1 computes {args.straggler:g}x the forward/backward work per step "
-                "(fault_tolerance.emulate_slowdown: extra passes, real compute on its core)"
+                "(training.emulate_slowdown: extra passes, real compute on its core)"
                 if args.straggler != 1.0
                 else "none"
             ),
@@ -375,14 +451,17 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
     }
     semi_sync = {"diloco", "streaming_diloco", "async_diloco", "async_dylu"}
+    first = [BASELINE] if args.goodput else []
     plan = [
         (repeat, rate, method, dtype)
         for repeat in range(args.repeats)
         for rate in args.rates
-        for method in args.methods
+        for method in (first if rate == args.rates[0] else []) + args.methods
         for dtype in (args.pseudo_grad_dtypes if method in semi_sync else ["float32"])
-        if method != "no_ft" or rate == args.rates[0]  # no network traffic: one rate is enough
+        # no network traffic: one rate is enough
+        if method not in ("no_ft", BASELINE) or rate == args.rates[0]
     ]
+    baseline: dict[str, object] | None = None
     kept = contextlib.nullcontext(str(args.keep)) if args.keep else None
     with kept or tempfile.TemporaryDirectory(prefix="wan_") as tmp:
         for repeat, rate, method, dtype in plan:
@@ -393,6 +472,10 @@ def main(argv: list[str] | None = None) -> int:
             run["repeat"] = repeat
             run["load_avg_1min_before"] = round(load, 2)
             run["load_avg_1min_after"] = round(common.load_average(), 2)
+            if method == BASELINE:
+                baseline = run
+            elif baseline is not None:
+                add_goodput_ratios(run, baseline)
             runs.append(run)
             print(
                 f"[wan] {rate:6g} Mbit/s {method:17s} {dtype:8s} (run {repeat + 1}/{args.repeats}) "
@@ -400,7 +483,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{run['compute_utilisation']:.3f} (whole run, per group: "
                 f"{', '.join(f'{u:.3f}' for u in run['whole_run_utilisation'])})  payload "
                 f"{run['payload_mib_per_group_per_step']:.2f} MiB/step  wire "
-                f"{run['wire_tx_mib_per_group_per_step']:.2f} MiB/step  (load {load:.2f})",
+                f"{run['wire_tx_mib_per_group_per_step']:.2f} MiB/step  (load {load:.2f})"
+                + goodput_line(run),
                 flush=True,
             )
             result["summary"] = summarize(runs)
@@ -410,6 +494,33 @@ def main(argv: list[str] | None = None) -> int:
     path = provenance.write_result(args.out, result, command)
     print(f"[wan] wrote {path} and {result['png']}")
     return 0
+
+
+def add_goodput_ratios(run: dict[str, object], baseline: dict[str, object]) -> None:
+    """Each group's goodput divided by its baseline's tokens per second (the same group index
+    of the repeat's baseline pair, whole run and steady state), and the job's (the groups'
+    summed goodput over their summed baselines)."""
+    groups, base = run["groups"], baseline["groups"]
+    assert isinstance(groups, list) and isinstance(base, list)
+    for g, b in zip(groups, base, strict=False):
+        g["goodput_whole_run"] = round(g["whole_run_tokens_per_s"] / b["whole_run_tokens_per_s"], 4)
+        g["goodput_steady"] = round(g["steady_tokens_per_s"] / b["steady_tokens_per_s"], 4)
+    paired = base[: len(groups)]
+    run["job_goodput_whole_run"] = round(
+        sum(g["whole_run_tokens_per_s"] for g in groups)
+        / sum(b["whole_run_tokens_per_s"] for b in paired),
+        4,
+    )
+    run["baseline_repeat"] = baseline["repeat"]
+
+
+def goodput_line(run: dict[str, object]) -> str:
+    groups = run["groups"]
+    assert isinstance(groups, list)
+    if "job_goodput_whole_run" not in run:
+        return ""
+    per_group = ", ".join(f"{g['goodput_whole_run']:.3f}/{g['goodput_steady']:.3f}" for g in groups)
+    return f"  goodput whole/steady per group {per_group}, job {run['job_goodput_whole_run']:.3f}"
 
 
 def plot(runs: list[dict[str, object]], path: Path) -> str:
@@ -465,8 +576,34 @@ def median_runs(runs: list[dict[str, object]]) -> list[dict[str, object]]:
         median = dict(ordered[(len(ordered) - 1) // 2])
         median["repeats_utilisation"] = [r["compute_utilisation"] for r in repeats]
         median["repeats_whole_run"] = [r.get("whole_run_utilisation") for r in repeats]
+        if all("job_goodput_whole_run" in r for r in repeats):
+            median["repeats_goodput"] = goodput_spread(repeats)
         picked.append(median)
     return picked
+
+
+def goodput_spread(repeats: list[dict[str, object]]) -> dict[str, object]:
+    """Median and range over the repeats of the job's whole-run goodput and of each group's
+    whole-run and steady-state goodput."""
+
+    def spread(values: list[float]) -> dict[str, float]:
+        ordered = sorted(values)
+        return {"median": ordered[(len(ordered) - 1) // 2], "min": ordered[0], "max": ordered[-1]}
+
+    groups = [r["groups"] for r in repeats]
+    count = min(len(g) for g in groups)  # type: ignore[arg-type]
+    return {
+        "repeats": len(repeats),
+        "job_whole_run": spread([float(r["job_goodput_whole_run"]) for r in repeats]),  # type: ignore[arg-type]
+        "per_group_whole_run": [
+            spread([float(g[i]["goodput_whole_run"]) for g in groups])
+            for i in range(count)  # type: ignore[index]
+        ],
+        "per_group_steady": [
+            spread([float(g[i]["goodput_steady"]) for g in groups])
+            for i in range(count)  # type: ignore[index]
+        ],
+    }
 
 
 def summarize(runs: list[dict[str, object]]) -> dict[str, dict[str, object]]:
@@ -503,6 +640,7 @@ def summarize(runs: list[dict[str, object]]) -> dict[str, dict[str, object]]:
             "repeats_utilisation": run["repeats_utilisation"],
             "per_group_utilisation": [g["compute_utilisation"] for g in groups],  # type: ignore[union-attr,index]
             "per_group_whole_run_utilisation": [g.get("whole_run_utilisation") for g in groups],  # type: ignore[union-attr]
+            "goodput": run.get("repeats_goodput"),
             "repeats_per_group_whole_run_utilisation": run.get("repeats_whole_run"),
             "min_group_utilisation": run.get("min_group_utilisation"),
             "per_group_compute_s_per_step": [round(g["compute_s_per_step"], 4) for g in groups],  # type: ignore[union-attr,index]

@@ -266,7 +266,24 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Forward, loss and backward on one batch; returns the (detached) loss."""
+        """Forward, loss and backward on one batch; returns the (detached) loss. With
+        ``training.emulate_slowdown`` > 1, the extra work first, its gradients dropped."""
+        slowdown = self.job_config.training.emulate_slowdown
+        if slowdown > 1:
+            self._emulate_slowdown(inputs, labels, slowdown - 1)
+        return self._forward_backward_once(inputs, labels)
+
+    def _emulate_slowdown(self, inputs: torch.Tensor, labels: torch.Tensor, extra: float) -> None:
+        """``extra`` times a step's forward and backward work: whole passes over the batch,
+        then one over the matching fraction of its sequences; their gradients are dropped."""
+        whole, part = int(extra), extra - int(extra)
+        rows = round(part * inputs.shape[0])
+        for batch in [slice(None)] * whole + ([slice(0, rows)] if rows else []):
+            self._forward_backward_once(inputs[batch], labels[batch])
+        for p in self.model.parameters():
+            p.grad = None
+
+    def _forward_backward_once(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with self.autocast():
             logits = self.model(inputs)
             loss = self.loss_fn(logits, labels)

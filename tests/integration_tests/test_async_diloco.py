@@ -103,9 +103,7 @@ def test_groups_of_different_speeds_take_different_inner_steps_and_agree(
     job = ft_job(groups=2, train_args=base)
     job.start_lighthouse()
     job.start_group(0, ["--fault_injection.step_sleep_s=0.1"])
-    job.start_group(
-        1, ["--fault_tolerance.emulate_slowdown=4", "--fault_injection.step_sleep_s=0.4"]
-    )
+    job.start_group(1, ["--training.emulate_slowdown=4", "--fault_injection.step_sleep_s=0.4"])
     for r in range(2):
         assert job.wait_exit(r, timeout=300) == 0, tail(job.latest(r).text())
     per_group = [syncs(job.events(r, SYNC)) for r in range(2)]

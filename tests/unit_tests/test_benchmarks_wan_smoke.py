@@ -13,6 +13,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -80,6 +81,59 @@ def test_whole_run_utilisation_counts_from_the_start_to_the_last_step() -> None:
     assert wan.utilisation(events, warmup=2, last=4)["compute_utilisation"] == pytest.approx(1 / 3)
     with pytest.raises(ValueError):
         wan.whole_run_utilisation(events[1:])
+
+
+def _sync_event(step: int, committed: bool, tokens: int, inner_steps: int) -> Event:
+    fields = {"committed": committed, "tokens": tokens, "inner_steps": inner_steps}
+    return Event(SYNC.name, step=step, fields=fields)
+
+
+def test_goodput_counts_the_tokens_of_committed_syncs_only() -> None:
+    """Async DiLoCo, periods of 4 steps of 10 tokens: sync 2 was dropped, so its period's 40
+    tokens count nowhere. Whole run: 80 tokens in the 10 s from the job's start (which is
+    before this group's own); steady state, periods 2 and 3 (steps 4..12, 4 s): 40 tokens."""
+    wan = _module("wan")
+    events = [Event("train.started", time=101.0)]
+    events += [
+        Event(TIMING.name, step=s, fields={"compute_s": s * 0.5, "t": 0.0}, time=102.0 + s * 0.5)
+        for s in range(1, 13)
+    ]
+    # Reported one sync point late; the last again at the end of training.
+    events += [_sync_event(8, True, 40, 4), _sync_event(12, False, 40, 4)]
+    events += [_sync_event(12, True, 40, 4)]
+    found = wan.committed_tokens("async_dylu", events, 10, 4, 1)
+    assert found == [(4, 40), (12, 40)]
+    args = SimpleNamespace(batch=2, seq_len=5, sync_steps=4, fragments=1)
+    rates = wan.goodput("async_dylu", events, 98.0, (4, 12), args)
+    assert rates["whole_run_tokens_per_s"] == pytest.approx(80 / 10)
+    assert rates["steady_tokens_per_s"] == pytest.approx(40 / 4)
+
+
+def test_goodput_is_divided_by_the_same_groups_baseline() -> None:
+    wan = _module("wan")
+    run: dict[str, Any] = {
+        "groups": [
+            {"whole_run_tokens_per_s": 90.0, "steady_tokens_per_s": 95.0},
+            {"whole_run_tokens_per_s": 40.0, "steady_tokens_per_s": 48.0},
+        ]
+    }
+    baseline = {
+        "repeat": 0,
+        "groups": [
+            {"whole_run_tokens_per_s": 100.0, "steady_tokens_per_s": 100.0},
+            {"whole_run_tokens_per_s": 50.0, "steady_tokens_per_s": 50.0},
+        ],
+    }
+    wan.add_goodput_ratios(run, baseline)
+    assert [g["goodput_whole_run"] for g in run["groups"]] == [0.9, 0.8]
+    assert [g["goodput_steady"] for g in run["groups"]] == [0.95, 0.96]
+    assert run["job_goodput_whole_run"] == pytest.approx(130 / 150, abs=1e-4)
+    spread = wan.goodput_spread([run, {**run, "job_goodput_whole_run": 0.5}])
+    assert spread["job_whole_run"] == {
+        "median": 0.5,
+        "min": 0.5,
+        "max": run["job_goodput_whole_run"],
+    }
 
 
 def test_repeats_are_summarized_by_their_median_run() -> None:
@@ -166,11 +220,18 @@ def test_wan_smoke_shapes_links_and_reports_utilisation(tmp_path: Path) -> None:
     if why is not None:
         pytest.skip(f"emulated WAN unavailable: {why}")
     out = tmp_path / "wan.json"
-    argv = ["--smoke", "--methods", "diloco", "async_dylu", "--straggler", "2", "--out", str(out)]
+    argv = ["--smoke", "--methods", "diloco", "async_dylu", "--straggler", "2", "--goodput",
+            "--out", str(out)]  # fmt: skip
     assert _module("wan").main(argv) == 0
     data = json.loads(out.read_text())
-    assert [r["method"] for r in data["runs"]] == ["diloco", "async_dylu"]
+    assert [r["method"] for r in data["runs"]] == ["no_ft_pair", "diloco", "async_dylu"]
     assert "2x" in data["settings"]["straggler"]
+    base = data["runs"][0]["groups"]  # the straggler's baseline computes twice the work
+    assert base[1]["whole_run_tokens_per_s"] < base[0]["whole_run_tokens_per_s"], base
+    for run in data["runs"][1:]:
+        assert run["job_goodput_whole_run"] > 0
+        assert all(g["goodput_whole_run"] > 0 and g["goodput_steady"] > 0 for g in run["groups"])
+    data["runs"] = data["runs"][1:]  # the rest as before
     summary = data["summary"]["async_dylu@100mbit_straggler2"]
     assert summary["target"] == 0.95 and len(summary["per_group_utilisation"]) == 2
     for run in data["runs"]:

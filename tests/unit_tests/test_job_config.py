@@ -666,6 +666,13 @@ def _field_docstrings(cls: type) -> dict[str, str]:
     return found
 
 
+def test_a_straggler_is_emulated_without_fault_tolerance_too() -> None:
+    """``training.emulate_slowdown`` is the core's: a baseline without fault tolerance runs as
+    slowly as its semi-sync partner."""
+    assert parse("--training.emulate_slowdown=2").training.emulate_slowdown == 2.0
+    assert parse_semi_sync("--training.emulate_slowdown=2").training.emulate_slowdown == 2.0
+
+
 @pytest.mark.parametrize("alias", ["localsgd", "local_sgd"])
 def test_local_sgd_is_an_alias(alias: str) -> None:
     ft = parse_semi_sync(*FT_ON, f"--fault_tolerance.semi_sync_method={alias}").fault_tolerance
@@ -929,13 +936,9 @@ def test_local_sgd_is_an_alias(alias: str) -> None:
             [
                 *FT_ON,
                 "--fault_tolerance.semi_sync_method=localsgd",
-                "--fault_tolerance.emulate_slowdown=0.5",
+                "--training.emulate_slowdown=0.5",
             ],
-            "fault_tolerance.emulate_slowdown",
-        ),
-        (
-            [*FT_ON, "--fault_tolerance.emulate_slowdown=2"],
-            "fault_tolerance.emulate_slowdown",
+            "training.emulate_slowdown",
         ),
         (
             [
@@ -1049,7 +1052,7 @@ def test_async_diloco_parses_with_its_fields() -> None:
         "--fault_tolerance.num_fragments=2",
         "--fault_tolerance.sync_steps=4",
         "--fault_tolerance.dynamic_local_steps",
-        "--fault_tolerance.emulate_slowdown=1.5",
+        "--training.emulate_slowdown=1.5",
         "--fault_tolerance.outer_momentum_every=3",
         "--training.steps=12",
     )
@@ -1059,7 +1062,7 @@ def test_async_diloco_parses_with_its_fields() -> None:
         "delayed",
         "device",
     )
-    assert (ft.dynamic_local_steps, ft.emulate_slowdown) == (True, 1.5)  # type: ignore[attr-defined]
+    assert ft.dynamic_local_steps and config.training.emulate_slowdown == 1.5  # type: ignore[attr-defined]
     assert ft.outer_momentum_every == 3  # type: ignore[attr-defined]
 
 

@@ -258,8 +258,19 @@ class Training:
     gc_freq: int = 50
     """Run Python's garbage collector every this many steps (0: leave it automatic)."""
 
+    emulate_slowdown: float = 1.0
+    """Benchmarks and tests: this process computes this many times a step's work (extra
+    forward and backward passes whose gradients are discarded), a slower machine in real
+    compute time, with or without fault tolerance. 1: off."""
+
     def validate(self, config: JobConfig) -> None:
         _require(self.steps >= 1, "training.steps", self.steps, "must be >= 1")
+        _require(
+            self.emulate_slowdown >= 1.0,
+            "training.emulate_slowdown",
+            self.emulate_slowdown,
+            "must be >= 1 (1: off; 2: twice the compute per step)",
+        )
         _require(
             self.local_batch_size >= 1,
             "training.local_batch_size",

@@ -150,10 +150,6 @@ class FaultTolerance(CoreFaultTolerance):
     and plan the rest of the period, so that fast groups do not wait at the first sync
     point. 0: no probe (nor when the period has too few steps)."""
 
-    emulate_slowdown: float = 1.0
-    """Benchmarks and tests: this group computes this many times a step's work (extra passes
-    whose gradients are discarded), a straggler in real compute time. 1: off."""
-
     pseudo_grad_dtype: PseudoGradDtype = "float32"
     """diloco and async_diloco: how pseudo-gradients travel: ``float32``, ``bfloat16`` (half
     the bytes), ``int8`` / ``int4`` (a quarter / an eighth, one fp32 scale per 128 values).
@@ -193,12 +189,6 @@ class FaultTolerance(CoreFaultTolerance):
             raise ConfigError("fault_tolerance.semi_sync_method", method, _how_to_run(method))
         if self.sync_steps < 1:
             raise ConfigError("fault_tolerance.sync_steps", self.sync_steps, "must be >= 1")
-        if not self.emulate_slowdown >= 1.0:
-            raise ConfigError(
-                "fault_tolerance.emulate_slowdown",
-                self.emulate_slowdown,
-                "must be >= 1 (1: off; 2: twice the compute per step)",
-            )
         for name in ("sync_collective_timeout_s", "sync_bucket_mb"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"fault_tolerance.{name}", getattr(self, name), "must be > 0")
@@ -439,7 +429,6 @@ SEMI_SYNC_FIELDS = (
     "fragment_sync_delay",
     "fragment_update_alpha",
     *ASYNC_FIELDS,
-    "emulate_slowdown",
 )
 
 

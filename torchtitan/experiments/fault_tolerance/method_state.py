@@ -83,10 +83,10 @@ class SemiSyncState:
             momentum = {
                 name: outer.state.get(t, {}).get("momentum_buffer") for name, t in stepped.items()
             }
-            globals_ = method.global_parameters(i)
+            global_copy = method.global_parameters(i)
             state[f"fragment_{i}"] = {
                 "global_parameters": {
-                    name: as_param_layout(p, globals_[name]) for name, p in params.items()
+                    name: as_param_layout(p, global_copy[name]) for name, p in params.items()
                 },
                 "has_momentum": all(m is not None for m in momentum.values()),
                 # Placeholders where the outer optimizer has not stepped yet, so that a fresh
@@ -97,7 +97,7 @@ class SemiSyncState:
                         m
                         if isinstance(m, DTensor)
                         else as_param_layout(
-                            params[name], torch.zeros_like(globals_[name]) if m is None else m
+                            params[name], torch.zeros_like(global_copy[name]) if m is None else m
                         )
                     )
                     for name, m in momentum.items()

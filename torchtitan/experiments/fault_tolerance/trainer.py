@@ -233,24 +233,6 @@ class SemiSyncTrainer(Trainer):
             self._finish()
         return StepResult(self._mean_over_job(loss), grad_norm.item())
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        slowdown = semi_sync_config(self.job_config).emulate_slowdown
-        if slowdown > 1:
-            self._emulate_slower_group(inputs, labels, slowdown - 1)
-        return super().forward_backward(inputs, labels)
-
-    def _emulate_slower_group(
-        self, inputs: torch.Tensor, labels: torch.Tensor, extra: float
-    ) -> None:
-        """``extra`` times a step's forward and backward work, whose gradients are dropped
-        (``fault_tolerance.emulate_slowdown``): whole passes over the batch, then one over
-        the matching fraction of its sequences."""
-        whole, part = int(extra), extra - int(extra)
-        rows = round(part * inputs.shape[0])
-        for batch in [slice(None)] * whole + ([slice(0, rows)] if rows else []):
-            super().forward_backward(inputs[batch], labels[batch])
-        self.optimizer.zero_grad(set_to_none=True)
-
     def training_done(self) -> bool:
         if self.dynamic:
             return self.algorithm.sync_points >= self.total_sync_points
