@@ -166,10 +166,10 @@ def method_args(method: str, args: argparse.Namespace) -> tuple[list[str], int, 
 
 
 def straggler_args(method: str, group: int, args: argparse.Namespace) -> list[str]:
-    """Group 1 of a semi-sync method, and of the goodput baseline, is the straggler
-    (``--straggler``): real extra compute per step, not a sleep (``training.emulate_slowdown``,
-    which works without fault tolerance too)."""
-    if group != 1 or args.straggler == 1.0 or method in ("no_ft", "sync_ft"):
+    """Group 1 is the straggler (``--straggler``), in every method with two groups and in the
+    goodput baseline alike: real extra compute per step, not a sleep
+    (``training.emulate_slowdown``, which works without fault tolerance too)."""
+    if group != 1 or args.straggler == 1.0 or method == "no_ft":  # no_ft: group 0 alone
         return []
     return [f"--training.emulate_slowdown={args.straggler}"]
 

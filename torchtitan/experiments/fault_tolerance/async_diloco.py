@@ -231,6 +231,10 @@ class AsyncDiLoCo(GlobalCopyLoop):
         """After the speed probe: ``steps`` more inner steps in this period, in ``seconds``."""
         self.plan.plan_rest(self._local_step, steps, seconds, time.perf_counter())
 
+    def probe_unused(self) -> None:
+        """The speed probe planned nothing: the period goes on as planned."""
+        self.plan.time_from(self._local_step, time.perf_counter())
+
     def steps_this_period(self) -> int:
         return self.plan.steps
 

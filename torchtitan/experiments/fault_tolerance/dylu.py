@@ -123,6 +123,11 @@ class PeriodPlan:
         self.measure(taken, now)
         return True
 
+    def time_from(self, taken: int, now: float) -> None:
+        """Measure this period's speed from now (``taken`` steps done), e.g. after a probe
+        that planned nothing: its wait is not the group's speed."""
+        self._began, self._planned_from = now, taken
+
     def plan_rest(self, taken: int, steps: int, seconds: float, now: float) -> None:
         """After the probe (``taken`` steps done): ``steps`` more in ``seconds``, from now."""
         self._began, self._planned_from = now, taken

@@ -119,14 +119,9 @@ class QuorumProtocol:
         self.speeds: SpeedExchange | None = None
         if ft_config.dynamic_local_steps:
             assert isinstance(algorithm, AsyncDiLoCo), algorithm.method
+            probe = ft_config.dylu_probe_steps
             self.speeds = SpeedExchange(
-                algorithm,
-                ft_config.dylu_probe_steps,
-                ft,
-                train_state,
-                device,
-                group_ranks,
-                most_in_group,
+                algorithm, probe, ft, train_state, device, group_ranks, most_in_group
             )
         #: Whether this group is asking for its first quorum.
         self.starting = False
@@ -278,8 +273,11 @@ class QuorumProtocol:
             return True
         assert members is not None
         if any(m.probe for m in members):
-            # Running groups in DyLU's speed probe: they go on without this group, which
-            # meets them at their next sync point.
+            # Running groups in DyLU's speed probe: meet them at their sync point, healed again
+            # there if torchft healed this group from one of them here (mid-period).
+            if self.starting and self._peer is not None and not self._peer["starting"]:
+                self._peer = None
+                self.announce(manager.current_step() - 1)
             return False
         if self.speeds is not None:
             self.speeds.plan(found.planned_steps, members, mine)

@@ -48,10 +48,15 @@ class SpeedExchange:
         self.device = device
         self.group_ranks = group_ranks
         self.most_in_group = most_in_group
+        #: The groups of the start-up quorum that decided the probe (all must be in it).
+        self._probe_groups = 0
 
     def fill(self, mine: Member) -> None:
-        """This group's microseconds per inner step in its last period, into its record."""
+        """This group's microseconds per inner step in its last period, into its record. A
+        start-up quorum decides the probe afresh: none is due until one that is used does."""
         mine.step_us = round(self.method.step_seconds() * 1e6)
+        if mine.role != RUNNING:
+            self.method.plan.probe_at = None
 
     def planned_steps(self, members: list[Member], mine: Member) -> int:
         """This group's inner steps in the next period, from every member's speed."""
@@ -76,23 +81,33 @@ class SpeedExchange:
         its groups' speeds in its first period."""
         if self.probe_steps and len(members) > 1 and all(m.role == FRESH for m in members):
             self.method.plan.probe_after(self.probe_steps)
+            self._probe_groups = len(members)
 
     def on_probe(self) -> bool:
         """The probe's exchange (the sync Manager runs it in the probe's quorum): every group's
         speed in its steps so far, and the rest of the first period planned from them as a
-        sync quorum plans a period. A member that is not probing (a group that restarted
-        meanwhile) leaves the period as it was planned, in every group alike."""
+        sync quorum plans a period. Unless it is not the start-up quorum's groups (one
+        restarted meanwhile and is starting, or one is missing: the lighthouse did not wait
+        for it): then the period goes on as planned, in every group alike (the group's ranks
+        agree first), and its speed is measured from here on."""
         method = self.method
         mine = Member(RUNNING, probe=1)
         self.fill(mine)
         members = exchange(self.ft.manager, mine, self.device)
-        if members is None or not all(m.probe for m in members):
-            return True
-        taken, speeds = method.local_step(), _speeds(members)
+        usable = (
+            members is not None
+            and len(members) == self._probe_groups
+            and all(m.probe for m in members)
+        )
+        taken, speeds = method.local_step(), _speeds(members or [])
         rest = self.period - taken
-        steps = dylu_inner_steps(rest, speeds, mine.step_us / 1e6)
+        steps = dylu_inner_steps(rest, speeds, mine.step_us / 1e6) if usable else 0
         if self.group_ranks > 1:
-            steps = self.most_in_group([steps])[0]
+            unusable, steps = self.most_in_group([int(not usable), steps])
+            usable = not unusable
+        if not usable:
+            method.probe_unused()
+            return True
         events.SPEED_PROBE.emit(
             step=self.train_state.step,
             after=taken,
