@@ -115,11 +115,10 @@ def test_groups_of_different_speeds_take_different_inner_steps_and_agree(
     inner = [[e["inner_steps"] for e in raw[r]] for r in range(2)]
     assert all(n < sync_steps for n in inner[1]), inner
     assert all(n0 > n1 for n0, n1 in zip(inner[0], inner[1], strict=True)), inner
+    # The probe planned the first period (the corrections within it may move the count).
     probes = [job.events(r, SPEED_PROBE) for r in range(2)]
-    assert [[(e["after"], e["steps"]) for e in found] for found in probes] == [
-        [(2, inner[0][0])],
-        [(2, inner[1][0])],
-    ], probes
+    assert [[e["after"] for e in found] for found in probes] == [[2], [2]], probes
+    assert probes[1][0]["steps"] < min(sync_steps, probes[0][0]["steps"]), probes
     for e0, e1 in zip(raw[0], raw[1], strict=True):
         assert e0["weight"] + e1["weight"] == pytest.approx(1.0)
         assert e1["weight"] == pytest.approx(e1["tokens"] / (e0["tokens"] + e1["tokens"]))
