@@ -209,6 +209,16 @@ def utilisation(events: Iterable[Event], warmup: int, last: int) -> dict[str, fl
     }
 
 
+def semi_sync_window(
+    method: str, events: Iterable[Event], args: argparse.Namespace
+) -> tuple[int, int]:
+    """The steps that end a group's first period and its ``--periods``-th: the sync points
+    that close a period (Streaming DiLoCo passes one per fragment in each period)."""
+    points = sync_point_steps(method, events, args.sync_steps)
+    per_period = args.fragments if method == "streaming_diloco" else 1
+    return points[per_period - 1], points[args.periods * per_period - 1]
+
+
 def whole_run_utilisation(events: Iterable[Event]) -> float:
     """Compute seconds over wall seconds from ``train.started`` to the last step: start-up
     after it, every period (the first, with its waits, too) and the closing sync count."""
@@ -281,8 +291,7 @@ def group_figures(
     have its own lengths)."""
     events = common.trainer_events(proc, TIMING, SYNC, TRAINING_STARTED)
     if method not in ("no_ft", "sync_ft", BASELINE):
-        points = sync_point_steps(method, events, args.sync_steps)
-        window = (points[0], points[args.periods - 1])
+        window = semi_sync_window(method, events, args)
         steps = max(e.step for e in events if e.name == TIMING.name and e.step is not None)
     row: dict[str, object] = utilisation(events, *window)
     row["whole_run_utilisation"] = round(whole_run_utilisation(events), 4)

@@ -70,6 +70,17 @@ def test_sync_points_of_blocking_and_async_groups() -> None:
     assert wan.sync_point_steps("async_dylu", probed, 4) == [6, 9, 12]
 
 
+def test_the_steady_state_window_is_whole_periods_for_every_method() -> None:
+    """Periods 2 and 3 of H = 20: steps 20..60. Streaming DiLoCo with 2 fragments passes a
+    sync point every 10 steps, so its window ends at its sixth, not its third."""
+    wan = _module("wan")
+    args = SimpleNamespace(sync_steps=20, fragments=2, periods=3)
+    streaming = [Event(SYNC.name, step=s, sync=k) for k, s in enumerate(range(10, 90, 10), 1)]
+    assert wan.semi_sync_window("streaming_diloco", streaming, args) == (20, 60)
+    blocking = [Event(SYNC.name, step=s, sync=k) for k, s in enumerate((20, 40, 60, 80), 1)]
+    assert wan.semi_sync_window("diloco", blocking, args) == (20, 60)
+
+
 def test_whole_run_utilisation_counts_from_the_start_to_the_last_step() -> None:
     """Compute 3 s of the 10 s from ``train.started`` to the last step (the first period's
     wait included), where the window of steps 2..4 alone would give 1.5 / 2."""
