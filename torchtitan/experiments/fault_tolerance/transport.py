@@ -48,6 +48,7 @@ from torchtitan.components.ft import torchft_adapter as tft
 from torchtitan.experiments.fault_tolerance.compression import (
     AsyncCompressedAllReduce,
     CompressedWork,
+    Delivered,
     ErrorFeedback,
 )
 
@@ -267,8 +268,12 @@ class SyncTransport:
         error_feedback: bool,
         bucket_mb: float,
         timeout_s: float,
+        keep_delivered: bool = False,
     ) -> None:
+        """``keep_delivered``: keep each transfer's result as every group received it (CPU
+        memory), for :meth:`delivered` (the heal history)."""
         self.dtype = dtype
+        self.keep_delivered = keep_delivered
         #: The error-feedback residuals (None: no error feedback).
         self.residuals = FragmentResiduals() if error_feedback and dtype != "float32" else None
         self.bucket_numel = bucket_numel(bucket_mb)
@@ -393,6 +398,7 @@ class SyncTransport:
             timeout=self.timeout,
             check_finite=True,
             then=then,
+            keep_delivered=self.keep_delivered and not exact,
         )
         self._all.append(work)
         if not exact:
@@ -419,6 +425,17 @@ class SyncTransport:
                 self.residuals.commit()
             else:
                 self.residuals.discard()
+
+    def delivered(self) -> list[Delivered]:
+        """After a committed sync (with ``keep_delivered``): its transfers' results as every
+        group received them, in order. Together they are the fragment's averaged
+        pseudo-gradients, flat, in the order the method handed them in."""
+        found = []
+        for work in self.works:
+            work.wait()
+            assert work.delivered is not None, "a committed transfer kept no result"
+            found.append(work.delivered)
+        return found
 
     def wait(self) -> None:
         """Send what is pending and wait for every transfer of this sync (e.g. before a

@@ -27,8 +27,10 @@ from torchtitan.experiments.fault_tolerance.compression.collective import (
     AsyncCompressedAllReduce,
     CompressedWork,
     CompressionStats,
+    Delivered,
     chunk_numel,
     compressed_all_reduce,
+    decode_delivered,
     is_finite,
 )
 from torchtitan.experiments.fault_tolerance.compression.error_feedback import ErrorFeedback
@@ -43,10 +45,12 @@ __all__ = [
     "Codec",
     "CompressedWork",
     "CompressionStats",
+    "Delivered",
     "ErrorFeedback",
     "Scratch",
     "chunk_numel",
     "compressed_all_reduce",
+    "decode_delivered",
     "get_codec",
     "is_finite",
 ]

@@ -42,6 +42,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions
 
 from torchtitan.experiments.fault_tolerance.compression.codecs import (
     BLOCK,
+    Codec,
     Scratch,
     check_flat_fp32,
     get_codec,
@@ -67,6 +68,39 @@ class CompressionStats:
     encode_s: float = 0.0
     decode_s: float = 0.0
     total_s: float = 0.0
+    #: With ``keep_delivered``: the bytes every rank decoded its result from (the ``n``
+    #: re-encoded reduced chunks, one after the other; with one rank its own encoding), for
+    #: :func:`decode_delivered`. None for ``float32`` and by default.
+    delivered: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Delivered:
+    """One all-reduce's result as every rank received it, kept (in CPU memory) so that it can
+    be taken again, bit for bit, later and elsewhere (:meth:`values`)."""
+
+    dtype: str
+    numel: int
+    world_size: int
+    divide_by: float
+    #: The bytes the result was decoded from (compressed dtypes: ``CompressionStats.delivered``)
+    #: or, for ``float32``, the result itself (already divided).
+    payload: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.payload.numel() * self.payload.element_size()
+
+    def values(self, device: torch.device | None = None) -> torch.Tensor:
+        """The result as the all-reduce left it in its tensor (divided by ``divide_by``)."""
+        payload = self.payload if device is None else self.payload.to(device)
+        if self.dtype == "float32":
+            return payload.clone()
+        out = torch.empty(self.numel, dtype=torch.float32, device=payload.device)
+        decode_delivered(payload, self.dtype, self.numel, self.world_size, out)
+        if self.divide_by != 1:
+            out.div_(self.divide_by)
+        return out
 
 
 def _sync(t: torch.Tensor) -> None:
@@ -98,6 +132,7 @@ def compressed_all_reduce(
     key: str = "",
     scratch: Scratch | None = None,
     timeout: timedelta | None = None,
+    keep_delivered: bool = False,
 ) -> CompressionStats:
     """SUM all-reduce of the 1-D fp32 ``tensor`` in place over ``pg``, ``dtype`` on the wire.
 
@@ -107,7 +142,9 @@ def compressed_all_reduce(
     staged once the collectives succeed (``ErrorFeedback.stage``: owed only if the sync then
     commits). ``scratch`` (of ``tensor``'s device) keeps the buffers for the next call of the
     same thread. ``timeout``: the longest each collective may take (default: the process
-    group's). Raises what the collectives raise; ``tensor`` is then undefined.
+    group's). ``keep_delivered``: keep a copy of the bytes the result was decoded from in
+    ``stats.delivered`` (compressed dtypes). Raises what the collectives raise; ``tensor`` is
+    then undefined.
     """
     codec = get_codec(dtype)
     check_flat_fp32(tensor)
@@ -151,9 +188,11 @@ def compressed_all_reduce(
         codec.encode_into(corrected, packed, numel, residual=residual, scratch=scratch)
         _sync(tensor)
         t1 = time.perf_counter()
-        codec.decode_into(packed, numel, tensor, scratch=scratch)
+        decode_delivered(packed, dtype, numel, 1, tensor, scratch=scratch)
         _sync(tensor)
         stats.encode_s, stats.decode_s = t1 - t0, time.perf_counter() - t1
+        if keep_delivered:
+            stats.delivered = packed.clone()
         if error_feedback is not None and residual is not None:
             error_feedback.stage(key, residual)
         stats.total_s = time.perf_counter() - start
@@ -215,10 +254,11 @@ def compressed_all_reduce(
         allgather_opts.timeout = timeout
     _wait(pg.allgather([gathered], [mine], allgather_opts), timeout)
     t0 = time.perf_counter()
-    for i, packed in enumerate(gathered):
-        codec.decode_into(packed, chunk, chunk_of(tensor, i), scratch=scratch)
+    _decode_reduced_chunks(gathered, codec, numel, tensor, scratch)
     _sync(tensor)
     stats.decode_s += time.perf_counter() - t0
+    if keep_delivered:
+        stats.delivered = torch.cat(gathered)
 
     if error_feedback is not None and residual is not None:
         # Only now: had a collective failed, nothing was delivered and the old residual is
@@ -227,6 +267,50 @@ def compressed_all_reduce(
     stats.bytes_sent = 2 * (n - 1) * chunk_bytes
     stats.total_s = time.perf_counter() - start
     return stats
+
+
+def decode_delivered(
+    delivered: torch.Tensor,
+    dtype: str,
+    numel: int,
+    world_size: int,
+    out: torch.Tensor,
+    *,
+    scratch: Scratch | None = None,
+) -> None:
+    """Decode into ``out`` (1-D fp32, ``numel`` values) the bytes a compressed all-reduce over
+    ``world_size`` ranks delivered (``CompressionStats.delivered``): the values every rank got
+    as the SUM, bit for bit, whoever decodes them and whenever (a replaying joiner too)."""
+    codec = get_codec(dtype)
+    if world_size == 1:
+        codec.decode_into(delivered, numel, out, scratch=scratch)
+        return
+    chunk = chunk_numel(numel, world_size)
+    chunk_bytes = codec.wire_bytes(chunk)
+    if delivered.numel() != world_size * chunk_bytes:
+        raise ValueError(
+            f"delivered bytes of a {dtype} all-reduce of {numel} values over {world_size} ranks: "
+            f"expected {world_size * chunk_bytes}, got {delivered.numel()}"
+        )
+    chunks = [delivered[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(world_size)]
+    _decode_reduced_chunks(chunks, codec, numel, out, scratch)
+
+
+def _decode_reduced_chunks(
+    chunks: list[torch.Tensor],
+    codec: Codec,
+    numel: int,
+    out: torch.Tensor,
+    scratch: Scratch | None,
+) -> None:
+    """Chunk ``i`` of ``out`` from the ``i``-th re-encoded reduced chunk (the last chunks of a
+    short tensor are short or empty): the one decode of an all-reduce's result."""
+    chunk = chunk_numel(numel, len(chunks))
+    for i, packed in enumerate(chunks):
+        codec.decode_into(
+            packed, chunk, out[min(numel, i * chunk) : min(numel, (i + 1) * chunk)],
+            scratch=scratch,
+        )  # fmt: skip
 
 
 def is_finite(t: torch.Tensor) -> bool:
@@ -251,6 +335,8 @@ class CompressedWork:
         #: (it then sent NaNs, so that every rank's result shows it), ``"received"`` when only
         #: the result did (another rank's input); None when all was finite.
         self.non_finite: str | None = None
+        #: With ``keep_delivered``: the result as every rank received it (after success).
+        self.delivered: Delivered | None = None
         self._future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         self._done = threading.Event()
 
@@ -290,6 +376,7 @@ class _Job(NamedTuple):
     timeout: timedelta | None
     check_finite: bool
     then: Callable[[], None] | None
+    keep_delivered: bool
 
 
 class AsyncCompressedAllReduce:
@@ -326,6 +413,7 @@ class AsyncCompressedAllReduce:
         timeout: timedelta | None = None,
         check_finite: bool = False,
         then: Callable[[], None] | None = None,
+        keep_delivered: bool = False,
     ) -> CompressedWork:
         """Queue a SUM all-reduce of ``tensor`` (then divided by ``divide_by``) in place.
 
@@ -337,7 +425,8 @@ class AsyncCompressedAllReduce:
         not finite is sent as NaNs (and leaves no residual), so that every rank's result is
         not finite either and all of them drop it alike. ``then``: run on the background
         thread after a successful all-reduce, before the work completes (e.g. copying a
-        bucket's values back into the tensors it packs).
+        bucket's values back into the tensors it packs). ``keep_delivered``: keep the result
+        as every rank received it in ``work.delivered`` (CPU memory).
         """
         get_codec(dtype)  # fail here, in the caller, on a bad name
         check_flat_fp32(tensor)
@@ -359,6 +448,7 @@ class AsyncCompressedAllReduce:
             timeout,
             check_finite,
             then,
+            keep_delivered,
         )
         with self._lock:
             if self._closed:
@@ -436,10 +526,23 @@ class AsyncCompressedAllReduce:
             key=job.key,
             scratch=scratch,
             timeout=job.timeout,
+            keep_delivered=job.keep_delivered,
         )
         if job.check_finite and job.work.non_finite is None and not is_finite(job.tensor):
             job.work.non_finite = "received"
         if job.divide_by != 1:
             job.tensor.div_(job.divide_by)
+        if job.keep_delivered:
+            stats = job.work.stats
+            if stats.delivered is None:  # float32 (or nothing to send): the result itself
+                job.work.delivered = Delivered(
+                    "float32", job.tensor.numel(), stats.world_size, 1,
+                    job.tensor.detach().to("cpu", copy=True),
+                )  # fmt: skip
+            else:
+                job.work.delivered = Delivered(
+                    job.dtype, job.tensor.numel(), stats.world_size, job.divide_by,
+                    stats.delivered.to("cpu"),
+                )  # fmt: skip
         if job.then is not None:
             job.then()
