@@ -333,7 +333,8 @@ class Checkpoint:
     """Save checkpoints (torch.distributed.checkpoint) and resume from the newest one found."""
 
     folder: str = "checkpoint"
-    """Checkpoint folder, relative to ``job.dump_folder``; each save is ``step-<N>/`` in it."""
+    """Checkpoint folder, relative to ``job.dump_folder`` (or an absolute path, e.g. storage
+    local to a group's region); each save is ``step-<N>/`` in it."""
 
     interval: int = 500
     """Save every this many steps (and always after the last step)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -74,6 +75,7 @@ def build_ft_manager(
     use_async_quorum: bool = False,
     init_sync: bool = True,
     quorum_timeout_s: float | None = None,
+    checkpoint_transport: Callable[..., Any] | None = None,
 ) -> FTManager | None:
     """This rank's FTManager, from ``[fault_tolerance]``; None when it is off. The torchft
     Manager itself is built by ``FTManager.start()``. Fails at once (``TorchftVersionError``)
@@ -85,7 +87,8 @@ def build_ft_manager(
     torchft's quorum thread while the model runs (FSDP swaps parameters during forward).
     ``quorum_timeout_s``: the longest quorum wait the trainer will ask for (default
     ``fault_tolerance.quorum_timeout_s``), the Manager's default timeout for the quorums that
-    torchft's own algorithms start.
+    torchft's own algorithms start. ``checkpoint_transport(pg, timeout, device)``: how healing
+    state travels (default torchft's ``PGTransport`` over the replicate process group).
     """
     ft = job_config.fault_tolerance
     if not ft.enable:
@@ -112,7 +115,8 @@ def build_ft_manager(
         )
         # Healing goes over the replicate process group itself (no extra HTTP server listening
         # on every interface and serving the whole model unauthenticated).
-        transport = PGTransport(
+        make_transport: Callable[..., Any] = checkpoint_transport or PGTransport
+        transport = make_transport(
             pg, timeout=timedelta(seconds=ft.timeout_s), device=parallel_dims.device
         )
         try:

@@ -51,6 +51,7 @@ HEALED = EventKind(
     lambda v, _: (
         f"[ft] {v['what']}: healed from a live peer ({', '.join(v['states'])}) in "
         f"{v['seconds']:.2f}s (quorum + transfer)"
+        + (f"; kept its own {', '.join(v['kept_own'])}" if v.get("kept_own") else "")
     ),
 )
 FIRST_QUORUM = EventKind(
@@ -120,6 +121,8 @@ class FTManager:
         self._last_quorum_size = 0
         self._needed = ft.group_size
         self._healed: list[str] = []
+        #: States of the current heal that this group kept as its own (set by the transport).
+        self._kept_own: set[str] = set()
         self._last_commit: float | None = None
         self._last_participants = 0
         self._uncommitted = 0
@@ -169,6 +172,12 @@ class FTManager:
             self._pending.append((key, load, save))
         else:
             self._manager.register_state_dict_fn(key, load, save)
+
+    def keep_own(self, names: list[str]) -> None:
+        """In the heal under way, these states are this group's own, not the peer's (a
+        transport that sends only what the joiner lacks says so): ``ft.healed`` names them
+        apart."""
+        self._kept_own.update(names)
 
     def state_dict(self) -> dict[str, int]:
         """The Manager's step and committed-batch count (for checkpoints)."""
@@ -263,6 +272,7 @@ class FTManager:
         start = time.monotonic()
         deadline = start + self._timeout_s
         self._healed.clear()
+        self._kept_own.clear()
         self.watchdog.begin()
         while True:
             try:
@@ -297,7 +307,8 @@ class FTManager:
         if self._healed:
             HEALED.emit(
                 **subject,
-                states=list(dict.fromkeys(self._healed)),
+                states=[s for s in dict.fromkeys(self._healed) if s not in self._kept_own],
+                kept_own=sorted(self._kept_own & set(self._healed)),
                 seconds=time.monotonic() - start,
             )
         return waited

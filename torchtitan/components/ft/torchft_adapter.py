@@ -170,6 +170,12 @@ def current_fragment(algorithm: DiLoCo) -> int:
     return int(algorithm._current_fragment())
 
 
+def is_fragment_sync_state(key: str) -> bool:
+    """Whether ``key`` is the healing state DiLoCo registers for a fragment sync (its global
+    copy and outer optimizer)."""
+    return key.startswith("StreamingDiLoCoFragment_")
+
+
 def fragment_parameters(sync: _StreamingDiLoCoFragment) -> dict[str, torch.nn.Parameter]:
     """The model parameters of a fragment (the model's own objects), by fragment name."""
     return dict(sync._model_fragment.named_parameters())
@@ -215,6 +221,12 @@ def take_global_copies(algorithm: DiLoCo) -> None:
     algorithm._save_parameters()
 
 
+def save_global_copy(sync: _StreamingDiLoCoFragment) -> None:
+    """Make the model's current parameters of a fragment its global copy (what a committed
+    sync does after the outer step)."""
+    sync.save_parameters()
+
+
 def restore_global_copies(sync: _StreamingDiLoCoFragment) -> None:
     """Put a fragment's global copy back into the model."""
     sync.restore_parameters()
@@ -240,6 +252,11 @@ def commit_failures(manager: Manager) -> int:
 def quorum_id(manager: Manager) -> int:
     """The id of the quorum the Manager is configured for (the lighthouse's; -1: none yet)."""
     return int(manager._quorum_id)
+
+
+def user_state(manager: Manager, keys: list[str]) -> dict[str, Any]:
+    """This group's own healing state of ``keys``, as the Manager would send it to a peer."""
+    return {key: manager._user_state_dicts[key]() for key in keys}
 
 
 def replica_process_group(manager: Manager) -> ProcessGroup:
