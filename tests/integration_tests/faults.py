@@ -13,8 +13,9 @@ killed peer restarts. ``--fault_injection.hold_before_sync_file=PATH`` holds it 
 point, before it asks for the sync's quorum, while PATH exists. ``--fault_injection.step_sleep_s``
 stretches every step (periods of seconds instead of milliseconds), and
 ``--fault_injection.corrupt_global_after_sync=K`` changes one number of this group's DiLoCo global
-copy after its sync K (the agreement check must catch it), and ``--fault_injection.nan_in_sync=K``
-puts a NaN into what it sends in sync K.
+copy after its sync K (the agreement check must catch it), ``--fault_injection.nan_in_sync=K``
+puts a NaN into what it sends in sync K, and ``--fault_injection.corrupt_heal_history_sync=K``
+damages this group's heal-history entry of sync K.
 
 The step-level knobs (``stall_after_step``, ``pause_file``, ``step_sleep_s``) work with both
 trainers; the sync-level ones with the semi-sync trainer only. Use with
@@ -27,6 +28,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from torchtitan.config.job_config import JobConfig as CoreJobConfig
 from torchtitan.experiments.fault_tolerance.job_config import JobConfig as SemiSyncJobConfig
@@ -61,6 +64,10 @@ NAN_INJECTED = EventKind(
 )
 CORRUPTED = EventKind(
     "fault.corrupted_global_copy", "[fault-injection] corrupted the global copy after sync #{sync}"
+)
+HISTORY_CORRUPTED = EventKind(
+    "fault.corrupted_heal_history",
+    "[fault-injection] corrupted the heal history entry of sync #{sync}",
 )
 
 
@@ -98,6 +105,10 @@ class FaultInjection:
     nan_in_sync: int = 0
     """Put a NaN into the first tensor this group hands to the all-reduce of sync K (a
     pseudo-gradient, or LocalSGD's parameters). 0: never."""
+
+    corrupt_heal_history_sync: int = 0
+    """Once this group has kept sync K in its heal history, change one byte of that entry (as
+    a fault in memory would): a joiner must never be served it. 0: never."""
 
 
 @dataclass
@@ -195,6 +206,17 @@ class StallingTrainer(StepFaults, SemiSyncTrainer):
             self._corrupt_after_report()
 
         self.reporter.report = report_with_faults  # type: ignore[method-assign]
+        record = self.sync.on_committed
+        if record is not None:
+
+            def record_with_faults(sync: int, *args: Any) -> None:
+                record(sync, *args)
+                if sync == self.faults.corrupt_heal_history_sync:
+                    (entry,) = self.heal.history.after(sync - 1)
+                    entry.transfers[0].payload.view(torch.uint8)[0] ^= 0xFF
+                    HISTORY_CORRUPTED.emit(sync=sync)
+
+            self.sync.on_committed = record_with_faults
 
     def _corrupt_after_report(self) -> None:
         sync = self.ft.manager.current_step()  # type: ignore[union-attr]

@@ -273,6 +273,9 @@ def _stub(local_step: int, starting: bool = False) -> SimpleNamespace:
         _peer=None,
         sync=SimpleNamespace(reset_error_feedback=lambda: resets.append(1), resets=resets),
         lineage=Lineage(),
+        heal=SimpleNamespace(
+            event_fields=lambda: {"transfer": "full", "bytes_received": 2**20, "full_because": None}
+        ),
     )
 
 

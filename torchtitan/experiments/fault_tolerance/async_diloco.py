@@ -58,11 +58,13 @@ from torchtitan.experiments.fault_tolerance.async_state import (
     checkpoint_arrived,
     load_arrived,
 )
+from torchtitan.experiments.fault_tolerance.compression import Delivered
 from torchtitan.experiments.fault_tolerance.dylu import PeriodPlan
 from torchtitan.experiments.fault_tolerance.job_config import ASYNC_UPDATES
 from torchtitan.experiments.fault_tolerance.outer_loop import (
     Ending,
     GlobalCopyLoop,
+    ReplaysOuterSteps,
     SyncOutcome,
     local_tensor,
 )
@@ -71,7 +73,11 @@ if TYPE_CHECKING:
     from torchtitan.experiments.fault_tolerance.sync_quorum import SyncManager
 
 
-class AsyncDiLoCo(GlobalCopyLoop):
+#: The healing state of fragment ``i``'s outer state (global copy, outer optimizer).
+FRAGMENT_STATE_KEY = "async_diloco_fragment_{}"
+
+
+class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
     """DiLoCo whose outer step is applied one sync point later, overlapped with compute."""
 
     method = "async_diloco"
@@ -117,13 +123,15 @@ class AsyncDiLoCo(GlobalCopyLoop):
         self.agree_in_group: Callable[[int], int] = lambda n: n
         self.sync_points = 0
         self._in_flight: InFlightSync | None = None
+        #: The sync being decided (within ``_finish_in_flight``).
+        self._finishing: InFlightSync | None = None
         self._outcome: SyncOutcome | None = None
         #: Set when torchft loaded a peer's state into this group in the last quorum.
         self._healed = False
         self.take_global_copies()
         for index, state in enumerate(self._states):
             manager.register_state_dict_fn(
-                f"async_diloco_fragment_{index}",
+                FRAGMENT_STATE_KEY.format(index),
                 functools.partial(self._load_from_heal, state),
                 state.state_for_heal,
             )
@@ -210,7 +218,11 @@ class AsyncDiLoCo(GlobalCopyLoop):
         flight, self._in_flight = self._in_flight, None
         if flight is None:
             return None
-        return flight.finish(self.manager, self._states[flight.fragment])
+        self._finishing = flight
+        try:
+            return flight.finish(self.manager, self._states[flight.fragment])
+        finally:
+            self._finishing = None
 
     # ---- DyLU ---------------------------------------------------------------------------------
 
@@ -280,6 +292,26 @@ class AsyncDiLoCo(GlobalCopyLoop):
         self._local_step = 0
         self.plan.begin(time.perf_counter())
         return False
+
+    # ---- replaying missed syncs (heal_history) ---------------------------------------------
+
+    def replayed_state(self, key: str) -> bool:
+        return any(key == FRAGMENT_STATE_KEY.format(i) for i in range(len(self.fragments)))
+
+    def kept_average(self, index: int, delivered: list[Delivered]) -> tuple[list[Delivered], float]:
+        # Called in the verdict of the sync being finished: its buffer holds the sums.
+        flight = self._finishing
+        assert flight is not None and flight.fragment == index
+        total = float(flight.buffer[-1])
+        if flight.loaded:
+            # From a checkpoint or a peer: no transfer of this process carried it. Keep its
+            # sums as they are, in fp32.
+            sums = flight.buffer[:-1].detach().to("cpu", copy=True)
+            return [Delivered("float32", sums.numel(), 1, 1, sums)], total
+        return delivered, total
+
+    def replay_outer_step(self, index: int, average: torch.Tensor) -> None:
+        self._states[index].apply_average(average)
 
     # ---- what the trainer asks -----------------------------------------------------------------
 

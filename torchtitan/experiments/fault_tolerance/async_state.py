@@ -287,6 +287,12 @@ class InFlightSync:
     #: The result is in ``buffer`` (waited for; or loaded from a checkpoint or a peer).
     arrived: bool = False
 
+    @property
+    def loaded(self) -> bool:
+        """The result came from a checkpoint or a peer: no transfer of this process carried
+        it."""
+        return isinstance(self.work, _AlreadyArrived)
+
     @classmethod
     def start(
         cls, manager: SyncManager, fragment: int, buffer: torch.Tensor, steps: int, tokens: int

@@ -121,6 +121,14 @@ def _healed_line(v: dict[str, Any], _: bool) -> str:
         f"[semi-sync] healed from a live peer (replica group {v['peer']}) at sync #{v['sync']}, "
         f"train step {v['step']}, inner step {v['inner_step']}/{v['period']}"
     )
+    if v.get("transfer") == "replay":
+        line += (
+            f", replaying {v['replayed_syncs']} missed sync(s) onto its own checkpoint "
+            f"({v['bytes_received'] / 2**20:.2f} MiB received)"
+        )
+    elif v.get("transfer") == "full":
+        line += f", the full state ({v['bytes_received'] / 2**20:.1f} MiB received"
+        line += f": {v['full_because']})" if v.get("full_because") else ")"
     if v["case"] == "newer_checkpoint":
         return f"{line}: a restarted group with a newer checkpoint"
     if v["case"] == "join_sync":
@@ -135,8 +143,25 @@ def _healed_line(v: dict[str, Any], _: bool) -> str:
 #: ``inner_step`` of ``period``. ``case``: ``running`` (this group was running and was behind),
 #: ``join_sync`` (a starting group healed from the running job at its sync point and takes part
 #: in that sync; ``waited_s`` since it asked), ``newer_checkpoint`` (a starting group healed
-#: from another starting group with a newer checkpoint).
+#: from another starting group with a newer checkpoint). ``transfer``: ``replay`` (the syncs it
+#: missed since its own checkpoint, ``replayed_syncs`` of them) or ``full`` (every state;
+#: ``full_because`` says why not a replay); ``bytes_received``: the tensors' bytes.
 HEALED = EventKind("semi_sync.healed", _healed_line)
+
+#: This rank's heal history first holds ``syncs`` syncs (its capacity): its memory cost.
+HEAL_HISTORY_KEPT = EventKind(
+    "semi_sync.heal_history_kept",
+    "[semi-sync] heal history: the averages of the last {syncs} syncs kept, {mib:.2f} MiB of "
+    "CPU memory on this rank (fault_tolerance.heal_history_syncs)",
+)
+
+#: A joiner's replay of its missed syncs failed on arrival (``problem``): nobody commits this
+#: sync, and the group heals in full at the next one.
+REPLAY_FAILED = EventKind(
+    "semi_sync.replay_failed",
+    "[semi-sync] the replay of the missed syncs failed ({problem}): this sync is not "
+    "committed, and this group heals in full at the next one",
+)
 
 #: A starting group is in the job: ``groups`` in its quorum, sync ``sync`` next.
 IN_JOB = EventKind(

@@ -26,6 +26,7 @@ from torchtitan.tools.digest import device_digest
 if TYPE_CHECKING:
     from torchft.local_sgd import DiLoCo, LocalSGD
 
+    from torchtitan.experiments.fault_tolerance.compression import Delivered
     from torchtitan.experiments.fault_tolerance.sync_quorum import SyncManager
 
 
@@ -225,6 +226,28 @@ class GlobalCopyLoop(OuterLoop):
         )
 
 
+class ReplaysOuterSteps(ABC):
+    """A method whose global copies a joiner can bring up to date from the averages it missed
+    (``heal_history``), instead of receiving them."""
+
+    @abstractmethod
+    def replayed_state(self, key: str) -> bool:
+        """Whether ``key`` is healing state of this method that a replay reproduces (each
+        fragment's global copy and outer optimizer): the peer leaves it out."""
+
+    def kept_average(self, index: int, delivered: list[Delivered]) -> tuple[list[Delivered], float]:
+        """For the history, right after fragment ``index``'s sync committed (before its outer
+        step): what its transfers ``delivered`` and what the outer step divides it by."""
+        return delivered, 1.0
+
+    @abstractmethod
+    def replay_outer_step(self, index: int, average: torch.Tensor) -> None:
+        """Apply a committed sync of fragment ``index`` to its global copy and outer optimizer
+        exactly as the groups that took part did: ``average`` is its averaged pseudo-gradient,
+        flat, as delivered. The model's parameters are left undefined (the caller puts the
+        global copies back)."""
+
+
 class _TorchftLoop(OuterLoop):
     """One of torchft's algorithms (``algorithm``): a context manager that hooks the inner
     optimizer, and keeps the inner-step position itself."""
@@ -286,7 +309,7 @@ class TorchftLocalSGD(_TorchftLoop):
         return Ending(bool(steps_since), steps_since, None)
 
 
-class TorchftDiLoCo(_TorchftLoop, GlobalCopyLoop):
+class TorchftDiLoCo(_TorchftLoop, GlobalCopyLoop, ReplaysOuterSteps):
     """torchft's DiLoCo (Streaming DiLoCo with more than one fragment)."""
 
     method = "diloco"
@@ -327,6 +350,41 @@ class TorchftDiLoCo(_TorchftLoop, GlobalCopyLoop):
         tft.take_global_copies(self.algorithm)
         for index in range(len(self.fragments)):
             self.outer_optimizer(index).state.clear()
+
+    def replayed_state(self, key: str) -> bool:
+        return tft.is_fragment_sync_state(key)
+
+    def replay_outer_step(self, index: int, average: torch.Tensor) -> None:
+        # What torchft's fragment sync does once a sync commits: the model's fragment back to
+        # the global copy, the average as its gradient, the outer step, the new global copy.
+        sync = self._syncs[index]
+        params = self.fragment_parameters(index)
+        grads: dict[str, torch.Tensor] = {}
+        offset = 0
+        for name, p in params.items():
+            local = local_tensor(p)
+            grads[name] = average[offset : offset + local.numel()].view_as(local).clone()
+            offset += local.numel()
+        if offset != average.numel():
+            raise ValueError(
+                f"a replayed average of fragment {index} has {average.numel()} values, its "
+                f"parameters {offset}"
+            )
+        tft.restore_global_copies(sync)
+        with torch.no_grad():
+            for name, p in params.items():
+                grad = grads[name]
+                p.grad = (
+                    DTensor.from_local(
+                        grad, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+                    )
+                    if isinstance(p, DTensor)
+                    else grad
+                )
+        outer = self.outer_optimizer(index)
+        outer.step()
+        tft.save_global_copy(sync)
+        outer.zero_grad()
 
     def join_sync(self) -> bool:
         state = self._syncs[self.current_fragment()]

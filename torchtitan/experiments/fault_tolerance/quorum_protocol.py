@@ -32,6 +32,7 @@ from torchtitan.components.ft import torchft_adapter as tft
 from torchtitan.config.job_config import JobConfig
 from torchtitan.experiments.fault_tolerance import events
 from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
+from torchtitan.experiments.fault_tolerance.heal_transport import HealExchange
 from torchtitan.experiments.fault_tolerance.job_config import semi_sync_config
 from torchtitan.experiments.fault_tolerance.lineage import Lineage
 from torchtitan.experiments.fault_tolerance.outer_loop import OuterLoop
@@ -101,6 +102,7 @@ class QuorumProtocol:
         device: torch.device,
         group_ranks: int,
         most_in_group: Callable[[list[int]], list[int]],
+        heal: HealExchange,
     ) -> None:
         self.job_config = job_config
         self.ft = ft
@@ -113,6 +115,8 @@ class QuorumProtocol:
         self.device = device
         self.group_ranks = group_ranks
         self.most_in_group = most_in_group
+        #: Both ends of a heal (a replay of missed syncs, or the full state).
+        self.heal = heal
         self.period = algorithm.period
         ft_config = semi_sync_config(job_config)
         #: DyLU's plans (None: no DyLU; the config allows it with async DiLoCo only).
@@ -216,6 +220,7 @@ class QuorumProtocol:
                 period=self.period,
                 case="newer_checkpoint",
                 waited_s=None,
+                **self.heal.event_fields(),
             )
         events.IN_JOB.emit(
             step=self.train_state.step + 1,
@@ -244,7 +249,9 @@ class QuorumProtocol:
             mine = Member(self._start_role, joined, self._start_attempts)
         else:
             mine = Member(RUNNING)
-        digest = self._digest_if_due()
+        failed_replay = self.heal.replay_failed
+        digest = None if failed_replay else self._digest_if_due()
+        mine.replay_failed = int(bool(failed_replay))
         if digest is not None:
             mine.has_digest, mine.digest = 1, digest
         if self.speeds is not None:
@@ -272,6 +279,14 @@ class QuorumProtocol:
         if found.failed:
             return True
         assert members is not None
+        if any(m.replay_failed for m in members):
+            # A joiner's replay failed: nobody commits this sync, and it heals in full at the
+            # next one (its request then asks for the full state).
+            manager.report_error(RuntimeError("a joining group's replay failed"))
+            if failed_replay:
+                events.REPLAY_FAILED.emit(step=self.train_state.step, problem=failed_replay)
+                self.heal.replay_failed = ""
+            return True
         if any(m.probe for m in members):
             # Running groups in DyLU's speed probe: meet them at their sync point, healed again
             # there if torchft healed this group from one of them here (mid-period).
@@ -297,6 +312,9 @@ class QuorumProtocol:
             if self.starting and not mine.joined:
                 events.CHECKPOINT_AHEAD.emit(step=self.train_state.step)
                 self.announce(manager.current_step() - 1)
+            # Its global parameters are not the running job's, and nothing is committed: no
+            # disagreement to act on (with two groups that would stop the job).
+            return True
         if found.disagree:
             self._act_on_disagreement(verdict.digests, found.no_majority, found.minority)
         elif self.starting and self.speeds is not None:
@@ -381,4 +399,5 @@ class QuorumProtocol:
             period=self.period,
             case="running",
             waited_s=None,
+            **self.heal.event_fields(),
         )

@@ -27,6 +27,7 @@ from torchtitan.components.ft import FaultToleranceError, FTManager, QuorumPurpo
 from torchtitan.components.ft import torchft_adapter as tft
 from torchtitan.components.ft.torchft_adapter import ManagerStandIn
 from torchtitan.experiments.fault_tolerance import events
+from torchtitan.experiments.fault_tolerance.compression import Delivered
 from torchtitan.experiments.fault_tolerance.transport import (
     FragmentResiduals,
     SyncTransport,
@@ -59,6 +60,9 @@ class Member:
     #: 1 in DyLU's speed probe (a quorum of the job's first period that is no sync): a group
     #: that meets a probing one in its own quorum does not use that quorum.
     probe: int = 0
+    #: 1 when this group's replay of its missed syncs failed on arrival: nobody commits this
+    #: quorum's sync, and the group heals in full at the next one.
+    replay_failed: int = 0
 
 
 def exchange(manager: Manager, mine: Member, device: torch.device) -> list[Member] | None:
@@ -159,6 +163,9 @@ class SyncManager(ManagerStandIn):
         #: Syncs in a row that failed on a collective timeout, and the quorum size then.
         self._timeouts_in_a_row = 0
         self._timeout_groups = 0
+        #: Called after every committed sync with its number, fragment and what its transfers
+        #: delivered (the heal history; the trainer sets it when the method keeps one).
+        self.on_committed: Callable[[int, int, list[Delivered]], None] | None = None
         #: The most of this group's ranks' numbers (the trainer sets a MAX all-reduce when the
         #: group has more than one rank): they decide alike whether a sync timed out.
         self.agree_in_group: Callable[[int], int] = lambda n: n
@@ -287,6 +294,9 @@ class SyncManager(ManagerStandIn):
             committed = self.ft.should_commit(unit="sync")
         finally:
             self.transport.end_sync(committed)
+        if committed and self.on_committed is not None:
+            fragment = self.transport.fragment
+            self.on_committed(manager.current_step(), fragment, self.transport.delivered())
         timed_out = self.transport.timed_out
         if not self.agree_in_group(int(timed_out is not None)):
             self._timeouts_in_a_row = 0

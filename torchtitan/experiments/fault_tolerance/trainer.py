@@ -38,6 +38,13 @@ from torchtitan.experiments.fault_tolerance.async_diloco import (
     AsyncDiLoCo,
 )
 from torchtitan.experiments.fault_tolerance.fragments import ModelFragment
+from torchtitan.experiments.fault_tolerance.heal_history import HealHistory, job_fingerprint
+from torchtitan.experiments.fault_tolerance.heal_transport import (
+    HEAL_KEY,
+    HealExchange,
+    build_history_transport,
+    job_fingerprint_parts,
+)
 from torchtitan.experiments.fault_tolerance.job_config import SEMI_SYNC_METHODS, semi_sync_config
 from torchtitan.experiments.fault_tolerance.lineage import Lineage
 from torchtitan.experiments.fault_tolerance.method_state import SemiSyncState
@@ -111,6 +118,14 @@ class SemiSyncTrainer(Trainer):
             self.sync.agree_in_group = agree
             if isinstance(self.algorithm, AsyncDiLoCo):
                 self.algorithm.agree_in_group = agree
+        # The last committed averages, for a group restarted from its own checkpoint to
+        # replay instead of receiving the full state (heal_history; not LocalSGD).
+        history = HealHistory(ft.heal_history_syncs if method != "localsgd" else 0)
+        fingerprint = job_fingerprint(job_fingerprint_parts(job_config, self.model))
+        self.heal = HealExchange(history, fingerprint, self.algorithm, self.ft)
+        if self.heal.replays:
+            transport.keep_delivered = True
+            self.sync.on_committed = self.heal.record
         self.fragments = self.algorithm.fragments
         self.period = self.algorithm.period
         # DyLU: groups take different numbers of inner steps, so training ends after a number
@@ -145,6 +160,7 @@ class SemiSyncTrainer(Trainer):
             self.device,
             self.parallel_dims.world_size,
             functools.partial(most_in_group, device=self.device),
+            self.heal,
         )
         # Every member of a sync's quorum runs the protocol's exchange in it.
         self.sync.on_quorum = self.protocol.on_quorum
@@ -153,6 +169,8 @@ class SemiSyncTrainer(Trainer):
         self.ft.register_state_dict_fn(
             "semi_sync_position", self.protocol.load_peer, self.protocol.position
         )
+        # Last: torchft loads the healing state in this order, and a replay comes after all.
+        self.ft.register_state_dict_fn(HEAL_KEY, self.heal.load, self.heal.placeholder)
         logger.info(describe(job_config, self.algorithm))
         if len(self.fragments) > 1:
             for i, fragment in enumerate(self.fragments):
@@ -180,6 +198,7 @@ class SemiSyncTrainer(Trainer):
             use_async_quorum=False,
             init_sync=False,
             quorum_timeout_s=semi_sync_config(self.job_config).sync_quorum_timeout_s,
+            checkpoint_transport=build_history_transport(lambda: self.heal),
         )
 
     def load_checkpoint(self) -> None:
@@ -207,7 +226,13 @@ class SemiSyncTrainer(Trainer):
                 events.GLOBAL_FROM_LOADED_MODEL.emit(step=self.train_state.step)
         assert self.ft is not None
         self.ft.start()
-        joined = self.protocol.start()
+        # A group resumed from its own checkpoint offers it as the basis of a replay.
+        own = self.state.loaded and not self.protocol.heal_in_full
+        self.heal.set_basis(self.ft.manager.current_step() if own else None)
+        try:
+            joined = self.protocol.start()
+        finally:
+            self.heal.set_basis(None)  # a running group that falls behind heals in full
         if joined is not None:
             self._join_sync(joined)
 
@@ -268,6 +293,7 @@ class SemiSyncTrainer(Trainer):
             period=self.period,
             case="join_sync",
             waited_s=joined.waited_s,
+            **self.heal.event_fields(),
         )
         self.reporter.new_sync()
         self.sync.last_wait = joined.waited_s  # this group's wait for the others' sync point

@@ -1,0 +1,353 @@
+"""The heal history (``heal_history``): what a peer keeps of each committed sync, when it can
+serve a joiner, and that a replay of it gives the joiner the peers' global copies and outer
+momentum bit for bit.
+
+The replay test runs real replica groups (threads over a real gloo process group, as in
+``test_sync_averaging``) through torchft's DiLoCo and our transport, with buckets smaller than
+the largest tensor (so it travels in pieces), for every pseudo-gradient dtype.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.unit_tests.gloo_groups import LoopbackManager, run_groups, sync_manager
+from tests.unit_tests.test_sync_averaging import BUCKET, PERIOD, fragments_of, make_model
+from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
+from torchtitan.experiments.fault_tolerance.compression import (
+    PSEUDO_GRAD_DTYPES,
+    Delivered,
+    chunk_numel,
+    get_codec,
+)
+from torchtitan.experiments.fault_tolerance.heal_history import (
+    BASIS_SLOTS,
+    HealHistory,
+    HistoryEntry,
+    ReplayBasis,
+    job_fingerprint,
+    plan_replay,
+    replay,
+)
+from torchtitan.experiments.fault_tolerance.outer_loop import TorchftDiLoCo
+from torchtitan.tools.digest import device_digest
+
+SYNCS = 4
+#: The joiner's checkpoint: right after this sync.
+CHECKPOINT_SYNC = 1
+
+
+def build_loop(
+    method: str, sync: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> Any:
+    """The method as the trainer builds it, with a Nesterov outer optimizer (its momentum is
+    part of what a replay must reproduce): ``diloco``, ``streaming`` (2 fragments),
+    ``streaming_delayed`` (and ``fragment_sync_delay`` 1), ``async_<update>``, and
+    ``async_delayed_nesterov`` (Delayed Nesterov, momentum every 2 outer steps)."""
+    if method.startswith("async_"):
+        every = 2 if method == "async_delayed_nesterov" else 1
+        return AsyncDiLoCo(
+            sync,
+            fragments_of(model, 1),
+            optimizer,
+            sync_steps=PERIOD,
+            update=method.removeprefix("async_").removesuffix("_nesterov"),
+            outer_lr=0.7,
+            outer_momentum=0.9,
+            outer_nesterov=True,
+            outer_momentum_every=every,
+            state_device=torch.device("cpu"),
+            tokens_per_step=10,
+        )
+    from torchft.local_sgd import DiLoCo
+
+    count = 2 if method.startswith("streaming") else 1
+    delay = 1 if method == "streaming_delayed" else 0
+    fragments = fragments_of(model, count)
+    outer = [
+        torch.optim.SGD(f.parameters(), lr=0.7, momentum=0.9, nesterov=True) for f in fragments
+    ]
+    algorithm = DiLoCo(
+        sync,
+        fragments,
+        optimizer,
+        outer,
+        sync_every=PERIOD * count,
+        use_bucketization=False,
+        fragment_sync_delay=delay,
+    )
+    return TorchftDiLoCo(algorithm, fragments, PERIOD, delay)
+
+
+def outer_state(loop: Any) -> list[dict[str, Any]]:
+    """Each fragment's global copy and outer optimizer state, copied."""
+    return [
+        {
+            "global": {k: v.clone() for k, v in loop.global_parameters(i).items()},
+            "outer": copy.deepcopy(loop.outer_optimizer(i).state_dict()),
+        }
+        for i in range(len(loop.fragments))
+    ]
+
+
+def train_with_history(rank: int, pg: Any, method: str, dtype: str, groups: int) -> dict[str, Any]:
+    """One group: ``SYNCS`` committed syncs, each kept in a heal history as the trainer keeps
+    it; its outer state right after sync ``CHECKPOINT_SYNC`` (a checkpoint) and at the end."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    manager = LoopbackManager(pg, rank, groups)
+    loop: Any = None
+    sync = sync_manager(
+        manager, dtype, bucket_numel=BUCKET, fragment_of_sync=lambda: loop.current_fragment()
+    )
+    sync.transport.keep_delivered = True
+    loop = build_loop(method, sync, model, optimizer)
+    history = HealHistory(SYNCS)
+
+    def record(number: int, fragment: int, delivered: list[Delivered]) -> None:
+        basis = device_digest(loop.global_parameters(fragment).values())
+        kept, scale = loop.kept_average(fragment, delivered)
+        history.record(HistoryEntry.of(number, fragment, kept, basis, scale))
+
+    sync.on_committed = record
+    data = torch.Generator().manual_seed(100 + rank)
+    snapshot: list[dict[str, Any]] | None = None
+    try:
+        with loop.hooks():
+            while manager.current_step() < SYNCS:
+                x = torch.randn(8, 16, generator=data)
+                loss = F.mse_loss(model(x), torch.sin(x[:, :1] * (rank + 1)))
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                if manager.current_step() == CHECKPOINT_SYNC and snapshot is None:
+                    snapshot = outer_state(loop)
+    finally:
+        sync.shutdown()
+    return {"history": history, "snapshot": snapshot, "final": outer_state(loop)}
+
+
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for k in sorted(value, key=str) for t in tensors_of(value[k])]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors_of(v)]
+    return []
+
+
+def assert_bitwise_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
+    for name, value in a["global"].items():
+        assert torch.equal(value.view(torch.int32), b["global"][name].view(torch.int32)), name
+    mine, theirs = tensors_of(a["outer"]["state"]), tensors_of(b["outer"]["state"])
+    assert len(mine) == len(theirs) and mine, "no outer state to compare"
+    for x, y in zip(mine, theirs, strict=True):
+        assert x.dtype == y.dtype and torch.equal(
+            x.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8)
+        )
+
+
+CASES = [
+    (method, dtype, 2)
+    for method in ("diloco", "streaming", "streaming_delayed", "async_eager")
+    for dtype in PSEUDO_GRAD_DTYPES
+]
+CASES += [
+    ("diloco", "int4", 3),
+    ("async_delayed", "int8", 2),
+    ("async_eager_share", "float32", 3),
+    ("async_delayed_nesterov", "int4", 2),
+]
+
+
+@pytest.mark.parametrize(("method", "dtype", "groups"), CASES)
+def test_a_replay_of_the_missed_syncs_gives_the_peers_outer_state_bit_for_bit(
+    method: str, dtype: str, groups: int
+) -> None:
+    """A joiner that holds group 0's outer state of sync #1 (its checkpoint) and replays
+    group 0's history entries #2..#4 ends with group 0's global copies and outer optimizer
+    state, bit for bit: every dtype, 1 or 2 fragments, a delay, async DiLoCo (token-weighted
+    averages, Delayed Nesterov), 3 groups."""
+    results = run_groups(
+        groups, lambda rank, pg: train_with_history(rank, pg, method, dtype, groups)
+    )
+    peer = results[0]
+    history: HealHistory = peer["history"]
+    entries = history.after(CHECKPOINT_SYNC)
+    count = len(peer["final"])
+    assert [e.sync for e in entries] == list(range(CHECKPOINT_SYNC + 1, SYNCS + 1))
+    assert all(e.fragment == (e.sync - 1) % count for e in entries)
+    # Every group applied the same averages: their finals agree, and each one's history holds
+    # the same bytes.
+    for other in results[1:]:
+        for i in range(count):
+            assert_bitwise_equal(other["final"][i], peer["final"][i])
+        assert [e.checksum for e in other["history"].after(0)] == [
+            e.checksum for e in history.after(0)
+        ]
+
+    # The joiner: a fresh model whose global copies and outer state are the checkpoint's.
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    manager = LoopbackManager(None, 0, groups)  # type: ignore[arg-type]  # no collective here
+    loop: Any = None
+    sync = sync_manager(manager, dtype, fragment_of_sync=lambda: loop.current_fragment())
+    loop = build_loop(method, sync, model, optimizer)
+    try:
+        for i, saved in enumerate(peer["snapshot"]):
+            for name, value in saved["global"].items():
+                loop.global_parameters(i)[name].copy_(value)
+            loop.outer_optimizer(i).load_state_dict(copy.deepcopy(saved["outer"]))
+        # The peer's plan for this joiner: exactly the missed entries.
+        digests = [device_digest(loop.global_parameters(i).values()) for i in range(count)]
+        basis = ReplayBasis(CHECKPOINT_SYNC, 7, tuple(digests))
+        current = [device_digest(peer["final"][i]["global"].values()) for i in range(count)]
+        plan = plan_replay(history, basis, SYNCS, 7, lambda: current)
+        assert plan.why_full == "" and plan.entries == entries
+        held = replay(plan.entries, loop.replay_outer_step, torch.device("cpu"))
+        assert held == sum(e.nbytes for e in entries)
+        mine = outer_state(loop)
+    finally:
+        sync.shutdown()
+    for i in range(count):
+        assert_bitwise_equal(mine[i], peer["final"][i])
+    # The history holds what travelled: the encoded bytes every group decoded (one encoding
+    # of each transfer, in chunks of whole blocks), not the fp32 average.
+    codec = get_codec(dtype)
+    for e in entries:
+        assert (e.scale == 1.0) == (not method.startswith("async_"))
+        for t in e.transfers:
+            expected = (
+                t.numel * 4
+                if dtype == "float32"
+                else groups * codec.wire_bytes(chunk_numel(t.numel, groups))
+            )
+            assert t.nbytes == expected and t.world_size == groups
+
+
+# ---- the peer's plan -------------------------------------------------------------------------
+
+
+def entry(sync: int, fragment: int = 0, basis: int = 100, values: int = 8) -> HistoryEntry:
+    payload = torch.arange(values, dtype=torch.float32) + sync
+    delivered = Delivered("float32", values, 2, 1, payload)
+    return HistoryEntry.of(sync, fragment, [delivered], basis + sync)
+
+
+def history_of(*syncs: int, capacity: int = 3, fragments: int = 1) -> HealHistory:
+    history = HealHistory(capacity)
+    for s in syncs:
+        history.record(entry(s, (s - 1) % fragments))
+    return history
+
+
+FP = 42
+
+
+def plan(history: HealHistory, basis: ReplayBasis, job: int, current: list[int]) -> str:
+    return plan_replay(history, basis, job, FP, lambda: current).why_full
+
+
+def test_a_joiner_within_the_history_gets_exactly_the_syncs_it_missed() -> None:
+    history = history_of(3, 4, 5)  # basis digests 103, 104, 105
+    found = plan_replay(history, ReplayBasis(3, FP, (104,)), 5, FP, lambda: [999])
+    assert [e.sync for e in found.entries or []] == [4, 5] and found.why_full == ""
+    # A checkpoint at the job's own sync replays nothing: it needs only the small state.
+    found = plan_replay(history, ReplayBasis(5, FP, (999,)), 5, FP, lambda: [999])
+    assert found.entries == [] and found.why_full == ""
+
+
+def test_each_case_that_cannot_be_replayed_falls_back_to_a_full_heal_saying_why() -> None:
+    history = history_of(3, 4, 5)
+    current = [999]
+    assert plan(history, ReplayBasis.none(), 5, current) == (
+        "it has no checkpoint of its own to replay onto"
+    )
+    assert plan(HealHistory(0), ReplayBasis(4, FP, (105,)), 5, current) == (
+        "the peer keeps no heal history (fault_tolerance.heal_history_syncs=0)"
+    )
+    assert plan(history, ReplayBasis(4, FP + 1, (105,)), 5, current) == (
+        "its checkpoint is another job's (the method's settings or the model differ)"
+    )
+    assert plan(history, ReplayBasis(6, FP, (999,)), 5, current) == (
+        "its checkpoint (sync #6) is ahead of the job (#5)"
+    )
+    assert plan(history, ReplayBasis(1, FP, (102,)), 5, current) == (
+        "it is 4 syncs behind and the peer keeps 3 (fault_tolerance.heal_history_syncs)"
+    )
+    # A gap: the peer restarted after sync 3, so its history starts at 5.
+    gap = history_of(5, capacity=3)
+    assert plan(gap, ReplayBasis(3, FP, (104,)), 5, current) == (
+        "the peer's history does not reach back to sync #4 (it starts at #5: the peer "
+        "restarted or healed since)"
+    )
+    assert plan(HealHistory(3), ReplayBasis(3, FP, (104,)), 5, current) == (
+        "the peer's history does not reach back to sync #4 (it is empty: the peer restarted or "
+        "healed since)"
+    )
+    # The same job's settings, another run's (or a damaged) model: never replayed onto.
+    assert plan(history, ReplayBasis(3, FP, (777,)), 5, current) == (
+        "its global parameters of fragment 0 at sync #3 differ from the job's (a checkpoint "
+        "of another run, or damaged)"
+    )
+    assert plan(history, ReplayBasis(3, FP, (104, 1)), 5, current) == (
+        "its checkpoint has another number of fragments"
+    )
+
+
+def test_a_damaged_history_entry_is_never_served() -> None:
+    history = history_of(3, 4, 5)
+    history.after(3)[0].transfers[0].payload[2] += 1  # a flipped value in memory
+    assert plan(history, ReplayBasis(3, FP, (104,)), 5, [999]) == (
+        "the peer's history entry of sync #4 fails its checksum"
+    )
+
+
+def test_streaming_checks_each_fragment_against_its_own_last_sync() -> None:
+    """Two fragments: the joiner's copy of each must match that fragment's state at the
+    checkpoint, which is the basis of its first missed sync, or its current copy if none."""
+    history = history_of(4, 5, fragments=2)  # sync 4: fragment 1 (basis 104); 5: fragment 0
+    current = [500, 600]
+    assert plan(history, ReplayBasis(4, FP, (105, 600)), 5, current) == ""
+    assert plan(history, ReplayBasis(3, FP, (105, 104)), 5, current) == ""
+    assert "fragment 1" in plan(history, ReplayBasis(3, FP, (105, 600)), 5, current)
+
+
+def test_the_history_keeps_the_last_k_syncs_without_gaps() -> None:
+    history = history_of(1, 2, 3, 4, capacity=3)
+    assert [e.sync for e in history.after(0)] == [2, 3, 4] and history.first_sync == 2
+    history.record(entry(6))  # sync 5 never reached this group: 2..4 lead nowhere now
+    assert [e.sync for e in history.after(0)] == [6]
+    assert history.nbytes == 8 * 4
+    assert len(HealHistory(0)) == 0 and HealHistory(0).after(0) == []
+
+
+def test_entries_cross_the_wire_intact_and_a_damaged_one_is_seen() -> None:
+    original = entry(3, values=300)
+    wire = copy.deepcopy(original.to_wire())
+    back = HistoryEntry.from_wire(wire)
+    assert back.intact() and torch.equal(back.average(), original.average())
+    wire["transfers"][0]["payload"][0] += 1
+    assert not HistoryEntry.from_wire(wire).intact()
+
+
+def test_the_basis_travels_in_a_fixed_tensor() -> None:
+    basis = ReplayBasis(12, -5, (1, -2, 3))
+    t = basis.to_tensor(torch.device("cpu"))
+    assert t.shape == (BASIS_SLOTS,) and ReplayBasis.from_tensor(t) == basis
+    assert ReplayBasis.from_tensor(ReplayBasis.none().to_tensor(torch.device("cpu"))).sync == -1
+    many = ReplayBasis(3, 1, tuple(range(100)))  # more fragments than the wire holds: none
+    assert ReplayBasis.from_tensor(many.to_tensor(torch.device("cpu"))).sync == -1
+    assert ReplayBasis.from_tensor(torch.zeros(BASIS_SLOTS, dtype=torch.int64)).sync == -1
+
+
+def test_the_fingerprint_tells_jobs_apart() -> None:
+    assert job_fingerprint(["a", "b"]) == job_fingerprint(["a", "b"])
+    assert job_fingerprint(["a", "b"]) != job_fingerprint(["a", "c"])
+    assert -(2**63) <= job_fingerprint(["x"]) < 2**63
