@@ -33,10 +33,42 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "no_ft": ("no_ft", []),
     "sync_ft": ("sync_ft", []),
     "localsgd": ("localsgd", ["--fault_tolerance.sync_steps=4"]),
-    "diloco": ("diloco", ["--fault_tolerance.sync_steps=4"]),
+    # The method's own state only: the heal history is measured apart (below).
+    "diloco": (
+        "diloco",
+        ["--fault_tolerance.sync_steps=4", "--fault_tolerance.heal_history_syncs=0"],
+    ),
+    # The heal history's cost: the last K averages in CPU memory, as they travelled (fp32: K x
+    # parameter bytes; int4: about K x 0.13 x parameter bytes). Syncs are more frequent here so
+    # that the 8 steps fill it.
+    "diloco_sync_every_2": (
+        "diloco",
+        ["--fault_tolerance.sync_steps=2", "--fault_tolerance.heal_history_syncs=0"],
+    ),
+    "diloco_heal_history_3": (
+        "diloco",
+        ["--fault_tolerance.sync_steps=2", "--fault_tolerance.heal_history_syncs=3"],
+    ),
+    "diloco_int4": (
+        "diloco",
+        [
+            "--fault_tolerance.sync_steps=1",
+            "--fault_tolerance.pseudo_grad_dtype=int4",
+            "--fault_tolerance.heal_history_syncs=0",
+        ],
+    ),
+    "diloco_int4_heal_history_8": (
+        "diloco",
+        [
+            "--fault_tolerance.sync_steps=1",
+            "--fault_tolerance.pseudo_grad_dtype=int4",
+            "--fault_tolerance.heal_history_syncs=8",
+        ],
+    ),
     "streaming_diloco_2_fragments": (
         "streaming_diloco",
-        ["--fault_tolerance.sync_steps=4"],  # 2 fragments, delay 1 (ft_common.METHODS)
+        # 2 fragments, delay 1 (ft_common.METHODS); no heal history, as for diloco
+        ["--fault_tolerance.sync_steps=4", "--fault_tolerance.heal_history_syncs=0"],
     ),
     "streaming_diloco_4_fragments": (
         "diloco",
@@ -44,11 +76,15 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
             "--fault_tolerance.sync_steps=8",
             "--fault_tolerance.num_fragments=4",
             "--fault_tolerance.fragment_sync_delay=1",
+            "--fault_tolerance.heal_history_syncs=0",
         ],
     ),
     # Global copy, outer momentum, the start of the local period and the all-reduce buffer in
     # flight: 4 x parameter bytes, on the CPU whatever outer_state_device says (no GPU here).
-    "async_diloco": ("async_diloco", ["--fault_tolerance.sync_steps=4"]),
+    "async_diloco": (
+        "async_diloco",
+        ["--fault_tolerance.sync_steps=4", "--fault_tolerance.heal_history_syncs=0"],
+    ),
 }
 SLOPE_VARIANTS = ["no_ft", "diloco"]
 

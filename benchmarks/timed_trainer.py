@@ -22,23 +22,31 @@ When this process heals, it emits ``bench.heal_transfer`` (``HEAL_TRANSFER``)
     [timing] heal recv_bytes B seconds S
 
 (field ``bytes``: of the tensors received; ``seconds``: time in torchft's ``recv_checkpoint``).
+With ``--bench.pause_file=PATH`` a trainer waits after each step while PATH exists (alive and
+heartbeating), and says so (``bench.paused`` / ``bench.resumed``, with ``t``): a benchmark holds
+a survivor that way while a killed peer restarts.
+
 The benchmarks read these events from the trainers' event files (``torchtitan.tools.events``).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from torchtitan.config.job_config import JobConfig as CoreJobConfig
-from torchtitan.experiments.fault_tolerance.job_config import JobConfig
+from torchtitan.experiments.fault_tolerance.job_config import JobConfig as SemiSyncJobConfig
 from torchtitan.experiments.fault_tolerance.trainer import SemiSyncTrainer
 from torchtitan.tools.events import EventKind
 from torchtitan.trainer import StepResult, Trainer
 
 __all__ = [
+    "BENCH_PAUSED",
+    "BENCH_RESUMED",
     "HEAL_TRANSFER",
     "TIMING",
     "JobConfig",
@@ -54,6 +62,24 @@ TIMING = EventKind("bench.timing", "[timing] step {step} compute_s {compute_s:.4
 HEAL_TRANSFER = EventKind(
     "bench.heal_transfer", "[timing] heal recv_bytes {bytes} seconds {seconds:.3f}"
 )
+
+
+#: The trainer waits after step ``step`` while ``--bench.pause_file`` exists; ``t`` as above.
+BENCH_PAUSED = EventKind("bench.paused", "[timing] paused after step {step} t {t:.4f}")
+BENCH_RESUMED = EventKind("bench.resumed", "[timing] resumed t {t:.4f}")
+
+
+@dataclass
+class Bench:
+    """Benchmark-only knobs."""
+
+    pause_file: str = ""
+    """While this file exists, wait after each step (empty: never)."""
+
+
+@dataclass
+class JobConfig(SemiSyncJobConfig):
+    bench: Bench = field(default_factory=Bench)
 
 
 def trainer_for(config: CoreJobConfig) -> str:
@@ -95,6 +121,8 @@ class ComputeTiming:
     def __init__(self, job_config: CoreJobConfig) -> None:
         self.compute_s = 0.0  # before the base builds the optimizer, whose hooks add to it
         self._optimizer_step_start = 0.0
+        bench = getattr(job_config, "bench", Bench())
+        self._pause = Path(bench.pause_file) if bench.pause_file else None
         _time_heal_transfers()
         super().__init__(job_config)  # type: ignore[call-arg]
 
@@ -128,6 +156,11 @@ class ComputeTiming:
     def after_step(self, result: StepResult) -> None:
         TIMING.emit(step=self.train_state.step, compute_s=self.compute_s, t=time.monotonic())
         super().after_step(result)  # type: ignore[misc]
+        if self._pause is not None and self._pause.exists():
+            BENCH_PAUSED.emit(step=self.train_state.step, t=time.monotonic())
+            while self._pause.exists():
+                time.sleep(0.05)
+            BENCH_RESUMED.emit(t=time.monotonic())
 
 
 class TimedTrainer(ComputeTiming, Trainer):
