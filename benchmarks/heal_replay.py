@@ -108,7 +108,7 @@ class Watch:
             found = [e for e in self.of(replica, kind) if where(e)]
             if len(found) > index:
                 return found[index]
-            for r in range(self.job.groups):
+            for r in sorted({0, replica}):  # the survivor, and the group waited on
                 start = self.job.latest(r)
                 if start.poll() is not None:
                     raise RuntimeError(f"group {r} exited ({start.returncode}):\n{start.tail()}")
@@ -120,31 +120,41 @@ def committed(number: int) -> Callable[[Event], bool]:
     return lambda e: bool(e["committed"]) and e.sync == number
 
 
+def hold_at(pause: Path, sync: int | None) -> None:
+    """Hold a group (``--bench.pause_file``) once it has committed ``sync`` (None: now)."""
+    part = pause.with_suffix(".part")
+    part.write_text("" if sync is None else str(sync))
+    part.replace(pause)  # atomically: a half-written number would read as "now"
+
+
 def one_case(
     watch: Watch,
     job: LocalJob,
     case: str,
     missed: int,
-    pause: Path,
+    pauses: tuple[Path, Path],
     group1: list[str],
-    sync_steps: int,
 ) -> dict[str, Any]:
-    """Kill group 1 right after a checkpoint, let group 0 commit ``missed`` syncs alone,
-    restart group 1 (``full``: asking for the whole state) and measure its heal."""
-    # A checkpoint written by this start of group 1 from now on (at a sync point).
-    checkpoint = watch.until(1, CHECKPOINT_SAVED, index=len(watch.of(1, CHECKPOINT_SAVED)))
+    """Stop group 1 right after its checkpoint at a sync ``s`` and kill it, let group 0
+    commit ``missed`` syncs alone and hold it there, restart group 1 (``full``: asking for
+    the whole state), let group 0 go, and measure the heal at its next sync."""
+    pause0, pause1 = pauses
+    s = max(e.sync or 0 for e in watch.of(0, SYNC) if e["committed"]) + 2
+    held1 = len(watch.of(1, BENCH_PAUSED))
+    hold_at(pause1, s)
+    watch.until(1, BENCH_PAUSED, index=held1)
+    checkpoint = watch.of(1, CHECKPOINT_SAVED)[-1]
     job.kill_group(1)
-    sync_at_checkpoint = int(checkpoint.step or 0) // sync_steps
-    watch.until(0, SYNC, committed(sync_at_checkpoint + missed))
-    paused = len(watch.of(0, BENCH_PAUSED))
-    pause.touch()
-    watch.until(0, BENCH_PAUSED, index=paused)
+    pause1.unlink()
+    held0 = len(watch.of(0, BENCH_PAUSED))
+    hold_at(pause0, s + missed)
+    watch.until(0, BENCH_PAUSED, index=held0)
     extra = ["--fault_tolerance.heal_history_syncs=0"] if case == "full" else []
     job.start_group(1, [*group1, *extra])
     watch.until(1, ASKING_FOR_QUORUM)
     time.sleep(0.5)  # its quorum request is at the lighthouse
     resumed = len(watch.of(0, BENCH_RESUMED))
-    pause.unlink()
+    pause0.unlink()
     released = float(watch.until(0, BENCH_RESUMED, index=resumed)["t"])
     healed = watch.until(1, HEALED)
     transfer = watch.until(1, HEAL_TRANSFER)
@@ -165,6 +175,8 @@ def one_case(
     return {
         "case": case,
         "missed_syncs": missed,
+        "checkpoint_step": checkpoint.step,
+        "checkpoint_sync": s,
         "transfer": healed["transfer"],
         "replayed_syncs": healed["replayed_syncs"],
         "full_because": healed["full_because"],
@@ -197,8 +209,9 @@ def run_job(folder: Path, rate: float, dtype: str, args: argparse.Namespace) -> 
         f"--fault_tolerance.heal_history_syncs={max(args.missed)}",
         "--fault_tolerance.min_replica_size=1",
     ]
-    pause = folder / "pause_group0"
+    pauses = (folder / "pause_group0", folder / "pause_group1")
     group1 = [
+        f"--bench.pause_file={pauses[1]}",
         f"--fault_tolerance.hostname={netns.group_ip(1)}",
         "--checkpoint.enable",
         f"--checkpoint.interval={args.sync_steps}",
@@ -219,13 +232,21 @@ def run_job(folder: Path, rate: float, dtype: str, args: argparse.Namespace) -> 
             job.start_lighthouse(LIGHTHOUSE_PORT)
             job.start_group(
                 0,
-                [f"--fault_tolerance.hostname={netns.group_ip(0)}", f"--bench.pause_file={pause}"],
+                [
+                    f"--fault_tolerance.hostname={netns.group_ip(0)}",
+                    f"--bench.pause_file={pauses[0]}",
+                ],
             )
             job.start_group(1, group1)
             watch = Watch(job, args.timeout)
             watch.until(0, SYNC, committed(2))
             for case, missed in cases:
-                results.append(one_case(watch, job, case, missed, pause, group1, args.sync_steps))
+                results.append(one_case(watch, job, case, missed, pauses, group1))
+                if (
+                    results[-1]["checkpoint_step"]
+                    != results[-1]["checkpoint_sync"] * args.sync_steps
+                ):
+                    raise RuntimeError(f"group 1's checkpoint is not at its sync: {results[-1]}")
                 r = results[-1]
                 print(
                     f"[heal_replay] {rate:6g} Mbit/s {dtype:7s} {case:5s} {r['transfer']:6s} "

@@ -22,9 +22,10 @@ When this process heals, it emits ``bench.heal_transfer`` (``HEAL_TRANSFER``)
     [timing] heal recv_bytes B seconds S
 
 (field ``bytes``: of the tensors received; ``seconds``: time in torchft's ``recv_checkpoint``).
-With ``--bench.pause_file=PATH`` a trainer waits after each step while PATH exists (alive and
-heartbeating), and says so (``bench.paused`` / ``bench.resumed``, with ``t``): a benchmark holds
-a survivor that way while a killed peer restarts.
+With ``--bench.pause_file=PATH`` a trainer waits after a step while PATH exists (alive and
+heartbeating), and says so (``bench.paused`` / ``bench.resumed``, with ``t``): at once if PATH is
+empty, or once its torchft Manager has committed N steps or syncs if PATH holds the number N.
+A benchmark holds a group at a chosen sync that way (write the file atomically).
 
 The benchmarks read these events from the trainers' event files (``torchtitan.tools.events``).
 """
@@ -74,7 +75,8 @@ class Bench:
     """Benchmark-only knobs."""
 
     pause_file: str = ""
-    """While this file exists, wait after each step (empty: never)."""
+    """While this file exists, wait after each step; if it holds a number N, only once the
+    Manager has committed N steps or syncs (empty field: never)."""
 
 
 @dataclass
@@ -126,6 +128,17 @@ class ComputeTiming:
         _time_heal_transfers()
         super().__init__(job_config)  # type: ignore[call-arg]
 
+    def _pause_due(self) -> bool:
+        """An empty pause file holds the trainer now; one that holds a number N, once its
+        torchft Manager has committed N steps or syncs."""
+        assert self._pause is not None
+        text = self._pause.read_text().strip()
+        if not text:
+            return True
+        ft = getattr(self, "ft", None)
+        done = ft.manager.current_step() if ft is not None and ft.started else 0
+        return done >= int(text)
+
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
         try:
@@ -156,7 +169,7 @@ class ComputeTiming:
     def after_step(self, result: StepResult) -> None:
         TIMING.emit(step=self.train_state.step, compute_s=self.compute_s, t=time.monotonic())
         super().after_step(result)  # type: ignore[misc]
-        if self._pause is not None and self._pause.exists():
+        if self._pause is not None and self._pause.exists() and self._pause_due():
             BENCH_PAUSED.emit(step=self.train_state.step, t=time.monotonic())
             while self._pause.exists():
                 time.sleep(0.05)
