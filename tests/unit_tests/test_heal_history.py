@@ -10,6 +10,7 @@ the largest tensor (so it travels in pieces), for every pseudo-gradient dtype.
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -351,3 +352,99 @@ def test_the_fingerprint_tells_jobs_apart() -> None:
     assert job_fingerprint(["a", "b"]) == job_fingerprint(["a", "b"])
     assert job_fingerprint(["a", "b"]) != job_fingerprint(["a", "c"])
     assert -(2**63) <= job_fingerprint(["x"]) < 2**63
+
+
+# ---- both ends of a heal (HealExchange), without the transport ------------------------------
+
+
+def _exchange_of(loop: Any, history: HealHistory, user_state: dict[str, Any]) -> Any:
+    from torchtitan.experiments.fault_tolerance.heal_transport import HealExchange
+
+    kept: list[str] = []
+    manager = SimpleNamespace(_user_state_dicts={k: (lambda v=v: v) for k, v in user_state.items()})
+    ft = SimpleNamespace(manager=manager, keep_own=kept.extend, kept=kept)
+    return HealExchange(history, FP, loop, ft)  # type: ignore[arg-type]
+
+
+def _diloco_loop() -> tuple[Any, Any]:
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    manager = LoopbackManager(None, 0, 2)  # type: ignore[arg-type]  # no collective here
+    loop: Any = None
+    sync = sync_manager(manager, fragment_of_sync=lambda: loop.current_fragment())
+    loop = build_loop("diloco", sync, model, optimizer)
+    return loop, sync
+
+
+def test_a_peer_sends_only_the_missed_averages_and_the_joiner_replays_them() -> None:
+    """The peer committed syncs 1..3 (it applied each and kept it); the joiner's checkpoint
+    is at sync 1. The answer leaves out the model, the inner optimizer and the fragment's
+    global copy; the joiner keeps its own model and optimizer (KEEP_OWN), reloads its own
+    fragment state, replays 2..3 and ends on the peer's global copy and momentum."""
+    from torchtitan.components.ft.healing import KEEP_OWN
+    from torchtitan.experiments.fault_tolerance.heal_transport import HEAL_KEY
+
+    numel = sum(p.numel() for p in make_model().parameters())
+    averages = [torch.randn(numel, generator=torch.Generator().manual_seed(s)) for s in (1, 2, 3)]
+    (peer, peer_sync), (joiner, joiner_sync) = _diloco_loop(), _diloco_loop()
+    try:
+        peer_side = _exchange_of(peer, HealHistory(3), {})
+        for number, average in enumerate(averages, start=1):
+            delivered = [Delivered("float32", numel, 2, 1, average.clone())]
+            peer_side.record(number, 0, delivered)
+            peer.replay_outer_step(0, average.clone())
+        joiner.replay_outer_step(0, averages[0].clone())  # its checkpoint: after sync 1
+        own_fragment = {"outer_optimizer": {}, "original_parameters": {}}
+        joiner_side = _exchange_of(
+            joiner, HealHistory(3), {"StreamingDiLoCoFragment_0": own_fragment}
+        )
+        joiner_side.set_basis(1)
+        state = {
+            "torchft": {"step": 3},
+            "user": {
+                "model": "peer's model", "optimizer": "peer's moments", "lr_scheduler": {"lr": 1},
+                "StreamingDiLoCoFragment_0": "peer's global copy", HEAL_KEY: {"transfer": "none"},
+            },
+        }  # fmt: skip
+        answer = peer_side.answer(joiner_side.basis, 3, state)
+        assert sorted(answer["user"]) == [HEAL_KEY, "lr_scheduler"]
+        assert answer["user"][HEAL_KEY]["omitted"] == [
+            "model", "optimizer", "StreamingDiLoCoFragment_0"
+        ]  # fmt: skip
+        received = joiner_side.received(copy.deepcopy(answer))
+        assert received["user"]["model"] is KEEP_OWN and received["user"]["optimizer"] is KEEP_OWN
+        assert received["user"]["StreamingDiLoCoFragment_0"] is own_fragment
+        assert joiner_side.ft.kept == ["model", "optimizer"]
+        joiner_side.load(received["user"][HEAL_KEY])
+        assert joiner_side.replay_failed == "" and joiner_side.receipt.transfer == "replay"
+        assert joiner_side.receipt.syncs == 2
+        assert_bitwise_equal(outer_state(joiner)[0], outer_state(peer)[0])
+        # The model holds the global parameters now.
+        for name, p in joiner.fragment_parameters(0).items():
+            assert torch.equal(p.detach(), joiner.global_parameters(0)[name])
+        assert [e.sync for e in joiner_side.history.after(0)] == [2, 3]  # it can serve them
+
+        # A group whose other rank was healed in full heals in full with it, next quorum.
+        joiner_side.agree = lambda values: [max(v, 1) if i == 0 else v for i, v in enumerate(values)]
+        joiner_side.set_basis(1)
+        joiner_side.load(copy.deepcopy(received["user"][HEAL_KEY]))
+        assert joiner_side.replay_failed == "another rank of this group healed in full"
+        assert joiner_side.basis.sync == -1
+    finally:
+        peer_sync.shutdown()
+        joiner_sync.shutdown()
+
+
+def test_keep_own_leaves_a_state_untouched() -> None:
+    from torchtitan.components.ft.healing import KEEP_OWN, register_healing_state
+
+    loaded: list[Any] = []
+    fns: dict[str, Any] = {}
+    state = SimpleNamespace(state_dict=lambda: {"w": 1}, load_state_dict=loaded.append)
+    manager = SimpleNamespace(register_state_dict_fn=lambda k, load, save: fns.update({k: load}))
+    notes: list[str] = []
+    register_healing_state(manager, "model", state, on_load=notes.append)  # type: ignore[arg-type]
+    fns["model"](KEEP_OWN)
+    assert loaded == [] and notes == []
+    fns["model"]({"w": 2})
+    assert loaded == [{"w": 2}] and notes == ["model"]

@@ -24,6 +24,14 @@ NOT_HEALED = frozenset({"dataloader"})
 # Marks a DTensor's local shard in healing state (see ``_to_local_tree``).
 _SHARD = "__ft_local_shard__"
 
+#: In place of a state a heal does not send (a transport that sends only what the joiner
+#: lacks): the joiner keeps its own, untouched.
+KEEP_OWN: dict[str, bool] = {"__ft_keep_own__": True}
+
+
+def keeps_own(value: Any) -> bool:
+    return isinstance(value, dict) and bool(value.get("__ft_keep_own__"))
+
 
 def _to_local_tree(value: Any) -> Any:
     """Replace DTensors by their local shards plus layout. The layout is sent because the
@@ -89,6 +97,8 @@ def register_healing_state(
         return _to_local_tree(state.state_dict())
 
     def load(value: Any) -> None:
+        if keeps_own(value):
+            return
         state.load_state_dict(_from_local_tree(state.state_dict(), value, mesh))
         if on_load is not None:
             on_load(name)

@@ -174,9 +174,9 @@ class FTManager:
             self._manager.register_state_dict_fn(key, load, save)
 
     def keep_own(self, names: list[str]) -> None:
-        """In the heal under way, these states are this group's own, not the peer's (a
-        transport that sends only what the joiner lacks says so): ``ft.healed`` names them
-        apart."""
+        """In the heal under way, these states stay this group's own (a transport that sends
+        only what the joiner lacks puts ``healing.KEEP_OWN`` in their place): ``ft.healed``
+        names them apart."""
         self._kept_own.update(names)
 
     def state_dict(self) -> dict[str, int]:
@@ -304,11 +304,11 @@ class FTManager:
         subject = self._subject()
         if waited >= QuorumWaitWatchdog.SCHEDULE_S[0]:
             QUORUM_FORMED.emit(**subject, groups=size, waited_s=waited)
-        if self._healed:
+        if self._healed or self._kept_own:
             HEALED.emit(
                 **subject,
                 states=[s for s in dict.fromkeys(self._healed) if s not in self._kept_own],
-                kept_own=sorted(self._kept_own & set(self._healed)),
+                kept_own=sorted(self._kept_own),
                 seconds=time.monotonic() - start,
             )
         return waited

@@ -40,8 +40,16 @@ def job_fingerprint(parts: Iterable[str]) -> int:
     return int.from_bytes(digest, "little", signed=True)
 
 
+def _as_words(payload: torch.Tensor) -> list[torch.Tensor]:
+    """A payload's bytes as 64-bit words (and the bytes after the last whole word): a digest
+    over them reads each byte once, without widening every byte to 64 bits."""
+    flat = payload.detach().reshape(-1).view(torch.uint8)
+    whole = flat.numel() // 8 * 8
+    return [flat[:whole].view(torch.int64), flat[whole:]]
+
+
 def _payload_digest(transfers: Iterable[Delivered]) -> int:
-    return device_digest(t.payload for t in transfers)
+    return device_digest(w for t in transfers for w in _as_words(t.payload))
 
 
 @dataclass(frozen=True)

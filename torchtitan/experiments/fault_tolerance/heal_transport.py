@@ -23,6 +23,7 @@ from torch.distributed import ProcessGroup
 
 from torchtitan.components.ft import FTManager
 from torchtitan.components.ft import torchft_adapter as tft
+from torchtitan.components.ft.healing import KEEP_OWN
 from torchtitan.config.job_config import JobConfig
 from torchtitan.experiments.fault_tolerance import events
 from torchtitan.experiments.fault_tolerance.compression import Delivered
@@ -98,6 +99,9 @@ class HealExchange:
         #: in full at the next quorum.
         self.replay_failed = ""
         self._full_said = False
+        #: Element by element the largest of this group's ranks' numbers (the trainer sets a
+        #: MAX all-reduce when the group has more than one rank).
+        self.agree: Callable[[list[int]], list[int]] = lambda values: values
 
     def digests(self) -> list[int]:
         """This rank's digest of each fragment's global copy."""
@@ -136,12 +140,16 @@ class HealExchange:
             "full_because": None if receipt is None or not receipt.why_full else receipt.why_full,
         }
 
+    #: The core's states a replay keeps as the joiner's own: its model (the global copies go
+    #: into it after the replay) and its inner optimizer.
+    CORE_KEPT = ("model", "optimizer")
+
     def replayable(self, key: str) -> bool:
         """The healing state a replay leaves out: the model (the global copies replace it),
         the inner optimizer (the joiner keeps its own) and the fragments' global copies and
         outer optimizers (replayed)."""
         loop = self.loop
-        return key in ("model", "optimizer") or (
+        return key in self.CORE_KEPT or (
             isinstance(loop, ReplaysOuterSteps) and loop.replayed_state(key)
         )
 
@@ -183,16 +191,36 @@ class HealExchange:
         nbytes = tree_nbytes(state)
         value = state["user"].get(HEAL_KEY, {})
         if value.get("transfer") == "replay":
-            own = tft.user_state(self.ft.manager, list(value["omitted"]))
-            state["user"].update({key: own[key] for key in value["omitted"]})
-            self.ft.keep_own(list(value["omitted"]))
+            omitted = list(value["omitted"])
+            # The core's states stay as they are; the method's are reloaded from its own
+            # (torchft's DiLoCo loads every fragment it registered), then replayed.
+            core = [key for key in omitted if key in self.CORE_KEPT]
+            own = tft.user_state(self.ft.manager, [k for k in omitted if k not in core])
+            state["user"].update({key: KEEP_OWN for key in core})
+            state["user"].update(own)
+            self.ft.keep_own(core)
             self.receipt = HealReceipt("replay", "", nbytes, len(value["entries"]))
         else:
             self.receipt = HealReceipt("full", value.get("why", ""), nbytes)
         return state
 
     def load(self, value: dict[str, Any]) -> None:
-        """torchft loads the ``heal_history`` entry last, on the main thread: replay."""
+        """torchft loads the ``heal_history`` entry last, on the main thread: replay. The
+        ranks of a group then agree: each rank's peer decided for its own shards, and if one
+        rank was healed in full, or its replay failed, while another replayed, the whole
+        group heals in full at the next quorum (nobody commits this one)."""
+        self._load(value)
+        full, replayed, failed = self.agree(
+            [int(value.get("transfer") != "replay"), int(value.get("transfer") == "replay"),
+             int(bool(self.replay_failed))]
+        )  # fmt: skip
+        if (full and replayed) or failed:
+            self.replay_failed = self.replay_failed or (
+                "another rank of this group " + ("failed its replay" if failed else "healed in full")
+            )
+            self.basis = ReplayBasis.none()
+
+    def _load(self, value: dict[str, Any]) -> None:
         self.replay_failed = ""
         if value.get("transfer") != "replay":
             self.history.clear()  # this group's state now follows from the peer's, not its own

@@ -123,6 +123,8 @@ class SemiSyncTrainer(Trainer):
         history = HealHistory(ft.heal_history_syncs if method != "localsgd" else 0)
         fingerprint = job_fingerprint(job_fingerprint_parts(job_config, self.model))
         self.heal = HealExchange(history, fingerprint, self.algorithm, self.ft)
+        if self.parallel_dims.world_size > 1:
+            self.heal.agree = functools.partial(most_in_group, device=self.device)
         if self.heal.replays:
             transport.keep_delivered = True
             self.sync.on_committed = self.heal.record
