@@ -276,3 +276,24 @@ def test_a_checkpoint_ahead_of_the_running_job_heals_in_full(
     assert healed["full_because"] == (
         f"its checkpoint (sync #4) is ahead of the job (#{healed.sync - 1})"
     )
+
+
+def test_with_fsdp2_every_rank_replays_its_own_shard(
+    ft_job: Callable[..., FTJob], tmp_path: Path
+) -> None:
+    """2 groups x 2 ranks (FSDP2): each rank of the restarted group asks the same rank of its
+    peer for the syncs its shard missed, replays them, and rank r of both groups then holds
+    the same global shard at every sync they share."""
+    pause = tmp_path / "pause_group0"
+    history = "--fault_tolerance.heal_history_syncs=8"
+    job = ft_job(groups=2, ngpu=2, train_args=_paced("diloco", history))
+    _restart_behind(job, pause, alone_until=4)
+    for rank in (0, 1):
+        (healed,) = job.events(1, HEALED, rank=rank)
+        assert healed["transfer"] == "replay", (rank, healed.fields)
+        assert healed["replayed_syncs"] == healed.sync - 1 - 2
+        digests = [global_digests(job.events(r, GLOBAL_DIGEST, rank=rank, all_starts=True))
+                   for r in range(2)]  # fmt: skip
+        shared = sorted(set(digests[0]) & set(digests[1]))
+        assert healed.sync in shared
+        assert all(digests[0][n] == digests[1][n] for n in shared), rank

@@ -424,11 +424,14 @@ def test_a_peer_sends_only_the_missed_averages_and_the_joiner_replays_them() -> 
             assert torch.equal(p.detach(), joiner.global_parameters(0)[name])
         assert [e.sync for e in joiner_side.history.after(0)] == [2, 3]  # it can serve them
 
-        # A group whose other rank was healed in full heals in full with it, next quorum.
-        joiner_side.agree = lambda values: [max(v, 1) if i == 0 else v for i, v in enumerate(values)]
+        # A rank healed in full while another of its group replayed: the whole group heals
+        # in full at the next quorum (it asks for the full state then).
+        joiner_side.agree = lambda values: [values[0], 1, values[2]]  # another rank replayed
         joiner_side.set_basis(1)
-        joiner_side.load(copy.deepcopy(received["user"][HEAL_KEY]))
-        assert joiner_side.replay_failed == "another rank of this group healed in full"
+        joiner_side.load({"transfer": "full", "why": "it is 4 syncs behind"})
+        assert joiner_side.replay_failed == (
+            "the ranks of this group did not all replay (a full heal on some)"
+        )
         assert joiner_side.basis.sync == -1
     finally:
         peer_sync.shutdown()

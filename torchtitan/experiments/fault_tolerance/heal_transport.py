@@ -216,7 +216,9 @@ class HealExchange:
         )  # fmt: skip
         if (full and replayed) or failed:
             self.replay_failed = self.replay_failed or (
-                "another rank of this group " + ("failed its replay" if failed else "healed in full")
+                "another rank of this group failed its replay"
+                if failed
+                else "the ranks of this group did not all replay (a full heal on some)"
             )
             self.basis = ReplayBasis.none()
 
