@@ -118,7 +118,7 @@ def test_a_group_restarted_from_its_checkpoint_replays_the_syncs_it_missed(
     (healed,) = job.events(1, HEALED)
     behind = healed.sync - 1 - checkpoint_sync  # the syncs committed since its checkpoint
     assert behind >= 2
-    assert healed["transfer"] == "replay", healed.fields
+    assert (healed["case"], healed["transfer"]) == ("replay", "replay"), healed.fields
     assert healed["replayed_syncs"] == behind, healed.fields
     assert healed["full_because"] is None
     # What a replay carries: the missed averages as they travelled (fp32: 4 bytes per

@@ -542,3 +542,17 @@ def test_a_manifest_of_a_newer_format_is_refused_in_one_line(tmp_path: Path) -> 
     (newest / "checksums.json").write_text(json.dumps({**manifest, "format": 99}))
     problem = checksums.verify(newest)
     assert problem is not None and "has format 99, newer than this version reads" in problem
+
+
+def test_a_checkpoint_folder_may_be_an_absolute_path_per_replica_group(tmp_path: Path) -> None:
+    """``checkpoint.folder`` relative to the dump folder, or absolute (storage local to a
+    group's region, where a restart reads its own checkpoint to replay from); each
+    fault-tolerant replica group has its own folder in it."""
+    from torchtitan.components.checkpoint import checkpoint_folder
+
+    config = _config(tmp_path / "dump")
+    assert checkpoint_folder(config) == tmp_path / "dump" / "checkpoint"
+    config = _config(tmp_path / "dump", folder=str(tmp_path / "region_a"))
+    config.fault_tolerance.enable = True
+    config.fault_tolerance.replica_id = 3
+    assert checkpoint_folder(config) == tmp_path / "region_a" / "replica_3"

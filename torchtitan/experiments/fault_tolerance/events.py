@@ -131,7 +131,7 @@ def _healed_line(v: dict[str, Any], _: bool) -> str:
         line += f": {v['full_because']})" if v.get("full_because") else ")"
     if v["case"] == "newer_checkpoint":
         return f"{line}: a restarted group with a newer checkpoint"
-    if v["case"] == "join_sync":
+    if v["case"] in ("join_sync", "replay"):
         return (
             f"{line}: joined the running job at its sync point {v['waited_s']:.1f}s after "
             "asking; taking part in this sync"
@@ -143,7 +143,9 @@ def _healed_line(v: dict[str, Any], _: bool) -> str:
 #: ``inner_step`` of ``period``. ``case``: ``running`` (this group was running and was behind),
 #: ``join_sync`` (a starting group healed from the running job at its sync point and takes part
 #: in that sync; ``waited_s`` since it asked), ``newer_checkpoint`` (a starting group healed
-#: from another starting group with a newer checkpoint). ``transfer``: ``replay`` (the syncs it
+#: from another starting group with a newer checkpoint), ``replay`` (a starting group replayed
+#: the syncs it missed onto its own checkpoint, at the running job's sync point, and takes
+#: part in that sync). ``transfer``: ``replay`` (the syncs it
 #: missed since its own checkpoint, ``replayed_syncs`` of them) or ``full`` (every state;
 #: ``full_because`` says why not a replay); ``bytes_received``: the tensors' bytes.
 HEALED = EventKind("semi_sync.healed", _healed_line)

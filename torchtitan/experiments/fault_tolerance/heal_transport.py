@@ -130,6 +130,10 @@ class HealExchange:
         else:
             self.basis = ReplayBasis(sync, self.fingerprint, tuple(self.digests()))
 
+    def replayed(self) -> bool:
+        """Whether this group's last heal replayed its missed syncs."""
+        return self.receipt is not None and self.receipt.transfer == "replay"
+
     def event_fields(self) -> dict[str, Any]:
         """The last heal, for the ``semi_sync.healed`` event."""
         receipt = self.receipt

@@ -293,7 +293,8 @@ class SemiSyncTrainer(Trainer):
             peer=joined.peer,
             inner_step=joined.local_step,
             period=self.period,
-            case="join_sync",
+            # A replay always joins at the sync point it was healed in.
+            case="replay" if self.heal.replayed() else "join_sync",
             waited_s=joined.waited_s,
             **self.heal.event_fields(),
         )
