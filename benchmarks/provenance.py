@@ -17,6 +17,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
+RESULTS_REL = "benchmarks/results"
 # A smoke run checks the plumbing; its numbers are no results and never land in RESULTS.
 SMOKE_RESULTS = Path(tempfile.gettempdir()) / "torchtitan_benchmark_smoke"
 
@@ -66,8 +67,18 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "git_commit": _git("rev-parse", "--short", "HEAD"),
-        # Tracked files that differ from the commit: the numbers may not be the commit's.
-        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        # Tracked files that differ from the commit: the numbers may not be the commit's. The
+        # results folder is left out: a rerun rewrites its own (tracked) result file as it goes.
+        "git_dirty": bool(
+            _git(
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                ".",
+                f":(exclude){RESULTS_REL}",
+            )
+        ),
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
