@@ -211,7 +211,7 @@ def test_a_replay_of_the_missed_syncs_gives_the_peers_outer_state_bit_for_bit(
         current = [device_digest(peer["final"][i]["global"].values()) for i in range(count)]
         plan = plan_replay(history, basis, SYNCS, 7, lambda: current)
         assert plan.why_full == "" and plan.entries == entries
-        held = replay(plan.entries, loop.replay_outer_step, torch.device("cpu"))
+        held = replay(plan.entries, loop.replay_outer_step, loop.replay_device)
         assert held == sum(e.nbytes for e in entries)
         mine = outer_state(loop)
     finally:
@@ -361,7 +361,10 @@ def _exchange_of(loop: Any, history: HealHistory, user_state: dict[str, Any]) ->
     from torchtitan.experiments.fault_tolerance.heal_transport import HealExchange
 
     kept: list[str] = []
-    manager = SimpleNamespace(_user_state_dicts={k: (lambda v=v: v) for k, v in user_state.items()})
+    manager = SimpleNamespace(
+        _user_state_dicts={k: (lambda v=v: v) for k, v in user_state.items()},
+        current_step=lambda: 3,  # torchft loaded the peer's step before the user states
+    )
     ft = SimpleNamespace(manager=manager, keep_own=kept.extend, kept=kept)
     return HealExchange(history, FP, loop, ft)  # type: ignore[arg-type]
 
@@ -424,18 +427,36 @@ def test_a_peer_sends_only_the_missed_averages_and_the_joiner_replays_them() -> 
             assert torch.equal(p.detach(), joiner.global_parameters(0)[name])
         assert [e.sync for e in joiner_side.history.after(0)] == [2, 3]  # it can serve them
 
-        # A rank healed in full while another of its group replayed: the whole group heals
-        # in full at the next quorum (it asks for the full state then).
-        joiner_side.agree = lambda values: [values[0], 1, values[2]]  # another rank replayed
-        joiner_side.set_basis(1)
-        joiner_side.load({"transfer": "full", "why": "it is 4 syncs behind"})
-        assert joiner_side.replay_failed == (
-            "the ranks of this group did not all replay (a full heal on some)"
-        )
+        # Healed again in a retried start-up quorum: it now asks from sync 3, not 1 (else
+        # the same syncs would be applied twice).
+        assert joiner_side.basis.sync == 3
+        assert joiner_side.take_heal() == "replay" and joiner_side.take_heal() is None
+        # A replay that raises (an entry of a fragment this model lacks) fails safe: a full
+        # heal next.
+        broken = copy.deepcopy(received["user"][HEAL_KEY])
+        broken["entries"][0]["fragment"] = 5
+        joiner_side.load(broken)
+        assert joiner_side.replay_failed.startswith("the replay raised")
         assert joiner_side.basis.sync == -1
     finally:
         peer_sync.shutdown()
         joiner_sync.shutdown()
+
+
+def test_a_committed_sync_without_tokens_is_replayed_as_nothing() -> None:
+    """Async DiLoCo commits a sync in which no group had tokens without an outer step; its
+    entry (scale 0) must not divide by zero in a replay."""
+    steps: list[int] = []
+    entries = [entry(2), HistoryEntry.of(3, 0, entry(3).transfers, 103, scale=0.0)]
+    held = replay(entries, lambda f, avg: steps.append(f), lambda f: torch.device("cpu"))
+    assert steps == [0] and held == sum(e.nbytes for e in entries)
+
+
+def test_the_quorum_findings_carry_the_replay_verdicts_through_the_group() -> None:
+    from torchtitan.experiments.fault_tolerance.quorum_protocol import QuorumFindings
+
+    found = QuorumFindings(False, False, False, False, 7, True, False, True)
+    assert QuorumFindings.from_ints(found.as_ints()) == found
 
 
 def test_keep_own_leaves_a_state_untouched() -> None:

@@ -530,11 +530,15 @@ def test_quorum_findings_travel_as_ints_and_come_back_named() -> None:
     comes back under its name."""
     found = QuorumFindings(failed=False, disagree=True, no_majority=False, minority=True,
                            planned_steps=7)  # fmt: skip
-    assert found.as_ints() == [0, 1, 0, 1, 7]
+    assert found.as_ints() == [0, 1, 0, 1, 7, 0, 0, 0]
     assert QuorumFindings.from_ints(found.as_ints()) == found
     other = QuorumFindings(True, False, False, False, 9)
     merged = [max(a, b) for a, b in zip(found.as_ints(), other.as_ints(), strict=True)]
     assert QuorumFindings.from_ints(merged) == QuorumFindings(True, True, False, True, 9)
+    healed = QuorumFindings(False, False, False, False, 0, replayed=True)
+    full = QuorumFindings(False, False, False, False, 0, healed_in_full=True)
+    both = [max(a, b) for a, b in zip(healed.as_ints(), full.as_ints(), strict=True)]
+    assert QuorumFindings.from_ints(both).replayed and QuorumFindings.from_ints(both).healed_in_full
 
 
 def test_every_method_implements_its_whole_interface() -> None:

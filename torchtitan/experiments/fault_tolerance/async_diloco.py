@@ -310,6 +310,11 @@ class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
             return [Delivered("float32", sums.numel(), 1, 1, sums)], total
         return delivered, total
 
+    def replay_device(self, index: int) -> torch.device:
+        # The sync's buffer, divided by the tokens in ``InFlightSync.finish``, is on the model's
+        # device (``_buffer``).
+        return local_tensor(next(iter(self._states[index].params.values()))).device
+
     def replay_outer_step(self, index: int, average: torch.Tensor) -> None:
         self._states[index].apply_average(average)
 

@@ -275,12 +275,17 @@ def plan_replay(
 def replay(
     entries: Iterable[HistoryEntry],
     outer_step: Callable[[int, torch.Tensor], None],
-    device: torch.device,
+    device_of: Callable[[int], torch.device],
 ) -> int:
     """Redo the outer steps of ``entries`` in order (``outer_step(fragment, average)``, the
-    method's). Returns the bytes the entries held."""
+    method's), each average decoded and divided on ``device_of(fragment)``: the device where
+    the groups' own outer step divided it (CUDA and the CPU round a division apart). An entry
+    of ``scale`` 0 (a committed sync without tokens) applied nothing and is skipped. Returns
+    the bytes the entries held."""
     held = 0
     for entry in entries:
-        outer_step(entry.fragment, entry.average(device))
         held += entry.nbytes
+        if entry.scale == 0:
+            continue
+        outer_step(entry.fragment, entry.average(device_of(entry.fragment)))
     return held

@@ -99,9 +99,7 @@ class HealExchange:
         #: in full at the next quorum.
         self.replay_failed = ""
         self._full_said = False
-        #: Element by element the largest of this group's ranks' numbers (the trainer sets a
-        #: MAX all-reduce when the group has more than one rank).
-        self.agree: Callable[[list[int]], list[int]] = lambda values: values
+        self._heal_kind: str | None = None
 
     def digests(self) -> list[int]:
         """This rank's digest of each fragment's global copy."""
@@ -121,6 +119,13 @@ class HealExchange:
         if not self._full_said and len(self.history) == self.history.capacity:
             self._full_said = True
             events.HEAL_HISTORY_KEPT.emit(syncs=len(self.history), mib=self.history.nbytes / 2**20)
+
+    def _why_no_history(self) -> str:
+        if not isinstance(self.loop, ReplaysOuterSteps):
+            return f"{self.loop.method} cannot replay"
+        if self.history.capacity <= 0:
+            return "fault_tolerance.heal_history_syncs=0, or should_quantize"
+        return "it keeps one"
 
     def set_basis(self, sync: int | None) -> None:
         """Before a start-up quorum: this group's own checkpoint is at ``sync`` (None: it has
@@ -163,9 +168,7 @@ class HealExchange:
         """What to send a joiner with ``basis``: torchft's ``state`` (``{"user", "torchft"}``)
         in full, or its small entries plus the missed averages."""
         if not self.replays:
-            plan = ReplayPlan(None, f"{self.loop.method} keeps no heal history")
-            if isinstance(self.loop, ReplaysOuterSteps):
-                plan = ReplayPlan(None, "fault_tolerance.heal_history_syncs is 0")
+            plan = ReplayPlan(None, f"the peer keeps no heal history ({self._why_no_history()})")
         else:
             plan = plan_replay(self.history, basis, step, self.fingerprint, self.digests)
         user = dict(state["user"])
@@ -205,26 +208,28 @@ class HealExchange:
             self.ft.keep_own(core)
             self.receipt = HealReceipt("replay", "", nbytes, len(value["entries"]))
         else:
-            self.receipt = HealReceipt("full", value.get("why", ""), nbytes)
+            why = value.get("why", "")
+            if self.basis.sync < 0 and not self.replays:  # it asked for no replay itself
+                why = f"this group keeps no heal history ({self._why_no_history()})"
+            self.receipt = HealReceipt("full", why, nbytes)
+        self._heal_kind = self.receipt.transfer
         return state
 
     def load(self, value: dict[str, Any]) -> None:
-        """torchft loads the ``heal_history`` entry last, on the main thread: replay. The
-        ranks of a group then agree: each rank's peer decided for its own shards, and if one
-        rank was healed in full, or its replay failed, while another replayed, the whole
-        group heals in full at the next quorum (nobody commits this one)."""
-        self._load(value)
-        full, replayed, failed = self.agree(
-            [int(value.get("transfer") != "replay"), int(value.get("transfer") == "replay"),
-             int(bool(self.replay_failed))]
-        )  # fmt: skip
-        if (full and replayed) or failed:
-            self.replay_failed = self.replay_failed or (
-                "another rank of this group failed its replay"
-                if failed
-                else "the ranks of this group did not all replay (a full heal on some)"
-            )
+        """torchft loads the ``heal_history`` entry last, on the main thread: replay. (The
+        ranks of a group agree on the outcome in the quorum's exchange, where every rank takes
+        part whatever its heal did: ``QuorumProtocol.on_quorum``.)"""
+        try:
+            self._load(value)
+        except Exception as e:  # e.g. an entry of another size: fail safe, heal in full
+            self.replay_failed = f"the replay raised {type(e).__name__}: {e}"
             self.basis = ReplayBasis.none()
+
+    def take_heal(self) -> str | None:
+        """The kind of heal this rank received since the last call (``replay``, ``full``;
+        None: none): asked once per quorum."""
+        kind, self._heal_kind = self._heal_kind, None
+        return kind
 
     def _load(self, value: dict[str, Any]) -> None:
         self.replay_failed = ""
@@ -245,14 +250,17 @@ class HealExchange:
         else:
             for entry in entries:  # the job's own averages: this group can serve them too
                 self.history.record(entry)
+            if self.basis.sync >= 0:
+                # Healed again in this start-up (a retried quorum): from where it is now, or
+                # the same syncs would be applied twice.
+                self.set_basis(int(self.ft.manager.current_step()))
 
     def _apply(self, entries: list[HistoryEntry], digests: list[int]) -> str:
         """Replay ``entries`` onto the global copies, put them into the model and check them
         against the peer's ``digests``. Returns why it failed ("": it did not)."""
         loop = self.loop
         assert isinstance(loop, ReplaysOuterSteps) and isinstance(loop, GlobalCopyLoop)
-        device = next(iter(loop.global_parameters(0).values())).device
-        replay(entries, loop.replay_outer_step, device)
+        replay(entries, loop.replay_outer_step, loop.replay_device)
         for index in range(len(loop.fragments)):
             loop.restore_global_copies(index)
         mine = self.digests()
@@ -262,6 +270,14 @@ class HealExchange:
                 f"after the replay, fragment {wrong[0]}'s global parameters differ from the peer's"
             )
         return ""
+
+
+def _answer_key(answer: dict[str, Any]) -> tuple[Any, ...]:
+    """What makes two answers the same: the kind, why (full) or which syncs (replay)."""
+    value = answer["user"][HEAL_KEY]
+    if value["transfer"] != "replay":
+        return ("full", value.get("why", ""))
+    return ("replay", tuple(e["sync"] for e in value["entries"]))
 
 
 def build_history_transport(exchange_of: Callable[[], HealExchange]) -> Callable[..., Any]:
@@ -274,12 +290,17 @@ def build_history_transport(exchange_of: Callable[[], HealExchange]) -> Callable
         def send_checkpoint(
             self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta
         ) -> None:
-            for dst in dst_ranks:  # one joiner at a time: each gets its own answer
+            # Every joiner's request first (a few numbers each), then one send per distinct
+            # answer to all the joiners it is for, as torchft sends one state to all of them.
+            answers: dict[str, tuple[Any, list[int]]] = {}
+            for dst in dst_ranks:
                 request = torch.zeros(BASIS_SLOTS, dtype=torch.int64, device=self._device)
                 self._pg.recv([request], dst, tag=_REQUEST_TAG).wait(timeout)
-                basis = ReplayBasis.from_tensor(request)
-                answer = exchange_of().answer(basis, step, state_dict)
-                super().send_checkpoint([dst], step, answer, timeout)
+                answer = exchange_of().answer(ReplayBasis.from_tensor(request), step, state_dict)
+                key = repr(_answer_key(answer))
+                answers.setdefault(key, (answer, []))[1].append(dst)
+            for answer, dsts in answers.values():
+                super().send_checkpoint(dsts, step, answer, timeout)
 
         def recv_checkpoint(
             self, src_rank: int, metadata: str, step: int, timeout: timedelta
@@ -303,7 +324,8 @@ def job_fingerprint_parts(job_config: JobConfig, model: nn.Module) -> list[str]:
     settings = (
         "semi_sync_method", "sync_steps", "num_fragments", "module_fqns_per_model_fragment",
         "fragment_sync_delay", "fragment_update_alpha", "outer_lr", "outer_momentum",
-        "outer_nesterov", "pseudo_grad_dtype", "error_feedback",
+        "outer_nesterov", "outer_momentum_every", "async_update", "pseudo_grad_dtype",
+        "error_feedback",
     )  # fmt: skip
     parts = [f"model={job_config.model.name}/{job_config.model.flavor}"]
     parts += [f"{name}={getattr(ft, name)!r}" for name in settings]

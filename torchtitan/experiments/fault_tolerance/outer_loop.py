@@ -241,6 +241,11 @@ class ReplaysOuterSteps(ABC):
         return delivered, 1.0
 
     @abstractmethod
+    def replay_device(self, index: int) -> torch.device:
+        """Where the groups' outer step of fragment ``index`` takes its average (a replay
+        decodes and divides it there, the same operations on the same device)."""
+
+    @abstractmethod
     def replay_outer_step(self, index: int, average: torch.Tensor) -> None:
         """Apply a committed sync of fragment ``index`` to its global copy and outer optimizer
         exactly as the groups that took part did: ``average`` is its averaged pseudo-gradient,
@@ -353,6 +358,11 @@ class TorchftDiLoCo(_TorchftLoop, GlobalCopyLoop, ReplaysOuterSteps):
 
     def replayed_state(self, key: str) -> bool:
         return tft.is_fragment_sync_state(key)
+
+    def replay_device(self, index: int) -> torch.device:
+        # The all-reduced pseudo-gradients live where torchft computes them: the global copy's
+        # device (backup_device).
+        return next(iter(self.global_parameters(index).values())).device
 
     def replay_outer_step(self, index: int, average: torch.Tensor) -> None:
         # What torchft's fragment sync does once a sync commits: the model's fragment back to

@@ -77,14 +77,23 @@ class QuorumFindings:
     minority: bool
     #: DyLU: the inner steps of this group's next period (0: not planned).
     planned_steps: int = 0
+    #: A replay of missed syncs failed (a member said so, or this rank's own did).
+    replay_failed: bool = False
+    #: This rank was healed in this quorum by a replay / in full (with several ranks a group
+    #: must not mix them: each rank's peer decided for its own shards).
+    replayed: bool = False
+    healed_in_full: bool = False
 
     def as_ints(self) -> list[int]:
         return [int(v) for v in dataclasses.astuple(self)]
 
     @classmethod
     def from_ints(cls, values: list[int]) -> QuorumFindings:
-        failed, disagree, no_majority, minority, steps = values
-        return cls(bool(failed), bool(disagree), bool(no_majority), bool(minority), steps)
+        failed, disagree, no_majority, minority, steps, replay_failed, replayed, full = values
+        return cls(
+            bool(failed), bool(disagree), bool(no_majority), bool(minority), steps,
+            bool(replay_failed), bool(replayed), bool(full),
+        )  # fmt: skip
 
 
 class QuorumProtocol:
@@ -250,6 +259,7 @@ class QuorumProtocol:
         else:
             mine = Member(RUNNING)
         failed_replay = self.heal.replay_failed
+        healed = self.heal.take_heal()
         digest = None if failed_replay else self._digest_if_due()
         mine.replay_failed = int(bool(failed_replay))
         if digest is not None:
@@ -267,6 +277,9 @@ class QuorumProtocol:
             planned_steps=(
                 0 if self.speeds is None else self.speeds.planned_steps(members or [], mine)
             ),
+            replay_failed=bool(failed_replay) or any(m.replay_failed for m in members or []),
+            replayed=healed == "replay",
+            healed_in_full=healed == "full",
         )
         if self.group_ranks > 1:
             # Each rank exchanged with the same rank of the other groups (and compared its own
@@ -279,13 +292,20 @@ class QuorumProtocol:
         if found.failed:
             return True
         assert members is not None
-        if any(m.replay_failed for m in members):
-            # A joiner's replay failed: nobody commits this sync, and it heals in full at the
-            # next one (its request then asks for the full state).
+        if found.replay_failed or (found.replayed and found.healed_in_full):
+            # A joiner's replay failed (on one of its ranks, or its ranks did not all replay):
+            # nobody commits this sync, and it heals in full at the next one (its request then
+            # asks for the full state).
             manager.report_error(RuntimeError("a joining group's replay failed"))
-            if failed_replay:
-                events.REPLAY_FAILED.emit(step=self.train_state.step, problem=failed_replay)
+            if healed is not None or failed_replay:  # a rank of the joining group
+                problem = failed_replay or (
+                    "the ranks of this group did not all replay (a full heal on some)"
+                    if found.replayed and found.healed_in_full
+                    else "another rank of this group failed its replay"
+                )
+                events.REPLAY_FAILED.emit(step=self.train_state.step, problem=problem)
                 self.heal.replay_failed = ""
+                self.heal.set_basis(None)
             return True
         if any(m.probe for m in members):
             # Running groups in DyLU's speed probe: meet them at their sync point, healed again

@@ -120,11 +120,12 @@ class SemiSyncTrainer(Trainer):
                 self.algorithm.agree_in_group = agree
         # The last committed averages, for a group restarted from its own checkpoint to
         # replay instead of receiving the full state (heal_history; not LocalSGD).
-        history = HealHistory(ft.heal_history_syncs if method != "localsgd" else 0)
+        # torchft's own fp8 all-reduce (should_quantize) bypasses the transport that keeps
+        # what a sync delivered: no history then.
+        keeps = method != "localsgd" and not ft.should_quantize
+        history = HealHistory(ft.heal_history_syncs if keeps else 0)
         fingerprint = job_fingerprint(job_fingerprint_parts(job_config, self.model))
         self.heal = HealExchange(history, fingerprint, self.algorithm, self.ft)
-        if self.parallel_dims.world_size > 1:
-            self.heal.agree = functools.partial(most_in_group, device=self.device)
         if self.heal.replays:
             transport.keep_delivered = True
             self.sync.on_committed = self.heal.record

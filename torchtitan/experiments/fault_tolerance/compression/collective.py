@@ -544,5 +544,6 @@ class AsyncCompressedAllReduce:
                     job.dtype, job.tensor.numel(), stats.world_size, job.divide_by,
                     stats.delivered.to("cpu"),
                 )  # fmt: skip
+                stats.delivered = None  # the accelerator's copy is not kept for a period
         if job.then is not None:
             job.then()
