@@ -315,6 +315,7 @@ def group_figures(
     row.update(
         wire_tx_bytes_per_sync=tx_bytes / len(sent) if sent else None,
         parameters=n_params,
+        emulate_slowdown=started[0]["emulate_slowdown"] if started else None,
         payload_bytes_per_step=payload_per_step,
         wire_tx_bytes_per_step=tx_bytes / steps,
         syncs=syncs,

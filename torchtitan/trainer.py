@@ -47,7 +47,8 @@ from torchtitan.tools.events import EventFile, EventKind, attach_event_file, det
 from torchtitan.tools.logging import logger
 
 #: Training (re)starts: ``first_step..last_step``, and what the throughput figures of this run
-#: rest on (``parameters``, ``flops_per_token``, ``peak_flops``: None when unknown).
+#: rest on (``parameters``, ``flops_per_token``, ``peak_flops``: None when unknown;
+#: ``emulate_slowdown``: the compute factor of an emulated straggler, 1 for none).
 TRAINING_STARTED = EventKind(
     "train.started",
     "Training steps {first_step}..{last_step}, {tokens_per_batch} tokens per batch per rank, "
@@ -390,6 +391,7 @@ class Trainer:
             flops_per_token=self.flops_per_token,
             peak_flops=self.metrics.peak,
             world_size=self.parallel_dims.world_size,
+            emulate_slowdown=cfg.training.emulate_slowdown,
         )
         batches = self.batches()
         if self.ft is not None:

@@ -237,8 +237,10 @@ def test_wan_smoke_shapes_links_and_reports_utilisation(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert [r["method"] for r in data["runs"]] == ["no_ft_pair", "diloco", "async_dylu"]
     assert "2x" in data["settings"]["straggler"]
-    base = data["runs"][0]["groups"]  # the straggler's baseline computes twice the work
-    assert base[1]["compute_s_per_step"] > base[0]["compute_s_per_step"], base
+    # The straggler's baseline ran with the straggler's slowdown (what its trainer reported,
+    # not a timing: a loaded machine may make either group the slower one).
+    assert [g["emulate_slowdown"] for g in data["runs"][0]["groups"]] == [1.0, 2.0]
+    assert all(r["groups"][1]["emulate_slowdown"] == 2.0 for r in data["runs"])
     for run in data["runs"][1:]:
         assert run["job_goodput_whole_run"] > 0
         assert all(g["goodput_whole_run"] > 0 and g["goodput_steady"] > 0 for g in run["groups"])
