@@ -1,15 +1,27 @@
 """Convergence at equal tokens: held-out loss of one group, synchronous DP, LocalSGD, DiLoCo,
 Streaming DiLoCo and async DiLoCo on the embedded corpus; or, with a straggler, against time.
 
-    .venv/bin/python -m benchmarks.convergence             # the README's figures (~35 min)
+    .venv/bin/python -m benchmarks.convergence --sweep-lr 1e-3 2e-3 4e-3 8e-3 1.6e-2 3.2e-2
+    .venv/bin/python -m benchmarks.convergence --from-sweep --sweep-outer-lr 0.5 0.7 1.0 \
+        --sweep-outer-momentum 0.0 0.9          # DiLoCo's outer optimizer, at DP's best lr
+    .venv/bin/python -m benchmarks.convergence --from-sweep      # the report (seeds 1 2 3)
+    .venv/bin/python -m benchmarks.convergence --from-sweep --straggler 2
     .venv/bin/python -m benchmarks.convergence --smoke     # seconds; checks the plumbing only
-    .venv/bin/python -m benchmarks.convergence --straggler 2   # blocking vs async + DyLU
-    .venv/bin/python -m benchmarks.convergence --sweep-outer-lr 0.5 1.0 \
-        --sweep-outer-momentum 0.5 0.9                     # DiLoCo only, one run per pair
 
-Setup (defaults): the debug Llama (4.85M parameters), sequences of 128 tokens, batches of 8 per
-group, AdamW lr 2e-3 with 20 warmup steps and linear decay (the debug TOML), seed per run
-(``--seeds``; model init and data order, the same in both groups).
+Setup (defaults): the small debug Llama (``debugmodel_small``, 0.13 M parameters: at 600 steps
+of 2 groups it sees 9.4 tokens per parameter, on fresh text: the corpus has 1.67 M training
+tokens), sequences of 128 tokens, batches of 8 per group, AdamW (``--lr``) with 20 warmup steps
+and linear decay, seed per run (``--seeds``; model init and data order, the same in both
+groups).
+
+How the hyperparameters are chosen, fairly: synchronous DP's learning rate
+(``--sweep-lr``) and DiLoCo's outer optimizer (``--sweep-outer-lr`` x
+``--sweep-outer-momentum``, at DP's best learning rate, which is every method's inner
+learning rate) each get a sweep of their own, on seeds ``--sweep-seeds`` (default 0) and on
+the *selection* half of the held-out documents. ``--from-sweep`` takes the best of each from
+the sweep file. The report runs other seeds (default 1, 2, 3) and evaluates on the *test*
+half, which no choice has seen. The embedded corpus's held-out documents are split into the
+two halves by size, so that each holds about 57 k tokens (``held_out_halves``).
 
 * ``single_group``: one process without FT (1 thread), ``2 x --steps`` steps (so it sees as
   many tokens as two groups do in ``--steps``);
@@ -17,7 +29,6 @@ group, AdamW lr 2e-3 with 20 warmup steps and linear decay (the debug TOML), see
 * ``localsgd``, ``diloco`` (outer Nesterov SGD, ``--outer-lr`` and ``--outer-momentum``),
   ``streaming_diloco`` (the same outer optimizer, 2 fragments, ``fragment_sync_delay=1``):
   2 groups, H = ``--sync-steps``.
-
 * ``async_eager``, ``async_delayed``: async DiLoCo (``semi_sync_method=async_diloco``,
   ``async_update`` eager or delayed), the same outer optimizer, 1 fragment;
 * ``async_eager_share``: async DiLoCo with ``async_update=eager_share`` (the group's share of
@@ -27,22 +38,25 @@ group, AdamW lr 2e-3 with 20 warmup steps and linear decay (the debug TOML), see
 * ``diloco_int8``, ``diloco_int4_ef``: DiLoCo with compressed pseudo-gradients (int8; int4
   with error feedback). These and the async rows add ``ratio_to_diloco``.
 
+Every figure says its tokens per parameter; every mean over seeds comes with its range, and
+every ratio with the range of the per-seed ratios.
+
 ``--straggler F`` runs a different comparison: group 1 computes F times the work of each step
 (``training.emulate_slowdown``), and blocking DiLoCo (``diloco``) is compared with async
-DiLoCo with DyLU (``async_dylu``) by group 0's held-out loss against wall-clock time (seconds
-since its start of training; it evaluates at each of its sync points). The summary gives each
-method's loss when the faster of the two runs ended (equal wall-clock time). It writes
-``convergence_straggler.json`` and a plot of loss against seconds.
+DiLoCo with DyLU (``async_dylu``) by group 0's final held-out loss when both end at the same
+wall-clock time. Async DiLoCo runs ``--steps``; blocking DiLoCo, whose fast group waits for
+the straggler at every sync, first runs ``--steps`` too (to measure its seconds per step),
+then runs again with a schedule of its own (warmup and decay over fewer steps, a multiple of
+H) sized to end when async DiLoCo ended. Final losses are compared, measured at the end of
+each run: nothing is interpolated. It writes ``convergence_straggler.json`` and a plot of
+loss against seconds.
 
-``--sweep-outer-lr`` / ``--sweep-outer-momentum`` run DiLoCo alone for every pair of values
-(seeds ``--seeds``) and write ``--sweep-out``: how the outer optimizer was chosen.
-
-Evaluation is the trainer's own validation on the held-out split (``--validation.*``), at
-every sync of the two-group runs (and at the same token counts for the single group). The
-validation stream gives sample j to group j % 2: group 0's first K batches and group 1's first
-K batches together are exactly the single group's first 2K batches, so the mean of the two
-groups' losses (K batches each) and the single group's loss (2K batches) are over the same
-held-out tokens.
+Evaluation is the trainer's own validation (``--validation.*``) at every sync of the
+two-group runs (and at the same token counts for the single group), on the held-out half
+``--eval-split`` (report: ``test``; sweeps: ``select``). The validation stream gives sample j
+to group j % 2: group 0's first K batches and group 1's first K batches together are exactly
+the single group's first 2K batches, so the mean of the two groups' losses (K batches each)
+and the single group's loss (2K batches) are over the same held-out tokens.
 """
 
 from __future__ import annotations
@@ -55,12 +69,16 @@ from pathlib import Path
 
 from benchmarks import ft_common as common
 from benchmarks import provenance
+from torchtitan.datasets.corpus import corpus_documents
 from torchtitan.tools.cluster import LocalJob
 from torchtitan.trainer import TRAINING_STARTED, VALIDATION
 
 CONFIGS = ["single_group", "sync_dp", "localsgd", "diloco", "streaming_diloco", "async_eager",
            "async_delayed", "async_eager_share", "async_eager_dn", "async_delayed_dn",
            "diloco_int8", "diloco_int4_ef"]  # fmt: skip
+#: The report's default rows: the comparisons the README's targets are about.
+REPORT_CONFIGS = ["single_group", "sync_dp", "localsgd", "diloco", "streaming_diloco",
+                  "async_eager", "diloco_int8", "diloco_int4_ef"]  # fmt: skip
 BASE_METHOD = {"sync_dp": "sync_ft", "localsgd": "localsgd", "diloco": "diloco",
                "streaming_diloco": "streaming_diloco", "async_eager": "async_diloco",
                "async_delayed": "async_delayed", "async_eager_share": "async_eager_share",
@@ -69,48 +87,65 @@ BASE_METHOD = {"sync_dp": "sync_ft", "localsgd": "localsgd", "diloco": "diloco",
                "diloco_int8": "diloco_int8", "diloco_int4_ef": "diloco_int4_ef"}  # fmt: skip
 #: With --straggler: blocking DiLoCo against async DiLoCo with DyLU.
 STRAGGLER_CONFIGS = ["diloco", "async_dylu"]
+#: The halves of the held-out documents: ``select`` for the sweeps, ``test`` for the report.
+EVAL_SPLITS = ("select", "test")
+TARGETS = {
+    "diloco ratio_to_sync_dp": "<= 1.01",
+    "async_eager ratio_to_diloco": "<= 1.02",
+    "diloco_int8 ratio_to_diloco": "<= 1.01",
+    "diloco_int4_ef ratio_to_diloco": "<= 1.02",
+}
+
+Curves = dict[str, dict[int, dict[int, float]]]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny model and steps (CI)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    p.add_argument("--steps", type=int, default=200, help="steps of each group (2-group runs)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="the report's seeds")
+    p.add_argument("--sweep-seeds", type=int, nargs="+", default=[0],
+                   help="the sweeps' seeds (kept apart from the report's)")  # fmt: skip
+    p.add_argument("--steps", type=int, default=600, help="steps of each group (2-group runs)")
     p.add_argument("--sync-steps", type=int, default=20, help="H")
-    p.add_argument("--eval-batches", type=int, default=10, help="K, per group")
-    p.add_argument("--flavor", default="debugmodel")
+    p.add_argument("--eval-batches", type=int, default=20, help="K, per group")
+    p.add_argument("--eval-split", choices=EVAL_SPLITS, default="test",
+                   help="the held-out half the report evaluates on (sweeps: select)")  # fmt: skip
+    p.add_argument("--flavor", default="debugmodel_small")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
+    p.add_argument("--configs", nargs="+", default=REPORT_CONFIGS, choices=CONFIGS)
+    p.add_argument("--lr", type=float, default=2e-3,
+                   help="AdamW's peak learning rate (every method's inner lr)")  # fmt: skip
     p.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer SGD lr")
-    p.add_argument(
-        "--outer-momentum",
-        type=float,
-        default=0.0,
-        help="its Nesterov momentum (0: the best of the sweep at this length)",
-    )
+    p.add_argument("--outer-momentum", type=float, default=0.0,
+                   help="its Nesterov momentum (0: plain SGD)")  # fmt: skip
     p.add_argument(
         "--dn-momentum",
         type=float,
         default=0.9,
         help="the *_dn rows: Delayed Nesterov's momentum (every 2 outer steps)",
     )
+    p.add_argument("--sweep-lr", type=float, nargs="+",
+                   help="sweep: synchronous DP alone, one run per learning rate")  # fmt: skip
     p.add_argument("--sweep-outer-lr", type=float, nargs="+", help="sweep: DiLoCo only")
     p.add_argument("--sweep-outer-momentum", type=float, nargs="+", help="sweep: DiLoCo only")
     p.add_argument("--sweep-out", type=Path, help=provenance.output_help("convergence_sweep.json"))
+    p.add_argument("--from-sweep", action="store_true",
+                   help="take --lr (synchronous DP's best) and --outer-lr / --outer-momentum "
+                   "(DiLoCo's best at that lr) from --sweep-out")  # fmt: skip
     p.add_argument("--out", type=Path, help=provenance.output_help("convergence.json"))
     p.add_argument("--png", type=Path, help="chart (default: --out, as .png)")
     p.add_argument("--straggler", type=float, default=None,
                    help="group 1 computes this many times the work per step "
                    "(training.emulate_slowdown): compare blocking DiLoCo and async "
-                   "DiLoCo with DyLU by held-out loss against wall-clock time")  # fmt: skip
+                   "DiLoCo with DyLU by held-out loss at the same wall-clock time")  # fmt: skip
     p.add_argument("--reuse", action="store_true",
                    help="keep the runs in --out (same settings); run the rest")  # fmt: skip
     args = p.parse_args(argv)
     args.argv = argv
     if args.smoke:
-        args.seeds, args.steps, args.sync_steps, args.eval_batches = [0], 8, 4, 2
-        args.flavor, args.seq_len, args.batch = "debugmodel_small", 32, 2
+        args.seeds, args.sweep_seeds, args.steps, args.sync_steps = [0], [0], 8, 4
+        args.eval_batches, args.flavor, args.seq_len, args.batch = 2, "debugmodel_small", 32, 2
     if args.straggler is not None:
         args.configs = STRAGGLER_CONFIGS
     name = "convergence.json" if args.straggler is None else "convergence_straggler.json"
@@ -119,18 +154,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "convergence_sweep.json", args.smoke
     )
     args.png = args.png or args.out.with_suffix(".png")
+    args.parameters = None  # the model's, from the first run's train.started
     return args
 
 
-def train_args(args: argparse.Namespace, seed: int, single: bool) -> list[str]:
+def held_out_halves(folder: Path) -> dict[str, Path]:
+    """The embedded corpus's held-out documents as two folders of ``.txt`` files,
+    ``select`` and ``test``: the largest document first, each to the half with fewer bytes so
+    far (a fixed rule on a fixed corpus: the same halves in every run)."""
+    halves: dict[str, list[str]] = {name: [] for name in EVAL_SPLITS}
+    size = dict.fromkeys(EVAL_SPLITS, 0)
+    docs = sorted(corpus_documents("validation"), key=lambda d: (-len(d.text.encode()), d.title))
+    for doc in docs:
+        name = min(EVAL_SPLITS, key=lambda n: (size[n], EVAL_SPLITS.index(n)))
+        halves[name].append(doc.text)
+        size[name] += len(doc.text.encode())
+    paths = {}
+    for name, texts in halves.items():
+        path = folder / f"held_out_{name}"
+        path.mkdir(parents=True, exist_ok=True)
+        for index, text in enumerate(texts):
+            (path / f"doc{index:03d}.txt").write_text(text)
+        paths[name] = path
+    return paths
+
+
+def train_args(
+    args: argparse.Namespace, seed: int, single: bool, eval_folder: Path, steps: int | None = None
+) -> list[str]:
     factor = 2 if single else 1
+    steps = args.steps if steps is None else steps
     return [
         f"--model.flavor={args.flavor}",
         f"--training.seq_len={args.seq_len}",
         f"--training.local_batch_size={args.batch}",
-        f"--training.steps={factor * args.steps}",
+        f"--training.steps={factor * steps}",
         f"--training.seed={seed}",
+        f"--optimizer.lr={args.lr}",
         "--validation.enable",
+        "--validation.dataset=local",
+        f"--validation.dataset_path={eval_folder}",
         f"--validation.freq={factor * args.sync_steps}",
         f"--validation.steps={factor * args.eval_batches}",
         f"--validation.local_batch_size={args.batch}",
@@ -139,12 +202,18 @@ def train_args(args: argparse.Namespace, seed: int, single: bool) -> list[str]:
     ]
 
 
-def run_all(
-    args: argparse.Namespace, tmp: Path, curves: dict[str, dict[int, dict[int, float]]], save
-) -> None:
-    """Fill ``curves`` ({config: {seed: {tokens: eval loss}}}) seed by seed, skipping the runs
-    it already holds (``--reuse``); ``save(curves)`` after each run."""
+def _note_parameters(args: argparse.Namespace, proc: object) -> None:
+    started = common.trainer_events(proc, TRAINING_STARTED)  # type: ignore[arg-type]
+    if started and args.parameters is None:
+        args.parameters = started[0]["parameters"]
+
+
+def run_all(args: argparse.Namespace, tmp: Path, curves: Curves, save, split: str) -> None:
+    """Fill ``curves`` ({config: {seed: {tokens: eval loss}}}) seed by seed on the held-out
+    half ``split``, skipping the runs it already holds (``--reuse``); ``save(curves)`` after
+    each run."""
     tokens_per_group_step = args.batch * args.seq_len
+    eval_folder = held_out_halves(tmp)[split]
     for seed in args.seeds:
         for config in args.configs:
             if seed in curves.setdefault(config, {}):
@@ -154,10 +223,11 @@ def run_all(
                 # One process, one thread (like each group of the others), twice the steps.
                 with LocalJob(tmp / f"single_seed{seed}") as job:
                     single = common.start_alone(
-                        job, f"single_seed{seed}", train_args(args, seed, single=True)
+                        job, f"single_seed{seed}", train_args(args, seed, True, eval_folder)
                     )
                     common.wait_all([single], timeout=7200)
                 losses = common.validation_losses(common.trainer_events(single, VALIDATION))
+                _note_parameters(args, single)
                 curves[config][seed] = {
                     step * tokens_per_group_step: loss for step, loss in losses.items()
                 }
@@ -165,10 +235,11 @@ def run_all(
                 procs = common.run_method(
                     tmp / f"{config}_seed{seed}",
                     BASE_METHOD[config],
-                    train_args(args, seed, single=False),
+                    train_args(args, seed, False, eval_folder),
                     semi_sync_args=semi_sync_args(args, config),
                     timeout=7200,
                 )
+                _note_parameters(args, procs[0])
                 per_group = [
                     common.validation_losses(common.trainer_events(p, VALIDATION)) for p in procs
                 ]
@@ -199,28 +270,62 @@ def _last(losses: dict[int, float]) -> str:
     return f"step {step} eval loss {losses[step]:.4f}"
 
 
-def summarize(curves: dict[str, dict[int, dict[int, float]]]) -> dict[str, dict]:
+def _ratio(row: dict, base: dict, name: str) -> None:
+    """``row[name]``: the ratio of the means, and ``row[name + '_range']``: the range of the
+    per-seed ratios over the seeds both rows have."""
+    row[name] = round(row["final_eval_loss_mean"] / base["final_eval_loss_mean"], 4)
+    mine, theirs = row["final_eval_loss_per_seed"], base["final_eval_loss_per_seed"]
+    per_seed = [mine[s] / theirs[s] for s in mine if s in theirs]
+    row[name + "_range"] = [round(min(per_seed), 4), round(max(per_seed), 4)]
+
+
+def summarize(curves: Curves, parameters: int | None = None) -> dict[str, dict]:
+    """Per config: the final held-out loss per seed, its mean and range, the tokens (and,
+    given ``parameters``, tokens per parameter) it was reached at, and its ratios to
+    synchronous DP (and, for the async and compressed rows, to DiLoCo)."""
     table = {}
     for config, by_seed in curves.items():
         finals = {seed: curve[max(curve)] for seed, curve in by_seed.items() if curve}
+        tokens = max(max(c) for c in by_seed.values())
         table[config] = {
-            "final_tokens": max(max(c) for c in by_seed.values()),
+            "final_tokens": tokens,
+            "tokens_per_parameter": None if not parameters else round(tokens / parameters, 2),
             "final_eval_loss_per_seed": {str(s): round(v, 4) for s, v in finals.items()},
             "final_eval_loss_mean": round(sum(finals.values()) / len(finals), 4),
+            "final_eval_loss_range": [
+                round(min(finals.values()), 4),
+                round(max(finals.values()), 4),
+            ],  # fmt: skip
         }
     if "sync_dp" in table:
-        base = table["sync_dp"]["final_eval_loss_mean"]
         for row in table.values():
-            row["ratio_to_sync_dp"] = round(row["final_eval_loss_mean"] / base, 4)
+            _ratio(row, table["sync_dp"], "ratio_to_sync_dp")
     if "diloco" in table:
-        base = table["diloco"]["final_eval_loss_mean"]
         for config, row in table.items():
             if config.startswith("async") or config.startswith("diloco_"):
-                row["ratio_to_diloco"] = round(row["final_eval_loss_mean"] / base, 4)
+                _ratio(row, table["diloco"], "ratio_to_diloco")
     return table
 
 
-def plot(curves: dict[str, dict[int, dict[int, float]]], path: Path, title: str) -> str:
+def verdicts(summary: dict[str, dict]) -> dict[str, str]:
+    """Each target: met when the mean meets it *and* every seed's ratio does ("met"), else
+    "missed", with the figures."""
+    out = {}
+    for key, bound in TARGETS.items():
+        config, ratio = key.split(" ")
+        row = summary.get(config)
+        if row is None or ratio not in row:
+            continue
+        limit = float(bound.split()[-1])
+        low, high = row[ratio + "_range"]
+        met = row[ratio] <= limit and high <= limit
+        out[key] = (
+            f"{'met' if met else 'missed'}: {row[ratio]} (seeds {low}-{high}) against {bound}"
+        )
+    return out
+
+
+def plot(curves: Curves, path: Path, title: str) -> str:
     """Eval loss vs tokens, one line per config (mean over seeds; seeds faint)."""
     try:
         import matplotlib
@@ -240,7 +345,7 @@ def plot(curves: dict[str, dict[int, dict[int, float]]], path: Path, title: str)
                 ax.plot([x / 1e6 for x in xs], [curve[x] for x in xs], color=line.get_color(),
                         alpha=0.25, lw=0.8)  # fmt: skip
     ax.set_xlabel("tokens seen by all groups together (millions)")
-    ax.set_ylabel("held-out loss (nats/token)")
+    ax.set_ylabel("held-out loss, test half (nats/token)")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -264,7 +369,7 @@ def settings(args: argparse.Namespace) -> dict:
         "sync_steps_H": args.sync_steps,
         "eval": f"{args.eval_batches} batches of {args.batch} per group (single group: "
         f"{2 * args.eval_batches}), every {args.sync_steps} steps",
-        "lr": "AdamW 2e-3, warmup 20, linear decay (debug_model.toml)",
+        "lr": f"AdamW {args.lr:g}, warmup 20, linear decay to 0",
         "outer_optimizer": f"SGD lr {args.outer_lr}, momentum {args.outer_momentum}, Nesterov",
         "delayed_nesterov_rows": f"momentum {args.dn_momentum}, applied every 2 outer steps",
         "streaming": "2 fragments, fragment_sync_delay=1",
@@ -272,48 +377,86 @@ def settings(args: argparse.Namespace) -> dict:
     }
 
 
+#: Settings that the hyperparameters under comparison may change between runs.
+TUNED = ("lr", "outer_optimizer", "delayed_nesterov_rows")
+
+
 def same_run_settings(saved: dict, args: argparse.Namespace) -> bool:
-    """Whether a saved result was run with these settings (the outer optimizer aside)."""
+    """Whether a saved result was run with these settings (the tuned ones aside)."""
     old = saved.get("settings", {})
-    outer = ("outer_optimizer", "delayed_nesterov_rows")
-    return all(old.get(k) == v for k, v in settings(args).items() if k not in outer)
+    return all(old.get(k) == v for k, v in settings(args).items() if k not in TUNED)
 
 
-def load_reusable(args: argparse.Namespace) -> dict[str, dict[int, dict[int, float]]]:
-    """Curves of an earlier run with the same settings in ``--out`` (for ``--reuse``)."""
+def load_reusable(args: argparse.Namespace) -> Curves:
+    """Curves of an earlier run with the same settings and split in ``--out`` (``--reuse``)."""
     if not args.reuse or not args.out.exists():
         return {}
     old = json.loads(args.out.read_text())
-    if not same_run_settings(old, args):
+    if not same_run_settings(old, args) or old.get("eval_split") != args.eval_split:
         print("[convergence] --reuse: settings differ from the saved run; starting afresh")
         return {}
-    # The outer optimizer matters to every run but these.
-    outer = ("outer_optimizer", "delayed_nesterov_rows")
-    same_outer = all(old["settings"].get(k) == settings(args)[k] for k in outer)
+    now = settings(args)
+    same_lr = old["settings"].get("lr") == now["lr"]
+    same_outer = all(old["settings"].get(k) == now[k] for k in TUNED[1:])
     return {
         config: {int(seed): {int(t): v for t, v in c.items()} for seed, c in by_seed.items()}
         for config, by_seed in old.get("curves", {}).items()
         if config in args.configs
+        and same_lr
         and (same_outer or config in ("single_group", "sync_dp", "localsgd"))
     }
 
 
+# ---- the sweeps ----------------------------------------------------------------------------
+
+
+def _row_key(row: dict) -> tuple:
+    return (row["config"], row["lr"], row.get("outer_lr"), row.get("outer_momentum"))
+
+
+def best_rows(rows: list[dict]) -> tuple[dict | None, dict | None]:
+    """Synchronous DP's best row, and DiLoCo's best row at that row's learning rate."""
+    dp = [r for r in rows if r["config"] == "sync_dp"]
+    best_dp = min(dp, key=lambda r: r["final_eval_loss_mean"]) if dp else None
+    diloco = [r for r in rows if r["config"] == "diloco" and best_dp and r["lr"] == best_dp["lr"]]
+    best_diloco = min(diloco, key=lambda r: r["final_eval_loss_mean"]) if diloco else None
+    return best_dp, best_diloco
+
+
+def take_from_sweep(args: argparse.Namespace) -> dict[str, object]:
+    """``--from-sweep``: set ``args.lr`` and the outer optimizer from the sweep file's best
+    rows; returns what was chosen and from where (for the result's settings)."""
+    if not args.sweep_out.exists():
+        raise SystemExit(f"--from-sweep: {args.sweep_out} does not exist: run a sweep first")
+    saved = json.loads(args.sweep_out.read_text())
+    if not same_run_settings(saved, args):
+        raise SystemExit(f"--from-sweep: {args.sweep_out} was swept with other settings")
+    best_dp, best_diloco = best_rows(saved["rows"])
+    if best_dp is None:
+        raise SystemExit(f"--from-sweep: {args.sweep_out} has no sync_dp row (--sweep-lr)")
+    args.lr = best_dp["lr"]
+    chosen: dict[str, object] = {"lr": args.lr, "sync_dp_runs_swept": sum(
+        r["config"] == "sync_dp" for r in saved["rows"])}  # fmt: skip
+    if best_diloco is not None:
+        args.outer_lr, args.outer_momentum = best_diloco["outer_lr"], best_diloco["outer_momentum"]
+        chosen.update(outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+                      diloco_runs_swept=sum(r["config"] == "diloco" and r["lr"] == args.lr
+                                            for r in saved["rows"]))  # fmt: skip
+    chosen.update(sweep_file=str(args.sweep_out), sweep_seeds=saved["seeds"],
+                  sweep_eval_split=saved.get("eval_split"))  # fmt: skip
+    return chosen
+
+
 def sweep(args: argparse.Namespace) -> int:
-    """DiLoCo's final held-out loss for every (outer lr, outer momentum) pair, against the
-    synchronous-DP figure of ``--out`` when it has the same settings (else ratio is n/a)."""
+    """On the sweep seeds and the selection half: synchronous DP's final held-out loss for
+    every learning rate (``--sweep-lr``), or DiLoCo's for every (outer lr, outer momentum)
+    pair at ``--lr``; DiLoCo's rows are rated against the file's best DP row."""
     load = common.load_average()
-    base = None
-    if args.out.exists():
-        saved = json.loads(args.out.read_text())
-        if same_run_settings(saved, args) and "sync_dp" in saved.get("summary", {}):
-            per_seed = saved["summary"]["sync_dp"]["final_eval_loss_per_seed"]
-            if all(str(s) in per_seed for s in args.seeds):
-                base = sum(per_seed[str(s)] for s in args.seeds) / len(args.seeds)
-    # A sweep extends the one in --sweep-out (same settings and seeds), never overwrites another.
-    rows, commands = [], []
+    rows: list[dict] = []
+    commands: list[str] = []
     if args.sweep_out.exists():
         old = json.loads(args.sweep_out.read_text())
-        if not (same_run_settings(old, args) and old.get("seeds") == args.seeds):
+        if not (same_run_settings(old, args) and old.get("seeds") == args.sweep_seeds):
             raise SystemExit(
                 f"{args.sweep_out} holds a sweep with other settings or seeds: "
                 "pass another --sweep-out (or delete it)"
@@ -321,125 +464,155 @@ def sweep(args: argparse.Namespace) -> int:
         rows, commands = old["rows"], old.get("commands") or [old["command"]]
     command = provenance.command_line(__file__, args.argv)
     commands.append(command)
-    args.configs = ["diloco"]
-    for momentum in args.sweep_outer_momentum or [args.outer_momentum]:
-        for lr in args.sweep_outer_lr or [args.outer_lr]:
-            args.outer_lr, args.outer_momentum = lr, momentum
-            curves: dict[str, dict[int, dict[int, float]]] = {}
-            with tempfile.TemporaryDirectory(prefix="convergence_sweep_") as tmp:
-                run_all(args, Path(tmp), curves, lambda c: None)
-            finals = [c[max(c)] for c in curves["diloco"].values()]
-            final = sum(finals) / len(finals)
-            row = {
-                "outer_lr": lr,
-                "outer_momentum": momentum,
-                "final_eval_loss_per_seed": {
-                    str(s): round(c[max(c)], 4) for s, c in curves["diloco"].items()
-                },
-                "final_eval_loss_mean": round(final, 4),
-                "ratio_to_sync_dp": None if base is None else round(final / base, 4),
-            }
-            rows = [r for r in rows if (r["outer_lr"], r["outer_momentum"]) != (lr, momentum)] + [
-                row
-            ]
-            print(
-                f"[convergence] sweep outer lr {lr} momentum {momentum}: final eval loss "
-                f"{final:.4f}  ratio to sync_dp {row['ratio_to_sync_dp']}",
-                flush=True,
+    args.seeds = args.sweep_seeds
+    if args.sweep_lr:
+        args.configs = ["sync_dp"]
+        points = [(lr, None, None) for lr in args.sweep_lr]
+    else:
+        args.configs = ["diloco"]
+        points = [
+            (args.lr, lr, momentum)
+            for momentum in args.sweep_outer_momentum or [args.outer_momentum]
+            for lr in args.sweep_outer_lr or [args.outer_lr]
+        ]
+    for lr, outer_lr, momentum in points:
+        args.lr = lr
+        if outer_lr is not None:
+            args.outer_lr, args.outer_momentum = outer_lr, momentum
+        curves: Curves = {}
+        with tempfile.TemporaryDirectory(prefix="convergence_sweep_") as tmp:
+            run_all(args, Path(tmp), curves, lambda c: None, "select")
+        (config,) = args.configs
+        finals = {s: c[max(c)] for s, c in curves[config].items()}
+        row: dict[str, object] = {"config": config, "lr": lr}
+        if outer_lr is not None:
+            row.update(outer_lr=outer_lr, outer_momentum=momentum)
+        row.update(
+            final_eval_loss_per_seed={str(s): round(v, 4) for s, v in finals.items()},
+            final_eval_loss_mean=round(sum(finals.values()) / len(finals), 4),
+        )
+        rows = [r for r in rows if _row_key(r) != _row_key(row)] + [row]
+        best_dp, _ = best_rows(rows)
+        for r in rows:
+            same_lr = best_dp is not None and r["lr"] == best_dp["lr"]
+            r["ratio_to_best_sync_dp"] = (
+                round(r["final_eval_loss_mean"] / best_dp["final_eval_loss_mean"], 4)  # type: ignore[index]
+                if r["config"] == "diloco" and same_lr
+                else None
             )
-            provenance.write_result(
-                args.sweep_out,
-                {
-                    "benchmark": "convergence_outer_optimizer_sweep",
-                    "commands": commands,
-                    "settings": {
-                        **settings(args),
-                        "outer_optimizer": "swept (rows)",
-                        "load_avg_1min_at_start": round(load, 2),
-                    },
-                    "seeds": args.seeds,
-                    "sync_dp_final_eval_loss_mean": base,
-                    "rows": rows,
+        print(
+            f"[convergence] sweep {config} lr {lr:g}"
+            + ("" if outer_lr is None else f" outer lr {outer_lr} momentum {momentum}")
+            + f": final eval loss (select half) {row['final_eval_loss_mean']:.4f}",
+            flush=True,
+        )
+        provenance.write_result(
+            args.sweep_out,
+            {
+                "benchmark": "convergence_sweep",
+                "commands": commands,
+                "settings": {
+                    **settings(args),
+                    "lr": "swept (rows)",
+                    "outer_optimizer": "swept (rows)",
+                    "load_avg_1min_at_start": round(load, 2),
                 },
-                command,
-            )
+                "parameters": args.parameters,
+                "seeds": args.sweep_seeds,
+                "eval_split": "select",
+                "rows": rows,
+            },
+            command,
+        )
     print(f"[convergence] wrote {args.sweep_out}")
     return 0
 
 
-def straggler_curves(
-    args: argparse.Namespace, tmp: Path
-) -> dict[str, dict[int, dict[float, float]]]:
-    """{config: {seed: {wall seconds: held-out loss}}} of group 0 (the fast group) with group
-    1 a straggler; seconds from group 0's start of training to each validation."""
-    curves: dict[str, dict[int, dict[float, float]]] = {}
-    slow = [[], [f"--training.emulate_slowdown={args.straggler}"]]
+# ---- a straggler: equal wall-clock time ------------------------------------------------------
+
+
+def _group0_curve(
+    args: argparse.Namespace, tmp: Path, config: str, seed: int, steps: int, eval_folder: Path
+) -> dict[float, float]:
+    """{seconds since group 0's start of training: its held-out loss}, group 1 a straggler."""
+    procs = common.run_method(
+        tmp / f"{config}_seed{seed}_{steps}steps",
+        BASE_METHOD[config],
+        train_args(args, seed, False, eval_folder, steps=steps),
+        semi_sync_args=semi_sync_args(args),
+        group_args=[[], [f"--training.emulate_slowdown={args.straggler}"]],
+        timeout=7200,
+    )
+    _note_parameters(args, procs[0])
+    events = common.trainer_events(procs[0], VALIDATION, TRAINING_STARTED)
+    start = next(e.time for e in events if e.name == TRAINING_STARTED.name)
+    return {round(e.time - start, 2): e["loss"] for e in events if e.name == VALIDATION.name}
+
+
+def own_schedule_steps(steps: int, seconds: float, target_s: float, h: int) -> int:
+    """Steps that end near ``target_s`` at this run's pace (``steps`` in ``seconds``): a
+    multiple of H, at least one period."""
+    return max(h, round(steps * target_s / seconds / h) * h)
+
+
+def straggler_curves(args: argparse.Namespace, tmp: Path) -> dict[str, dict[int, dict]]:
+    """Per seed: async DiLoCo + DyLU over ``--steps``; blocking DiLoCo over ``--steps``
+    (``diloco_equal_steps``) and over its own shorter schedule (``diloco``) sized to end
+    when async DiLoCo ended. {config: {seed: {"steps": n, "curve": {s: loss}}}}."""
+    eval_folder = held_out_halves(tmp)[args.eval_split]
+    runs: dict[str, dict[int, dict]] = {"async_dylu": {}, "diloco_equal_steps": {}, "diloco": {}}
     for seed in args.seeds:
-        for config in args.configs:
-            procs = common.run_method(
-                tmp / f"{config}_seed{seed}",
-                BASE_METHOD[config],
-                train_args(args, seed, single=False),
-                semi_sync_args=semi_sync_args(args),
-                group_args=slow,
-                timeout=7200,
-            )
-            events = common.trainer_events(procs[0], VALIDATION, TRAINING_STARTED)
-            start = next(e.time for e in events if e.name == TRAINING_STARTED.name)
-            curve = {
-                round(e.time - start, 2): e["loss"] for e in events if e.name == VALIDATION.name
-            }
-            curves.setdefault(config, {})[seed] = curve
+        fast = _group0_curve(args, tmp, "async_dylu", seed, args.steps, eval_folder)
+        equal = _group0_curve(args, tmp, "diloco", seed, args.steps, eval_folder)
+        steps = own_schedule_steps(args.steps, max(equal), max(fast), args.sync_steps)
+        own = _group0_curve(args, tmp, "diloco", seed, steps, eval_folder)
+        runs["async_dylu"][seed] = {"steps": args.steps, "curve": fast}
+        runs["diloco_equal_steps"][seed] = {"steps": args.steps, "curve": equal}
+        runs["diloco"][seed] = {"steps": steps, "curve": own}
+        for name in runs:
+            curve = runs[name][seed]["curve"]
             end = max(curve)
             print(
-                f"[convergence] straggler {config} seed {seed}: eval loss {curve[end]:.4f} "
-                f"after {end:.0f} s",
+                f"[convergence] straggler {name} seed {seed}: {runs[name][seed]['steps']} steps, "
+                f"eval loss {curve[end]:.4f} after {end:.0f} s",
                 flush=True,
             )
-    return curves
+    return runs
 
 
-def loss_at(curve: dict[float, float], seconds: float) -> float | None:
-    """The last held-out loss measured at or before ``seconds`` (None: none by then)."""
-    before = [t for t in curve if t <= seconds]
-    return round(curve[max(before)], 4) if before else None
-
-
-def straggler_summary(curves: dict[str, dict[int, dict[float, float]]]) -> dict[str, object]:
-    """Per seed, both methods' loss when the first of them finished (equal wall-clock time),
-    and each one's final loss and time."""
-    per_seed = {}
-    for seed in curves[STRAGGLER_CONFIGS[0]]:
-        runs = {c: curves[c][seed] for c in STRAGGLER_CONFIGS}
-        equal = min(max(curve) for curve in runs.values())
+def straggler_summary(runs: dict[str, dict[int, dict]]) -> dict[str, object]:
+    """Per seed, each run's final loss, its steps and when it ended; the mean and range over
+    seeds; the target: async DiLoCo + DyLU ends lower than blocking DiLoCo on a schedule
+    that ends at about the same time (every seed)."""
+    per_seed: dict[str, dict] = {}
+    for seed in runs["async_dylu"]:
         per_seed[str(seed)] = {
-            "equal_wall_clock_s": equal,
-            **{
-                c: {
-                    "loss_at_equal_wall_clock": loss_at(curve, equal),
-                    "final_loss": round(curve[max(curve)], 4),
-                    "final_s": max(curve),
-                }
-                for c, curve in runs.items()
-            },
+            name: {
+                "steps": by_seed[seed]["steps"],
+                "final_loss": round(by_seed[seed]["curve"][max(by_seed[seed]["curve"])], 4),
+                "final_s": max(by_seed[seed]["curve"]),
+            }
+            for name, by_seed in runs.items()
         }
-    mean: dict[str, float | None] = {}
-    for c in STRAGGLER_CONFIGS:
-        values = [row[c]["loss_at_equal_wall_clock"] for row in per_seed.values()]
-        mean[c] = None if None in values else round(sum(values) / len(values), 4)
-    fast, blocking = mean["async_dylu"], mean["diloco"]
-    return {
-        "per_seed": per_seed,
-        "mean_loss_at_equal_wall_clock": mean,
-        # Blocking DiLoCo with no evaluation by then is still at its initial loss.
-        "target_met": None if fast is None else blocking is None or fast < blocking,
-    }
+    summary: dict[str, object] = {"per_seed": per_seed}
+    for name in runs:
+        losses = [row[name]["final_loss"] for row in per_seed.values()]
+        ends = [row[name]["final_s"] for row in per_seed.values()]
+        summary[name] = {
+            "final_loss_mean": round(sum(losses) / len(losses), 4),
+            "final_loss_range": [min(losses), max(losses)],
+            "final_s_range": [min(ends), max(ends)],
+        }
+    gaps = [row["diloco"]["final_s"] / row["async_dylu"]["final_s"] for row in per_seed.values()]
+    summary["blocking_end_over_async_end_range"] = [round(min(gaps), 3), round(max(gaps), 3)]
+    summary["target_met"] = all(
+        row["async_dylu"]["final_loss"] < row["diloco"]["final_loss"] for row in per_seed.values()
+    )
+    return summary
 
 
-def plot_wall_clock(
-    curves: dict[str, dict[int, dict[float, float]]], path: Path, title: str
-) -> str:
-    """Held-out loss vs wall-clock seconds, one line per config and seed."""
+def plot_wall_clock(runs: dict[str, dict[int, dict]], path: Path, title: str) -> str:
+    """Held-out loss vs wall-clock seconds, one line per run and seed."""
     try:
         import matplotlib
 
@@ -448,12 +621,13 @@ def plot_wall_clock(
     except ImportError:
         return "matplotlib is not installed (pip install -e '.[bench]'): no PNG written"
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
-    for index, (config, by_seed) in enumerate(curves.items()):
-        for n, (_, curve) in enumerate(sorted(by_seed.items())):
+    for index, (name, by_seed) in enumerate(runs.items()):
+        for n, (_, run) in enumerate(sorted(by_seed.items())):
+            curve = run["curve"]
             xs = sorted(curve)
             ax.plot(xs, [curve[x] for x in xs], color=f"C{index}", marker="o", ms=3,
-                    alpha=1.0 if n == 0 else 0.5,
-                    label=config if n == 0 else None)  # fmt: skip
+                    alpha=1.0 if n == 0 else 0.5, ls="--" if name.endswith("steps") else "-",
+                    label=name if n == 0 else None)  # fmt: skip
     ax.set_xlabel("wall-clock seconds since the start of training")
     ax.set_ylabel("held-out loss of group 0 (nats/token)")
     ax.set_title(title, fontsize=10)
@@ -466,13 +640,14 @@ def plot_wall_clock(
     return str(path)
 
 
-def straggler_main(args: argparse.Namespace, argv: list[str] | None) -> int:
+def straggler_main(args: argparse.Namespace, argv: list[str] | None, chosen: dict) -> int:
     load = common.load_average()
     with tempfile.TemporaryDirectory(prefix="convergence_straggler_") as tmp:
-        curves = straggler_curves(args, Path(tmp))
+        runs = straggler_curves(args, Path(tmp))
     title = (
         f"{args.flavor}, 2 groups, group 1 at {args.straggler:g}x the work per step, "
-        f"H={args.sync_steps}, {args.steps} steps of the fast group, seeds {args.seeds}"
+        f"H={args.sync_steps}, seeds {args.seeds}: async {args.steps} steps; blocking "
+        "on its own schedule (solid) and at equal steps (dashed)"
     )
     result = {
         "benchmark": "convergence_straggler",
@@ -480,49 +655,61 @@ def straggler_main(args: argparse.Namespace, argv: list[str] | None) -> int:
             **settings(args),
             "straggler": f"group 1: training.emulate_slowdown={args.straggler}",
             "loss": "group 0's held-out loss (K batches), at each of its sync points",
+            "chosen_from_sweep": chosen or None,
             "load_avg_1min_at_start": round(load, 2),
         },
-        "summary": straggler_summary(curves),
-        "target": "async_dylu's loss at equal wall-clock time below diloco's",
+        "parameters": args.parameters,
+        "eval_split": args.eval_split,
+        "summary": straggler_summary(runs),
+        "target": "async_dylu's final loss below blocking diloco's, on a schedule of its own "
+        "that ends at about the same wall-clock time, for every seed",
         "curves": {
-            c: {
-                str(seed): {str(t): v for t, v in sorted(curve.items())}
-                for seed, curve in by_seed.items()
+            name: {
+                str(seed): {
+                    "steps": run["steps"],
+                    "curve": {str(t): v for t, v in sorted(run["curve"].items())},
+                }
+                for seed, run in by_seed.items()
             }
-            for c, by_seed in curves.items()
+            for name, by_seed in runs.items()
         },  # fmt: skip
-        "png": plot_wall_clock(curves, args.png, title),
+        "png": plot_wall_clock(runs, args.png, title),
     }
     path = provenance.write_result(args.out, result, provenance.command_line(__file__, argv))
     summary = result["summary"]
-    print(f"[convergence] straggler: {json.dumps(summary['mean_loss_at_equal_wall_clock'])}")  # type: ignore[index]
+    for name in runs:
+        print(f"[convergence] straggler {name}: {json.dumps(summary[name])}")
     print(f"[convergence] wrote {path} and {result['png']}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.sweep_outer_lr or args.sweep_outer_momentum:
+    chosen = take_from_sweep(args) if args.from_sweep else {}
+    if args.sweep_lr or args.sweep_outer_lr or args.sweep_outer_momentum:
         return sweep(args)
     if args.straggler is not None:
-        return straggler_main(args, argv)
+        return straggler_main(args, argv, chosen)
     load = common.load_average()
     curves = load_reusable(args)
     command = provenance.command_line(__file__, argv)
 
-    def save(curves: dict[str, dict[int, dict[int, float]]]) -> dict:
+    def save(curves: Curves) -> dict:
         done = {c: by_seed for c, by_seed in curves.items() if by_seed}
+        summary = summarize(done, args.parameters)
         result = {
             "benchmark": "convergence",
-            "settings": {**settings(args), "load_avg_1min_at_start": round(load, 2)},
-            "seeds": sorted({s for by_seed in done.values() for s in by_seed}),
-            "summary": summarize(done),
-            "target": {
-                "diloco ratio_to_sync_dp": "<= 1.01",
-                "async_eager ratio_to_diloco": "<= 1.02",
-                "diloco_int8 ratio_to_diloco": "<= 1.01",
-                "diloco_int4_ef ratio_to_diloco": "<= 1.02",
+            "settings": {
+                **settings(args),
+                "chosen_from_sweep": chosen or None,
+                "load_avg_1min_at_start": round(load, 2),
             },
+            "parameters": args.parameters,
+            "eval_split": args.eval_split,
+            "seeds": sorted({s for by_seed in done.values() for s in by_seed}),
+            "summary": summary,
+            "target": TARGETS,
+            "verdicts": verdicts(summary),
             "curves": {
                 config: {
                     str(seed): {str(t): v for t, v in sorted(c.items())}
@@ -535,11 +722,11 @@ def main(argv: list[str] | None = None) -> int:
         return result
 
     with tempfile.TemporaryDirectory(prefix="convergence_") as tmp:
-        run_all(args, Path(tmp), curves, save)
+        run_all(args, Path(tmp), curves, save, args.eval_split)
     result = save(curves)
     title = (
         f"{args.flavor}, seq {args.seq_len}, batch {args.batch}/group, 2 groups x "
-        f"{args.steps} steps, H={args.sync_steps}, seeds {result['seeds']}\n"
+        f"{args.steps} steps, H={args.sync_steps}, seeds {result['seeds']}, AdamW {args.lr:g}\n"
         f"DiLoCo outer SGD lr {args.outer_lr}, momentum {args.outer_momentum}"
         + (" (Nesterov)" if args.outer_momentum > 0 else "")
     )
@@ -547,9 +734,13 @@ def main(argv: list[str] | None = None) -> int:
     provenance.write_result(args.out, result, command)
     for config, row in result["summary"].items():
         print(
-            f"[convergence] {config:17s} final eval loss {row['final_eval_loss_mean']:.4f}"
+            f"[convergence] {config:17s} final eval loss {row['final_eval_loss_mean']:.4f} "
+            f"({row['final_eval_loss_range'][0]:.4f}-{row['final_eval_loss_range'][1]:.4f}, "
+            f"{row['tokens_per_parameter']} tokens/parameter)"
             f"  ratio to sync_dp {row.get('ratio_to_sync_dp', float('nan')):.4f}"
         )
+    for key, verdict in result["verdicts"].items():
+        print(f"[convergence] {key}: {verdict}")
     print(f"[convergence] wrote {args.out} and {result['png']}")
     return 0
 

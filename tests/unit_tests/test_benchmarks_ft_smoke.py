@@ -149,31 +149,80 @@ def test_peer_step_lines_are_parsed() -> None:
     assert match is not None and (match.group(1), match.group(2)) == ("2", "1,411")
 
 
-def test_convergence_summary_ratios_to_sync_dp() -> None:
+def test_convergence_summary_ratios_to_sync_dp_with_ranges_and_tokens_per_parameter() -> None:
     conv = _module("convergence")
     curves = {
         "sync_dp": {0: {100: 3.0, 200: 2.0}, 1: {100: 3.0, 200: 2.2}},
         "diloco": {0: {100: 3.1, 200: 2.1}, 1: {100: 3.1, 200: 2.1}},
     }
-    table = conv.summarize(curves)
+    table = conv.summarize(curves, parameters=50)
     assert table["sync_dp"]["final_eval_loss_mean"] == pytest.approx(2.1)
+    assert table["sync_dp"]["final_eval_loss_range"] == [2.0, 2.2]
     assert table["diloco"]["ratio_to_sync_dp"] == pytest.approx(1.0)
+    # The per-seed ratios: 2.1 / 2.0 and 2.1 / 2.2.
+    assert table["diloco"]["ratio_to_sync_dp_range"] == pytest.approx([0.9545, 1.05])
     assert table["diloco"]["final_tokens"] == 200
+    assert table["diloco"]["tokens_per_parameter"] == 4.0
+    # A target is met only when the mean and every seed meet it.
+    verdicts = conv.verdicts(table)
+    assert verdicts["diloco ratio_to_sync_dp"].startswith("missed: 1.0 (seeds 0.9545-1.05)")
 
 
-def test_straggler_summary_compares_losses_when_the_faster_run_ended() -> None:
+def test_held_out_halves_split_the_held_out_documents_in_two_fixed_halves(tmp_path: Path) -> None:
     conv = _module("convergence")
-    curves = {
-        "diloco": {0: {10.0: 3.0, 40.0: 2.5, 80.0: 2.0}},
-        "async_dylu": {0: {10.0: 3.0, 30.0: 2.4, 45.0: 2.2}},
+    from torchtitan.datasets.corpus import corpus_documents
+
+    halves = conv.held_out_halves(tmp_path / "a")
+    again = conv.held_out_halves(tmp_path / "b")
+    texts = {n: sorted(f.read_text() for f in p.iterdir()) for n, p in halves.items()}
+    assert texts == {n: sorted(f.read_text() for f in p.iterdir()) for n, p in again.items()}
+    held_out = sorted(d.text for d in corpus_documents("validation"))
+    assert sorted(texts["select"] + texts["test"]) == held_out  # every document, once
+    sizes = [sum(len(t.encode()) for t in texts[n]) for n in ("select", "test")]
+    assert abs(sizes[0] - sizes[1]) < 0.05 * sum(sizes), sizes
+
+
+def test_the_sweeps_pick_dp_s_best_lr_and_diloco_s_best_outer_optimizer_at_that_lr(
+    tmp_path: Path,
+) -> None:
+    conv = _module("convergence")
+    rows = [
+        {"config": "sync_dp", "lr": 1e-3, "final_eval_loss_mean": 2.5},
+        {"config": "sync_dp", "lr": 4e-3, "final_eval_loss_mean": 2.2},
+        {"config": "diloco", "lr": 1e-3, "outer_lr": 0.7, "outer_momentum": 0.0,
+         "final_eval_loss_mean": 2.0},  # the best loss, but at another inner lr
+        {"config": "diloco", "lr": 4e-3, "outer_lr": 0.7, "outer_momentum": 0.9,
+         "final_eval_loss_mean": 2.3},
+        {"config": "diloco", "lr": 4e-3, "outer_lr": 1.0, "outer_momentum": 0.0,
+         "final_eval_loss_mean": 2.25},
+    ]  # fmt: skip
+    smoke = conv.parse_args(["--smoke"])
+    sweep_out = tmp_path / "sweep.json"
+    sweep_out.write_text(json.dumps({"settings": conv.settings(smoke), "rows": rows,
+                                     "seeds": [0], "eval_split": "select"}))  # fmt: skip
+    args = conv.parse_args(["--smoke", "--sweep-out", str(sweep_out)])
+    chosen = conv.take_from_sweep(args)
+    assert (args.lr, args.outer_lr, args.outer_momentum) == (4e-3, 1.0, 0.0)
+    assert chosen["sync_dp_runs_swept"] == 2 and chosen["diloco_runs_swept"] == 2
+    assert chosen["sweep_eval_split"] == "select"
+
+
+def test_straggler_summary_compares_final_losses_of_runs_that_end_together() -> None:
+    conv = _module("convergence")
+    runs = {
+        "async_dylu": {0: {"steps": 60, "curve": {10.0: 3.0, 30.0: 2.4, 45.0: 2.2}}},
+        "diloco_equal_steps": {0: {"steps": 60, "curve": {40.0: 2.5, 80.0: 2.0}}},
+        "diloco": {0: {"steps": 40, "curve": {20.0: 2.6, 46.0: 2.3}}},
     }
-    summary = conv.straggler_summary(curves)
+    summary = conv.straggler_summary(runs)
     row = summary["per_seed"]["0"]
-    assert row["equal_wall_clock_s"] == 45.0
-    assert row["diloco"]["loss_at_equal_wall_clock"] == 2.5  # its last eval before 45 s
-    assert row["async_dylu"]["loss_at_equal_wall_clock"] == 2.2
-    assert summary["mean_loss_at_equal_wall_clock"] == {"diloco": 2.5, "async_dylu": 2.2}
+    assert row["diloco"] == {"steps": 40, "final_loss": 2.3, "final_s": 46.0}
+    assert row["async_dylu"]["final_loss"] == 2.2
+    assert summary["blocking_end_over_async_end_range"] == [1.022, 1.022]
     assert summary["target_met"] is True
+    # Blocking DiLoCo's own schedule: the steps that end at async's end at its measured pace.
+    assert conv.own_schedule_steps(60, 80.0, 45.0, 10) == 30
+    assert conv.own_schedule_steps(60, 800.0, 45.0, 10) == 10  # at least one period
 
 
 def test_convergence_summary_rates_async_against_diloco() -> None:
@@ -262,73 +311,98 @@ def test_memory_smoke_reports_extra_over_parameter_bytes(tmp_path: Path) -> None
     assert summary["diloco"]["extra_vs_no_ft_over_param_bytes"] == round(extra, 3)
 
 
-def test_convergence_smoke_writes_curves_and_png_then_rates_a_sweep(tmp_path: Path) -> None:
+def test_convergence_smoke_sweeps_then_reports_on_the_test_half(tmp_path: Path) -> None:
     out, png = tmp_path / "conv.json", tmp_path / "conv.png"
+    sweep_out = tmp_path / "sweep.json"
     conv = _module("convergence")
-    # DiLoCo runs in the sweep below (a two-group run like sync_dp: the same code path).
-    args = ["--smoke", "--configs", "single_group", "sync_dp"]
-    assert conv.main([*args, "--out", str(out), "--png", str(png)]) == 0
+    files = ["--out", str(out), "--sweep-out", str(sweep_out)]
+    # DP's learning rate, then DiLoCo's outer optimizer at DP's best, on the selection half.
+    assert conv.main(["--smoke", "--sweep-lr", "1e-3", "4e-3", *files]) == 0
+    assert conv.main(["--smoke", "--from-sweep", "--sweep-outer-lr", "0.5", *files]) == 0
+    sweep = _read(sweep_out)
+    assert [(r["config"], r["lr"]) for r in sweep["rows"]][:2] == [("sync_dp", 1e-3),
+                                                                  ("sync_dp", 4e-3)]  # fmt: skip
+    assert sweep["eval_split"] == "select" and sweep["parameters"] > 0
+    best_dp = min(sweep["rows"][:2], key=lambda r: r["final_eval_loss_mean"])
+    (diloco,) = [r for r in sweep["rows"] if r["config"] == "diloco"]
+    assert diloco["lr"] == best_dp["lr"] and diloco["outer_lr"] == 0.5
+    assert diloco["ratio_to_best_sync_dp"] == pytest.approx(
+        diloco["final_eval_loss_mean"] / best_dp["final_eval_loss_mean"], 1e-3
+    )
+    # The report takes both choices and evaluates on the other half.
+    args = ["--smoke", "--from-sweep", "--configs", "single_group", "sync_dp"]
+    assert conv.main([*args, *files, "--png", str(png)]) == 0
     data = _read(out)
+    assert data["eval_split"] == "test"
+    assert data["settings"]["chosen_from_sweep"]["lr"] == best_dp["lr"]
+    assert data["settings"]["lr"].startswith(f"AdamW {best_dp['lr']:g}")
     # Equal tokens: the single group's eval points fall on the two-group runs' token counts.
     assert set(data["curves"]["single_group"]["0"]) == set(data["curves"]["sync_dp"]["0"])
     assert len(data["curves"]["sync_dp"]["0"]) == 2  # an evaluation at each sync
     assert data["summary"]["sync_dp"]["ratio_to_sync_dp"] == 1.0
+    assert data["summary"]["sync_dp"]["tokens_per_parameter"] > 0
+    # The test half is not the selection half: the same DP run scores differently on them.
+    assert data["summary"]["sync_dp"]["final_eval_loss_mean"] != best_dp["final_eval_loss_mean"]
     if data["png"].endswith(".png"):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # A sweep point (its grid and its file: test_a_sweep_rates_each_pair...), rated against the
-    # synchronous DP run just made.
-    sweep_out = tmp_path / "sweep.json"
-    sweep = ["--sweep-outer-lr", "0.5", "--sweep-outer-momentum", "0.0"]
-    assert conv.main(["--smoke", *sweep, "--out", str(out), "--sweep-out", str(sweep_out)]) == 0
-    (row,) = _read(sweep_out)["rows"]
-    assert (row["outer_lr"], row["outer_momentum"]) == (0.5, 0.0)
-    base = _read(out)["summary"]["sync_dp"]["final_eval_loss_mean"]
-    assert row["ratio_to_sync_dp"] == pytest.approx(row["final_eval_loss_mean"] / base, 1e-3)
 
 
-def test_convergence_straggler_smoke_times_both_methods(tmp_path: Path) -> None:
+def test_convergence_straggler_smoke_gives_blocking_diloco_its_own_schedule(
+    tmp_path: Path,
+) -> None:
     out, png = tmp_path / "straggler.json", tmp_path / "straggler.png"
     conv = _module("convergence")
     assert conv.main(["--smoke", "--straggler", "2", "--out", str(out), "--png", str(png)]) == 0
     data = _read(out)
-    assert set(data["curves"]) == {"diloco", "async_dylu"}
+    assert set(data["curves"]) == {"async_dylu", "diloco_equal_steps", "diloco"}
     row = data["summary"]["per_seed"]["0"]
-    # Equal wall-clock time is when the first of the two finished: there its loss is its last.
-    finals = {c: row[c]["final_s"] for c in ("diloco", "async_dylu")}
-    first = min(finals, key=finals.__getitem__)
-    assert row["equal_wall_clock_s"] == finals[first] > 0
-    assert row[first]["loss_at_equal_wall_clock"] == row[first]["final_loss"]
+    assert row["async_dylu"]["steps"] == row["diloco_equal_steps"]["steps"] == 8
+    # Its own schedule: the steps its measured pace fits into async's time, in periods of H.
+    steps = conv.own_schedule_steps(8, row["diloco_equal_steps"]["final_s"],
+                                    row["async_dylu"]["final_s"], 4)  # fmt: skip
+    assert row["diloco"]["steps"] == steps and steps % 4 == 0
     assert "emulate_slowdown=2" in data["settings"]["straggler"]
 
 
-def test_a_sweep_rates_each_pair_against_sync_dp_and_extends_its_file(
+def test_a_sweep_rates_each_pair_against_the_best_dp_row_and_extends_its_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     conv = _module("convergence")
     out, sweep_out = tmp_path / "conv.json", tmp_path / "sweep.json"
-    smoke = conv.parse_args(["--smoke"])
-    summary = {"sync_dp": {"final_eval_loss_per_seed": {"0": 2.0}}}
-    out.write_text(json.dumps({"settings": conv.settings(smoke), "summary": summary}))
-    runs: list[tuple[float, float]] = []
+    runs: list[tuple[str, float, float, float]] = []
 
-    def run_all(args: argparse.Namespace, tmp: Path, curves: dict[str, dict], save: object) -> None:
-        # A DiLoCo run whose final loss tells its outer lr and momentum apart.
-        runs.append((args.outer_lr, args.outer_momentum))
-        curves["diloco"] = {0: {64: 3.0, 128: 2.0 + args.outer_lr + args.outer_momentum / 10}}
+    def run_all(
+        args: argparse.Namespace, tmp: Path, curves: dict[str, dict], save: object, split: str
+    ) -> None:
+        # A run whose final loss tells its settings apart; sweeps evaluate on "select".
+        assert split == "select"
+        (config,) = args.configs
+        runs.append((config, args.lr, args.outer_lr, args.outer_momentum))
+        final = 2.0 + 100 * abs(args.lr - 2e-3)
+        if config == "diloco":
+            final += args.outer_lr / 2 + args.outer_momentum / 10
+        curves[config] = {0: {64: 3.0, 128: final}}
 
     monkeypatch.setattr(conv, "run_all", run_all)
     files = ["--out", str(out), "--sweep-out", str(sweep_out)]
+    assert conv.main(["--smoke", "--sweep-lr", "1e-3", "2e-3", *files]) == 0
     grid = ["--sweep-outer-lr", "0.5", "1.0", "--sweep-outer-momentum", "0.0", "0.9"]
-    assert conv.main(["--smoke", *grid, *files]) == 0
+    assert conv.main(["--smoke", "--from-sweep", *grid, *files]) == 0
     pairs = [(0.5, 0.0), (1.0, 0.0), (0.5, 0.9), (1.0, 0.9)]
-    assert runs == pairs
-    rows = _read(sweep_out)["rows"]
+    assert runs == [("sync_dp", 1e-3, 0.7, 0.0), ("sync_dp", 2e-3, 0.7, 0.0)] + [
+        ("diloco", 2e-3, lr, m) for lr, m in pairs
+    ]
+    rows = [r for r in _read(sweep_out)["rows"] if r["config"] == "diloco"]
     assert [(r["outer_lr"], r["outer_momentum"]) for r in rows] == pairs
-    assert [r["ratio_to_sync_dp"] for r in rows] == pytest.approx([1.25, 1.5, 1.295, 1.545])
+    assert [r["ratio_to_best_sync_dp"] for r in rows] == pytest.approx([1.125, 1.25, 1.17, 1.295])
     # Another sweep with the same settings adds its pairs (a pair run again moves to the end).
     more = ["--sweep-outer-lr", "0.5", "2.0", "--sweep-outer-momentum", "0.9"]
-    assert conv.main(["--smoke", *more, *files]) == 0
-    rows = _read(sweep_out)["rows"]
+    assert conv.main(["--smoke", "--from-sweep", *more, *files]) == 0
+    rows = [r for r in _read(sweep_out)["rows"] if r["config"] == "diloco"]
     again = [(0.5, 0.0), (1.0, 0.0), (1.0, 0.9), (0.5, 0.9), (2.0, 0.9)]
     assert [(r["outer_lr"], r["outer_momentum"]) for r in rows] == again
-    assert len(_read(sweep_out)["commands"]) == 2
+    assert len(_read(sweep_out)["commands"]) == 3
+    # The choice for the report: DP's best lr, DiLoCo's best pair at it.
+    args = conv.parse_args(["--smoke", *files])
+    conv.take_from_sweep(args)
+    assert (args.lr, args.outer_lr, args.outer_momentum) == (2e-3, 0.5, 0.0)
