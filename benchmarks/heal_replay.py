@@ -6,8 +6,10 @@ missed, against a full heal in the same job, over an emulated WAN.
 
 One job per link rate, dtype and repeat (interleaved): DiLoCo across 2 replica groups, each in
 its own network namespace with a ``tc tbf`` link of ``--rates`` Mbit/s (``benchmarks/netns.py``,
-as in ``wan.py``), group i pinned to core i. Group 1 checkpoints at every sync point. In one
-job, for each case in turn (``full``, then ``--missed`` K = 1, 3, 10):
+as in ``wan.py``; rate 0: the same namespaces and veths without shaping, as fast as the kernel
+copies: the loopback-like baseline of the same job), group i pinned to core i. Group 1
+checkpoints at every sync point. In one job, for each case in turn (``full``, then
+``--missed`` K = 1, 3, 10):
 
 1. group 1 is killed right after a checkpoint (the job's sync ``s``);
 2. group 0 commits syncs ``s+1 .. s+K`` alone (``full``: K = 1);
@@ -59,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny model, one case (CI)")
     p.add_argument("--rates", type=float, nargs="+", default=[100.0, 1000.0],
-                   help="link rates to emulate, Mbit/s (default 100 1000)")  # fmt: skip
+                   help="link rates, Mbit/s (default 100 1000; 0: no shaping)")  # fmt: skip
     p.add_argument("--dtypes", nargs="+", default=["int8", "int4"],
                    choices=["float32", "bfloat16", "int8", "int4"],
                    help="fault_tolerance.pseudo_grad_dtype (default int8 int4)")  # fmt: skip
@@ -84,6 +86,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.out = args.out or provenance.default_output("heal_replay.json", args.smoke)
     args.png = args.png or args.out.with_suffix(".png")
     return args
+
+
+def link(rate: float) -> str:
+    """A link's name in the summary and the logs: ``100 Mbit/s``, or ``unshaped`` (rate 0)."""
+    return f"{rate:g} Mbit/s" if rate else "unshaped"
 
 
 class Watch:
@@ -220,7 +227,7 @@ def run_job(folder: Path, rate: float, dtype: str, args: argparse.Namespace) -> 
     lighthouse = LighthouseSettings(min_replicas=1, heartbeat_timeout_ms=2000, host=netns.HUB_IP)
     cases = [("full", 1)] + [(f"K={k}", k) for k in args.missed]
     results = []
-    with netns.Wan(2, rate) as wan:
+    with netns.Wan(2, rate or None) as wan:
         with common.trainer_job(
             folder,
             2,
@@ -249,7 +256,7 @@ def run_job(folder: Path, rate: float, dtype: str, args: argparse.Namespace) -> 
                     raise RuntimeError(f"group 1's checkpoint is not at its sync: {results[-1]}")
                 r = results[-1]
                 print(
-                    f"[heal_replay] {rate:6g} Mbit/s {dtype:7s} {case:5s} {r['transfer']:6s} "
+                    f"[heal_replay] {link(rate):>14s} {dtype:7s} {case:5s} {r['transfer']:6s} "
                     f"replayed {r['replayed_syncs']} syncs, {r['heal_bytes'] / 2**20:8.2f} MiB "
                     f"in {r['heal_transfer_s']:.2f}s; survivor's longest step gap "
                     f"{r['survivor_longest_step_gap_s']:.2f}s (quorum wait "
@@ -268,7 +275,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     for run in runs:
         for r in run["cases"]:
-            key = f"{run['rate_mbit']:g} Mbit/s {run['pseudo_grad_dtype']} {r['case']}"
+            key = f"{link(run['rate_mbit'])} {run['pseudo_grad_dtype']} {r['case']}"
             rows.setdefault(key, []).append(r)
     summary: dict[str, Any] = {}
     for key, found in rows.items():
@@ -334,13 +341,13 @@ def plot(runs: list[dict[str, Any]], path: Path) -> str:
     for j, (rate, dtype) in enumerate(configs):
         xs = [i + (j - (len(configs) - 1) / 2) * width for i in range(len(cases))]
         for ax, field, scale in ((axes[0], "heal_bytes", 2**20), (axes[1], "heal_transfer_s", 1)):
-            rows = [summary[f"{rate:g} Mbit/s {dtype} {c}"][field] for c in cases]
+            rows = [summary[f"{link(rate)} {dtype} {c}"][field] for c in cases]
             med = [r["median"] / scale for r in rows]
             err = [
                 [(r["median"] - r["min"]) / scale for r in rows],
                 [(r["max"] - r["median"]) / scale for r in rows],
             ]
-            ax.bar(xs, med, width, yerr=err, capsize=3, label=f"{rate:g} Mbit/s, {dtype}")
+            ax.bar(xs, med, width, yerr=err, capsize=3, label=f"{link(rate)}, {dtype}")
     axes[0].set_ylabel("received by the restarted group (MiB)")
     axes[1].set_ylabel("seconds in the checkpoint transport")
     for ax in axes:

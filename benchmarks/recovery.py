@@ -41,6 +41,12 @@ killing the only group that holds the job's state would restart the job from scr
   periods that ended in a committed sync, except a restarted group's first period, which the
   heal overwrites;
 * committed ÷ attempted syncs;
+* goodput, downtime counted: the committed steps of both groups per wall-second, from the soak
+  job's first process start to the end of the soak (start-up, kills, restarts, heals and the
+  survivor's waits all inside), divided by the two groups' steps per second without FT. The
+  baseline runs in the same invocation, right before the soak and right after it (the mean of
+  the two): the same trainer, model and pinning, both groups' processes at once, without a
+  lighthouse (``--baseline-steps`` steps, the first ``BASELINE_WARMUP`` left out);
 * divergence: syncs whose ``global_digest`` differs between the groups (both took part);
 * crashes: processes that exited without being killed by the benchmark.
 """
@@ -49,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import random
 import sys
 import tempfile
@@ -482,6 +489,43 @@ def kill_and_record(job: LocalJob, events: common.GroupEvents, victim: int, t_be
     }
 
 
+#: Steps of each baseline process left out of its rate (start-up, first allocations).
+BASELINE_WARMUP = 5
+
+
+def without_ft(train_args: list[str], steps: int) -> list[str]:
+    """The soak's trainer flags without its fault-tolerance ones, for ``steps`` steps."""
+    kept = [a for a in train_args if not a.startswith(("--fault_tolerance.", "--training.steps"))]
+    return [*kept, f"--training.steps={steps}"]
+
+
+def steps_per_second(events: Iterable[Event], warmup: int = BASELINE_WARMUP) -> float:
+    """Inner steps per second of one process after its first ``warmup`` steps."""
+    rows = timings(events)
+    (s0, t0), (s1, t1) = rows[warmup - 1], rows[-1]
+    return (s1 - s0) / (t1 - t0)
+
+
+def baseline_part(folder: Path, args: argparse.Namespace, train_args: list[str]) -> list[float]:
+    """Each group's steps per second without FT, both processes at once on their cores."""
+    argv = without_ft(train_args, args.baseline_steps)
+    with common.trainer_job(folder, 2, argv, ft_args=()) as job:
+        procs = [
+            common.start_alone(job, f"no_ft_g{i}", argv, functools.partial(common.pin_to_core, i))
+            for i in range(2)
+        ]
+        common.wait_all(procs, args.timeout)
+    return [round(steps_per_second(common.trainer_events(p, TIMING)), 4) for p in procs]
+
+
+def goodput_with_downtime(
+    committed_steps: int, wall_s: float, baseline_steps_per_s: Sequence[float]
+) -> float:
+    """Committed steps per wall-second over the whole soak ÷ the groups' summed rate
+    without FT."""
+    return committed_steps / wall_s / sum(baseline_steps_per_s)
+
+
 def soak_part(folder: Path, args: argparse.Namespace, train_args: list[str]) -> dict:
     kills: list[dict] = []
     with two_groups(folder, args, train_args) as job:
@@ -516,6 +560,7 @@ def soak_part(folder: Path, args: argparse.Namespace, train_args: list[str]) -> 
                     print(f"[soak] {now - t_begin:6.1f}s SIGKILL group {victim}", flush=True)
                     schedule.reschedule(now)
             time.sleep(0.1)
+        t_stop = time.monotonic()
         crashes = [
             {"group": s.replica_id, "name": s.name, "code": s.returncode} for s in crashed(job)
         ]
@@ -534,6 +579,7 @@ def soak_part(folder: Path, args: argparse.Namespace, train_args: list[str]) -> 
             for k in ("attempted_steps", "committed_steps", "attempted_syncs", "committed_syncs")
         }
         stalls = survivor_stalls(kills, t_begin, starts, emitted_by)
+        t_job = min(s.started for s in starts)
         div = divergence(
             [(s.replica_id, emitted_by[s.name]) for s in starts if s.replica_id is not None]
         )
@@ -549,6 +595,8 @@ def soak_part(folder: Path, args: argparse.Namespace, train_args: list[str]) -> 
         "committed_over_attempted_syncs": round(
             totals["committed_syncs"] / max(1, totals["attempted_syncs"]), 4
         ),
+        "wall_s_from_job_start": round(t_stop - t_job, 2),
+        "wall_s_before_the_first_kill_window": round(t_begin - t_job, 2),
         "survivor_kill_to_next_committed_sync_s": stalls,
         "divergence": div,
         "crashes": crashes,
@@ -564,6 +612,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--restart-after", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kills", type=int, default=2, help="kills measured in part 1")
+    p.add_argument("--baseline-steps", type=int, default=300,
+                   help="steps of each no-FT process of the soak's goodput baseline")  # fmt: skip
     p.add_argument("--joiner-kills", type=int, default=2,
                    help="part 1: kills of a restarted group around its first sync")  # fmt: skip
     p.add_argument("--sync-steps", type=int, default=5, help="DiLoCo H")
@@ -601,7 +651,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         # every 1.5-4.5 s kills at least once.
         p.set_defaults(flavor="debugmodel_small", seq_len=32, batch=2, sync_steps=4, kills=1,
                        joiner_kills=1, minutes=0.1, kill_every=3.0, restart_after=1.0,
-                       max_load=float("inf"))  # fmt: skip
+                       max_load=float("inf"), baseline_steps=20)  # fmt: skip
         args = p.parse_args(argv)
         # Part 3 is part 1 with longer periods: tests/integration_tests/
         # test_semi_sync_reliability.py runs that scenario (and CI's time is short).
@@ -652,6 +702,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "targets": {
             "committed_over_attempted_steps": ">= 0.80",
+            "goodput_with_downtime": "reported (no target)",
             "divergence": "none",
             "survivor_crashes": 0,
         },
@@ -677,9 +728,19 @@ def main(argv: list[str] | None = None) -> int:
             provenance.write_result(args.out, result, command)
         if not args.skip_soak:
             load = common.wait_for_quiet_machine(args.max_load, 120)
+            before = baseline_part(Path(tmp) / "baseline_before", args, train_args)
             soak = soak_part(Path(tmp) / "soak", args, train_args)
             soak["load_avg_1min_before"] = round(load, 2)
             soak["load_avg_1min_after"] = round(common.load_average(), 2)
+            after = baseline_part(Path(tmp) / "baseline_after", args, train_args)
+            baseline = [(b + a) / 2 for b, a in zip(before, after, strict=True)]
+            goodput = goodput_with_downtime(
+                soak["totals"]["committed_steps"],
+                soak["wall_s_from_job_start"],
+                baseline,
+            )
+            soak["no_ft_steps_per_s"] = {"before": before, "after": after}
+            soak["goodput_with_downtime"] = round(goodput, 4)
             soak["targets_met"] = {
                 "committed_over_attempted_steps": soak["committed_over_attempted_steps"] >= 0.8,
                 "no_divergence": not soak["divergence"]["mismatched"],  # type: ignore[index]
@@ -688,8 +749,9 @@ def main(argv: list[str] | None = None) -> int:
             result["soak"] = soak
             print(
                 f"[soak] committed/attempted steps {soak['committed_over_attempted_steps']:.3f} "
-                f"syncs {soak['committed_over_attempted_syncs']:.3f}  kills {len(soak['kills'])}  "
-                f"divergence {soak['divergence']}  crashes {soak['crashes']}",
+                f"syncs {soak['committed_over_attempted_syncs']:.3f}  goodput with downtime "
+                f"{goodput:.3f} (no-FT steps/s before {before}, after {after})  kills "
+                f"{len(soak['kills'])}  divergence {soak['divergence']}  crashes {soak['crashes']}",
                 flush=True,
             )
     path = provenance.write_result(args.out, result, command)

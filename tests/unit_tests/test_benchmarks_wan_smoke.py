@@ -298,6 +298,22 @@ def test_recovery_smoke_heals_and_soaks_without_divergence(tmp_path: Path) -> No
     assert "--fault_tolerance.process_group_timeout_ms=10000" in data["settings"]["ft_args"]
     assert soak["divergence"]["mismatched"] == [] and soak["crashes"] == []
     assert 0 < soak["committed_over_attempted_steps"] <= 1
+    # Goodput counts the whole soak job's wall time against a no-FT baseline taken before and
+    # after it, in this invocation.
+    rates = soak["no_ft_steps_per_s"]
+    assert len(rates["before"]) == len(rates["after"]) == 2 and min(rates["before"]) > 0
+    assert soak["wall_s_from_job_start"] > soak["wall_s_before_the_first_kill_window"] > 0
+    baseline = [(b + a) / 2 for b, a in zip(rates["before"], rates["after"], strict=True)]
+    expected = soak["totals"]["committed_steps"] / soak["wall_s_from_job_start"] / sum(baseline)
+    assert soak["goodput_with_downtime"] == pytest.approx(expected, abs=1e-4)
+
+
+def test_goodput_with_downtime_divides_by_the_whole_wall_time() -> None:
+    recovery = _module("recovery")
+    # 2 groups of 10 steps/s for 100 s could commit 2000 steps; 1500 were committed.
+    assert recovery.goodput_with_downtime(1500, 100.0, [10.0, 10.0]) == pytest.approx(0.75)
+    flags = ["--fault_tolerance.semi_sync_method=diloco", "--training.steps=1000000", "--x=1"]
+    assert recovery.without_ft(flags, 300) == ["--x=1", "--training.steps=300"]
 
 
 def test_the_rejoin_wait_is_read_from_the_sync_event(tmp_path: Path) -> None:
@@ -320,6 +336,13 @@ def test_the_rejoin_wait_is_read_from_the_sync_event(tmp_path: Path) -> None:
     timed = [events[0], _timing(300, 1.0, 50.0), events[1], _timing(600, 2.0, 80.0)]
     assert recovery.committed_sync_after(timed, 60.0) == (600, 80.0, 612.0, 2)
     assert recovery.committed_sync_after(timed, 90.0) is None
+
+
+def test_heal_replay_names_rate_0_unshaped() -> None:
+    heal_replay = _module("heal_replay")
+    assert [heal_replay.link(r) for r in (0.0, 100.0, 1000.0)] == [
+        "unshaped", "100 Mbit/s", "1000 Mbit/s"
+    ]  # fmt: skip
 
 
 def test_heal_replay_smoke_replays_fewer_bytes_than_a_full_heal(tmp_path: Path) -> None:
