@@ -414,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         data = json.loads(args.out.read_text())
         data["summary"] = summarize(data["runs"])
         data["png"] = plot(data["runs"], args.png)
+        data["goodput_png"] = plot_goodput(data["runs"], goodput_png(args.png))
         provenance.rewrite_result(args.out, data)  # the numbers are still that run's
         return 0
     why = netns.unavailable()
@@ -501,8 +502,9 @@ def main(argv: list[str] | None = None) -> int:
             # After every run: partial results survive.
             provenance.write_result(args.out, result, command)
     result["png"] = plot(runs, args.png)
+    result["goodput_png"] = plot_goodput(runs, goodput_png(args.png))
     path = provenance.write_result(args.out, result, command)
-    print(f"[wan] wrote {path} and {result['png']}")
+    print(f"[wan] wrote {path}, {result['png']} and {result['goodput_png']}")
     return 0
 
 
@@ -519,6 +521,11 @@ def add_goodput_ratios(run: dict[str, object], baseline: dict[str, object]) -> N
     run["job_goodput_whole_run"] = round(
         sum(g["whole_run_tokens_per_s"] for g in groups)
         / sum(b["whole_run_tokens_per_s"] for b in paired),
+        4,
+    )
+    run["job_goodput_steady"] = round(
+        sum(g["steady_tokens_per_s"] for g in groups)
+        / sum(b["steady_tokens_per_s"] for b in paired),
         4,
     )
     run["baseline_repeat"] = baseline["repeat"]
@@ -573,6 +580,81 @@ def plot(runs: list[dict[str, object]], path: Path) -> str:
     return str(path)
 
 
+def goodput_png(path: Path) -> Path:
+    """Where the goodput chart goes: next to the utilisation chart."""
+    return path.with_name(path.stem + "_goodput.png")
+
+
+def run_label(run: dict[str, object]) -> str:
+    """A bar's label: the method, and its pseudo-gradient dtype when not float32."""
+    dtype = run.get("pseudo_grad_dtype")
+    return str(run["method"]) + ("" if dtype in (None, "float32") else f"\n{dtype}")
+
+
+def plot_goodput(runs: list[dict[str, object]], path: Path) -> str:
+    """Bars of the job's goodput per method, dtype and link rate: whole run (solid) next to
+    steady state (hatched), the median over repeats, whiskers from the lowest to the highest
+    repeat; the PNG's path, or why none was written."""
+    medians = [r for r in median_runs(runs) if r.get("repeats_goodput")]
+    if not medians:
+        return "no goodput measured (--goodput): no goodput PNG written"
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install -e '.[bench]'): no PNG written"
+    rates = sorted({float(r["rate_mbit"]) for r in medians})  # type: ignore[arg-type]
+    labels = list(dict.fromkeys(run_label(r) for r in medians))
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.1 * len(labels) * len(rates)), 4.5))
+    width = 0.8 / (2 * len(rates))
+    for j, rate in enumerate(rates):
+        for k, kind in enumerate(("job_whole_run", "job_steady")):
+            xs, med, low, high = [], [], [], []
+            for i, label in enumerate(labels):
+                run = next((r for r in medians
+                            if run_label(r) == label and r["rate_mbit"] == rate), None)  # fmt: skip
+                if run is None:
+                    continue
+                spread = run["repeats_goodput"][kind]  # type: ignore[index]
+                if spread is None:
+                    continue
+                xs.append(i + (2 * j + k - (2 * len(rates) - 1) / 2) * width)
+                med.append(spread["median"])
+                low.append(spread["median"] - spread["min"])
+                high.append(spread["max"] - spread["median"])
+            if not xs:
+                continue
+            window = "steady state" if k else "whole run"
+            bars = ax.bar(xs, med, width, yerr=[low, high], capsize=2, color=f"C{j}",
+                          hatch="//" if k else None, alpha=0.6 if k else 1.0,
+                          label=f"{rate:g} Mbit/s, {window}")  # fmt: skip
+            ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_ylim(0, 1.25)
+    ax.set_ylabel("job goodput (committed tokens/s ÷ no-FT tokens/s)")
+    repeats = min(int(r["repeats_goodput"]["repeats"]) for r in medians)  # type: ignore[index]
+    ax.set_title(f"2 replica groups over tc-tbf links; median of {repeats}+ repeats, "
+                 "whiskers: their range", fontsize=10)  # fmt: skip
+    ax.legend(fontsize=8, loc="upper right", ncol=2)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)
+
+
+def verdict(values: list[float], target: float) -> str:
+    """ "met" when at least 4 of 5 repeats (3 of 3; all but one in five generally) reach
+    ``target``, else "missed"; with the count."""
+    need = len(values) - len(values) // 5
+    reached = sum(v >= target for v in values)
+    word = "met" if reached >= need else "missed"
+    return f"{word}: {reached} of {len(values)} repeats >= {target:g}"
+
+
 def median_runs(runs: list[dict[str, object]]) -> list[dict[str, object]]:
     """Of the repeats of each method and rate, the run with the median utilisation (the lower
     middle one for an even count), in first-run order."""
@@ -605,6 +687,13 @@ def goodput_spread(repeats: list[dict[str, object]]) -> dict[str, object]:
     return {
         "repeats": len(repeats),
         "job_whole_run": spread([float(r["job_goodput_whole_run"]) for r in repeats]),  # type: ignore[arg-type]
+        # (files written before the job's steady-state goodput was recorded have none)
+        "job_steady": (
+            spread([float(r["job_goodput_steady"]) for r in repeats])  # type: ignore[arg-type]
+            if all("job_goodput_steady" in r for r in repeats)
+            else None
+        ),
+        "job_whole_run_repeats": [r["job_goodput_whole_run"] for r in repeats],
         "per_group_whole_run": [
             spread([float(g[i]["goodput_whole_run"]) for g in groups])
             for i in range(count)  # type: ignore[index]
@@ -679,6 +768,11 @@ def summarize(runs: list[dict[str, object]]) -> dict[str, dict[str, object]]:
             "wire_tx_mib_per_group_per_step": run["wire_tx_mib_per_group_per_step"],
             "target": target,
             "target_met": None if target is None else measured >= target,  # type: ignore[operator]
+            "goodput_target": (
+                None
+                if target is None or not run.get("repeats_goodput")
+                else verdict(run["repeats_goodput"]["job_whole_run_repeats"], target)  # type: ignore[index]
+            ),
             "target_met_at_no_ft_compute_speed": (
                 None if target is None or c0 is None else c0 / (c0 + max(other, 0.0)) >= target
             ),

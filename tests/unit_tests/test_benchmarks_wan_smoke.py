@@ -139,12 +139,22 @@ def test_goodput_is_divided_by_the_same_groups_baseline() -> None:
     assert [g["goodput_whole_run"] for g in run["groups"]] == [0.9, 0.8]
     assert [g["goodput_steady"] for g in run["groups"]] == [0.95, 0.96]
     assert run["job_goodput_whole_run"] == pytest.approx(130 / 150, abs=1e-4)
+    assert run["job_goodput_steady"] == pytest.approx(143 / 150, abs=1e-4)
     spread = wan.goodput_spread([run, {**run, "job_goodput_whole_run": 0.5}])
     assert spread["job_whole_run"] == {
         "median": 0.5,
         "min": 0.5,
         "max": run["job_goodput_whole_run"],
     }
+    assert spread["job_whole_run_repeats"] == [run["job_goodput_whole_run"], 0.5]
+
+
+def test_a_goodput_target_is_met_by_4_of_5_repeats_or_3_of_3() -> None:
+    wan = _module("wan")
+    assert wan.verdict([0.9, 0.9, 0.9, 0.9, 0.7], 0.8) == "met: 4 of 5 repeats >= 0.8"
+    assert wan.verdict([0.9, 0.9, 0.9, 0.7, 0.7], 0.8).startswith("missed: 3 of 5")
+    assert wan.verdict([0.9, 0.9, 0.7], 0.8).startswith("missed: 2 of 3")
+    assert wan.verdict([0.9, 0.9, 0.9], 0.8).startswith("met: 3 of 3")
 
 
 def test_repeats_are_summarized_by_their_median_run() -> None:
@@ -244,6 +254,9 @@ def test_wan_smoke_shapes_links_and_reports_utilisation(tmp_path: Path) -> None:
     for run in data["runs"][1:]:
         assert run["job_goodput_whole_run"] > 0
         assert all(g["goodput_whole_run"] > 0 and g["goodput_steady"] > 0 for g in run["groups"])
+    if data["png"].endswith(".png"):  # matplotlib installed: the goodput chart too
+        assert Path(data["goodput_png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert data["summary"]["async_dylu@100mbit_straggler2"]["goodput"]["repeats"] == 1
     data["runs"] = data["runs"][1:]  # the rest as before
     summary = data["summary"]["async_dylu@100mbit_straggler2"]
     assert summary["target"] == 0.95 and len(summary["per_group_utilisation"]) == 2
