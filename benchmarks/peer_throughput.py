@@ -287,7 +287,12 @@ def summarize(
         "ours_tokens_per_s": round(ours_tps, 1),
         "ours_peak_rss_mib": round(common.median([r["ours"]["max_rss_mib"] for r in runs]), 1),
         "ours_model_gflops_per_s": round(ours_tps * flops_per_token / 1e9, 2),
+        # Causal attention FLOPs (a token meets T/2 positions on average: the model's own
+        # count, torchtitan.models.llama3.args.num_flops_per_token).
         "ours_mfu_pct_vs_fp32_mm_peak": round(common.median(mfus), 1),
+        "ours_mfu_pct_range": [round(min(mfus), 1), round(max(mfus), 1)],
+        "mfu_attention_flops": "causal",
+        "flops_per_token": flops_per_token,
         "mm_peak_gflops": {k: round(v, 1) for k, v in peak.items()},
     }
     for variant in peer_variants:
