@@ -44,7 +44,8 @@ every ratio with the range of the per-seed ratios.
 ``--straggler F`` runs a different comparison: group 1 computes F times the work of each step
 (``training.emulate_slowdown``), and blocking DiLoCo (``diloco``) is compared with async
 DiLoCo with DyLU (``async_dylu``) by group 0's final held-out loss when both end at the same
-wall-clock time. Async DiLoCo runs ``--steps``; blocking DiLoCo, whose fast group waits for
+wall-clock time (async DiLoCo without DyLU, ``async_diloco``, is shown too). Async DiLoCo
+runs ``--steps``; blocking DiLoCo, whose fast group waits for
 the straggler at every sync, first runs ``--steps`` too (to measure its seconds per step),
 then runs again with a schedule of its own (warmup and decay over fewer steps, a multiple of
 H) sized to end when async DiLoCo ended. Final losses are compared, measured at the end of
@@ -86,7 +87,7 @@ BASE_METHOD = {"sync_dp": "sync_ft", "localsgd": "localsgd", "diloco": "diloco",
                "async_delayed_dn": "async_delayed_dn", "async_dylu": "async_dylu",
                "diloco_int8": "diloco_int8", "diloco_int4_ef": "diloco_int4_ef"}  # fmt: skip
 #: With --straggler: blocking DiLoCo against async DiLoCo with DyLU.
-STRAGGLER_CONFIGS = ["diloco", "async_dylu"]
+STRAGGLER_CONFIGS = ["diloco", "async_eager", "async_dylu"]
 #: The halves of the held-out documents: ``select`` for the sweeps, ``test`` for the report.
 EVAL_SPLITS = ("select", "test")
 TARGETS = {
@@ -556,13 +557,18 @@ def own_schedule_steps(steps: int, seconds: float, target_s: float, h: int) -> i
 
 
 def straggler_curves(args: argparse.Namespace, tmp: Path) -> dict[str, dict[int, dict]]:
-    """Per seed: async DiLoCo + DyLU over ``--steps``; blocking DiLoCo over ``--steps``
-    (``diloco_equal_steps``) and over its own shorter schedule (``diloco``) sized to end
-    when async DiLoCo ended. {config: {seed: {"steps": n, "curve": {s: loss}}}}."""
+    """Per seed: async DiLoCo + DyLU and async DiLoCo without it over ``--steps``; blocking
+    DiLoCo over ``--steps`` (``diloco_equal_steps``) and over its own shorter schedule
+    (``diloco``) sized to end when async DiLoCo + DyLU ended.
+    {config: {seed: {"steps": n, "curve": {s: loss}}}}."""
     eval_folder = held_out_halves(tmp)[args.eval_split]
-    runs: dict[str, dict[int, dict]] = {"async_dylu": {}, "diloco_equal_steps": {}, "diloco": {}}
+    runs: dict[str, dict[int, dict]] = {
+        "async_dylu": {}, "async_diloco": {}, "diloco_equal_steps": {}, "diloco": {}
+    }  # fmt: skip
     for seed in args.seeds:
         fast = _group0_curve(args, tmp, "async_dylu", seed, args.steps, eval_folder)
+        plain = _group0_curve(args, tmp, "async_eager", seed, args.steps, eval_folder)
+        runs["async_diloco"][seed] = {"steps": args.steps, "curve": plain}
         equal = _group0_curve(args, tmp, "diloco", seed, args.steps, eval_folder)
         steps = own_schedule_steps(args.steps, max(equal), max(fast), args.sync_steps)
         own = _group0_curve(args, tmp, "diloco", seed, steps, eval_folder)

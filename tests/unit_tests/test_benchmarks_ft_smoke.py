@@ -354,7 +354,7 @@ def test_convergence_straggler_smoke_gives_blocking_diloco_its_own_schedule(
     conv = _module("convergence")
     assert conv.main(["--smoke", "--straggler", "2", "--out", str(out), "--png", str(png)]) == 0
     data = _read(out)
-    assert set(data["curves"]) == {"async_dylu", "diloco_equal_steps", "diloco"}
+    assert set(data["curves"]) == {"async_dylu", "async_diloco", "diloco_equal_steps", "diloco"}
     row = data["summary"]["per_seed"]["0"]
     assert row["async_dylu"]["steps"] == row["diloco_equal_steps"]["steps"] == 8
     # Its own schedule: the steps its measured pace fits into async's time, in periods of H.
