@@ -15,10 +15,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tests.unit_tests.gloo_groups import LoopbackManager, run_groups, sync_manager
-from tests.unit_tests.test_sync_averaging import BUCKET, PERIOD, fragments_of, make_model
+from tests.unit_tests.toy_task import BUCKET, PERIOD, fragments_of, inner_step, make_model
 from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
 from torchtitan.experiments.fault_tolerance.compression import (
     PSEUDO_GRAD_DTYPES,
@@ -121,11 +120,7 @@ def train_with_history(rank: int, pg: Any, method: str, dtype: str, groups: int)
     try:
         with loop.hooks():
             while manager.current_step() < SYNCS:
-                x = torch.randn(8, 16, generator=data)
-                loss = F.mse_loss(model(x), torch.sin(x[:, :1] * (rank + 1)))
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
+                inner_step(model, optimizer, data, lambda x: torch.sin(x[:, :1] * (rank + 1)))
                 if manager.current_step() == CHECKPOINT_SYNC and snapshot is None:
                     snapshot = outer_state(loop)
     finally:

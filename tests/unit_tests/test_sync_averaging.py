@@ -14,7 +14,6 @@ that a tensor does not fit.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import pytest
@@ -23,40 +22,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.unit_tests.gloo_groups import LoopbackManager, run_groups, sync_manager
+from tests.unit_tests.toy_task import BUCKET, PERIOD, fragments_of, inner_step, make_model
 from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
 from torchtitan.experiments.fault_tolerance.async_state import FragmentState
 from torchtitan.experiments.fault_tolerance.compression import PSEUDO_GRAD_DTYPES, get_codec
-from torchtitan.experiments.fault_tolerance.fragments import ModelFragment
 from torchtitan.experiments.fault_tolerance.outer_loop import TorchftDiLoCo, TorchftLocalSGD
 
-BUCKET = 300
-PERIOD = 3
 GROUPS = 2
-
-
-_SEEDING = threading.Lock()  # the groups' threads share torch's global generator
-
-
-def make_model() -> nn.Module:
-    """Tensors of 1024 (more than a bucket: in pieces of 300), then 64 + 128 + 2 (one bucket),
-    120 + 60 + 60 + 1 (the next: 120 does not fit after 194). The same in every group."""
-    with _SEEDING:
-        torch.manual_seed(0)
-        return _layers()
-
-
-def _layers() -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 2), nn.Tanh(), nn.Linear(2, 60), nn.Tanh(),
-        nn.Linear(60, 1),
-    )  # fmt: skip
-
-
-def fragments_of(model: nn.Module, count: int) -> list[nn.Module]:
-    if count == 1:
-        return [model]
-    named = list(model.named_parameters())
-    return [ModelFragment(named[:2]), ModelFragment(named[2:])]
 
 
 def build(method: str, sync: Any, model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
@@ -171,11 +143,7 @@ def train_and_record(
     try:
         with loop.hooks():
             for _ in range(steps):
-                x = torch.randn(8, 16, generator=data)
-                loss = F.mse_loss(model(x), torch.sin(x[:, :1] * (rank + 1)))
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
+                inner_step(model, optimizer, data, lambda x: torch.sin(x[:, :1] * (rank + 1)))
                 if sending:
                     record["sent"].append(torch.cat(sending))
                     sending.clear()
@@ -284,11 +252,7 @@ def test_error_feedback_keeps_a_residual_per_transfer_renewed_by_every_committed
         try:
             with loop.hooks():
                 for _ in range(3 * PERIOD):
-                    x = torch.randn(8, 16, generator=data)
-                    loss = F.mse_loss(model(x), x[:, :1])
-                    optimizer.zero_grad()
-                    loss.backward()
-                    optimizer.step()
+                    inner_step(model, optimizer, data, lambda x: x[:, :1])
                     if loop.local_step() == 0:
                         feedback = sync.residuals.feedback if sync.residuals else None
                         assert feedback is not None

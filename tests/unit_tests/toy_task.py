@@ -1,0 +1,53 @@
+"""The small regression task the gloo-group tests train on: a model whose tensors span the
+bucket cases (one larger than a bucket, several packed into one, one that does not fit after
+the others), its fragments, and one inner step."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan.experiments.fault_tolerance.fragments import ModelFragment
+
+BUCKET = 300
+PERIOD = 3
+
+_SEEDING = threading.Lock()  # the groups' threads share torch's global generator
+
+
+def make_model() -> nn.Module:
+    """Tensors of 1024 (more than a bucket: in pieces of 300), then 64 + 128 + 2 (one bucket),
+    120 + 60 + 60 + 1 (the next: 120 does not fit after 194). The same in every group."""
+    with _SEEDING:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 2), nn.Tanh(), nn.Linear(2, 60),
+            nn.Tanh(), nn.Linear(60, 1),
+        )  # fmt: skip
+
+
+def fragments_of(model: nn.Module, count: int) -> list[nn.Module]:
+    """The model itself (``count`` 1), or two fragments: the first layer, and the rest."""
+    if count == 1:
+        return [model]
+    named = list(model.named_parameters())
+    return [ModelFragment(named[:2]), ModelFragment(named[2:])]
+
+
+def inner_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: torch.Generator,
+    target: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
+    """One inner step on 8 samples of 16 random features drawn from ``data``, regressing
+    ``target(x)``."""
+    x = torch.randn(8, 16, generator=data)
+    loss = F.mse_loss(model(x), target(x))
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
