@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from tests.unit_tests.gloo_groups import LoopbackManager, run_groups, sync_manager
-from tests.unit_tests.toy_task import BUCKET, PERIOD, fragments_of, inner_step, make_model
-from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
+from tests.unit_tests.toy_task import BUCKET, build_method, inner_step, make_model
 from torchtitan.experiments.fault_tolerance.compression import (
     PSEUDO_GRAD_DTYPES,
     Delivered,
@@ -34,7 +33,6 @@ from torchtitan.experiments.fault_tolerance.heal_history import (
     plan_replay,
     replay,
 )
-from torchtitan.experiments.fault_tolerance.outer_loop import TorchftDiLoCo
 from torchtitan.tools.digest import device_digest
 
 SYNCS = 4
@@ -45,43 +43,11 @@ CHECKPOINT_SYNC = 1
 def build_loop(
     method: str, sync: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> Any:
-    """The method as the trainer builds it, with a Nesterov outer optimizer (its momentum is
-    part of what a replay must reproduce): ``diloco``, ``streaming`` (2 fragments),
-    ``streaming_delayed`` (and ``fragment_sync_delay`` 1), ``async_<update>``, and
-    ``async_delayed_nesterov`` (Delayed Nesterov, momentum every 2 outer steps)."""
-    if method.startswith("async_"):
-        every = 2 if method == "async_delayed_nesterov" else 1
-        return AsyncDiLoCo(
-            sync,
-            fragments_of(model, 1),
-            optimizer,
-            sync_steps=PERIOD,
-            update=method.removeprefix("async_").removesuffix("_nesterov"),
-            outer_lr=0.7,
-            outer_momentum=0.9,
-            outer_nesterov=True,
-            outer_momentum_every=every,
-            state_device=torch.device("cpu"),
-            tokens_per_step=10,
-        )
-    from torchft.local_sgd import DiLoCo
-
-    count = 2 if method.startswith("streaming") else 1
-    delay = 1 if method == "streaming_delayed" else 0
-    fragments = fragments_of(model, count)
-    outer = [
-        torch.optim.SGD(f.parameters(), lr=0.7, momentum=0.9, nesterov=True) for f in fragments
-    ]
-    algorithm = DiLoCo(
-        sync,
-        fragments,
-        optimizer,
-        outer,
-        sync_every=PERIOD * count,
-        use_bucketization=False,
-        fragment_sync_delay=delay,
-    )
-    return TorchftDiLoCo(algorithm, fragments, PERIOD, delay)
+    """The method with a Nesterov outer optimizer (its momentum is part of what a replay must
+    reproduce); ``async_delayed_nesterov``: Delayed Nesterov, momentum every 2 outer steps."""
+    every = 2 if method.endswith("_nesterov") else 1
+    return build_method(method.removesuffix("_nesterov"), sync, model, optimizer, outer_lr=0.7,
+                        outer_momentum=0.9, outer_momentum_every=every)  # fmt: skip
 
 
 def outer_state(loop: Any) -> list[dict[str, Any]]:
@@ -151,7 +117,7 @@ def assert_bitwise_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 CASES = [
     (method, dtype, 2)
-    for method in ("diloco", "streaming", "streaming_delayed", "async_eager")
+    for method in ("diloco", "streaming_diloco", "streaming_diloco_delayed", "async_eager")
     for dtype in PSEUDO_GRAD_DTYPES
 ]
 CASES += [

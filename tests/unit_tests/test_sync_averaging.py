@@ -19,52 +19,14 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from tests.unit_tests.gloo_groups import LoopbackManager, run_groups, sync_manager
-from tests.unit_tests.toy_task import BUCKET, PERIOD, fragments_of, inner_step, make_model
-from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
+from tests.unit_tests.toy_task import BUCKET, PERIOD, inner_step, make_model
+from tests.unit_tests.toy_task import build_method as build
 from torchtitan.experiments.fault_tolerance.async_state import FragmentState
 from torchtitan.experiments.fault_tolerance.compression import PSEUDO_GRAD_DTYPES, get_codec
-from torchtitan.experiments.fault_tolerance.outer_loop import TorchftDiLoCo, TorchftLocalSGD
 
 GROUPS = 2
-
-
-def build(method: str, sync: Any, model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
-    """The method as the trainer builds it; ``streaming_diloco_delayed``: 2 fragments with
-    ``fragment_sync_delay`` 1 (a sync is prepared one step and performed the next)."""
-    if method == "localsgd":
-        return TorchftLocalSGD(sync, model, optimizer, PERIOD)
-    if method.startswith("async_"):
-        return AsyncDiLoCo(
-            sync,
-            fragments_of(model, 1),
-            optimizer,
-            sync_steps=PERIOD,
-            update=method.removeprefix("async_"),
-            outer_lr=1.0,
-            outer_momentum=0.0,
-            outer_nesterov=False,
-            state_device=torch.device("cpu"),
-            tokens_per_step=10,
-        )
-    from torchft.local_sgd import DiLoCo
-
-    count = 2 if method.startswith("streaming_diloco") else 1
-    delay = 1 if method == "streaming_diloco_delayed" else 0
-    fragments = fragments_of(model, count)
-    outer = [torch.optim.SGD(f.parameters(), lr=1.0, momentum=0.0) for f in fragments]
-    algorithm = DiLoCo(
-        sync,
-        fragments,
-        optimizer,
-        outer,
-        sync_every=PERIOD * count,
-        use_bucketization=False,
-        fragment_sync_delay=delay,
-    )
-    return TorchftDiLoCo(algorithm, fragments, PERIOD, delay)
 
 
 def flat(tensors: Any) -> torch.Tensor:

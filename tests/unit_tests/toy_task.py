@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
 from torchtitan.experiments.fault_tolerance.fragments import ModelFragment
+from torchtitan.experiments.fault_tolerance.outer_loop import TorchftDiLoCo, TorchftLocalSGD
 
 BUCKET = 300
 PERIOD = 3
@@ -51,3 +54,55 @@ def inner_step(
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
+
+
+def build_method(
+    method: str,
+    sync: Any,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    outer_lr: float = 1.0,
+    outer_momentum: float = 0.0,
+    outer_momentum_every: int = 1,
+) -> Any:
+    """The method as the trainer builds it, syncing every ``PERIOD`` steps: ``localsgd``,
+    ``diloco``, ``streaming_diloco`` (2 fragments), ``streaming_diloco_delayed`` (and
+    ``fragment_sync_delay`` 1: a sync is prepared one step and performed the next), or
+    ``async_<update>``; the outer optimizer is SGD, Nesterov when it has momentum."""
+    nesterov = outer_momentum > 0
+    if method == "localsgd":
+        return TorchftLocalSGD(sync, model, optimizer, PERIOD)
+    if method.startswith("async_"):
+        return AsyncDiLoCo(
+            sync,
+            fragments_of(model, 1),
+            optimizer,
+            sync_steps=PERIOD,
+            update=method.removeprefix("async_"),
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            outer_nesterov=nesterov,
+            outer_momentum_every=outer_momentum_every,
+            state_device=torch.device("cpu"),
+            tokens_per_step=10,
+        )
+    from torchft.local_sgd import DiLoCo
+
+    count = 2 if method.startswith("streaming_diloco") else 1
+    delay = 1 if method == "streaming_diloco_delayed" else 0
+    fragments = fragments_of(model, count)
+    outer = [
+        torch.optim.SGD(f.parameters(), lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
+        for f in fragments
+    ]
+    algorithm = DiLoCo(
+        sync,
+        fragments,
+        optimizer,
+        outer,
+        sync_every=PERIOD * count,
+        use_bucketization=False,
+        fragment_sync_delay=delay,
+    )
+    return TorchftDiLoCo(algorithm, fragments, PERIOD, delay)
