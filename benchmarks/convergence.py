@@ -256,6 +256,8 @@ def run_all(args: argparse.Namespace, tmp: Path, curves: Curves, save, split: st
 def semi_sync_args(args: argparse.Namespace, config: str = "diloco") -> list[str]:
     """Flags of the semi-sync runs (the outer optimizer's only matter to DiLoCo); the
     Delayed Nesterov rows (``*_dn``) take ``--dn-momentum``, which that optimizer needs."""
+    if config == "localsgd":  # no outer optimizer: the trainer refuses its fields
+        return [f"--fault_tolerance.sync_steps={args.sync_steps}"]
     momentum = args.dn_momentum if config.endswith("_dn") else args.outer_momentum
     return [
         f"--fault_tolerance.sync_steps={args.sync_steps}",

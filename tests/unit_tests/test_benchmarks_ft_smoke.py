@@ -225,6 +225,13 @@ def test_straggler_summary_compares_final_losses_of_runs_that_end_together() -> 
     assert conv.own_schedule_steps(60, 800.0, 45.0, 10) == 10  # at least one period
 
 
+def test_localsgd_gets_no_outer_optimizer_flags() -> None:
+    conv = _module("convergence")
+    args = conv.parse_args(["--smoke", "--outer-lr", "0.5", "--outer-momentum", "0.5"])
+    assert conv.semi_sync_args(args, "localsgd") == ["--fault_tolerance.sync_steps=4"]
+    assert "--fault_tolerance.outer_lr=0.5" in conv.semi_sync_args(args, "diloco")
+
+
 def test_convergence_summary_rates_async_against_diloco() -> None:
     conv = _module("convergence")
     curves = {"diloco": {0: {100: 2.0}}, "async_eager": {0: {100: 2.04}}}
