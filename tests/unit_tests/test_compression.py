@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -21,6 +22,7 @@ from torchtitan.experiments.fault_tolerance.compression import (
     AsyncCompressedAllReduce,
     BlockQuantCodec,
     ErrorFeedback,
+    Packed,
     compressed_all_reduce,
     get_codec,
 )
@@ -282,6 +284,64 @@ def test_wait_returns_after_the_callbacks_chained_on_the_future() -> None:
             assert len(copied) == done + 1
     finally:
         runner.shutdown(timeout=10)
+
+
+class _CountingPacked(Packed):
+    """A bucket that counts how many buckets hold a buffer at once, and can hold its own
+    packing until ``release`` is set (a slow transfer ahead of the others)."""
+
+    live = 0
+    most = 0
+    lock = threading.Lock()
+
+    def __init__(self, members: list[tuple[torch.Tensor, int]], numel: int,
+                 release: threading.Event | None = None) -> None:  # fmt: skip
+        super().__init__(members, numel, torch.device("cpu"))
+        self.release = release
+
+    def pack(self) -> torch.Tensor:
+        with self.lock:
+            type(self).live += 1
+            type(self).most = max(type(self).most, type(self).live)
+        if self.release is not None:
+            assert self.release.wait(10)
+        return super().pack()
+
+    def unpack(self, flat: torch.Tensor) -> None:
+        super().unpack(flat)
+        with self.lock:
+            type(self).live -= 1
+
+
+def test_a_bucket_holds_its_buffer_only_while_its_own_collective_runs() -> None:
+    """A sync queues all its buckets at once; each is packed on the background thread right
+    before its collective and its values are back in its tensors (its buffer dropped) before
+    the next one is packed: one bucket's copy at a time, not the whole sync's."""
+    runner = AsyncCompressedAllReduce()
+    pg: Any = _OneRank()
+    release = threading.Event()
+    tensors = [torch.full((3, 5), float(i)) for i in range(8)]
+    buckets = [
+        _CountingPacked([(tensors[2 * i], 0), (tensors[2 * i + 1], 15)], 30,
+                        release if i == 0 else None)
+        for i in range(4)
+    ]  # fmt: skip
+    try:
+        works = [
+            runner.submit(pg, b, "float32", divide_by=2, on_error=pytest.fail) for b in buckets
+        ]
+        time.sleep(0.2)
+        assert _CountingPacked.live == 1  # the first one only: the others are not packed yet
+        release.set()
+        for work in works:
+            work.wait()
+    finally:
+        runner.shutdown(timeout=10)
+    assert _CountingPacked.most == 1 and _CountingPacked.live == 0
+    for i, tensor in enumerate(tensors):  # the result is back in every tensor
+        assert torch.equal(tensor, torch.full((3, 5), i / 2))
+    # The works hold no buffer, and still say how many values they carried.
+    assert all(w.tensor.numel() == 0 and w.numel == 30 for w in works)
 
 
 class _BrokenPair:

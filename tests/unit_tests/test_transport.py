@@ -51,7 +51,7 @@ def test_every_tensor_is_averaged_in_buckets_of_its_own_and_the_transfers_are_co
             works = [sync.allreduce(t) for t in tensors]
             for work in works:
                 work.wait()
-            transfers = [w.tensor.numel() for w in sync.transport.works]
+            transfers = [w.numel for w in sync.transport.works]
             return tensors, len(sync.transport.works), transfers
         finally:
             sync.shutdown()

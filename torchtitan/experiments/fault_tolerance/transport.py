@@ -11,6 +11,11 @@ pseudo-gradient), async DiLoCo one flat tensor per fragment plus its token count
   timeout below bounds a bucket's transfer, whatever the model. (torchft 0.2.0's own bucketing
   stops packing at the first tensor larger than a bucket and sends zeros for it and every
   tensor after it: each group then applies its own pseudo-gradient there.)
+* **One bucket's copy at a time.** A packed bucket's flat buffer is made by the background
+  thread right before its transfer and dropped once its result is copied back
+  (:class:`~torchtitan.experiments.fault_tolerance.compression.Packed`): a sync queues all its
+  buckets at once, and copies made at queueing time would add the whole fragment's size again
+  (the pseudo-gradients themselves are already a copy) until the last transfer ended.
 * **The same collectives in the same order on every rank.** Bucket boundaries depend only on
   the sizes and the order of the calls, which are alike in every group; a pending bucket
   leaves at :meth:`SyncTransport.flush` (the caller flushes after handing in a sync's
@@ -37,7 +42,6 @@ Failure semantics are torchft's: a failed collective is reported to the Manager
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -50,6 +54,7 @@ from torchtitan.experiments.fault_tolerance.compression import (
     CompressedWork,
     Delivered,
     ErrorFeedback,
+    Packed,
 )
 
 if TYPE_CHECKING:
@@ -344,28 +349,16 @@ class SyncTransport:
         bucket, self._pending = self._pending, None
         if bucket is None:
             return
-        flat = torch.empty(bucket.numel, dtype=torch.float32, device=bucket.device)
-        for tensor, offset in bucket.members:
-            flat[offset : offset + tensor.numel()].view_as(tensor).copy_(tensor)
-
-        def copy_back() -> None:
-            for tensor, offset in bucket.members:
-                tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-
+        packed = Packed(bucket.members, bucket.numel, bucket.device)
         assert self._manager is not None  # set by the allreduce that filled the bucket
         if self._manager.errored() is not None:
-            bucket.work = CompressedWork(flat)
+            bucket.work = CompressedWork(torch.empty(0, device=bucket.device), bucket.numel)
             bucket.work.complete()
             return
-        bucket.work = self._submit(flat, bucket.divide_by, then=copy_back)
+        bucket.work = self._submit(packed, bucket.divide_by)
 
     def _submit(
-        self,
-        flat: torch.Tensor,
-        divide_by: float,
-        *,
-        exact: bool = False,
-        then: Callable[[], None] | None = None,
+        self, flat: torch.Tensor | Packed, divide_by: float, *, exact: bool = False
     ) -> CompressedWork:
         manager = self._manager
         assert manager is not None  # set by allreduce, the only caller (through flush too)
@@ -373,7 +366,7 @@ class SyncTransport:
         if not exact:
             key = FragmentResiduals.key(self.fragment, self._transfers)
             self._transfers += 1
-        numel = flat.numel()
+        numel = flat.numel if isinstance(flat, Packed) else flat.numel()
 
         def on_error(error: Exception) -> None:
             if _timed_out(error):
@@ -397,7 +390,6 @@ class SyncTransport:
             on_error=on_error,
             timeout=self.timeout,
             check_finite=True,
-            then=then,
             keep_delivered=self.keep_delivered and not exact,
         )
         self._all.append(work)
@@ -452,7 +444,7 @@ class SyncTransport:
         for work in self.works:
             work.wait()
             if self.dtype == "float32":
-                sent += work.tensor.numel() * 4
+                sent += work.numel * 4
             elif work.stats is not None:
                 sent += work.stats.bytes_sent
                 seconds += work.stats.encode_s + work.stats.decode_s

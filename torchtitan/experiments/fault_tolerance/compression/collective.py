@@ -321,15 +321,41 @@ def is_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(torch.linalg.vector_norm(t, ord=math.inf)))
 
 
+@dataclass
+class Packed:
+    """Tensors that travel as one flat fp32 buffer (a bucket), at their offsets in it. The
+    background thread makes the buffer right before the bucket's collective and drops it once
+    the result is copied back into the tensors, so that the buckets of a sync, all queued at
+    once, do not each hold a copy of their tensors while they wait their turn."""
+
+    members: list[tuple[torch.Tensor, int]]
+    numel: int
+    device: torch.device
+
+    def pack(self) -> torch.Tensor:
+        flat = torch.empty(self.numel, dtype=torch.float32, device=self.device)
+        for tensor, offset in self.members:
+            flat[offset : offset + tensor.numel()].view_as(tensor).copy_(tensor)
+        return flat
+
+    def unpack(self, flat: torch.Tensor) -> None:
+        for tensor, offset in self.members:
+            tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+
+
 class CompressedWork:
     """A submitted :meth:`AsyncCompressedAllReduce.submit`: wait for it or chain on its future.
 
     The future completes with the tensor once the all-reduce (and the division) is done, or
     after a failure has been passed to ``on_error``; it never carries the collective's error.
+    A :class:`Packed` submission completes with an empty tensor: its values are back in the
+    tensors it packs, and its buffer is gone.
     """
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, numel: int | None = None) -> None:
         self.tensor = tensor
+        #: fp32 values carried (a packed bucket's, whose ``tensor`` is an empty stand-in).
+        self.numel = tensor.numel() if numel is None else numel
         self.stats: CompressionStats | None = None
         #: With ``check_finite``: ``"sent"`` when this rank's own input held an inf or NaN
         #: (it then sent NaNs, so that every rank's result shows it), ``"received"`` when only
@@ -375,7 +401,7 @@ class _Job(NamedTuple):
     work: CompressedWork
     timeout: timedelta | None
     check_finite: bool
-    then: Callable[[], None] | None
+    packed: Packed | None
     keep_delivered: bool
 
 
@@ -403,7 +429,7 @@ class AsyncCompressedAllReduce:
     def submit(
         self,
         pg: dist.ProcessGroup,
-        tensor: torch.Tensor,
+        tensor: torch.Tensor | Packed,
         dtype: str,
         *,
         divide_by: float = 1,
@@ -412,7 +438,6 @@ class AsyncCompressedAllReduce:
         on_error: Callable[[Exception], None],
         timeout: timedelta | None = None,
         check_finite: bool = False,
-        then: Callable[[], None] | None = None,
         keep_delivered: bool = False,
     ) -> CompressedWork:
         """Queue a SUM all-reduce of ``tensor`` (then divided by ``divide_by``) in place.
@@ -423,18 +448,25 @@ class AsyncCompressedAllReduce:
         ``check_finite``: check the input before it is sent and the result after it arrived
         (one reduction each) and say what was found in ``work.non_finite``; an input that is
         not finite is sent as NaNs (and leaves no residual), so that every rank's result is
-        not finite either and all of them drop it alike. ``then``: run on the background
-        thread after a successful all-reduce, before the work completes (e.g. copying a
-        bucket's values back into the tensors it packs). ``keep_delivered``: keep the result
-        as every rank received it in ``work.delivered`` (CPU memory).
+        not finite either and all of them drop it alike. A :class:`Packed` ``tensor``: its
+        tensors are packed into a flat buffer on the background thread right before the
+        collective (on CUDA, after the submitter's stream has produced them) and the result
+        copied back into them before the work completes; do not touch them until then.
+        ``keep_delivered``: keep the result as every rank received it in ``work.delivered``
+        (CPU memory).
         """
         get_codec(dtype)  # fail here, in the caller, on a bad name
-        check_flat_fp32(tensor)
+        packed = tensor if isinstance(tensor, Packed) else None
+        if packed is not None:  # an empty stand-in until the thread packs the bucket
+            tensor = torch.empty(0, dtype=torch.float32, device=packed.device)
+        else:
+            assert isinstance(tensor, torch.Tensor)
+            check_flat_fp32(tensor)
         ready: torch.cuda.Event | None = None
         if tensor.is_cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(tensor.device))
-        work = CompressedWork(tensor)
+        work = CompressedWork(tensor, None if packed is None else packed.numel)
         job = _Job(
             pg,
             tensor,
@@ -447,7 +479,7 @@ class AsyncCompressedAllReduce:
             work,
             timeout,
             check_finite,
-            then,
+            packed,
             keep_delivered,
         )
         with self._lock:
@@ -506,6 +538,8 @@ class AsyncCompressedAllReduce:
         job.work.complete()
 
     def _reduce(self, job: _Job) -> None:
+        if job.packed is not None:  # the bucket's buffer lives only while its collective runs
+            job = job._replace(tensor=job.packed.pack())
         device = job.tensor.device
         scratch = self._scratch.get(device)
         if scratch is None:
@@ -545,5 +579,5 @@ class AsyncCompressedAllReduce:
                     stats.delivered.to("cpu"),
                 )  # fmt: skip
                 stats.delivered = None  # the accelerator's copy is not kept for a period
-        if job.then is not None:
-            job.then()
+        if job.packed is not None:
+            job.packed.unpack(job.tensor)
