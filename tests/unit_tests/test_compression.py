@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -286,31 +288,31 @@ def test_wait_returns_after_the_callbacks_chained_on_the_future() -> None:
         runner.shutdown(timeout=10)
 
 
-class _CountingPacked(Packed):
-    """A bucket that counts how many buckets hold a buffer at once, and can hold its own
-    packing until ``release`` is set (a slow transfer ahead of the others)."""
+class _WatchedPacked(Packed):
+    """A bucket that says when it is packed (and can hold its packing until ``release``),
+    keeps a weak reference to its buffer, and counts the buckets that hold one at once."""
 
-    live = 0
-    most = 0
-    lock = threading.Lock()
-
-    def __init__(self, members: list[tuple[torch.Tensor, int]], numel: int,
+    def __init__(self, members: list[tuple[torch.Tensor, int]], numel: int, watch: dict[str, Any],
                  release: threading.Event | None = None) -> None:  # fmt: skip
         super().__init__(members, numel, torch.device("cpu"))
-        self.release = release
+        self.watch, self.release, self.entered = watch, release, threading.Event()
+        self.buffer: weakref.ref[torch.Tensor] | None = None
 
     def pack(self) -> torch.Tensor:
-        with self.lock:
-            type(self).live += 1
-            type(self).most = max(type(self).most, type(self).live)
-        if self.release is not None:
-            assert self.release.wait(10)
-        return super().pack()
+        with self.watch["lock"]:
+            self.watch["live"] += 1
+            self.watch["most"] = max(self.watch["most"], self.watch["live"])
+        self.entered.set()
+        if self.release is not None and not self.release.wait(30):
+            raise TimeoutError("never released")
+        flat = super().pack()
+        self.buffer = weakref.ref(flat)
+        return flat
 
     def unpack(self, flat: torch.Tensor) -> None:
         super().unpack(flat)
-        with self.lock:
-            type(self).live -= 1
+        with self.watch["lock"]:
+            self.watch["live"] -= 1
 
 
 def test_a_bucket_holds_its_buffer_only_while_its_own_collective_runs() -> None:
@@ -320,28 +322,57 @@ def test_a_bucket_holds_its_buffer_only_while_its_own_collective_runs() -> None:
     runner = AsyncCompressedAllReduce()
     pg: Any = _OneRank()
     release = threading.Event()
+    watch: dict[str, Any] = {"lock": threading.Lock(), "live": 0, "most": 0}
     tensors = [torch.full((3, 5), float(i)) for i in range(8)]
     buckets = [
-        _CountingPacked([(tensors[2 * i], 0), (tensors[2 * i + 1], 15)], 30,
-                        release if i == 0 else None)
+        _WatchedPacked([(tensors[2 * i], 0), (tensors[2 * i + 1], 15)], 30, watch,
+                       release if i == 0 else None)
         for i in range(4)
     ]  # fmt: skip
+    errors: list[Exception] = []
     try:
-        works = [
-            runner.submit(pg, b, "float32", divide_by=2, on_error=pytest.fail) for b in buckets
-        ]
-        time.sleep(0.2)
-        assert _CountingPacked.live == 1  # the first one only: the others are not packed yet
+        works = [runner.submit(pg, b, "float32", divide_by=2, on_error=errors.append)
+                 for b in buckets]  # fmt: skip
+        assert buckets[0].entered.wait(30)
+        assert not any(b.entered.is_set() for b in buckets[1:])  # queued, not packed
+        assert all(torch.equal(t, torch.full((3, 5), float(i))) for i, t in enumerate(tensors))
         release.set()
         for work in works:
-            work.wait()
+            assert work._done.wait(30)
     finally:
+        release.set()
         runner.shutdown(timeout=10)
-    assert _CountingPacked.most == 1 and _CountingPacked.live == 0
+    assert errors == [] and watch["most"] == 1 and watch["live"] == 0
     for i, tensor in enumerate(tensors):  # the result is back in every tensor
         assert torch.equal(tensor, torch.full((3, 5), i / 2))
-    # The works hold no buffer, and still say how many values they carried.
+    # The works hold no buffer (nor does anything else), and still say what they carried.
+    gc.collect()
+    assert all(b.buffer is not None and b.buffer() is None for b in buckets)
     assert all(w.tensor.numel() == 0 and w.numel == 30 for w in works)
+
+
+class _UnpackablePacked(Packed):
+    def pack(self) -> torch.Tensor:
+        raise MemoryError("no room for the bucket")
+
+
+def test_a_bucket_that_cannot_be_packed_stops_this_rank_s_collectives() -> None:
+    """Its collective is never issued, so every later one would pair with a peer's earlier
+    one: the later jobs fail without a collective, and the runner says why."""
+    runner = AsyncCompressedAllReduce()
+    pg: Any = _OneRank()
+    errors: list[Exception] = []
+    tensor = torch.ones(4)
+    try:
+        first = runner.submit(pg, _UnpackablePacked([(tensor, 0)], 4, torch.device("cpu")),
+                              "float32", on_error=errors.append)  # fmt: skip
+        later = runner.submit(pg, torch.ones(8), "int8", on_error=errors.append)
+        assert first._done.wait(30) and later._done.wait(30)
+    finally:
+        runner.shutdown(timeout=10)
+    assert len(errors) == 2 and "could not be packed" in str(errors[0])
+    assert str(errors[1]).startswith("not sent: a bucket of 4 fp32 values could not be packed")
+    assert runner.broken is not None and torch.equal(tensor, torch.ones(4))
 
 
 class _BrokenPair:

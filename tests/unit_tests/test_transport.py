@@ -52,6 +52,10 @@ def test_every_tensor_is_averaged_in_buckets_of_its_own_and_the_transfers_are_co
             for work in works:
                 work.wait()
             transfers = [w.numel for w in sync.transport.works]
+            # A packed bucket's work holds no copy of its tensors (pieces are the tensor's own
+            # storage): the buffer lived only while its transfer ran.
+            held = [w.tensor.numel() for w in sync.transport.works]
+            assert held == [300, 300, 100, 0, 0], held
             return tensors, len(sync.transport.works), transfers
         finally:
             sync.shutdown()
@@ -281,3 +285,18 @@ def test_a_fragments_residuals_checkpoint_as_one_flat_tensor_and_continue_exactl
         sync(short, seed=4)
     short.reset()
     assert short.flat(0, 500).count_nonzero() == 0  # a heal drops the loaded too
+
+
+def test_a_rank_whose_collectives_no_longer_line_up_stops_at_its_next_sync() -> None:
+    def group(rank: int, pg: Any) -> str:
+        sync = sync_manager(LoopbackManager(pg, rank, 1), "float32", bucket_numel=300)
+        try:
+            sync.transport._runner.broken = RuntimeError("a bucket could not be packed")
+            with pytest.raises(RuntimeError, match="cannot sync any more") as raised:
+                sync.begin_sync()
+            return str(raised.value)
+        finally:
+            sync.shutdown()
+
+    (message,) = run_groups(1, group)
+    assert "a bucket could not be packed" in message and "restart the group" in message

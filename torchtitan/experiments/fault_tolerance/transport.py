@@ -232,10 +232,16 @@ class _Bucket:
     numel: int = 0
     #: Once sent: the transfer's work.
     work: CompressedWork | None = None
+    #: On CUDA: where each member's producer stream was when it was handed in.
+    ready: list[torch.cuda.Event] = field(default_factory=list)
 
     def add(self, tensor: torch.Tensor) -> None:
         self.members.append((tensor, self.numel))
         self.numel += tensor.numel()
+        if tensor.is_cuda:  # the bucket may leave from another stream (e.g. the last flush)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(tensor.device))
+            self.ready.append(event)
 
 
 class BucketedWork:
@@ -300,6 +306,11 @@ class SyncTransport:
         """A sync of ``fragment`` starts (its quorum is in): transfers are numbered from 0. What
         an earlier sync staged and nobody decided (it was dropped, e.g. at the end of
         training) is void; residuals a checkpoint loaded as staged stay for the next verdict."""
+        if self._runner.broken is not None:  # loud, as the failure would have been in flush
+            raise RuntimeError(
+                f"fault_tolerance: this rank cannot sync any more: {self._runner.broken}; "
+                "restart the group (it heals from a peer)"
+            )
         self._manager = manager
         self.fragment = fragment
         self._transfers = 0
@@ -349,7 +360,7 @@ class SyncTransport:
         bucket, self._pending = self._pending, None
         if bucket is None:
             return
-        packed = Packed(bucket.members, bucket.numel, bucket.device)
+        packed = Packed(bucket.members, bucket.numel, bucket.device, bucket.ready)
         assert self._manager is not None  # set by the allreduce that filled the bucket
         if self._manager.errored() is not None:
             bucket.work = CompressedWork(torch.empty(0, device=bucket.device), bucket.numel)

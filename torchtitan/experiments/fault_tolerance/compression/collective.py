@@ -32,7 +32,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import NamedTuple
 
@@ -331,6 +331,9 @@ class Packed:
     members: list[tuple[torch.Tensor, int]]
     numel: int
     device: torch.device
+    #: On CUDA: recorded on the stream current when each member was handed in (torchft hands
+    #: them in on a stream of its own), waited for before packing.
+    ready: list[torch.cuda.Event] = field(default_factory=list)
 
     def pack(self) -> torch.Tensor:
         flat = torch.empty(self.numel, dtype=torch.float32, device=self.device)
@@ -422,6 +425,10 @@ class AsyncCompressedAllReduce:
         self._scratch: dict[torch.device, Scratch] = {}
         self._closed = False
         self._lock = threading.Lock()
+        #: Why this rank's collectives no longer line up with its peers' (a bucket that could
+        #: not be packed, so its collective was never issued): every later job is then
+        #: failed without a collective, and the transport stops the trainer at the next sync.
+        self.broken: Exception | None = None
         # A daemon thread, so that a collective hung on a dead peer cannot block process exit.
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -506,6 +513,11 @@ class AsyncCompressedAllReduce:
 
     def _execute(self, job: _Job) -> None:
         start = time.monotonic()
+        if self.broken is not None:
+            # Issuing this collective would pair it with the peers' previous one.
+            job.on_error(RuntimeError(f"not sent: {self.broken}"))
+            job.work.complete()
+            return
         try:
             if job.ready is not None:
                 stream = self._streams.get(job.tensor.device)
@@ -516,8 +528,12 @@ class AsyncCompressedAllReduce:
                 job.tensor.record_stream(stream)
                 with torch.cuda.device(job.tensor.device), torch.cuda.stream(stream):
                     stream.wait_event(job.ready)
-                    self._reduce(job)
-                    stream.synchronize()
+                    for ready in job.packed.ready if job.packed is not None else ():
+                        stream.wait_event(ready)
+                    try:
+                        self._reduce(job)
+                    finally:  # even after a failure: nothing of ours still runs on the tensors
+                        stream.synchronize()
             else:
                 self._reduce(job)
             late = (
@@ -538,8 +554,17 @@ class AsyncCompressedAllReduce:
         job.work.complete()
 
     def _reduce(self, job: _Job) -> None:
-        if job.packed is not None:  # the bucket's buffer lives only while its collective runs
-            job = job._replace(tensor=job.packed.pack())
+        packed = job.packed
+        if packed is not None:  # the bucket's buffer lives only while its collective runs
+            try:
+                job = job._replace(tensor=packed.pack())
+            except Exception as e:
+                self.broken = RuntimeError(
+                    f"a bucket of {packed.numel} fp32 values could not be packed before "
+                    f"its collective ({type(e).__name__}: {e}); this rank's collectives no "
+                    "longer line up with its peers'"
+                )
+                raise self.broken from e
         device = job.tensor.device
         scratch = self._scratch.get(device)
         if scratch is None:
@@ -579,5 +604,5 @@ class AsyncCompressedAllReduce:
                     stats.delivered.to("cpu"),
                 )  # fmt: skip
                 stats.delivered = None  # the accelerator's copy is not kept for a period
-        if job.packed is not None:
-            job.packed.unpack(job.tensor)
+        if packed is not None:
+            packed.unpack(job.tensor)
