@@ -9,7 +9,7 @@ Streaming DiLoCo and async DiLoCo on the embedded corpus; or, with a straggler, 
     .venv/bin/python -m benchmarks.convergence --smoke     # seconds; checks the plumbing only
 
 Setup (defaults): the small debug Llama (``debugmodel_small``, 0.13 M parameters: at 600 steps
-of 2 groups it sees 9.4 tokens per parameter, on fresh text: the corpus has 1.67 M training
+of 2 groups it sees 9.3 tokens per parameter, on fresh text: the corpus has 1.67 M training
 tokens), sequences of 128 tokens, batches of 8 per group, AdamW (``--lr``) with 20 warmup steps
 and linear decay, seed per run (``--seeds``; model init and data order, the same in both
 groups).
