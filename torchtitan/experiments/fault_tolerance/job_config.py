@@ -88,8 +88,8 @@ class FaultTolerance(CoreFaultTolerance):
 
     sync_bucket_mb: float = 32.0
     """A sync's tensors travel in buckets of up to this many MiB of fp32 values: small ones
-    packed together, a large one cut into pieces. One bucket is one transfer; each in flight
-    costs its size in memory once more."""
+    packed together, a large one cut into pieces. One bucket is one transfer; a packed bucket
+    costs its size in memory once more while its own transfer runs (one at a time)."""
 
     agreement_check_every: int = 1
     """Every this many syncs, and whenever the quorum changes, the groups compare a digest of
