@@ -513,12 +513,10 @@ class AsyncCompressedAllReduce:
 
     def _execute(self, job: _Job) -> None:
         start = time.monotonic()
-        if self.broken is not None:
-            # Issuing this collective would pair it with the peers' previous one.
-            job.on_error(RuntimeError(f"not sent: {self.broken}"))
-            job.work.complete()
-            return
         try:
+            if self.broken is not None:
+                # Issuing this collective would pair it with the peers' previous one.
+                raise RuntimeError(f"not sent: {self.broken}")
             if job.ready is not None:
                 stream = self._streams.get(job.tensor.device)
                 if stream is None:
