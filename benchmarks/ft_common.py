@@ -284,6 +284,14 @@ def interval_tokens_per_second(lines: list[dict[str, float]], after_step: int) -
     return len(rates) / sum(1.0 / r for r in rates)
 
 
+def repeats_verdict(reached: list[bool], what: str) -> str:
+    """ "met" when at least 4 of 5 repeats (3 of 3; all but one in five generally) reached
+    the target described by ``what``, else "missed"; with the count."""
+    need = len(reached) - len(reached) // 5
+    word = "met" if sum(reached) >= need else "missed"
+    return f"{word}: {sum(reached)} of {len(reached)} repeats {what}"
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 

@@ -649,10 +649,7 @@ def plot_goodput(runs: list[dict[str, object]], path: Path) -> str:
 def verdict(values: list[float], target: float) -> str:
     """ "met" when at least 4 of 5 repeats (3 of 3; all but one in five generally) reach
     ``target``, else "missed"; with the count."""
-    need = len(values) - len(values) // 5
-    reached = sum(v >= target for v in values)
-    word = "met" if reached >= need else "missed"
-    return f"{word}: {reached} of {len(values)} repeats >= {target:g}"
+    return common.repeats_verdict([v >= target for v in values], f">= {target:g}")
 
 
 def median_runs(runs: list[dict[str, object]]) -> list[dict[str, object]]:

@@ -358,6 +358,37 @@ def test_heal_replay_names_rate_0_unshaped() -> None:
     ]  # fmt: skip
 
 
+def test_heal_replay_judges_each_case_by_its_repeats() -> None:
+    """Each target is judged per link, dtype and K over that case's repeats: one repeat of
+    three that pauses the survivor longer than its job's full heal misses that case only."""
+    heal_replay = _module("heal_replay")
+
+    def case(name: str, missed: int, ratio: float, gap: float) -> dict[str, object]:
+        return {"case": name, "missed_syncs": missed, "bytes_vs_full": ratio, "heal_bytes": 1,
+                "heal_receive_s": 0.1, "survivor_longest_step_gap_s": gap,
+                "survivor_quorum_wait_at_heal_s": 0.1, "digests_agree": True,
+                "transfer": "replay"}  # fmt: skip
+
+    runs = [
+        {
+            "rate_mbit": 100.0,
+            "pseudo_grad_dtype": "int4",
+            "cases": [
+                case("full", 1, 1.0, 1.0),
+                case("K=3", 3, 0.08, gap),
+                case("K=10", 10, 0.27, 0.5),
+            ],
+        }  # fmt: skip
+        for gap in (0.9, 1.1, 0.9)
+    ]
+    targets = heal_replay.summarize(runs)["targets"]
+    pause = "survivor's longest pause <= the full heal's"
+    assert targets[f"100 Mbit/s int4 K=3: {pause}"] == "missed: 2 of 3 repeats reached it"
+    assert targets[f"100 Mbit/s int4 K=10: {pause}"] == "met: 3 of 3 repeats reached it"
+    assert targets["100 Mbit/s int4 K=3: bytes <= 0.1 x full"] == "met: 3 of 3 repeats reached it"
+    assert targets["equal global digests after every heal"] is True
+
+
 def test_heal_replay_smoke_replays_fewer_bytes_than_a_full_heal(tmp_path: Path) -> None:
     """One job over an emulated 100 Mbit/s link: a full heal, then a restart 2 syncs behind
     that replays exactly those 2 syncs (int4) in far fewer bytes; digests agree after both."""

@@ -172,7 +172,7 @@ def test_a_replay_of_the_missed_syncs_gives_the_peers_outer_state_bit_for_bit(
         current = [device_digest(peer["final"][i]["global"].values()) for i in range(count)]
         plan = plan_replay(history, basis, SYNCS, 7, lambda: current)
         assert plan.why_full == "" and plan.entries == entries
-        held = replay(plan.entries, loop.replay_outer_step, loop.replay_device)
+        held = replay(plan.entries, loop.replay_outer_steps, loop.replay_device)
         assert held == sum(e.nbytes for e in entries)
         mine = outer_state(loop)
     finally:
@@ -293,10 +293,15 @@ def test_the_history_keeps_the_last_k_syncs_without_gaps() -> None:
 def test_entries_cross_the_wire_intact_and_a_damaged_one_is_seen() -> None:
     original = entry(3, values=300)
     wire = copy.deepcopy(original.to_wire())
-    back = HistoryEntry.from_wire(wire)
+    assert not any(isinstance(v, torch.Tensor) for t in wire["transfers"] for v in t.values())
+    payloads = [p.clone() for p in original.payloads()]
+    assert HistoryEntry.payload_specs(wire) == [(p.numel(), p.dtype) for p in payloads]
+    back = HistoryEntry.from_wire(wire, iter(payloads))
     assert back.intact() and torch.equal(back.average(), original.average())
-    wire["transfers"][0]["payload"][0] += 1
-    assert not HistoryEntry.from_wire(wire).intact()
+    payloads[0][0] += 1
+    assert not HistoryEntry.from_wire(wire, iter(payloads)).intact()
+    with pytest.raises(ValueError, match="its description"):  # a payload of another size
+        HistoryEntry.from_wire(wire, iter([payloads[0][1:]]))
 
 
 def test_the_basis_travels_in_a_fixed_tensor() -> None:
@@ -346,7 +351,7 @@ def test_a_peer_sends_only_the_missed_averages_and_the_joiner_replays_them() -> 
     global copy; the joiner keeps its own model and optimizer (KEEP_OWN), reloads its own
     fragment state, replays 2..3 and ends on the peer's global copy and momentum."""
     from torchtitan.components.ft.healing import KEEP_OWN
-    from torchtitan.experiments.fault_tolerance.heal_transport import HEAL_KEY
+    from torchtitan.experiments.fault_tolerance.heal_transport import HEAL_KEY, HealTransferError
 
     numel = sum(p.numel() for p in make_model().parameters())
     averages = [torch.randn(numel, generator=torch.Generator().manual_seed(s)) for s in (1, 2, 3)]
@@ -371,17 +376,33 @@ def test_a_peer_sends_only_the_missed_averages_and_the_joiner_replays_them() -> 
             },
         }  # fmt: skip
         answer = peer_side.answer(joiner_side.basis, 3, state)
-        assert sorted(answer["user"]) == [HEAL_KEY, "lr_scheduler"]
-        assert answer["user"][HEAL_KEY]["omitted"] == [
+        assert sorted(answer.state["user"]) == [HEAL_KEY, "lr_scheduler"]
+        assert answer.state["user"][HEAL_KEY]["omitted"] == [
             "model", "optimizer", "StreamingDiLoCoFragment_0"
         ]  # fmt: skip
-        received = joiner_side.received(copy.deepcopy(answer))
+        # The averages travel after the state, one payload each here (float32: the average).
+        assert len(answer.payloads) == 2 and not torch.equal(*answer.payloads)
+        taken: list[int] = []
+        steps: list[int] = []
+        hook = joiner.outer_optimizer(0).register_step_post_hook(lambda *_: steps.append(1))
+
+        def arriving(payloads: list[torch.Tensor]) -> Any:
+            for i, payload in enumerate(payloads):
+                # Each average is replayed as it arrives: payload i once i outer steps ran.
+                assert len(steps) == i
+                taken.append(i)
+                yield payload.clone()
+
+        received = joiner_side.received(copy.deepcopy(answer.state), arriving(answer.payloads))
+        hook.remove()
+        assert taken == [0, 1] and len(steps) == 2
         assert received["user"]["model"] is KEEP_OWN and received["user"]["optimizer"] is KEEP_OWN
         assert received["user"]["StreamingDiLoCoFragment_0"] is own_fragment
         assert joiner_side.ft.kept == ["model", "optimizer"]
         joiner_side.load(received["user"][HEAL_KEY])
         assert joiner_side.replay_failed == "" and joiner_side.receipt.transfer == "replay"
         assert joiner_side.receipt.syncs == 2
+        assert joiner_side.receipt.nbytes == sum(p.numel() * 4 for p in answer.payloads)
         assert_bitwise_equal(outer_state(joiner)[0], outer_state(peer)[0])
         # The model holds the global parameters now.
         for name, p in joiner.fragment_parameters(0).items():
@@ -392,12 +413,35 @@ def test_a_peer_sends_only_the_missed_averages_and_the_joiner_replays_them() -> 
         # the same syncs would be applied twice).
         assert joiner_side.basis.sync == 3
         assert joiner_side.take_heal() == "replay" and joiner_side.take_heal() is None
+
         # A replay that raises (an entry of a fragment this model lacks) fails safe: a full
-        # heal next.
-        broken = copy.deepcopy(received["user"][HEAL_KEY])
-        broken["entries"][0]["fragment"] = 5
-        joiner_side.load(broken)
+        # heal next; every payload is still taken (the peer waits for them to be).
+        broken = copy.deepcopy(answer.state)
+        broken["user"][HEAL_KEY]["entries"][0]["fragment"] = 5
+        rest = iter([p.clone() for p in answer.payloads])
+        joiner_side.load(joiner_side.received(broken, rest)["user"][HEAL_KEY])
         assert joiner_side.replay_failed.startswith("the replay raised")
+        assert joiner_side.basis.sync == -1 and next(rest, None) is None
+
+        # An entry damaged on the way: seen before its outer step, the rest still taken.
+        joiner_side.set_basis(1)
+        damaged = [p.clone() for p in answer.payloads]
+        damaged[1][0] += 1
+        rest = iter(damaged)
+        joiner_side.load(joiner_side.received(copy.deepcopy(answer.state), rest)["user"][HEAL_KEY])
+        assert joiner_side.replay_failed == "the history entry of sync #3 arrived damaged"
+        assert joiner_side.basis.sync == -1 and next(rest, None) is None
+
+        # A payload that never arrives fails the heal (torchft's transfer error) and leaves
+        # no basis to replay onto: the next heal is a full one.
+        joiner_side.set_basis(1)
+
+        def cut_off() -> Any:
+            yield answer.payloads[0].clone()
+            raise HealTransferError("payload 2 of 2 of the replay did not arrive")
+
+        with pytest.raises(HealTransferError):
+            joiner_side.received(copy.deepcopy(answer.state), cut_off())
         assert joiner_side.basis.sync == -1
     finally:
         peer_sync.shutdown()
@@ -409,7 +453,9 @@ def test_a_committed_sync_without_tokens_is_replayed_as_nothing() -> None:
     entry (scale 0) must not divide by zero in a replay."""
     steps: list[int] = []
     entries = [entry(2), HistoryEntry.of(3, 0, entry(3).transfers, 103, scale=0.0)]
-    held = replay(entries, lambda f, avg: steps.append(f), lambda f: torch.device("cpu"))
+    held = replay(
+        entries, lambda pairs: steps.extend(f for f, _ in pairs), lambda f: torch.device("cpu")
+    )
     assert steps == [0] and held == sum(e.nbytes for e in entries)
 
 

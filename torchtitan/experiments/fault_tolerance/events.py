@@ -147,7 +147,9 @@ def _healed_line(v: dict[str, Any], _: bool) -> str:
 #: the syncs it missed onto its own checkpoint, at the running job's sync point, and takes
 #: part in that sync). ``transfer``: ``replay`` (the syncs it
 #: missed since its own checkpoint, ``replayed_syncs`` of them) or ``full`` (every state;
-#: ``full_because`` says why not a replay); ``bytes_received``: the tensors' bytes.
+#: ``full_because`` says why not a replay); ``bytes_received``: the tensors' bytes;
+#: ``receive_s``: from the request until everything arrived (a replay's outer steps run
+#: meanwhile).
 HEALED = EventKind("semi_sync.healed", _healed_line)
 
 #: This rank's heal history first holds ``syncs`` syncs (its capacity): its memory cost.

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,7 +101,9 @@ class HistoryEntry:
             flat.div_(self.scale)
         return flat
 
-    # The wire form: plain containers and tensors (torchft's transport sends those).
+    # The wire form: the entry's description in plain containers (torchft's transport sends
+    # those with the state), and its payloads, which travel after it one by one, so that a
+    # joiner replays one while the next is on the wire.
     def to_wire(self) -> dict[str, Any]:
         return {
             "sync": self.sync,
@@ -115,28 +117,45 @@ class HistoryEntry:
                     "numel": t.numel,
                     "world_size": t.world_size,
                     "divide_by": t.divide_by,
-                    "payload": t.payload,
+                    "payload_numel": t.payload.numel(),
+                    "payload_dtype": str(t.payload.dtype).removeprefix("torch."),
                 }
                 for t in self.transfers
             ],
         }
 
-    @classmethod
-    def from_wire(cls, value: dict[str, Any]) -> HistoryEntry:
-        transfers = tuple(
-            Delivered(
-                t["dtype"],
-                int(t["numel"]),
-                int(t["world_size"]),
-                t["divide_by"],
-                t["payload"].to("cpu"),
-            )  # fmt: skip
+    def payloads(self) -> list[torch.Tensor]:
+        """The transfers' payloads, in the order :meth:`from_wire` takes them."""
+        return [t.payload.reshape(-1) for t in self.transfers]
+
+    @staticmethod
+    def payload_specs(value: dict[str, Any]) -> list[tuple[int, torch.dtype]]:
+        """The size and dtype of each payload of an entry's wire form, in order."""
+        return [
+            (int(t["payload_numel"]), getattr(torch, t["payload_dtype"]))
             for t in value["transfers"]
-        )
+        ]
+
+    @classmethod
+    def from_wire(cls, value: dict[str, Any], payloads: Iterator[torch.Tensor]) -> HistoryEntry:
+        """The entry back from its wire form, taking its payloads from ``payloads``."""
+        transfers = []
+        for t, (numel, dtype) in zip(value["transfers"], cls.payload_specs(value), strict=True):
+            payload = next(payloads).to("cpu")
+            if payload.numel() != numel or payload.dtype != dtype:
+                raise ValueError(
+                    f"a payload of sync #{value['sync']} has {payload.numel()} {payload.dtype} "
+                    f"values, its description {numel} {dtype}"
+                )
+            transfers.append(
+                Delivered(
+                    t["dtype"], int(t["numel"]), int(t["world_size"]), t["divide_by"], payload
+                )
+            )
         return cls(
             int(value["sync"]),
             int(value["fragment"]),
-            transfers,
+            tuple(transfers),
             int(value["basis_digest"]),
             int(value["checksum"]),
             float(value["scale"]),
@@ -274,18 +293,23 @@ def plan_replay(
 
 def replay(
     entries: Iterable[HistoryEntry],
-    outer_step: Callable[[int, torch.Tensor], None],
+    outer_steps: Callable[[Iterable[tuple[int, torch.Tensor]]], None],
     device_of: Callable[[int], torch.device],
 ) -> int:
-    """Redo the outer steps of ``entries`` in order (``outer_step(fragment, average)``, the
-    method's), each average decoded and divided on ``device_of(fragment)``: the device where
-    the groups' own outer step divided it (CUDA and the CPU round a division apart). An entry
-    of ``scale`` 0 (a committed sync without tokens) applied nothing and is skipped. Returns
-    the bytes the entries held."""
+    """Redo the outer steps of ``entries`` in order: ``outer_steps`` (the method's) takes
+    ``(fragment, average)`` pairs, each average decoded and divided as it is reached (one at a
+    time in memory; ``entries`` may still be arriving) on ``device_of(fragment)``: the device
+    where the groups' own outer step divided it (CUDA and the CPU round a division apart). An
+    entry of ``scale`` 0 (a committed sync without tokens) applied nothing and is skipped.
+    Returns the bytes the entries held."""
     held = 0
-    for entry in entries:
-        held += entry.nbytes
-        if entry.scale == 0:
-            continue
-        outer_step(entry.fragment, entry.average(device_of(entry.fragment)))
+
+    def steps() -> Iterator[tuple[int, torch.Tensor]]:
+        nonlocal held
+        for entry in entries:
+            held += entry.nbytes
+            if entry.scale != 0:
+                yield entry.fragment, entry.average(device_of(entry.fragment))
+
+    outer_steps(steps())
     return held

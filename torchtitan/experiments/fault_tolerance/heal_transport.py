@@ -5,14 +5,17 @@ torchft heals a group by sending it every registered state (model, inner optimiz
 fragment's global copy and outer optimizer, ...). :class:`HistoryTransport` keeps torchft's
 transport and adds a request: the joiner sends its :class:`~.heal_history.ReplayBasis`, the
 peer answers (:meth:`HealExchange.answer`) either with that full state or, when its history
-covers the joiner's gap, with the missed averages plus the small state only (positions, LR
-schedule, step). The joiner fills the left-out entries with its own state, so torchft loads
-every key as usual; the ``heal_history`` entry, loaded last, replays (:meth:`HealExchange.load`).
+covers the joiner's gap, with the small state only (positions, LR schedule, step) followed by
+the missed averages one by one. The joiner replays each average as it arrives, while the next
+one is on the wire (:meth:`HealExchange.received`), and fills the left-out entries with its own
+state, so torchft loads every key as usual; the ``heal_history`` entry, loaded last, checks the
+result against the peer's (:meth:`HealExchange.load`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -48,6 +51,31 @@ from torchtitan.tools.digest import device_digest
 HEAL_KEY = "heal_history"
 #: The process-group tag of the joiner's request (torchft's transport uses 1 and up).
 _REQUEST_TAG = 0
+#: The tag of a replay's first payload, the next ones counting up: clear of torchft's tags (1,
+#: 2, then one per tensor of the state it sends).
+_PAYLOAD_TAG = 1 << 20
+
+
+class HealTransferError(RuntimeError):
+    """A replay's payload did not arrive (the peer or the link failed): the heal fails, as
+    any failed transfer does."""
+
+
+@dataclass(frozen=True)
+class HealAnswer:
+    """What a peer sends a joiner: torchft's ``state`` (``{"user", "torchft"}``), then, for a
+    replay, the missed averages' ``payloads`` in order."""
+
+    state: dict[str, Any]
+    payloads: list[torch.Tensor]
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """What makes two answers the same: the kind, why (full) or which syncs (replay)."""
+        value = self.state["user"][HEAL_KEY]
+        if value["transfer"] != "replay":
+            return ("full", value.get("why", ""))
+        return ("replay", tuple(e["sync"] for e in value["entries"]))
 
 
 @dataclass(frozen=True)
@@ -62,6 +90,8 @@ class HealReceipt:
     nbytes: int
     #: Syncs replayed.
     syncs: int = 0
+    #: Seconds from the request until everything arrived (a replay's outer steps run meanwhile).
+    seconds: float = 0.0
 
 
 def tree_nbytes(value: Any) -> int:
@@ -147,6 +177,7 @@ class HealExchange:
             "bytes_received": None if receipt is None else receipt.nbytes,
             "replayed_syncs": None if receipt is None else receipt.syncs,
             "full_because": None if receipt is None or not receipt.why_full else receipt.why_full,
+            "receive_s": None if receipt is None else round(receipt.seconds, 3),
         }
 
     #: The core's states a replay keeps as the joiner's own: its model (the global copies go
@@ -164,27 +195,35 @@ class HealExchange:
 
     # ---- the peer ----------------------------------------------------------------------------
 
-    def answer(self, basis: ReplayBasis, step: int, state: dict[str, Any]) -> dict[str, Any]:
-        """What to send a joiner with ``basis``: torchft's ``state`` (``{"user", "torchft"}``)
-        in full, or its small entries plus the missed averages."""
+    def answer(self, basis: ReplayBasis, step: int, state: dict[str, Any]) -> HealAnswer:
+        """What to send a joiner with ``basis``: torchft's ``state`` in full, or its small
+        entries plus the missed averages."""
+        digests: list[int] = []
+
+        def current_digests() -> list[int]:  # taken once, only when the plan gets that far
+            if not digests:
+                digests.extend(self.digests())
+            return digests
+
         if not self.replays:
             plan = ReplayPlan(None, f"the peer keeps no heal history ({self._why_no_history()})")
         else:
-            plan = plan_replay(self.history, basis, step, self.fingerprint, self.digests)
+            plan = plan_replay(self.history, basis, step, self.fingerprint, current_digests)
         user = dict(state["user"])
         if plan.entries is None:
             user[HEAL_KEY] = {"transfer": "full", "why": plan.why_full}
-            return {**state, "user": user}
+            return HealAnswer({**state, "user": user}, [])
         omitted = [key for key in user if self.replayable(key)]
         for key in omitted:
             del user[key]
         user[HEAL_KEY] = {
             "transfer": "replay",
             "entries": [e.to_wire() for e in plan.entries],
-            "digests": self.digests(),
+            "digests": current_digests(),
             "omitted": omitted,
         }
-        return {**state, "user": user}
+        payloads = [p for e in plan.entries for p in e.payloads()]
+        return HealAnswer({**state, "user": user}, payloads)
 
     def placeholder(self) -> dict[str, Any]:
         """This key's own healing state (replaced by :meth:`answer` on the way)."""
@@ -192,28 +231,78 @@ class HealExchange:
 
     # ---- the joiner --------------------------------------------------------------------------
 
-    def received(self, state: dict[str, Any]) -> dict[str, Any]:
-        """On the joiner, as the state arrives (torchft's quorum thread, the main thread waits
-        for the quorum): fill what a replay left out with this group's own state."""
+    def received(
+        self,
+        state: dict[str, Any],
+        payloads: Iterator[torch.Tensor],
+        started: float | None = None,
+    ) -> dict[str, Any]:
+        """On the joiner, as the state arrives (torchft's quorum thread; the main thread waits
+        for the quorum): a replay's averages are taken from ``payloads`` and replayed one by
+        one as they arrive; then what the answer left out is filled with this group's own
+        state. ``started``: when the request left (``time.perf_counter``), for the receipt."""
         nbytes = tree_nbytes(state)
         value = state["user"].get(HEAL_KEY, {})
         if value.get("transfer") == "replay":
+            arrived, why = self._replay_as_received(value["entries"], payloads)
+            value["arrived"], value["failed_because"] = arrived, why
             omitted = list(value["omitted"])
-            # The core's states stay as they are; the method's are reloaded from its own
-            # (torchft's DiLoCo loads every fragment it registered), then replayed.
+            # The core's states stay as they are; the method's are its own, replayed above
+            # (torchft's DiLoCo loads every fragment it registered: its own state again).
             core = [key for key in omitted if key in self.CORE_KEPT]
             own = tft.user_state(self.ft.manager, [k for k in omitted if k not in core])
             state["user"].update({key: KEEP_OWN for key in core})
             state["user"].update(own)
             self.ft.keep_own(core)
-            self.receipt = HealReceipt("replay", "", nbytes, len(value["entries"]))
+            nbytes += sum(e.nbytes for e in arrived)
+            receipt = HealReceipt("replay", "", nbytes, len(value["entries"]))
         else:
             why = value.get("why", "")
             if self.basis.sync < 0 and not self.replays:  # it asked for no replay itself
                 why = f"this group keeps no heal history ({self._why_no_history()})"
-            self.receipt = HealReceipt("full", why, nbytes)
-        self._heal_kind = self.receipt.transfer
+            receipt = HealReceipt("full", why, nbytes)
+        seconds = 0.0 if started is None else time.perf_counter() - started
+        self.receipt = HealReceipt(
+            receipt.transfer, receipt.why_full, nbytes, receipt.syncs, seconds
+        )
+        self._heal_kind = receipt.transfer
         return state
+
+    def _replay_as_received(
+        self, wire: list[dict[str, Any]], payloads: Iterator[torch.Tensor]
+    ) -> tuple[list[HistoryEntry], str]:
+        """Replay the entries described by ``wire`` onto this group's own global copies and
+        outer optimizers, each as soon as its payloads arrived and proved intact. Returns the
+        entries that arrived and why the replay failed ("": it did not). A failed replay
+        still takes every payload the peer sends (the peer waits for them to be taken); a
+        failed transfer raises :class:`HealTransferError`, and the next heal is a full one."""
+        arrived: list[HistoryEntry] = []
+
+        def arriving() -> Iterator[HistoryEntry]:
+            for value in wire:
+                entry = HistoryEntry.from_wire(value, payloads)
+                arrived.append(entry)
+                if not entry.intact():
+                    raise _Damaged(f"the history entry of sync #{entry.sync} arrived damaged")
+                yield entry
+
+        loop = self.loop
+        assert isinstance(loop, ReplaysOuterSteps)
+        why = ""
+        try:
+            replay(arriving(), loop.replay_outer_steps, loop.replay_device)
+        except HealTransferError:
+            self.basis = ReplayBasis.none()  # its global copies are part-replayed now
+            raise
+        except _Damaged as e:
+            why = str(e)
+        except Exception as e:  # e.g. an entry of another size: fail safe, heal in full
+            why = f"the replay raised {type(e).__name__}: {e}"
+        for _ in payloads:  # what a failed replay left on the wire
+            pass
+        if torch.cuda.is_available():  # the main thread reads the copies on its own stream
+            torch.cuda.current_stream().synchronize()
+        return arrived, why
 
     def load(self, value: dict[str, Any]) -> None:
         """torchft loads the ``heal_history`` entry last, on the main thread: replay. (The
@@ -236,13 +325,10 @@ class HealExchange:
         if value.get("transfer") != "replay":
             self.history.clear()  # this group's state now follows from the peer's, not its own
             return
-        entries = [HistoryEntry.from_wire(e) for e in value["entries"]]
-        broken = [e.sync for e in entries if not e.intact()]
-        why = (
-            f"the history entry of sync #{broken[0]} arrived damaged"
-            if broken
-            else self._apply(entries, [int(d) for d in value["digests"]])
-        )
+        entries: list[HistoryEntry] = value.get("arrived", [])
+        why = value.get("failed_because", "the replay's averages never arrived")
+        if not why:
+            why = self._check([int(d) for d in value["digests"]])
         self.history.clear()
         if why:
             self.replay_failed = why
@@ -255,12 +341,11 @@ class HealExchange:
                 # the same syncs would be applied twice.
                 self.set_basis(int(self.ft.manager.current_step()))
 
-    def _apply(self, entries: list[HistoryEntry], digests: list[int]) -> str:
-        """Replay ``entries`` onto the global copies, put them into the model and check them
-        against the peer's ``digests``. Returns why it failed ("": it did not)."""
+    def _check(self, digests: list[int]) -> str:
+        """Put the replayed global copies into the model and check them against the peer's
+        ``digests``. Returns why they differ ("": they do not)."""
         loop = self.loop
-        assert isinstance(loop, ReplaysOuterSteps) and isinstance(loop, GlobalCopyLoop)
-        replay(entries, loop.replay_outer_step, loop.replay_device)
+        assert isinstance(loop, GlobalCopyLoop)
         for index in range(len(loop.fragments)):
             loop.restore_global_copies(index)
         mine = self.digests()
@@ -272,12 +357,8 @@ class HealExchange:
         return ""
 
 
-def _answer_key(answer: dict[str, Any]) -> tuple[Any, ...]:
-    """What makes two answers the same: the kind, why (full) or which syncs (replay)."""
-    value = answer["user"][HEAL_KEY]
-    if value["transfer"] != "replay":
-        return ("full", value.get("why", ""))
-    return ("replay", tuple(e["sync"] for e in value["entries"]))
+class _Damaged(Exception):
+    """A history entry arrived with payloads that fail its checksum."""
 
 
 def build_history_transport(exchange_of: Callable[[], HealExchange]) -> Callable[..., Any]:
@@ -292,24 +373,67 @@ def build_history_transport(exchange_of: Callable[[], HealExchange]) -> Callable
         ) -> None:
             # Every joiner's request first (a few numbers each), then one send per distinct
             # answer to all the joiners it is for, as torchft sends one state to all of them.
-            answers: dict[str, tuple[Any, list[int]]] = {}
+            answers: dict[str, tuple[HealAnswer, list[int]]] = {}
             for dst in dst_ranks:
                 request = torch.zeros(BASIS_SLOTS, dtype=torch.int64, device=self._device)
                 self._pg.recv([request], dst, tag=_REQUEST_TAG).wait(timeout)
                 answer = exchange_of().answer(ReplayBasis.from_tensor(request), step, state_dict)
-                key = repr(_answer_key(answer))
-                answers.setdefault(key, (answer, []))[1].append(dst)
+                answers.setdefault(repr(answer.key), (answer, []))[1].append(dst)
             for answer, dsts in answers.values():
-                super().send_checkpoint(dsts, step, answer, timeout)
+                super().send_checkpoint(dsts, step, answer.state, timeout)
+                self._send_payloads(dsts, answer.payloads, timeout)
+
+        def _send_payloads(
+            self, dsts: list[int], payloads: list[torch.Tensor], timeout: timedelta
+        ) -> None:
+            works = []
+            for i, payload in enumerate(payloads):
+                t = payload.to(self._device).contiguous()
+                works += [self._pg.send([t], dst, tag=_PAYLOAD_TAG + i) for dst in dsts]
+                if t.data_ptr() != payload.data_ptr():  # a copy: let it go before the next
+                    for work in works:
+                        work.wait(timeout)
+                    works = []
+            for work in works:
+                work.wait(timeout)
 
         def recv_checkpoint(
             self, src_rank: int, metadata: str, step: int, timeout: timedelta
         ) -> Any:
+            started = time.perf_counter()
             exchange = exchange_of()
             request = exchange.basis.to_tensor(self._device)
             self._pg.send([request], src_rank, tag=_REQUEST_TAG).wait(timeout)
             state = super().recv_checkpoint(src_rank, metadata, step, timeout)
-            return exchange.received(state)
+            value = state["user"].get(HEAL_KEY, {})
+            specs = [
+                spec for e in value.get("entries", []) for spec in HistoryEntry.payload_specs(e)
+            ]
+            payloads = self._receive_payloads(src_rank, specs, timeout)
+            return exchange.received(state, payloads, started)
+
+        def _receive_payloads(
+            self, src_rank: int, specs: list[tuple[int, torch.dtype]], timeout: timedelta
+        ) -> Iterator[torch.Tensor]:
+            """The payloads in order, each received while the one before it is replayed."""
+
+            def post(i: int) -> tuple[torch.Tensor, Any]:
+                numel, dtype = specs[i]
+                t = torch.empty(numel, dtype=dtype, device=self._device)
+                return t, self._pg.recv([t], src_rank, tag=_PAYLOAD_TAG + i)
+
+            pending = post(0) if specs else None
+            for i in range(len(specs)):
+                assert pending is not None
+                t, work = pending
+                pending = post(i + 1) if i + 1 < len(specs) else None
+                try:
+                    work.wait(timeout)
+                except Exception as e:
+                    raise HealTransferError(
+                        f"payload {i + 1} of {len(specs)} of the replay did not arrive: {e}"
+                    ) from e
+                yield t.to("cpu")
 
     def build(pg: ProcessGroup, timeout: timedelta, device: torch.device) -> Any:
         return HistoryTransport(pg, timeout=timeout, device=device)

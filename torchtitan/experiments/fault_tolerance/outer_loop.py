@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -249,8 +250,14 @@ class ReplaysOuterSteps(ABC):
     def replay_outer_step(self, index: int, average: torch.Tensor) -> None:
         """Apply a committed sync of fragment ``index`` to its global copy and outer optimizer
         exactly as the groups that took part did: ``average`` is its averaged pseudo-gradient,
-        flat, as delivered. The model's parameters are left undefined (the caller puts the
-        global copies back)."""
+        flat, as delivered (this call may overwrite it). The model's parameters are left
+        undefined (the caller puts the global copies back)."""
+
+    def replay_outer_steps(self, steps: Iterable[tuple[int, torch.Tensor]]) -> None:
+        """:meth:`replay_outer_step` for each ``(index, average)`` in order, as one replay (a
+        method may skip work between consecutive steps, never change their results)."""
+        for index, average in steps:
+            self.replay_outer_step(index, average)
 
 
 class _TorchftLoop(OuterLoop):
@@ -365,22 +372,37 @@ class TorchftDiLoCo(_TorchftLoop, GlobalCopyLoop, ReplaysOuterSteps):
         return next(iter(self.global_parameters(index).values())).device
 
     def replay_outer_step(self, index: int, average: torch.Tensor) -> None:
+        self.replay_outer_steps([(index, average)])
+
+    def replay_outer_steps(self, steps: Iterable[tuple[int, torch.Tensor]]) -> None:
         # What torchft's fragment sync does once a sync commits: the model's fragment back to
         # the global copy, the average as its gradient, the outer step, the new global copy.
-        sync = self._syncs[index]
+        # The outer step changes the model's parameters in place and nothing else reads them
+        # here, so each fragment's copies in and out happen once per replay, not once per sync.
+        in_model: list[int] = []
+        for index, average in steps:
+            if index not in in_model:
+                tft.restore_global_copies(self._syncs[index])
+                in_model.append(index)
+            self._replayed_outer_step(index, average)
+        for index in in_model:
+            tft.save_global_copy(self._syncs[index])
+
+    def _replayed_outer_step(self, index: int, average: torch.Tensor) -> None:
         params = self.fragment_parameters(index)
         grads: dict[str, torch.Tensor] = {}
         offset = 0
         for name, p in params.items():
             local = local_tensor(p)
-            grads[name] = average[offset : offset + local.numel()].view_as(local).clone()
+            # Views of the average (the outer step may change a gradient in place: the average
+            # is the replay's own, decoded for this step).
+            grads[name] = average[offset : offset + local.numel()].view_as(local)
             offset += local.numel()
         if offset != average.numel():
             raise ValueError(
                 f"a replayed average of fragment {index} has {average.numel()} values, its "
                 f"parameters {offset}"
             )
-        tft.restore_global_copies(sync)
         with torch.no_grad():
             for name, p in params.items():
                 grad = grads[name]
@@ -393,7 +415,6 @@ class TorchftDiLoCo(_TorchftLoop, GlobalCopyLoop, ReplaysOuterSteps):
                 )
         outer = self.outer_optimizer(index)
         outer.step()
-        tft.save_global_copy(sync)
         outer.zero_grad()
 
     def join_sync(self) -> bool:
