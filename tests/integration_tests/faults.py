@@ -15,7 +15,10 @@ stretches every step (periods of seconds instead of milliseconds), and
 ``--fault_injection.corrupt_global_after_sync=K`` changes one number of this group's DiLoCo global
 copy after its sync K (the agreement check must catch it), ``--fault_injection.nan_in_sync=K``
 puts a NaN into what it sends in sync K, and ``--fault_injection.corrupt_heal_history_sync=K``
-damages this group's heal-history entry of sync K.
+damages this group's heal-history entry of sync K. As the peer of a replay,
+``--fault_injection.damage_replay_payload=N`` damages the N-th average it sends (on the wire,
+not in its history), and ``--fault_injection.exit_serving_replay_after=N`` exits the process
+once it has sent N averages.
 
 The step-level knobs (``stall_after_step``, ``pause_file``, ``step_sleep_s``) work with both
 trainers; the sync-level ones with the semi-sync trainer only. Use with
@@ -24,6 +27,7 @@ trainers; the sync-level ones with the semi-sync trainer only. Use with
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +36,7 @@ from typing import Any
 import torch
 
 from torchtitan.config.job_config import JobConfig as CoreJobConfig
+from torchtitan.experiments.fault_tolerance.heal_transport import HealAnswer
 from torchtitan.experiments.fault_tolerance.job_config import JobConfig as SemiSyncJobConfig
 from torchtitan.experiments.fault_tolerance.trainer import SemiSyncTrainer
 from torchtitan.tools.events import EventKind
@@ -68,6 +73,13 @@ CORRUPTED = EventKind(
 HISTORY_CORRUPTED = EventKind(
     "fault.corrupted_heal_history",
     "[fault-injection] corrupted the heal history entry of sync #{sync}",
+)
+REPLAY_PAYLOAD_DAMAGED = EventKind(
+    "fault.damaged_replay_payload", "[fault-injection] damaged average {index} of a replay sent"
+)
+EXITING_SERVING_REPLAY = EventKind(
+    "fault.exiting_serving_replay",
+    "[fault-injection] exiting after sending {sent} averages of a replay",
 )
 
 
@@ -110,6 +122,14 @@ class FaultInjection:
     """Once this group has kept sync K in its heal history, change one byte of that entry (as
     a fault in memory would): a joiner must never be served it. 0: never."""
 
+    damage_replay_payload: int = 0
+    """Serving a replay, change one byte of the N-th average sent (1-based; its history keeps
+    it intact), as a fault on the wire would. 0: never."""
+
+    exit_serving_replay_after: int = 0
+    """Serving a replay, exit the process (status 3) once N averages were sent and had time to
+    arrive: a peer that dies in the middle of a replay. 0: never."""
+
 
 @dataclass
 class JobConfig(SemiSyncJobConfig):
@@ -135,6 +155,23 @@ class StepFaults:
             while pause.exists():
                 time.sleep(0.1)
             RESUMED.emit(step=self.train_state.step)
+
+
+class _ExitAfter(list):
+    """A replay's averages that end the process when the peer reaches the one after the first
+    ``after`` (sent by then: the joiner posted every receive, so they left at once)."""
+
+    def __init__(self, payloads: list[torch.Tensor], after: int) -> None:
+        super().__init__(payloads)
+        self.after = after
+
+    def __iter__(self) -> Any:
+        for index, payload in enumerate(list.__iter__(self)):
+            if index == self.after:
+                EXITING_SERVING_REPLAY.emit(sent=index)
+                time.sleep(2.0)  # the sends posted so far reach the joiner
+                os._exit(3)
+            yield payload
 
 
 class FaultyTrainer(StepFaults, Trainer):
@@ -217,6 +254,23 @@ class StallingTrainer(StepFaults, SemiSyncTrainer):
                     HISTORY_CORRUPTED.emit(sync=sync)
 
             self.sync.on_committed = record_with_faults
+        if self.faults.damage_replay_payload or self.faults.exit_serving_replay_after:
+            answer = self.heal.answer
+
+            def answer_with_faults(*args: Any, **kwargs: Any) -> HealAnswer:
+                served = answer(*args, **kwargs)
+                payloads = list(served.payloads)
+                n = self.faults.damage_replay_payload
+                if 0 < n <= len(payloads):
+                    payloads[n - 1] = payloads[n - 1].clone()
+                    payloads[n - 1].view(torch.uint8)[0] ^= 0xFF
+                    REPLAY_PAYLOAD_DAMAGED.emit(index=n)
+                after = self.faults.exit_serving_replay_after
+                if 0 < after < len(payloads):
+                    payloads = _ExitAfter(payloads, after)
+                return HealAnswer(served.state, payloads)
+
+            self.heal.answer = answer_with_faults  # type: ignore[method-assign]
 
     def _corrupt_after_report(self) -> None:
         sync = self.ft.manager.current_step()  # type: ignore[union-attr]

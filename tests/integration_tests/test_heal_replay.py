@@ -17,7 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration_tests.faults import HELD_BEFORE_SYNC, STALLED_AFTER_STEP
+from tests.integration_tests.faults import (
+    EXITING_SERVING_REPLAY,
+    HELD_BEFORE_SYNC,
+    REPLAY_PAYLOAD_DAMAGED,
+    STALLED_AFTER_STEP,
+)
 from tests.integration_tests.harness import FAULTS_MODULE, FTJob, tail
 from tests.integration_tests.test_semi_sync import (
     _restart_while_paused,
@@ -32,6 +37,7 @@ from torchtitan.experiments.fault_tolerance.events import (
     FINAL_DIGEST,
     GLOBAL_DIGEST,
     HEALED,
+    REPLAY_FAILED,
     SYNC,
 )
 from torchtitan.tools.events import Event
@@ -201,6 +207,61 @@ def test_a_damaged_history_entry_is_never_replayed(
     assert _full_heal(job)["full_because"] == (
         "the peer's history entry of sync #3 fails its checksum"
     )
+
+
+def test_an_average_damaged_on_the_wire_fails_the_replay_and_the_group_heals_in_full(
+    ft_job: Callable[..., FTJob], tmp_path: Path
+) -> None:
+    """Group 0 damages the second average it sends (its history keeps it intact): group 1
+    replays the first, sees the damage on arrival and still takes the rest (group 0 is not
+    held up), says so, nobody commits that sync, and group 1 heals in full at the next one,
+    saying why."""
+    pause = tmp_path / "pause_group0"
+    job = ft_job(groups=2, train_args=_paced())
+    damage = ["--fault_injection.damage_replay_payload=2"]
+    _restart_behind(job, pause, alone_until=4, group0=damage)
+    assert [e["index"] for e in job.events(0, REPLAY_PAYLOAD_DAMAGED)] == [2]
+    (failed,) = job.events(1, REPLAY_FAILED)
+    # Group 1's checkpoint is at sync #2: the second average it missed is sync #4's.
+    assert failed["problem"] == "the history entry of sync #4 arrived damaged", failed.fields
+    healed = _full_heal(job)
+    assert healed["full_because"] == (
+        "its replay failed before (the history entry of sync #4 arrived damaged)"
+    )
+    # The sync of the failed replay was committed by nobody (group 0's only failed one): sync
+    # #5 is made again a period later, with group 1 healed in full.
+    (uncommitted,) = [e for e in job.events(0, SYNC) if not e["committed"]]
+    assert uncommitted.step < healed.step and uncommitted.sync == healed.sync
+
+
+def test_a_peer_that_dies_during_a_replay_stops_the_group_instead_of_training_on_half_of_it(
+    ft_job: Callable[..., FTJob], tmp_path: Path
+) -> None:
+    """Group 0 exits once it has sent the first average group 1 missed. Group 1 replayed it,
+    so its state is neither its checkpoint's nor the job's: alone now, it stops with one line
+    saying why instead of training on."""
+    pause = tmp_path / "pause_group0"
+    job = ft_job(groups=2, train_args=_paced())
+    job.start_lighthouse()
+    job.start_group(
+        0,
+        [f"--fault_injection.pause_file={pause}", "--fault_injection.exit_serving_replay_after=1"],
+    )
+    job.start_group(1, ["--fault_injection.stall_after_step=9"])
+    job.wait_for_event(1, STALLED_AFTER_STEP, timeout=240)
+    job.kill_group(1)
+    job.wait_for_event(0, SYNC, timeout=240, where=lambda e: e["committed"] and e.sync == 4)
+    # Alone after group 0 is gone, group 1 waits for the others up to quorum_timeout_s.
+    _restart_while_paused(job, pause, ["--fault_tolerance.quorum_timeout_s=5"])
+    assert job.wait_exit(0, timeout=240) == 3, tail(job.latest(0).text())
+    assert [e["sent"] for e in job.events(0, EXITING_SERVING_REPLAY)] == [1]
+    assert job.wait_exit(1, timeout=240) != 0
+    text = job.latest(1).text()
+    assert (
+        "this group cannot go on from its own checkpoint: its replay of the syncs it missed "
+        "stopped part-way (payload 2 of "
+    ) in text, tail(text)
+    assert not job.events(1, HEALED) and not job.events(1, SYNC)
 
 
 def test_a_checkpoint_of_another_run_is_never_replayed_onto(

@@ -401,6 +401,7 @@ def test_a_peer_sends_only_the_missed_averages_and_the_joiner_replays_them() -> 
         assert joiner_side.ft.kept == ["model", "optimizer"]
         joiner_side.load(received["user"][HEAL_KEY])
         assert joiner_side.replay_failed == "" and joiner_side.receipt.transfer == "replay"
+        assert joiner_side.own_state_lost == ""
         assert joiner_side.receipt.syncs == 2
         assert joiner_side.receipt.nbytes == sum(p.numel() * 4 for p in answer.payloads)
         assert_bitwise_equal(outer_state(joiner)[0], outer_state(peer)[0])
@@ -422,6 +423,25 @@ def test_a_peer_sends_only_the_missed_averages_and_the_joiner_replays_them() -> 
         joiner_side.load(joiner_side.received(broken, rest)["user"][HEAL_KEY])
         assert joiner_side.replay_failed.startswith("the replay raised")
         assert joiner_side.basis.sync == -1 and next(rest, None) is None
+        # It had begun (the model holds the global copy now): its own state is lost.
+        assert joiner_side.own_state_lost.startswith(
+            "its replay of the syncs it missed stopped part-way (the replay raised"
+        )
+        # The full heal that follows says why, and makes the group whole again.
+        full = {"torchft": {"step": 3}, "user": {HEAL_KEY: {"transfer": "full", "why": "x"}}}
+        joiner_side.load(joiner_side.received(full, iter([]))["user"][HEAL_KEY])
+        assert joiner_side.receipt.why_full.startswith("its replay failed before (the replay")
+        assert joiner_side.own_state_lost == ""
+
+        # The first average damaged: nothing was replayed, its own state is whole.
+        joiner_side.set_basis(1)
+        damaged = [p.clone() for p in answer.payloads]
+        damaged[0][0] += 1
+        joiner_side.load(
+            joiner_side.received(copy.deepcopy(answer.state), iter(damaged))["user"][HEAL_KEY]
+        )
+        assert joiner_side.replay_failed == "the history entry of sync #2 arrived damaged"
+        assert joiner_side.own_state_lost == ""
 
         # An entry damaged on the way: seen before its outer step, the rest still taken.
         joiner_side.set_basis(1)
@@ -431,6 +451,7 @@ def test_a_peer_sends_only_the_missed_averages_and_the_joiner_replays_them() -> 
         joiner_side.load(joiner_side.received(copy.deepcopy(answer.state), rest)["user"][HEAL_KEY])
         assert joiner_side.replay_failed == "the history entry of sync #3 arrived damaged"
         assert joiner_side.basis.sync == -1 and next(rest, None) is None
+        assert joiner_side.own_state_lost.endswith("(the history entry of sync #3 arrived damaged)")
 
         # A payload that never arrives fails the heal (torchft's transfer error) and leaves
         # no basis to replay onto: the next heal is a full one.
@@ -443,6 +464,9 @@ def test_a_peer_sends_only_the_missed_averages_and_the_joiner_replays_them() -> 
         with pytest.raises(HealTransferError):
             joiner_side.received(copy.deepcopy(answer.state), cut_off())
         assert joiner_side.basis.sync == -1
+        assert joiner_side.own_state_lost.startswith(
+            "its replay of the syncs it missed stopped part-way (payload 2 of 2"
+        )
     finally:
         peer_sync.shutdown()
         joiner_sync.shutdown()

@@ -84,7 +84,9 @@ def build_ft_manager(
     The quorum is synchronous by default: ``start_step`` waits for it anyway (to skip a quorum
     that is too small), and healing then happens before the forward pass, on the main thread,
     so a joiner trains in its first step instead of sending zeros, and no state is read by
-    torchft's quorum thread while the model runs (FSDP swaps parameters during forward).
+    torchft's quorum thread while the model runs (FSDP swaps parameters during forward). A
+    ``checkpoint_transport`` may work on the state as it receives it, on that thread, while the
+    main thread waits for the quorum (the semi-sync replay of missed syncs does).
     ``quorum_timeout_s``: the longest quorum wait the trainer will ask for (default
     ``fault_tolerance.quorum_timeout_s``), the Manager's default timeout for the quorums that
     torchft's own algorithms start. ``checkpoint_transport(pg, timeout, device)``: how healing

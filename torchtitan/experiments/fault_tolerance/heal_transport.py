@@ -15,6 +15,7 @@ result against the peer's (:meth:`HealExchange.load`).
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -110,9 +111,9 @@ class HealExchange:
 
     As a peer it keeps the ``history`` of committed syncs (:meth:`record`) and answers a
     request from it (:meth:`answer`). As a joiner it sends ``basis`` (:meth:`set_basis` before
-    its start-up quorum; none otherwise) and, given a replay, redoes the missed outer steps in
-    :meth:`load`. A method that cannot replay (LocalSGD, async DiLoCo for now) keeps no
-    history, and each of its heals is a full one."""
+    its start-up quorum; none otherwise) and, given a replay, redoes the missed outer steps as
+    their averages arrive (:meth:`received`), then checks the result (:meth:`load`). A method
+    that cannot replay (LocalSGD) keeps no history, and each of its heals is a full one."""
 
     def __init__(
         self, history: HealHistory, fingerprint: int, loop: OuterLoop, ft: FTManager
@@ -128,8 +129,13 @@ class HealExchange:
         #: Why the last replay failed on arrival ("" when it did not): the group then heals
         #: in full at the next quorum.
         self.replay_failed = ""
+        #: Why this group's own state can no longer be trained on ("": it can): a replay that
+        #: failed after it began changed the global copies, the outer optimizer or the model.
+        #: Only a full heal makes it whole again (the group must not go on alone).
+        self.own_state_lost = ""
         self._full_said = False
         self._heal_kind: str | None = None
+        self._why_no_basis = ""
 
     def digests(self) -> list[int]:
         """This rank's digest of each fragment's global copy."""
@@ -160,10 +166,16 @@ class HealExchange:
     def set_basis(self, sync: int | None) -> None:
         """Before a start-up quorum: this group's own checkpoint is at ``sync`` (None: it has
         none to replay onto)."""
+        self._why_no_basis = ""
         if sync is None or not self.replays:
             self.basis = ReplayBasis.none()
         else:
             self.basis = ReplayBasis(sync, self.fingerprint, tuple(self.digests()))
+
+    def drop_basis(self, why: str) -> None:
+        """A replay failed (``why``): the next heal is a full one, and says so."""
+        self.basis = ReplayBasis.none()
+        self._why_no_basis = why
 
     def replayed(self) -> bool:
         """Whether this group's last heal replayed its missed syncs."""
@@ -237,14 +249,18 @@ class HealExchange:
         payloads: Iterator[torch.Tensor],
         started: float | None = None,
     ) -> dict[str, Any]:
-        """On the joiner, as the state arrives (torchft's quorum thread; the main thread waits
-        for the quorum): a replay's averages are taken from ``payloads`` and replayed one by
-        one as they arrive; then what the answer left out is filled with this group's own
-        state. ``started``: when the request left (``time.perf_counter``), for the receipt."""
+        """On the joiner, as the state arrives: a replay's averages are taken from
+        ``payloads`` and replayed one by one as they arrive; then what the answer left out is
+        filled with this group's own state. ``started``: when the request left
+        (``time.perf_counter``), for the receipt.
+
+        This runs on torchft's quorum thread. The main thread waits for the quorum meanwhile
+        (the trainer's quorums are synchronous: ``FTManager.join_quorum`` waits for each one),
+        so nothing else reads or changes the model or the method's state."""
         nbytes = tree_nbytes(state)
         value = state["user"].get(HEAL_KEY, {})
         if value.get("transfer") == "replay":
-            arrived, why = self._replay_as_received(value["entries"], payloads)
+            arrived, why, nbytes_arrived = self._replay_as_received(value["entries"], payloads)
             value["arrived"], value["failed_because"] = arrived, why
             omitted = list(value["omitted"])
             # The core's states stay as they are; the method's are its own, replayed above
@@ -254,13 +270,19 @@ class HealExchange:
             state["user"].update({key: KEEP_OWN for key in core})
             state["user"].update(own)
             self.ft.keep_own(core)
-            nbytes += sum(e.nbytes for e in arrived)
+            nbytes += nbytes_arrived
             receipt = HealReceipt("replay", "", nbytes, len(value["entries"]))
         else:
             why = value.get("why", "")
-            if self.basis.sync < 0 and not self.replays:  # it asked for no replay itself
+            if self.basis.sync < 0 and self._why_no_basis:  # it asked for no replay itself
+                why = f"its replay failed before ({self._why_no_basis})"
+            elif self.basis.sync < 0 and not self.replays:
                 why = f"this group keeps no heal history ({self._why_no_history()})"
             receipt = HealReceipt("full", why, nbytes)
+        if torch.cuda.is_available():
+            # The replay and the own state taken above (copies, for torchft's DiLoCo) ran on
+            # this thread's stream; the main thread loads and reads them on its own.
+            torch.cuda.current_stream().synchronize()
         seconds = 0.0 if started is None else time.perf_counter() - started
         self.receipt = HealReceipt(
             receipt.transfer, receipt.why_full, nbytes, receipt.syncs, seconds
@@ -270,12 +292,14 @@ class HealExchange:
 
     def _replay_as_received(
         self, wire: list[dict[str, Any]], payloads: Iterator[torch.Tensor]
-    ) -> tuple[list[HistoryEntry], str]:
+    ) -> tuple[list[HistoryEntry], str, int]:
         """Replay the entries described by ``wire`` onto this group's own global copies and
         outer optimizers, each as soon as its payloads arrived and proved intact. Returns the
-        entries that arrived and why the replay failed ("": it did not). A failed replay
-        still takes every payload the peer sends (the peer waits for them to be taken); a
-        failed transfer raises :class:`HealTransferError`, and the next heal is a full one."""
+        entries that arrived, why the replay failed ("": it did not) and the bytes received.
+        A failed replay still takes every payload the peer sends (the peer waits for them to
+        be taken); a failed transfer raises :class:`HealTransferError`. Either way the next
+        heal is a full one, and once a replay began, the group's own state is lost
+        (``own_state_lost``): it cannot go on alone."""
         arrived: list[HistoryEntry] = []
 
         def arriving() -> Iterator[HistoryEntry]:
@@ -284,6 +308,7 @@ class HealExchange:
                 arrived.append(entry)
                 if not entry.intact():
                     raise _Damaged(f"the history entry of sync #{entry.sync} arrived damaged")
+                self.own_state_lost = "its replay of the syncs it missed stopped part-way"
                 yield entry
 
         loop = self.loop
@@ -291,28 +316,32 @@ class HealExchange:
         why = ""
         try:
             replay(arriving(), loop.replay_outer_steps, loop.replay_device)
-        except HealTransferError:
-            self.basis = ReplayBasis.none()  # its global copies are part-replayed now
+        except HealTransferError as e:
+            self.drop_basis(str(e))
+            if self.own_state_lost:
+                self.own_state_lost += f" ({e})"
             raise
         except _Damaged as e:
             why = str(e)
         except Exception as e:  # e.g. an entry of another size: fail safe, heal in full
             why = f"the replay raised {type(e).__name__}: {e}"
-        for _ in payloads:  # what a failed replay left on the wire
-            pass
-        if torch.cuda.is_available():  # the main thread reads the copies on its own stream
-            torch.cuda.current_stream().synchronize()
-        return arrived, why
+        nbytes = sum(e.nbytes for e in arrived)
+        for payload in payloads:  # what a failed replay left on the wire
+            nbytes += payload.numel() * payload.element_size()
+        if why and self.own_state_lost:
+            self.own_state_lost += f" ({why})"
+        return arrived, why, nbytes
 
     def load(self, value: dict[str, Any]) -> None:
-        """torchft loads the ``heal_history`` entry last, on the main thread: replay. (The
-        ranks of a group agree on the outcome in the quorum's exchange, where every rank takes
-        part whatever its heal did: ``QuorumProtocol.on_quorum``.)"""
+        """torchft loads the ``heal_history`` entry last, on the main thread: put the
+        replayed global copies into the model and check them against the peer's. (The ranks
+        of a group agree on the outcome in the quorum's exchange, where every rank takes part
+        whatever its heal did: ``QuorumProtocol.on_quorum``.)"""
         try:
             self._load(value)
         except Exception as e:  # e.g. an entry of another size: fail safe, heal in full
             self.replay_failed = f"the replay raised {type(e).__name__}: {e}"
-            self.basis = ReplayBasis.none()
+            self.drop_basis(self.replay_failed)
 
     def take_heal(self) -> str | None:
         """The kind of heal this rank received since the last call (``replay``, ``full``;
@@ -324,16 +353,20 @@ class HealExchange:
         self.replay_failed = ""
         if value.get("transfer") != "replay":
             self.history.clear()  # this group's state now follows from the peer's, not its own
+            self.own_state_lost = ""
             return
         entries: list[HistoryEntry] = value.get("arrived", [])
         why = value.get("failed_because", "the replay's averages never arrived")
         if not why:
             why = self._check([int(d) for d in value["digests"]])
+            if why:
+                self.own_state_lost = f"its replayed global parameters are not the job's ({why})"
         self.history.clear()
         if why:
             self.replay_failed = why
-            self.basis = ReplayBasis.none()  # the next heal is a full one
+            self.drop_basis(why)  # the next heal is a full one
         else:
+            self.own_state_lost = ""
             for entry in entries:  # the job's own averages: this group can serve them too
                 self.history.record(entry)
             if self.basis.sync >= 0:
@@ -415,24 +448,35 @@ def build_history_transport(exchange_of: Callable[[], HealExchange]) -> Callable
         def _receive_payloads(
             self, src_rank: int, specs: list[tuple[int, torch.dtype]], timeout: timedelta
         ) -> Iterator[torch.Tensor]:
-            """The payloads in order, each received while the one before it is replayed."""
+            """The payloads in order, each received while the ones before it are replayed.
+            Into host memory (gloo) every receive is posted at once: the peer's sends then go
+            at the link's pace whatever the replay's, and the joiner keeps every payload in
+            its history anyway. On an accelerator the next one is posted while one is waited
+            for and replayed, two at most in its memory (torchft's nccl wait synchronizes the
+            device, so there transfer and replay take turns)."""
+            window = len(specs) if self._device.type == "cpu" else 2
+            posted: deque[tuple[torch.Tensor, Any]] = deque()
 
-            def post(i: int) -> tuple[torch.Tensor, Any]:
-                numel, dtype = specs[i]
-                t = torch.empty(numel, dtype=dtype, device=self._device)
-                return t, self._pg.recv([t], src_rank, tag=_PAYLOAD_TAG + i)
+            def failed(i: int, e: Exception) -> HealTransferError:
+                return HealTransferError(
+                    f"payload {i + 1} of {len(specs)} of the replay did not arrive: {e}"
+                )
 
-            pending = post(0) if specs else None
+            ahead = 0  # the next payload to post
             for i in range(len(specs)):
-                assert pending is not None
-                t, work = pending
-                pending = post(i + 1) if i + 1 < len(specs) else None
+                while ahead < len(specs) and ahead - i < window:
+                    numel, dtype = specs[ahead]
+                    try:
+                        t = torch.empty(numel, dtype=dtype, device=self._device)
+                        posted.append((t, self._pg.recv([t], src_rank, tag=_PAYLOAD_TAG + ahead)))
+                    except Exception as e:
+                        raise failed(ahead, e) from e
+                    ahead += 1
+                t, work = posted.popleft()
                 try:
                     work.wait(timeout)
                 except Exception as e:
-                    raise HealTransferError(
-                        f"payload {i + 1} of {len(specs)} of the replay did not arrive: {e}"
-                    ) from e
+                    raise failed(i, e) from e
                 yield t.to("cpu")
 
     def build(pg: ProcessGroup, timeout: timedelta, device: torch.device) -> Any:

@@ -216,6 +216,17 @@ class QuorumProtocol:
                 f"({self.heal_in_full}), and no other group had a state to heal from: every "
                 "group of the job started without one. Restore a checkpoint folder from a copy."
             )
+        lost = self.heal.own_state_lost
+        if self.group_ranks > 1:  # every rank stops if one of them must
+            if self.most_in_group([int(bool(lost))])[0] and not lost:
+                lost = "another rank's replay of the syncs it missed stopped part-way"
+        if lost and peer is None:
+            raise FaultToleranceError(
+                f"[semi-sync] this group cannot go on from its own checkpoint: "
+                f"{lost}, and no other group is left to heal from in "
+                "full. Restart it (it loads its checkpoint again) once a group of the job runs, "
+                "or restart the whole job from checkpoints."
+            )
         if peer is not None and peer["at_sync"]:
             return JoinAtSync(peer["local_step"], peer["replica_id"], time.perf_counter() - start)
         self.announce(manager.current_step() + 1)
@@ -305,7 +316,7 @@ class QuorumProtocol:
                 )
                 events.REPLAY_FAILED.emit(step=self.train_state.step, problem=problem)
                 self.heal.replay_failed = ""
-                self.heal.set_basis(None)
+                self.heal.drop_basis(problem)
             return True
         if any(m.probe for m in members):
             # Running groups in DyLU's speed probe: meet them at their sync point, healed again

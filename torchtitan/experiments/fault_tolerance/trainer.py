@@ -172,7 +172,8 @@ class SemiSyncTrainer(Trainer):
         self.ft.register_state_dict_fn(
             "semi_sync_position", self.protocol.load_peer, self.protocol.position
         )
-        # Last: torchft loads the healing state in this order, and a replay comes after all.
+        # Last: torchft loads the healing state in this order, and a replay's check (its global
+        # copies into the model, against the peer's digests) comes after all.
         self.ft.register_state_dict_fn(HEAL_KEY, self.heal.load, self.heal.placeholder)
         logger.info(describe(job_config, self.algorithm))
         if len(self.fragments) > 1:
