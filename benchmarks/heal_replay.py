@@ -321,7 +321,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> str:
-    """Bytes and transfer seconds per case (median of the repeats), per rate and dtype."""
+    """Bytes, seconds from the request to the last byte and the survivor's longest pause per
+    case (median of the repeats, whiskers their range), per rate and dtype."""
     try:
         import matplotlib
 
@@ -332,11 +333,16 @@ def plot(runs: list[dict[str, Any]], path: Path) -> str:
     summary = summarize(runs)
     configs = sorted({(r["rate_mbit"], r["pseudo_grad_dtype"]) for r in runs})
     cases = [c["case"] for c in runs[0]["cases"]]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
     width = 0.8 / max(1, len(configs))
     for j, (rate, dtype) in enumerate(configs):
         xs = [i + (j - (len(configs) - 1) / 2) * width for i in range(len(cases))]
-        for ax, field, scale in ((axes[0], "heal_bytes", 2**20), (axes[1], "heal_receive_s", 1)):
+        panels = (
+            (axes[0], "heal_bytes", 2**20),
+            (axes[1], "heal_receive_s", 1),
+            (axes[2], "survivor_longest_step_gap_s", 1),
+        )
+        for ax, field, scale in panels:
             rows = [summary[f"{link(rate)} {dtype} {c}"][field] for c in cases]
             med = [r["median"] / scale for r in rows]
             err = [
@@ -346,6 +352,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> str:
             ax.bar(xs, med, width, yerr=err, capsize=3, label=f"{link(rate)}, {dtype}")
     axes[0].set_ylabel("received by the restarted group (MiB)")
     axes[1].set_ylabel("seconds from the request to the last byte")
+    axes[2].set_ylabel("survivor's longest pause between two steps (s)")
     for ax in axes:
         ax.set_xticks(range(len(cases)), [f"{c}\n(missed syncs)" if c != "full" else c
                                           for c in cases])  # fmt: skip
