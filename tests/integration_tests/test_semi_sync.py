@@ -275,6 +275,10 @@ def test_kill_mid_inner_steps_and_during_sync_then_heal(
 
     for r in range(2):
         assert job.wait_exit(r, timeout=300) == 0, tail(job.latest(r).text())
+    # Restarted without a checkpoint, it has nothing to replay onto: full heals, saying why.
+    why = "cannot replay" if method == "localsgd" else "no checkpoint of its own to replay onto"
+    for heal in job.events(1, HEALED):
+        assert heal["transfer"] == "full" and why in heal["full_because"], heal.fields
     digests = assert_same_global_params(job)
     for start, healed in ((1, healed_1), (2, healed_2)):
         restarted = global_digests(job.events(1, GLOBAL_DIGEST, start=job.starts[1][start]))

@@ -235,7 +235,8 @@ def test_each_case_that_cannot_be_replayed_falls_back_to_a_full_heal_saying_why(
         "the peer keeps no heal history (fault_tolerance.heal_history_syncs=0)"
     )
     assert plan(history, ReplayBasis(4, FP + 1, (105,)), 5, current) == (
-        "its checkpoint is another job's (the method's settings or the model differ)"
+        "it does not run the job's settings or model (the method's settings or the model's "
+        "parameters differ from the peer's)"
     )
     assert plan(history, ReplayBasis(6, FP, (999,)), 5, current) == (
         "its checkpoint (sync #6) is ahead of the job (#5)"

@@ -256,7 +256,10 @@ def plan_replay(
     if history.capacity <= 0:
         return full("the peer keeps no heal history (fault_tolerance.heal_history_syncs=0)")
     if basis.fingerprint != fingerprint:
-        return full("its checkpoint is another job's (the method's settings or the model differ)")
+        return full(
+            "it does not run the job's settings or model (the method's settings or the "
+            "model's parameters differ from the peer's)"
+        )
     if basis.sync > job_sync:
         return full(f"its checkpoint (sync #{basis.sync}) is ahead of the job (#{job_sync})")
     missed = job_sync - basis.sync
