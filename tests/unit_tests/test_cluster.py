@@ -109,7 +109,7 @@ def test_a_group_gets_its_flags_environment_and_a_log_per_start(tmp_path: Path):
     ]
     env = seen["env"]
     assert env["TORCHFT_LIGHTHOUSE"] == "http://127.0.0.1:1234"
-    assert int(env["TORCHFT_MANAGER_PORT"]) not in (29510, 29512)
+    assert env["TORCHFT_MANAGER_PORT"] == "0"  # bound where the kernel picks, as it binds
     assert (env["NGPU"], env["LOG_RANK"], env["OMP_NUM_THREADS"]) == ("2", "0,1", "1")
     assert env["PYTHONUNBUFFERED"] == "1" and env[JOB_ENV] == job.job_id
     assert [p.log.name for p in job.starts[2]] == ["group2_start0.log", "group2_start1.log"]

@@ -198,7 +198,11 @@ class LocalJob:
         env = {
             "NGPU": str(self.ngpu),
             "TORCHFT_LIGHTHOUSE": self.lighthouse_address,
-            "TORCHFT_MANAGER_PORT": str(free_port()),
+            # 0: the manager server binds a port the kernel picks as it binds (a port picked
+            # here and bound seconds later, at the group's start-up, was once taken meanwhile by
+            # another process: "Address already in use"); its ranks find it through the store.
+            # Set, not inherited: groups of one machine must not share a port from the shell.
+            "TORCHFT_MANAGER_PORT": "0",
             # run_train.sh's interpreter: the one whose torchft runs the lighthouse.
             "PYTHON": os.environ.get("PYTHON", sys.executable),
         }
