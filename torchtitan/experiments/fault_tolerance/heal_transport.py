@@ -274,7 +274,8 @@ class HealExchange:
             receipt = HealReceipt("replay", "", nbytes, len(value["entries"]))
         else:
             why = value.get("why", "")
-            if self.basis.sync < 0 and self._why_no_basis:  # it asked for no replay itself
+            # When it asked for no replay itself, its own reason stands first.
+            if self.basis.sync < 0 and self._why_no_basis:
                 why = f"its replay failed before ({self._why_no_basis})"
             elif self.basis.sync < 0 and not self.replays:
                 why = f"this group keeps no heal history ({self._why_no_history()})"
