@@ -50,7 +50,8 @@ the straggler at every sync, first runs ``--steps`` too (to measure its seconds 
 then runs again with a schedule of its own (warmup and decay over fewer steps, a multiple of
 H) sized to end when async DiLoCo ended. Final losses are compared, measured at the end of
 each run: nothing is interpolated. It writes ``convergence_straggler.json`` and a plot of
-loss against seconds.
+loss against seconds. ``--rate R`` (root) puts each group behind its own emulated link of R
+Mbit/s, as ``wan.py`` does; without it the groups talk over loopback.
 
 Evaluation is the trainer's own validation (``--validation.*``) at every sync of the
 two-group runs (and at the same token counts for the single group), on the held-out half
@@ -63,13 +64,14 @@ and the single group's loss (2K batches) are over the same held-out tokens.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
 from pathlib import Path
 
 from benchmarks import ft_common as common
-from benchmarks import provenance
+from benchmarks import netns, provenance, wan
 from torchtitan.datasets.corpus import corpus_documents
 from torchtitan.tools.cluster import LocalJob
 from torchtitan.trainer import TRAINING_STARTED, VALIDATION
@@ -140,6 +142,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="group 1 computes this many times the work per step "
                    "(training.emulate_slowdown): compare blocking DiLoCo and async "
                    "DiLoCo with DyLU by held-out loss at the same wall-clock time")  # fmt: skip
+    p.add_argument("--rate", type=float, default=None,
+                   help="with --straggler: each group behind its own emulated link of this "
+                   "many Mbit/s (benchmarks/netns.py; needs root); default: loopback")  # fmt: skip
     p.add_argument("--reuse", action="store_true",
                    help="keep the runs in --out (same settings); run the rest")  # fmt: skip
     args = p.parse_args(argv)
@@ -149,6 +154,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.eval_batches, args.flavor, args.seq_len, args.batch = 2, "debugmodel_small", 32, 2
     if args.straggler is not None:
         args.configs = STRAGGLER_CONFIGS
+    elif args.rate is not None:
+        p.error("--rate needs --straggler (the equal-token comparison runs on loopback)")
+    if args.rate is not None and (why := netns.unavailable()):
+        p.error(f"--rate: no emulated links here: {why}")
     name = "convergence.json" if args.straggler is None else "convergence_straggler.json"
     args.out = args.out or provenance.default_output(name, args.smoke)
     args.sweep_out = args.sweep_out or provenance.default_output(
@@ -537,15 +546,25 @@ def sweep(args: argparse.Namespace) -> int:
 def _group0_curve(
     args: argparse.Namespace, tmp: Path, config: str, seed: int, steps: int, eval_folder: Path
 ) -> dict[float, float]:
-    """{seconds since group 0's start of training: its held-out loss}, group 1 a straggler."""
-    procs = common.run_method(
-        tmp / f"{config}_seed{seed}_{steps}steps",
-        BASE_METHOD[config],
-        train_args(args, seed, False, eval_folder, steps=steps),
-        semi_sync_args=semi_sync_args(args),
-        group_args=[[], [f"--training.emulate_slowdown={args.straggler}"]],
-        timeout=7200,
-    )
+    """{seconds since group 0's start of training: its held-out loss}, group 1 a straggler;
+    with ``--rate``, each group behind its own link of that many Mbit/s."""
+    slowdown = f"--training.emulate_slowdown={args.straggler}"
+    with contextlib.ExitStack() as stack:
+        job_options: dict = {}
+        group_args: list[list[str]] = [[], [slowdown]]
+        if args.rate is not None:
+            _, job_options = stack.enter_context(wan.emulated_links(2, args.rate))
+            group_args = [[wan.hostname_flag(0)], [wan.hostname_flag(1), slowdown]]
+        procs = common.run_method(
+            tmp / f"{config}_seed{seed}_{steps}steps",
+            BASE_METHOD[config],
+            train_args(args, seed, False, eval_folder, steps=steps),
+            semi_sync_args=semi_sync_args(args),
+            group_args=group_args,
+            timeout=7200,
+            job_options=job_options,
+            lighthouse_port=wan.LIGHTHOUSE_PORT if args.rate is not None else None,
+        )
     _note_parameters(args, procs[0])
     events = common.trainer_events(procs[0], VALIDATION, TRAINING_STARTED)
     start = next(e.time for e in events if e.name == TRAINING_STARTED.name)
@@ -648,13 +667,18 @@ def plot_wall_clock(runs: dict[str, dict[int, dict]], path: Path, title: str) ->
     return str(path)
 
 
+def link_text(rate: float | None) -> str:
+    return "loopback" if rate is None else f"{rate:g} Mbit/s per group (tc tbf)"
+
+
 def straggler_main(args: argparse.Namespace, argv: list[str] | None, chosen: dict) -> int:
     load = common.load_average()
     with tempfile.TemporaryDirectory(prefix="convergence_straggler_") as tmp:
         runs = straggler_curves(args, Path(tmp))
     title = (
         f"{args.flavor}, 2 groups, group 1 at {args.straggler:g}x the work per step, "
-        f"H={args.sync_steps}, seeds {args.seeds}: async {args.steps} steps; blocking "
+        f"H={args.sync_steps}, {link_text(args.rate)}, seeds {args.seeds}: async "
+        f"{args.steps} steps; blocking "
         "on its own schedule (solid) and at equal steps (dashed)"
     )
     result = {
@@ -662,6 +686,7 @@ def straggler_main(args: argparse.Namespace, argv: list[str] | None, chosen: dic
         "settings": {
             **settings(args),
             "straggler": f"group 1: training.emulate_slowdown={args.straggler}",
+            "link": link_text(args.rate),
             "loss": "group 0's held-out loss (K batches), at each of its sync points",
             "chosen_from_sweep": chosen or None,
             "load_avg_1min_at_start": round(load, 2),

@@ -12,8 +12,9 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from torchtitan.components.metrics import TRAIN_STEP
 from torchtitan.experiments.fault_tolerance.events import SYNC
@@ -187,21 +188,26 @@ def run_method(
     group_args: Sequence[Sequence[str]] = (),
     groups: int = 2,
     timeout: float = 1800,
+    job_options: Mapping[str, Any] | None = None,
+    lighthouse_port: int | None = None,
 ) -> list[Process]:
     """Run one method to the end: ``no_ft`` as ``groups`` independent processes, the others
     as a lighthouse plus ``groups`` replica groups; process i runs on core i. ``semi_sync_args``
     go to the LocalSGD and DiLoCo methods only; ``group_args[i]``, when given, to group i only.
+    ``job_options`` go to :func:`trainer_job` (how groups and lighthouse are launched, e.g.
+    on emulated links) and ``lighthouse_port`` to the lighthouse (default: a free one).
     Raises with the log tail if any process fails."""
     extra = list(semi_sync_args) if SEMI_SYNC_MODULE in METHODS[method] else []
     args = [*METHODS[method], *train_args, *extra]
-    with trainer_job(folder, groups, args) as job:
+    with trainer_job(folder, groups, args, **(job_options or {})) as job:
         if method == "no_ft":
+            launch = (job_options or {}).get("launch_group", pin_to_core)
             trainers = [
-                start_alone(job, f"{method}_g{i}", args, functools.partial(pin_to_core, i))
+                start_alone(job, f"{method}_g{i}", args, functools.partial(launch, i))
                 for i in range(groups)
             ]
         else:
-            job.start_lighthouse()
+            job.start_lighthouse(lighthouse_port)
             for i in range(groups):
                 job.start_group(i, list(group_args[i]) if group_args else [])
             trainers = [job.latest(i) for i in range(groups)]

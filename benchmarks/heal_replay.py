@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import statistics
 import sys
@@ -42,7 +41,7 @@ from typing import Any
 from benchmarks import ft_common as common
 from benchmarks import netns, provenance
 from benchmarks.timed_trainer import BENCH_PAUSED, BENCH_RESUMED, TIMING
-from benchmarks.wan import LIGHTHOUSE_PORT, group_in_its_namespace, in_namespace
+from benchmarks.wan import LIGHTHOUSE_PORT, emulated_links, hostname_flag
 from torchtitan.components.checkpoint import CHECKPOINT_SAVED
 from torchtitan.experiments.fault_tolerance.events import (
     ASKING_FOR_QUORUM,
@@ -50,7 +49,7 @@ from torchtitan.experiments.fault_tolerance.events import (
     HEALED,
     SYNC,
 )
-from torchtitan.tools.cluster import LighthouseSettings, LocalJob
+from torchtitan.tools.cluster import LocalJob
 from torchtitan.tools.events import Event, EventKind
 
 #: Targets (the issue's): a replay's bytes against the same job's full heal.
@@ -218,31 +217,18 @@ def run_job(folder: Path, rate: float, dtype: str, args: argparse.Namespace) -> 
     pauses = (folder / "pause_group0", folder / "pause_group1")
     group1 = [
         f"--bench.pause_file={pauses[1]}",
-        f"--fault_tolerance.hostname={netns.group_ip(1)}",
+        hostname_flag(1),
         "--checkpoint.enable",
         f"--checkpoint.interval={args.sync_steps}",
         "--checkpoint.keep_latest_k=2",
     ]
-    lighthouse = LighthouseSettings(min_replicas=1, heartbeat_timeout_ms=2000, host=netns.HUB_IP)
     cases = [("full", 1)] + [(f"K={k}", k) for k in args.missed]
     results = []
-    with netns.Wan(2, rate or None) as wan:
-        with common.trainer_job(
-            folder,
-            2,
-            train,
-            lighthouse=lighthouse,
-            launch_group=functools.partial(group_in_its_namespace, wan),
-            launch_lighthouse=in_namespace(wan, wan.hub),
-        ) as job:
+    links = emulated_links(2, rate or None, min_replicas=1, heartbeat_timeout_ms=2000)
+    with links as (_, job_options):
+        with common.trainer_job(folder, 2, train, **job_options) as job:
             job.start_lighthouse(LIGHTHOUSE_PORT)
-            job.start_group(
-                0,
-                [
-                    f"--fault_tolerance.hostname={netns.group_ip(0)}",
-                    f"--bench.pause_file={pauses[0]}",
-                ],
-            )
+            job.start_group(0, [hostname_flag(0), f"--bench.pause_file={pauses[0]}"])
             job.start_group(1, group1)
             watch = Watch(job, args.timeout)
             watch.until(0, SYNC, committed(2))

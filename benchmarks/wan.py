@@ -40,8 +40,9 @@ import functools
 import json
 import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from benchmarks import ft_common as common
 from benchmarks import netns, provenance
@@ -76,6 +77,39 @@ def group_in_its_namespace(wan: netns.Wan, index: int, spec: ProcessSpec) -> Pro
     """Group ``index`` on core ``index``, in its namespace, gloo on the namespace's link."""
     spec = in_namespace(wan, wan.group_ns(index))(common.pin_to_core(index, spec))
     return ProcessSpec(spec.argv, {**spec.env, "GLOO_SOCKET_IFNAME": netns.GROUP_IFACE})
+
+
+@contextlib.contextmanager
+def emulated_links(
+    groups: int,
+    rate: float | None,
+    *,
+    min_replicas: int | None = None,
+    heartbeat_timeout_ms: int = 5000,
+) -> Iterator[tuple[netns.Wan, dict[str, Any]]]:
+    """Namespaces and a link of ``rate`` Mbit/s (None: unshaped) per replica group, and the
+    options of :func:`common.trainer_job` that launch the lighthouse in the hub namespace and
+    group i in its own, on core i. Start the lighthouse on ``LIGHTHOUSE_PORT``; give group i
+    :func:`hostname_flag`."""
+    lighthouse = LighthouseSettings(
+        min_replicas=groups if min_replicas is None else min_replicas,
+        heartbeat_timeout_ms=heartbeat_timeout_ms,
+        host=netns.HUB_IP,
+    )
+    with netns.Wan(groups, rate) as wan:
+        yield (
+            wan,
+            {
+                "lighthouse": lighthouse,
+                "launch_group": functools.partial(group_in_its_namespace, wan),
+                "launch_lighthouse": in_namespace(wan, wan.hub),
+            },
+        )
+
+
+def hostname_flag(index: int) -> str:
+    """The address group ``index`` tells its peers: its end of its link."""
+    return f"--fault_tolerance.hostname={netns.group_ip(index)}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -340,18 +374,8 @@ def run_one(
     ]
     groups = 1 if method == "no_ft" else args.groups
     alone = method in ("no_ft", BASELINE)
-    lighthouse = LighthouseSettings(
-        min_replicas=groups, heartbeat_timeout_ms=5000, host=netns.HUB_IP
-    )
-    with netns.Wan(groups, rate) as wan:
-        with common.trainer_job(
-            folder,
-            groups,
-            train,
-            lighthouse=lighthouse,
-            launch_group=functools.partial(group_in_its_namespace, wan),
-            launch_lighthouse=in_namespace(wan, wan.hub),
-        ) as job:
+    with emulated_links(groups, rate) as (wan, job_options):
+        with common.trainer_job(folder, groups, train, **job_options) as job:
             if alone:
                 procs = [
                     common.start_alone(
@@ -367,10 +391,7 @@ def run_one(
                 procs = [
                     job.start_group(
                         i,
-                        [
-                            f"--fault_tolerance.hostname={netns.group_ip(i)}",
-                            *straggler_args(method, i, args),
-                        ],
+                        [hostname_flag(i), *straggler_args(method, i, args)],
                     )
                     for i in range(groups)
                 ]
