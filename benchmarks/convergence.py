@@ -69,12 +69,13 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from benchmarks import ft_common as common
 from benchmarks import netns, provenance, wan
 from torchtitan.datasets.corpus import corpus_documents
 from torchtitan.tools.cluster import LocalJob
-from torchtitan.trainer import TRAINING_STARTED, VALIDATION
+from torchtitan.trainer import TRAINING_FINISHED, TRAINING_STARTED, VALIDATION
 
 CONFIGS = ["single_group", "sync_dp", "localsgd", "diloco", "streaming_diloco", "async_eager",
            "async_delayed", "async_eager_share", "async_eager_dn", "async_delayed_dn",
@@ -545,9 +546,11 @@ def sweep(args: argparse.Namespace) -> int:
 
 def _group0_curve(
     args: argparse.Namespace, tmp: Path, config: str, seed: int, steps: int, eval_folder: Path
-) -> dict[float, float]:
-    """{seconds since group 0's start of training: its held-out loss}, group 1 a straggler;
-    with ``--rate``, each group behind its own link of that many Mbit/s."""
+) -> dict[str, Any]:
+    """One run, group 1 a straggler (with ``--rate``, each group behind its own link of that
+    many Mbit/s): ``{"steps": steps, "curve": {seconds since group 0's start of training: its
+    held-out loss}, "group_steps": [the steps each group trained], "tokens": their tokens}``.
+    With DyLU the groups train other step counts than ``steps``."""
     slowdown = f"--training.emulate_slowdown={args.straggler}"
     with contextlib.ExitStack() as stack:
         job_options: dict = {}
@@ -568,7 +571,13 @@ def _group0_curve(
     _note_parameters(args, procs[0])
     events = common.trainer_events(procs[0], VALIDATION, TRAINING_STARTED)
     start = next(e.time for e in events if e.name == TRAINING_STARTED.name)
-    return {round(e.time - start, 2): e["loss"] for e in events if e.name == VALIDATION.name}
+    group_steps = [common.trainer_events(p, TRAINING_FINISHED)[-1].step for p in procs]
+    return {
+        "steps": steps,
+        "curve": {round(e.time - start, 2): e["loss"] for e in events if e.name == VALIDATION.name},
+        "group_steps": group_steps,
+        "tokens": sum(group_steps) * args.batch * args.seq_len,
+    }
 
 
 def own_schedule_steps(steps: int, seconds: float, target_s: float, h: int) -> int:
@@ -588,14 +597,16 @@ def straggler_curves(args: argparse.Namespace, tmp: Path) -> dict[str, dict[int,
     }  # fmt: skip
     for seed in args.seeds:
         fast = _group0_curve(args, tmp, "async_dylu", seed, args.steps, eval_folder)
-        plain = _group0_curve(args, tmp, "async_eager", seed, args.steps, eval_folder)
-        runs["async_diloco"][seed] = {"steps": args.steps, "curve": plain}
+        runs["async_diloco"][seed] = _group0_curve(
+            args, tmp, "async_eager", seed, args.steps, eval_folder
+        )
         equal = _group0_curve(args, tmp, "diloco", seed, args.steps, eval_folder)
-        steps = own_schedule_steps(args.steps, max(equal), max(fast), args.sync_steps)
-        own = _group0_curve(args, tmp, "diloco", seed, steps, eval_folder)
-        runs["async_dylu"][seed] = {"steps": args.steps, "curve": fast}
-        runs["diloco_equal_steps"][seed] = {"steps": args.steps, "curve": equal}
-        runs["diloco"][seed] = {"steps": steps, "curve": own}
+        steps = own_schedule_steps(
+            args.steps, max(equal["curve"]), max(fast["curve"]), args.sync_steps
+        )
+        runs["diloco"][seed] = _group0_curve(args, tmp, "diloco", seed, steps, eval_folder)
+        runs["async_dylu"][seed] = fast
+        runs["diloco_equal_steps"][seed] = equal
         for name in runs:
             curve = runs[name][seed]["curve"]
             end = max(curve)
@@ -607,20 +618,28 @@ def straggler_curves(args: argparse.Namespace, tmp: Path) -> dict[str, dict[int,
     return runs
 
 
-def straggler_summary(runs: dict[str, dict[int, dict]]) -> dict[str, object]:
-    """Per seed, each run's final loss, its steps and when it ended; the mean and range over
-    seeds; the target: async DiLoCo + DyLU ends lower than blocking DiLoCo on a schedule
-    that ends at about the same time (every seed)."""
+def straggler_summary(
+    runs: dict[str, dict[int, dict]], parameters: int | None = None
+) -> dict[str, object]:
+    """Per seed, each run's final loss, its steps and when it ended (and, where the run says
+    what it trained, each group's steps and the tokens per parameter); the mean and range
+    over seeds; the target: async DiLoCo + DyLU ends lower than blocking DiLoCo on a
+    schedule that ends at about the same time (every seed)."""
     per_seed: dict[str, dict] = {}
     for seed in runs["async_dylu"]:
-        per_seed[str(seed)] = {
-            name: {
-                "steps": by_seed[seed]["steps"],
-                "final_loss": round(by_seed[seed]["curve"][max(by_seed[seed]["curve"])], 4),
-                "final_s": max(by_seed[seed]["curve"]),
+        per_seed[str(seed)] = {}
+        for name, by_seed in runs.items():
+            run = by_seed[seed]
+            row = {
+                "steps": run["steps"],
+                "final_loss": round(run["curve"][max(run["curve"])], 4),
+                "final_s": max(run["curve"]),
             }
-            for name, by_seed in runs.items()
-        }
+            if "group_steps" in run:
+                row["group_steps"] = run["group_steps"]
+                if parameters:
+                    row["tokens_per_parameter"] = round(run["tokens"] / parameters, 2)
+            per_seed[str(seed)][name] = row
     summary: dict[str, object] = {"per_seed": per_seed}
     for name in runs:
         losses = [row[name]["final_loss"] for row in per_seed.values()]
@@ -630,6 +649,9 @@ def straggler_summary(runs: dict[str, dict[int, dict]]) -> dict[str, object]:
             "final_loss_range": [min(losses), max(losses)],
             "final_s_range": [min(ends), max(ends)],
         }
+        per_parameter = [row[name].get("tokens_per_parameter") for row in per_seed.values()]
+        if None not in per_parameter:
+            summary[name]["tokens_per_parameter_range"] = [min(per_parameter), max(per_parameter)]
     gaps = [row["diloco"]["final_s"] / row["async_dylu"]["final_s"] for row in per_seed.values()]
     summary["blocking_end_over_async_end_range"] = [round(min(gaps), 3), round(max(gaps), 3)]
     summary["target_met"] = all(
@@ -693,13 +715,13 @@ def straggler_main(args: argparse.Namespace, argv: list[str] | None, chosen: dic
         },
         "parameters": args.parameters,
         "eval_split": args.eval_split,
-        "summary": straggler_summary(runs),
+        "summary": straggler_summary(runs, args.parameters),
         "target": "async_dylu's final loss below blocking diloco's, on a schedule of its own "
         "that ends at about the same wall-clock time, for every seed",
         "curves": {
             name: {
                 str(seed): {
-                    "steps": run["steps"],
+                    **{k: v for k, v in run.items() if k != "curve"},
                     "curve": {str(t): v for t, v in sorted(run["curve"].items())},
                 }
                 for seed, run in by_seed.items()

@@ -223,6 +223,15 @@ def test_straggler_summary_compares_final_losses_of_runs_that_end_together() -> 
     # Blocking DiLoCo's own schedule: the steps that end at async's end at its measured pace.
     assert conv.own_schedule_steps(60, 80.0, 45.0, 10) == 30
     assert conv.own_schedule_steps(60, 800.0, 45.0, 10) == 10  # at least one period
+    # Runs that say what each group trained get their tokens per parameter (DyLU's groups
+    # train other step counts than --steps).
+    runs["async_dylu"][0].update(group_steps=[70, 35], tokens=105 * 64)
+    runs["diloco"][0].update(group_steps=[40, 40], tokens=80 * 64)
+    runs["diloco_equal_steps"][0].update(group_steps=[60, 60], tokens=120 * 64)
+    summary = conv.straggler_summary(runs, parameters=640)
+    assert summary["per_seed"]["0"]["async_dylu"]["group_steps"] == [70, 35]
+    assert summary["per_seed"]["0"]["async_dylu"]["tokens_per_parameter"] == 10.5
+    assert summary["diloco"]["tokens_per_parameter_range"] == [8.0, 8.0]
 
 
 def test_localsgd_gets_no_outer_optimizer_flags() -> None:
