@@ -699,8 +699,8 @@ def straggler_main(args: argparse.Namespace, argv: list[str] | None, chosen: dic
         runs = straggler_curves(args, Path(tmp))
     title = (
         f"{args.flavor}, 2 groups, group 1 at {args.straggler:g}x the work per step, "
-        f"H={args.sync_steps}, {link_text(args.rate)}, seeds {args.seeds}\nasync "
-        f"{args.steps} steps; blocking on its own schedule (solid) and at equal steps (dashed)"
+        f"H={args.sync_steps}\n{link_text(args.rate)}, seeds {args.seeds}, async {args.steps} "
+        "steps\nblocking DiLoCo on its own schedule (solid) and at equal steps (dashed)"
     )
     result = {
         "benchmark": "convergence_straggler",

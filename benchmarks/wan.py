@@ -659,7 +659,7 @@ def plot_goodput(runs: list[dict[str, object]], path: Path) -> str:
     repeats = min(int(r["repeats_goodput"]["repeats"]) for r in medians)  # type: ignore[index]
     slowest = max(float(r.get("straggler") or 1.0) for r in medians)  # type: ignore[arg-type]
     straggler = f", group 1 at {slowest:g} x the work per step" if slowest != 1.0 else ""
-    ax.set_title(f"2 replica groups over tc-tbf links{straggler}; median of {repeats}+ "
+    ax.set_title(f"2 replica groups over tc-tbf links{straggler}\nmedian of {repeats}+ "
                  "repeats, whiskers: their range", fontsize=10)  # fmt: skip
     ax.legend(fontsize=8, loc="upper right", ncol=2)
     path.parent.mkdir(parents=True, exist_ok=True)
