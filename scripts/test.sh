@@ -4,7 +4,8 @@
 #   format      ruff format --check .
 #   typecheck   mypy (on torchtitan/, as configured in pyproject.toml)
 #   tests       pytest tests (unit + integration) in TEST_WORKERS processes (default 2,
-#               pytest-xdist; one file's tests stay in one process); no tests is a failure
+#               pytest-xdist; one file's tests stay in one process); no tests is a failure;
+#               the 30 slowest tests are listed at the end (where the suite's time goes)
 # Extra args go to pytest, e.g. scripts/test.sh tests/unit_tests -k config; the three checks
 # run then too (seconds, once mypy's cache is warm).
 set -uo pipefail
@@ -29,7 +30,8 @@ check typecheck .venv/bin/mypy
 
 workers=${TEST_WORKERS:-2}
 echo "[test] tests: pytest ${*:-tests} ($workers workers)"
-.venv/bin/python -m pytest "${@:-tests}" -q -p no:cacheprovider -n "$workers" --dist loadfile
+.venv/bin/python -m pytest "${@:-tests}" -q -p no:cacheprovider -n "$workers" --dist loadfile \
+  --durations=30 --durations-min=5
 code=$?
 if [[ $code == 5 ]]; then
   fail tests "$code" "pytest collected no tests"
