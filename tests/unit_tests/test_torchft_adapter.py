@@ -47,21 +47,29 @@ def test_core_build_without_fault_tolerance_checks_nothing(monkeypatch):
 
 
 def test_errors_torchft_handles_itself_are_logged_in_one_line(caplog):
-    """torchft's Manager logs a handled error (here: its process group could not be configured)
-    with a traceback although the run goes on; the console gets one WARNING line instead, so a
-    traceback there always means a crash. Its other errors keep their traceback."""
+    """torchft's Manager logs a handled error (its process group could not be configured, or a
+    collective timed out while it was waited on: a lighthouse restart mid-sync) with a traceback
+    although the run goes on; the console gets one WARNING line instead, so a traceback there
+    always means a crash. Its other errors keep their traceback."""
     tft.quiet_known_noise()
     tft.quiet_known_noise()  # a second call adds no second filter
     torchft_logger = logging.getLogger("torchft.manager")
     with caplog.at_level(logging.INFO, logger="torchft.manager"):
-        for message in ("[1/0 - step 16] got exception in pg configure: %s", "unexpected: %s"):
+        for message in (
+            "[1/0 - step 16] got exception in pg configure: %s",
+            "got exception waiting for work %s",
+            "unexpected: %s",
+        ):
             try:
                 raise RuntimeError("wait timeout after 5000ms, keys: /torchft/1/0/rebuild_1/0/1")
             except RuntimeError as e:
                 torchft_logger.exception(message, e)
-    handled, other = caplog.records
+    *handled, other = caplog.records
     console = logging.Formatter("%(levelname)s %(message)s")
-    assert console.format(handled).count("\n") == 0 and handled.levelname == "WARNING"
+    for record in handled:
+        assert console.format(record).count("\n") == 0 and record.levelname == "WARNING"
+        assert "wait timeout after 5000ms" in record.getMessage()
+        assert "(handled: not committed, retried at next quorum)" in record.getMessage()
+    assert "got exception in pg configure" in handled[0].getMessage()
+    assert "got exception waiting for work" in handled[1].getMessage()
     assert "Traceback" in console.format(other) and other.levelname == "ERROR"
-    assert "got exception in pg configure: wait timeout after 5000ms" in handled.getMessage()
-    assert "(handled: not committed, retried at next quorum)" in handled.getMessage()

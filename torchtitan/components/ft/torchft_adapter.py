@@ -98,13 +98,16 @@ def manager_server_bound_to(ip: str) -> Iterator[None]:
 
 class _HandledErrorsInOneLine(logging.Filter):
     """torchft's Manager logs the errors it handles itself (a process group that could not be
-    configured, a failed all-reduce or recovery: ``got exception in ...``) with a full
+    configured, a failed all-reduce or recovery: ``got exception in ...``; a collective that
+    timed out while it was waited on: ``got exception waiting for work ...``) with a full
     traceback, although the run goes on: the error is recorded, this step or sync is not
     committed and the next quorum starts over. Such a record becomes one WARNING line; a
     traceback on the console then always means a crash."""
 
+    HANDLED = ("got exception in ", "got exception waiting for work")
+
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and "got exception in" in str(record.msg):
+        if record.exc_info and any(h in str(record.msg) for h in self.HANDLED):
             record.msg = f"{record.getMessage()} (handled: not committed, retried at next quorum)"
             record.args = None
             record.exc_info = None
