@@ -37,11 +37,12 @@ def test_a_dry_run_on_the_cpu_runs_every_step_and_writes_its_json(tmp_path: Path
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["dry_run"] is True
     tests = report["cuda_tests"]
-    assert tests["exit"] == 0 and tests["failed"] == 0 and tests["passed"] > 0
-    assert tests["skipped"] >= 15  # the CUDA ones: there is none here
+    # Only the tests that need CUDA, which skip here (pytest exits 0 when all skip).
+    assert tests["exit"] == 0 and tests["failed"] == 0 and tests["passed"] == 0
+    assert tests["skipped"] >= 15
     (eager,) = report["throughput"]
     assert eager["exit"] == 0 and eager["tokens_per_s"] > 0 and eager["parameters"] > 0
     for run in report["two_groups"]:
         assert run["exit"] == 0 and run["groups_agree"], run
         assert set(run["peak_memory_gib"]) == {"0", "1"}
-    assert {r["outer_state_device"] for r in report["two_groups"]} == {"cpu", "device"}
+    assert [r["outer_state_device"] for r in report["two_groups"]] == ["cpu"]

@@ -81,12 +81,14 @@ def measure_matmul_peak_flops(
     device: torch.device,
     dtype: torch.dtype = torch.float32,
     sizes: tuple[int, ...] | None = None,
-    seconds: float = 0.5,
+    seconds: float = 0.1,
 ) -> float:
     """A practical peak FLOP/s of ``torch.mm`` in ``dtype`` on ``device``.
 
     The best of many square matmuls (each size in ``sizes`` in turn, for ``seconds`` in all and
-    at least 3 rounds). On CPU the matmuls run on one thread and the result is multiplied by
+    at least 3 rounds). Every rank pays ``seconds`` of CPU at start-up; on the 2-core machines
+    here 0.1 s gave 190-192 GFLOP/s idle against 191-193 with 0.5 s, and 1-3 % less than 0.5 s
+    with both cores busy. On CPU the matmuls run on one thread and the result is multiplied by
     :func:`cpu_threads`: a matmul short enough to run inside one scheduler slice of one core
     is rarely slowed by other processes, whereas a multi-threaded one is as slow as its most
     disturbed thread, so on a busy machine this gives a peak close to the idle machine's and

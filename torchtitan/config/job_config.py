@@ -396,8 +396,8 @@ class Metrics:
     mean bit-identical weights. Costs one pass over the parameters per log."""
 
     cpu_peak_flops: float = 0.0
-    """Peak FLOP/s of this CPU, for ``mfu`` on CPU. 0: measure a matmul peak once at start-up.
-    Negative: report mfu as n/a."""
+    """Peak FLOP/s of this CPU, for ``mfu`` on CPU. 0: measure a matmul peak once at start-up
+    (0.1 s of CPU per rank). Negative: report mfu as n/a."""
 
     def validate(self, config: JobConfig) -> None:
         _require(self.log_freq >= 1, "metrics.log_freq", self.log_freq, "must be >= 1")
