@@ -493,6 +493,25 @@ def test_parsing_a_config_does_not_import_the_models() -> None:
     assert result.returncode == 0, result.stderr
 
 
+def test_a_semi_sync_config_without_fragments_parses_without_torch() -> None:
+    """The experiment's checks build the model (on meta) only to check fragments against it:
+    ``run_train.sh``'s check of a multi-rank DiLoCo group before torchrun stays cheap."""
+    check = (
+        "import sys\n"
+        "from torchtitan.config import ConfigManager\n"
+        "args = ['--job.custom_args_module=torchtitan.experiments.fault_tolerance.job_config',\n"
+        "        '--fault_tolerance.semi_sync_method=diloco', '--fault_tolerance.enable',\n"
+        "        '--fault_tolerance.group_size=2', '--fault_tolerance.replica_id=0']\n"
+        "ConfigManager().parse_args(args)\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "ConfigManager().parse_args([*args, '--fault_tolerance.num_fragments=2',\n"
+        "                            '--fault_tolerance.sync_steps=4'])\n"
+        "assert 'torch' in sys.modules, 'fragments not checked against the model'\n"
+    )
+    result = run_python(check)
+    assert result.returncode == 0, result.stderr
+
+
 def test_cuda_without_cuda_is_rejected() -> None:
     import torch
 

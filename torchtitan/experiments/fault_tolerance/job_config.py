@@ -363,6 +363,10 @@ def _validate_fragments(ft: FaultTolerance, config: CoreJobConfig) -> None:
             ft.fragment_update_alpha,
             "must be in [0, 1]",
         )
+    if ft.num_fragments == 1 and not ft.module_fqns_per_model_fragment:
+        return  # one fragment, the whole model: nothing to check against it
+    # Only here is the model built (on meta, which imports torch and the models): a config
+    # without fragments parses without torch, e.g. ``run_train.sh``'s check before torchrun.
     model = _meta_model(config)
     # cast: nn.Module types attributes it looks up at run time as Tensor | Module.
     n_layers = len(cast("nn.ModuleDict", model.layers))
