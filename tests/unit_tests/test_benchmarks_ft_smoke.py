@@ -332,14 +332,14 @@ def test_convergence_smoke_sweeps_then_reports_on_the_test_half(tmp_path: Path) 
     sweep_out = tmp_path / "sweep.json"
     conv = _module("convergence")
     files = ["--out", str(out), "--sweep-out", str(sweep_out)]
-    # DP's learning rate, then DiLoCo's outer optimizer at DP's best, on the selection half.
-    assert conv.main(["--smoke", "--sweep-lr", "1e-3", "4e-3", *files]) == 0
+    # DP's learning rate, then DiLoCo's outer optimizer at DP's best, on the selection half:
+    # one point each (choosing among several: the sweep test below, on scripted losses).
+    assert conv.main(["--smoke", "--sweep-lr", "4e-3", *files]) == 0
     assert conv.main(["--smoke", "--from-sweep", "--sweep-outer-lr", "0.5", *files]) == 0
     sweep = _read(sweep_out)
-    assert [(r["config"], r["lr"]) for r in sweep["rows"]][:2] == [("sync_dp", 1e-3),
-                                                                  ("sync_dp", 4e-3)]  # fmt: skip
+    assert [(r["config"], r["lr"]) for r in sweep["rows"]][:1] == [("sync_dp", 4e-3)]
     assert sweep["eval_split"] == "select" and sweep["parameters"] > 0
-    best_dp = min(sweep["rows"][:2], key=lambda r: r["final_eval_loss_mean"])
+    best_dp = sweep["rows"][0]
     (diloco,) = [r for r in sweep["rows"] if r["config"] == "diloco"]
     assert diloco["lr"] == best_dp["lr"] and diloco["outer_lr"] == 0.5
     assert diloco["ratio_to_best_sync_dp"] == pytest.approx(
