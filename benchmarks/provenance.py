@@ -56,12 +56,33 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+#: The vector instruction sets that decide this CPU's matmul speed (fp32: AVX2 or AVX-512;
+#: bf16: AVX-512 BF16 or AMX), as /proc/cpuinfo names them.
+VECTOR_ISA = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def _cpu_isa() -> str:
+    """The ``VECTOR_ISA`` flags this CPU has, e.g. ``"avx2"`` or ``"avx2 avx512f avx512_bf16"``:
+    machines sold under one model name ("AMD EPYC") differ there, and so do their speeds."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                return " ".join(f for f in VECTOR_ISA if f in flags) or "none of " + "/".join(
+                    VECTOR_ISA
+                )
+    except OSError:
+        pass
+    return "unknown"
+
+
 def machine() -> dict[str, Any]:
     """What the numbers were measured on, and from which code."""
     import torch
 
     return {
         "cpu": _cpu_model(),
+        "cpu_isa": _cpu_isa(),
         "cores": os.cpu_count(),
         "load_avg_1min": round(os.getloadavg()[0], 2),
         "python": platform.python_version(),

@@ -7,10 +7,12 @@
 
 Columns: the file; the commit its numbers come from (``machine.git_commit``), marked
 "uncommitted changes" when ``machine.git_dirty`` says the tree differed; when it was written
-(``machine.date_utc``, the last write of a run); the range of every 1-minute load average the
-file records (before each run, at its start, at the write); and the repeats it records (the
-count of distinct ``repeat`` numbers where a file numbers its runs instead). The
-README's preamble holds the table between two markers, so that it says what the files say.
+(``machine.date_utc``, the last write of a run); the CPU's vector instruction sets
+(``machine.cpu_isa``: one model name covers CPUs of different speeds); the range of every
+1-minute load average the file records (before each run, at its start, at the write); and the
+repeats it records (the count of distinct ``repeat`` numbers where a file numbers its runs
+instead). The README's preamble holds the table between two markers, so that it says what the
+files say.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from benchmarks.provenance import RESULTS
 README = RESULTS.parent / "README.md"
 BEGIN, END = "<!-- results-index: begin -->", "<!-- results-index: end -->"
 HEADER = [
-    "| file | commit | written (UTC) | 1-min load (min-max) | repeats |",
-    "| --- | --- | --- | --- | --- |",
+    "| file | commit | written (UTC) | CPU vector ISA | 1-min load (min-max) | repeats |",
+    "| --- | --- | --- | --- | --- | --- |",
 ]
 
 
@@ -60,7 +62,8 @@ def row(path: Path) -> str:
         numbered = {v for k, v in found if k == "repeat" and isinstance(v, int)}
         repeats = [len(numbered)] if numbered else []
     count = "/".join(map(str, repeats)) if repeats else "not recorded"
-    return f"| `{path.name}` | {commit} | {date} | {load} | {count} |"
+    isa = machine.get("cpu_isa") or "not recorded"
+    return f"| `{path.name}` | {commit} | {date} | {isa} | {load} | {count} |"
 
 
 def table(folder: Path = RESULTS) -> str:

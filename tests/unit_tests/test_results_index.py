@@ -13,21 +13,24 @@ def test_the_readme_s_results_index_matches_the_result_files() -> None:
     assert results_index.main(["--check"]) == 0
 
 
-def test_a_row_says_commit_tree_date_loads_and_repeats(tmp_path: Path) -> None:
+def test_a_row_says_commit_tree_date_cpu_loads_and_repeats(tmp_path: Path) -> None:
     result = {
         "machine": {"git_commit": "abc1234", "git_dirty": True, "date_utc": "2026-12-02T01:02:03Z",
-                    "load_avg_1min": 0.5},
+                    "cpu_isa": "avx2 avx512f", "load_avg_1min": 0.5},
         "settings": {"load_avg_1min_at_start": 1.25},
         "runs": [{"repeat": 0, "load_avg_1min_before": 2.0}, {"repeat": 1}, {"repeat": 2}],
     }  # fmt: skip
     path = tmp_path / "x.json"
     path.write_text(json.dumps(result))
-    expected = "| `x.json` | abc1234 (uncommitted changes) | 2026-12-02 01:02:03 | 0.50-2.00 | 3 |"
+    expected = (
+        "| `x.json` | abc1234 (uncommitted changes) | 2026-12-02 01:02:03 | avx2 avx512f "
+        "| 0.50-2.00 | 3 |"
+    )
     assert results_index.row(path) == expected
     # The oldest format: "<sha>+dirty", a platform string for a machine, no loads or repeats.
     path.write_text(json.dumps({"machine": "x86_64 Linux", "git": "x"}))
     assert results_index.row(path) == (
-        "| `x.json` | not recorded | not recorded | not recorded | not recorded |"
+        "| `x.json` | not recorded | not recorded | not recorded | not recorded | not recorded |"
     )
     path.write_text(json.dumps({"machine": {"git_commit": "0a361af+dirty"}, "repeats": 5}))
     assert "| 0a361af (uncommitted changes) |" in results_index.row(path)
