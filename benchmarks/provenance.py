@@ -46,14 +46,19 @@ def _git(*args: str) -> str:
     return done.stdout.strip()
 
 
-def _cpu_model() -> str:
+def _cpuinfo(field: str) -> str | None:
+    """The value of ``field`` for the first CPU in /proc/cpuinfo (None: no such file or field)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(field):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def _cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 #: The vector instruction sets that decide this CPU's matmul speed (fp32: AVX2 or AVX-512;
@@ -64,16 +69,11 @@ VECTOR_ISA = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 def _cpu_isa() -> str:
     """The ``VECTOR_ISA`` flags this CPU has, e.g. ``"avx2"`` or ``"avx2 avx512f avx512_bf16"``:
     machines sold under one model name ("AMD EPYC") differ there, and so do their speeds."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                return " ".join(f for f in VECTOR_ISA if f in flags) or "none of " + "/".join(
-                    VECTOR_ISA
-                )
-    except OSError:
-        pass
-    return "unknown"
+    flags = _cpuinfo("flags")
+    if flags is None:
+        return "unknown"
+    present = set(flags.split())
+    return " ".join(f for f in VECTOR_ISA if f in present) or "none of " + "/".join(VECTOR_ISA)
 
 
 def machine() -> dict[str, Any]:
