@@ -78,8 +78,9 @@ def test_clean_run_syncs_identical_global_params(
     )
 
 
+@pytest.mark.parametrize("ranks, periods", [(1, 6), (2, 3)])
 def test_groups_of_different_speeds_take_different_inner_steps_and_agree(
-    ft_job: Callable[..., FTJob],
+    ft_job: Callable[..., FTJob], ranks: int, periods: int
 ) -> None:
     """DyLU (and Delayed Nesterov) with a straggler: group 1's steps take 4x as long as
     group 0's, with 4x the work of a step (``emulate_slowdown``, real compute) and 4x the
@@ -88,11 +89,13 @@ def test_groups_of_different_speeds_take_different_inner_steps_and_agree(
     tests' processes gave group 1 a full period now and then. In every period, the first too
     (planned by the speed probe after inner step 2), group 1 takes fewer inner steps than
     sync_steps=8, and fewer than group 0 (which fills the time group 1's steps take: about
-    8); both pass the same 6 sync points, every sync is
-    committed by both with identical global digests, each sync's two weights are the groups'
-    token shares and add up to 1, and both end with the same model after their own numbers
-    of steps."""
-    periods, sync_steps = 6, 8
+    8; in the first period it trains on while the probe's quorum waits for group 1's first
+    two steps, and plans the rest of its period if that is not over); both pass the same
+    sync points, every sync is committed by both with identical global digests, each
+    sync's two weights are the groups' token shares and add up to 1, and both end with the
+    same model after their own numbers of steps. With 2 ranks per group (FSDP2), every rank
+    of a group takes the probe's plan at the same inner step, and the same plans after it."""
+    sync_steps = 8
     steps = periods * sync_steps
     base = [
         *args(FAULTS_MODULE, "async_eager", f"--training.steps={steps}"),
@@ -100,39 +103,59 @@ def test_groups_of_different_speeds_take_different_inner_steps_and_agree(
         "--fault_tolerance.dynamic_local_steps",
         "--fault_tolerance.outer_momentum_every=2",  # Delayed Nesterov, in a real run too
     ]
-    job = ft_job(groups=2, train_args=base)
+    job = ft_job(groups=2, ngpu=ranks, train_args=base)
     job.start_lighthouse()
     job.start_group(0, ["--fault_injection.step_sleep_s=0.1"])
     job.start_group(1, ["--training.emulate_slowdown=4", "--fault_injection.step_sleep_s=0.4"])
     for r in range(2):
         assert job.wait_exit(r, timeout=300) == 0, tail(job.latest(r).text())
-    per_group = [syncs(job.events(r, SYNC)) for r in range(2)]
+    per_group = [syncs(job.events(r, SYNC, rank=0)) for r in range(2)]
     for found in per_group:
         assert [s.number for s in found] == list(range(1, periods + 1)), found
         assert all(s.committed and s.groups == 2 for s in found), found
-    assert_clean_syncs_agree(job, per_group, periods)
-    raw = [job.events(r, SYNC) for r in range(2)]
+    if ranks == 1:
+        assert_clean_syncs_agree(job, per_group, periods)
+    for rank in range(ranks):  # FSDP2: each rank's digest is of its shard, the same in both
+        digests = [global_digests(job.events(r, GLOBAL_DIGEST, rank=rank)) for r in range(2)]
+        assert sorted(digests[0]) == list(range(1, periods + 1)), digests
+        assert digests[0] == digests[1], (rank, digests)
+    raw = [job.events(r, SYNC, rank=0) for r in range(2)]
     inner = [[e["inner_steps"] for e in raw[r]] for r in range(2)]
     assert all(n < sync_steps for n in inner[1]), inner
     assert all(n0 > n1 for n0, n1 in zip(inner[0], inner[1], strict=True)), inner
     # The probe planned the first period (the corrections within it may move the count).
-    probes = [job.events(r, SPEED_PROBE) for r in range(2)]
-    assert [[e["after"] for e in found] for found in probes] == [[2], [2]], probes
-    assert probes[1][0]["steps"] < min(sync_steps, probes[0][0]["steps"]), probes
+    probes = [job.events(r, SPEED_PROBE, rank=0) for r in range(2)]
+    assert [e["after"] for e in probes[1]] == [2], probes
+    assert probes[1][0]["steps"] < sync_steps, probes
+    # Group 0 trains on while the probe's quorum waits for group 1's first two steps (8 of
+    # its own): it plans the rest of its period, or, if it got there first, nothing.
+    assert [e["after"] for e in probes[0]] in ([2], []), probes
+    assert all(probes[1][0]["steps"] < e["steps"] for e in probes[0]), probes
+    # Each took the plan in a later step than the probe's.
+    assert all(e["planned_at"] >= 3 for found in probes for e in found), probes
+    for r in range(2):  # every rank of a group: the same plan, at the same step
+        for rank in range(1, ranks):
+            probe = [(e["planned_at"], e["steps"]) for e in job.events(r, SPEED_PROBE, rank=rank)]
+            assert probe == [(e["planned_at"], e["steps"]) for e in probes[r]], (r, rank)
+            rank_inner = [e["inner_steps"] for e in job.events(r, SYNC, rank=rank)]
+            assert rank_inner == inner[r], (r, rank, rank_inner, inner[r])
     for e0, e1 in zip(raw[0], raw[1], strict=True):
         assert e0["weight"] + e1["weight"] == pytest.approx(1.0)
         assert e1["weight"] == pytest.approx(e1["tokens"] / (e0["tokens"] + e1["tokens"]))
-    planned = job.events(1, INNER_STEPS_PLANNED)
+    planned = job.events(1, INNER_STEPS_PLANNED, rank=0)
     assert planned and all(e["steps"] < sync_steps for e in planned), planned
-    final = [[e["digest"] for e in job.events(r, FINAL_DIGEST)] for r in range(2)]
+    final = [[e["digest"] for e in job.events(r, FINAL_DIGEST, rank=0)] for r in range(2)]
     assert len(final[0]) == 1 and final[0] == final[1], final
-    last_steps = [job.events(r, TRAINING_FINISHED)[-1].step for r in range(2)]
+    last_steps = [job.events(r, TRAINING_FINISHED, rank=0)[-1].step for r in range(2)]
     assert last_steps == [sum(inner[0]), sum(inner[1])], last_steps
     assert last_steps[1] < last_steps[0], last_steps
+    planned_at = [[e["planned_at"] for e in found] for found in probes]
+    weights = [round(e["weight"], 3) for e in raw[1]]
     print(
-        f"DyLU, group 1 at 4x the work per step: inner steps per period {inner[0]} and "
-        f"{inner[1]}; group 1's weights {[round(e['weight'], 3) for e in raw[1]]}; "
-        f"{periods} syncs with identical digests; both end with {final[0][0]}"
+        f"DyLU, {ranks} rank(s) per group, group 1 at 4x the work per step: probe after step "
+        f"2 planned at steps {planned_at}; inner steps per period {inner[0]} and {inner[1]}; "
+        f"group 1's weights {weights}; {periods} syncs with identical digests; both end "
+        f"with {final[0][0]}"
     )
 
 

@@ -821,3 +821,96 @@ def test_follow_global_moves_the_local_copy_by_the_global_change_and_restarts_th
         assert torch.equal(fragment.period_start[name], fragment.global_copy[name])
         next_pseudo_gradient = fragment.period_start[name] - p.detach()
         torch.testing.assert_close(next_pseudo_gradient, -progress[name], rtol=0, atol=1e-6)
+
+
+class _Probe:
+    """A speed probe whose quorum the test finishes by hand (``ProbeInFlight``'s surface)."""
+
+    def __init__(self, after: Any) -> None:
+        self.ready = False
+        self.finished = 0
+        self._after = after
+
+    def done(self) -> bool:
+        return self.ready
+
+    def finish(self) -> None:
+        self.finished += 1
+        self._after()
+
+
+class _ProbingManager(FakeManager):
+    """A FakeManager that starts speed probes and says whether peers may read its state."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        super().__init__(cluster)
+        self.reads_allowed = True
+        self.probes: list[_Probe] = []
+        self.after_probe: Any = lambda: None
+
+    def start_probe(self) -> _Probe:
+        self.probes.append(_Probe(lambda: self.after_probe()))
+        return self.probes[-1]
+
+    def allow_state_dict_read(self) -> None:
+        self.reads_allowed = True
+
+    def disallow_state_dict_read(self) -> None:
+        self.reads_allowed = False
+
+
+def _probing_group() -> tuple[Group, _ProbingManager]:
+    group = Group(Cluster(), 1)
+    manager = _ProbingManager(Cluster())
+    group.manager = manager
+    group.loop.manager = manager  # type: ignore[assignment]
+    group.loop.period = group.loop.plan.period = group.loop.plan.steps = 8
+    group.loop.plan.probe_after(1)
+    return group, manager
+
+
+def test_a_probe_forms_while_the_group_trains_and_is_taken_once_all_ranks_have_it() -> None:
+    """Probe after step 2 of 8: the group trains on while the probe's quorum forms, asking
+    its ranks at every step whether all have it (here another rank is still waiting after
+    step 4); it takes the plan after step 5. Until then no peer may read its state (a heal
+    in the probe's quorum would read it from that quorum's thread while the model runs)."""
+    group, manager = _probing_group()
+    pending: list[int] = []
+    others_ready = iter([False, True])
+    group.loop.agree_in_group = lambda n: pending.append(n) or int(n or not next(others_ready))
+    planned: list[int] = []
+    manager.after_probe = lambda: planned.append(group.loop.local_step())
+    reads = []
+    with training([group]):
+        for step in range(1, 7):
+            group.step()
+            reads.append(manager.reads_allowed)
+            if step == 3:
+                manager.probes[0].ready = True
+    assert len(manager.probes) == 1 and manager.probes[0].finished == 1
+    assert planned == [5] and pending == [1, 0, 0]
+    assert reads == [True, False, False, False, True, True]
+
+
+def test_a_period_that_ends_before_the_probe_waits_for_it_and_may_be_lengthened() -> None:
+    """The probe's quorum is still forming when the group reaches the end of its period (8
+    steps): the group measures its speed, waits for the probe there (peers may read its state
+    meanwhile), and the plan that brings gives it 3 more steps before the sync point."""
+    group, manager = _probing_group()
+    group.loop.agree_in_group = lambda n: n
+    reads_at_finish: list[bool] = []
+
+    def plan() -> None:
+        reads_at_finish.append(manager.reads_allowed)
+        group.loop.plan_rest_of_period(3, 0.0)  # no corrections
+
+    manager.after_probe = plan
+    with training([group]):
+        for _ in range(8):
+            group.step()
+        assert manager.probes[0].finished == 1 and reads_at_finish == [True]
+        assert group.loop.local_step() == 8 and group.loop.steps_this_period() == 11
+        assert group.loop.step_seconds() > 0
+        for _ in range(3):
+            group.step()
+        assert group.loop.local_step() == 0 and group.loop.sync_points == 1

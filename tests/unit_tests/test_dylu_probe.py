@@ -1,8 +1,10 @@
-"""DyLU's first period: the speed probe plans it (``dylu.PeriodPlan``, ``speed_exchange``), and
-a group that meets a probe in its own start-up quorum does not use that quorum."""
+"""DyLU's first period: the speed probe plans it (``dylu.PeriodPlan``, ``speed_exchange``) from
+a quorum that forms while the groups train on (``sync_quorum.ProbeInFlight``), and a group
+that meets a probe in its own start-up quorum does not use that quorum."""
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -10,6 +12,7 @@ import pytest
 import torch
 
 from tests.unit_tests.test_semi_sync import SummingManager
+from torchtitan.components.ft import FaultToleranceError
 from torchtitan.experiments.fault_tolerance.dylu import PeriodPlan
 from torchtitan.experiments.fault_tolerance.events import SPEED_PROBE
 from torchtitan.experiments.fault_tolerance.quorum_protocol import QuorumProtocol
@@ -19,6 +22,7 @@ from torchtitan.experiments.fault_tolerance.sync_quorum import (
     RESUMED,
     RUNNING,
     Member,
+    ProbeInFlight,
 )
 from torchtitan.tools.events import Event
 
@@ -70,7 +74,8 @@ class _Method:
     def __init__(self, period: int, taken: int, step_seconds: float) -> None:
         self.period = period
         self.plan = PeriodPlan(period)
-        self.plan.step_seconds = step_seconds
+        self.plan.step_seconds = self.plan.probed_seconds = step_seconds
+        self.plan.probed_after = taken
         self.taken = taken
 
     def step_seconds(self) -> float:
@@ -123,13 +128,69 @@ def test_after_the_probe_both_groups_plan_to_reach_the_first_sync_point_together
     for rank, method in enumerate(methods):
         other = 1 - rank
         them = Member(RUNNING, probe=1, step_us=round(speeds[other] * 1e6))
-        assert _exchange(method, rank, {other: them}).on_probe() is True
+        exchange = _exchange(method, rank, {other: them})
+        exchange.clock = lambda: 0.0
+        assert exchange.on_probe() is True
+        assert method.plan.steps == 20  # planned by the training thread, not in the quorum
+        exchange.after_probe()
     rest = [m.plan.steps - 2 for m in methods]
     assert methods[0].plan.steps == 20 and methods[1].plan.steps < methods[0].plan.steps
     ends = [r * s for r, s in zip(rest, speeds, strict=True)]
     assert abs(ends[0] - ends[1]) <= speeds[1] / 2 + 1e-9, (rest, ends)
     probes = [e for e in events if e.name == SPEED_PROBE.name]
-    assert [(e["after"], e["steps"]) for e in probes] == [(2, 20), (2, methods[1].plan.steps)]
+    assert [(e["after"], e["planned_at"], e["steps"]) for e in probes] == [
+        (2, 2, 20),
+        (2, 2, methods[1].plan.steps),
+    ]
+
+
+def test_groups_that_trained_on_while_the_probe_formed_plan_from_when_it_ended(
+    events: list[Event],
+) -> None:
+    """Period 20, probe after step 2, 0.1 and 0.2 s per step; the rest of the period is 9
+    straggler steps long (1.8 s) from the end of the exchange. The groups went on training
+    while the probe's quorum formed and take its plan at their next step: the fast one 0.3 s
+    later at step 5, the straggler 0.2 s later at step 3. Each plans what is left of the 1.8 s
+    in its own steps, so both reach the first sync point 1.8 s after the exchange."""
+    speeds, applied = [0.1, 0.2], [(5, 0.3), (3, 0.2)]
+    methods = [_Method(20, 2, s) for s in speeds]
+    for rank, method in enumerate(methods):
+        other = 1 - rank
+        them = Member(RUNNING, probe=1, step_us=round(speeds[other] * 1e6))
+        exchange = _exchange(method, rank, {other: them})
+        exchange.clock = iter([0.0, applied[rank][1]]).__next__
+        exchange.on_probe()
+        method.taken = applied[rank][0]
+        exchange.after_probe()
+    assert [m.plan.steps for m in methods] == [20, 11]
+    ends = [
+        t + (m.plan.steps - m.taken) * s
+        for m, (_, t), s in zip(methods, applied, speeds, strict=True)
+    ]
+    assert ends == pytest.approx([1.8, 1.8])
+    probes = [e for e in events if e.name == SPEED_PROBE.name]
+    assert [(e["after"], e["planned_at"], e["steps"]) for e in probes] == [(2, 5, 20), (2, 3, 11)]
+
+
+@pytest.mark.parametrize(("waited", "steps"), [(1.0, 40), (2.0, 30), (3.5, 20)])
+def test_at_the_end_of_its_period_a_group_takes_what_is_left_of_the_probe_s_plan(
+    events: list[Event], waited: float, steps: int
+) -> None:
+    """The fast group (0.1 s per step) reached the end of its unplanned period (20 steps)
+    before the straggler (3 s per step) reached the probe, and waited there for the probe's
+    quorum. The rest of the period is one straggler step long (3 s from the exchange): the
+    group takes what is left of it, at most twice the period in all, and nothing when it has
+    passed. One rank per group: no agreement asked."""
+    method = _Method(20, 2, 0.1)
+    them = Member(RUNNING, probe=1, step_us=3_000_000)
+    exchange = _exchange(method, 0, {1: them}, most_in_group=None)
+    exchange.clock = iter([0.0, waited]).__next__
+    exchange.on_probe()
+    method.taken = 20
+    exchange.after_probe()
+    assert method.plan.steps == steps
+    probes = [e for e in events if e.name == SPEED_PROBE.name]
+    assert [(e["planned_at"], e["steps"]) for e in probes] == ([] if steps == 20 else [(20, steps)])
 
 
 @pytest.mark.parametrize(
@@ -147,9 +208,10 @@ def test_a_probe_that_is_not_the_start_up_groups_leaves_the_period_as_planned(ca
     elif case == "a member is missing":
         exchange = _exchange(method, 0, {1: peer}, groups=3)
     else:
-        exchange = _exchange(method, 0, {1: peer}, most_in_group=lambda v: [1, v[1]])
+        exchange = _exchange(method, 0, {1: peer}, most_in_group=lambda v: [1, *v[1:]])
     assert not method.plan.probe_due(1, 0.0) and method.plan.probe_due(2, 1.0)
     assert exchange.on_probe() is True
+    exchange.after_probe()
     assert method.plan.steps == 20 and method.plan.probe_at is None
     method.plan.end(20, now=68.0)  # 18 steps after the probe's end (50 s): 1 s each
     assert method.plan.step_seconds == pytest.approx(1.0)
@@ -211,3 +273,49 @@ def test_a_starting_group_that_meets_a_probe_does_not_use_that_quorum(healed_the
     assert QuorumProtocol.on_quorum(cast(Any, protocol)) is False
     assert protocol._peer is None
     assert announced == ([-1] if healed_there else [])
+
+
+def test_the_probe_forms_beside_training_and_its_plan_is_taken_in_the_training_thread() -> None:
+    """``ProbeInFlight`` runs the probe's quorum in a thread of its own (not done while that
+    quorum waits for the other groups) and runs the plan (``after``) in the thread that
+    calls ``finish``, once."""
+    release, ran_in, after_in = threading.Event(), [], []
+
+    def quorum() -> None:
+        ran_in.append(threading.current_thread())
+        assert release.wait(timeout=30)
+
+    probe = ProbeInFlight(quorum, lambda: after_in.append(threading.current_thread()))
+    assert not probe.done()
+    release.set()
+    probe.finish()
+    assert probe.done() and after_in == [threading.current_thread()]
+    assert ran_in and ran_in[0] is not threading.current_thread()
+
+
+def test_a_probe_quorum_that_fails_raises_in_the_training_thread_and_plans_nothing() -> None:
+    planned: list[int] = []
+
+    def quorum() -> None:
+        raise FaultToleranceError("fault_tolerance.sync_quorum_timeout_s=1 passed")
+
+    probe = ProbeInFlight(quorum, lambda: planned.append(1))
+    with pytest.raises(FaultToleranceError, match="sync_quorum_timeout_s"):
+        probe.finish()
+    assert planned == []
+
+
+def test_the_ranks_of_a_group_take_one_plan_from_the_probe() -> None:
+    """Each rank of a group exchanged with its own peer ranks: this one found the period's
+    planned length already over (0 s left), another rank 2 s left in 4 steps. The group
+    takes the most of both, so this rank plans 4 more steps in 2 s and corrects them at the
+    same steps as the other rank (a rank that did not would miss a collective of the group)."""
+    method = _Method(20, 2, 0.5)
+    others = {1: Member(RUNNING, probe=1, step_us=1_000_000)}
+    exchange = _exchange(method, 0, others, most_in_group=lambda v: [v[0], 4, 2_000_000])
+    exchange.clock = iter([0.0, 100.0]).__next__
+    exchange.on_probe()
+    method.taken = 5
+    exchange.after_probe()
+    assert method.plan.steps == 9
+    assert method.plan.due_correction(7)

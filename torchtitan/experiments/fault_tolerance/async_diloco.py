@@ -70,7 +70,7 @@ from torchtitan.experiments.fault_tolerance.outer_loop import (
 )
 
 if TYPE_CHECKING:
-    from torchtitan.experiments.fault_tolerance.sync_quorum import SyncManager
+    from torchtitan.experiments.fault_tolerance.sync_quorum import ProbeInFlight, SyncManager
 
 
 #: The healing state of fragment ``i``'s outer state (global copy, outer optimizer).
@@ -128,6 +128,8 @@ class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
         self._outcome: SyncOutcome | None = None
         #: Set when torchft loaded a peer's state into this group in the last quorum.
         self._healed = False
+        #: DyLU's speed probe while its quorum forms (None: none under way).
+        self._probe: ProbeInFlight | None = None
         self.take_global_copies()
         for index, state in enumerate(self._states):
             manager.register_state_dict_fn(
@@ -160,21 +162,37 @@ class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
         self.manager.disallow_state_dict_read()
 
     def _after_step(self, *_: Any) -> None:
-        self.manager.allow_state_dict_read()
         for state in self._states:
             state.steps += 1
         self._local_step += 1
         if self.plan.probe_due(self._local_step, time.perf_counter()):
-            # DyLU's first period: the groups exchange speeds and plan the rest of it.
-            self.manager.probe_quorum()
+            # DyLU's first period: the groups exchange speeds and plan the rest of it, in a
+            # quorum that forms while this group takes its next steps (the fast groups would
+            # otherwise wait there for the slow ones' first steps).
+            self._probe = self.manager.start_probe()
+        elif self._probe is not None:
+            # Every rank of the group takes the plan at the same inner step: once all are
+            # done, or at the end of the period as it stands (the plan may lengthen it).
+            done = self.agree_in_group(int(not self._probe.done())) == 0
+            if self._local_step >= self.plan.steps:
+                # This group's speed in the period, before it waits for the probe here.
+                self.plan.measure(self._local_step, time.perf_counter())
+                self._finish_probe()
+            elif done:
+                self._finish_probe()
         elif self.plan.due_correction(self._local_step):
             self.plan.correct(self._local_step, time.perf_counter(), self.agree_in_group)
+        if self._probe is None:
+            # While the probe's quorum forms, no peer reads this group's state for a heal
+            # (it would read it from that quorum's thread while the model runs).
+            self.manager.allow_state_dict_read()
         if self._local_step >= self.plan.steps:
             self.sync_point()
 
     def sync_point(self) -> None:
         """Finish the sync in flight, start this fragment's (see the module docstring)."""
         self.plan.end(self._local_step, time.perf_counter())
+        self._finish_probe()  # none is under way here (_after_step finished it)
         self.sync_points += 1
         # At the quorum every group is at inner step 0 of its next period, whatever the length
         # of the one it ended (DyLU): a group healing from it continues from there.
@@ -226,6 +244,14 @@ class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
 
     # ---- DyLU ---------------------------------------------------------------------------------
 
+    def _finish_probe(self) -> None:
+        """Wait for DyLU's speed probe under way, if any, and take its plan. A peer healing
+        in the probe's quorum reads this group's state now, while this thread waits."""
+        probe, self._probe = self._probe, None
+        if probe is not None:
+            self.manager.allow_state_dict_read()
+            probe.finish()
+
     def step_seconds(self) -> float:
         """This group's seconds per inner step in its last period (0: no period yet)."""
         return self.plan.step_seconds
@@ -240,7 +266,8 @@ class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
         self.plan.plan(steps, seconds)
 
     def plan_rest_of_period(self, steps: int, seconds: float) -> None:
-        """After the speed probe: ``steps`` more inner steps in this period, in ``seconds``."""
+        """Once the speed probe is done: ``steps`` more inner steps in this period, in
+        ``seconds``, from now."""
         self.plan.plan_rest(self._local_step, steps, seconds, time.perf_counter())
 
     def probe_unused(self) -> None:
@@ -385,6 +412,7 @@ class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
     def finish(self) -> Ending:
         """Finish the sync in flight (the job's last average counts), then every fragment's
         global copy goes into the model."""
+        self._finish_probe()
         self._outcome = self._finish_in_flight()
         for index in range(len(self.fragments)):
             self.restore_global_copies(index)

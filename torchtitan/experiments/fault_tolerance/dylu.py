@@ -62,8 +62,9 @@ class PeriodPlan:
     count by its speed in the period so far at the steps :func:`dylu_next_correction` names.
     The job's first period has no measured speeds: the groups may agree, at their start, to
     time ``probe_steps`` inner steps after the first (which carries one-time costs), exchange
-    those speeds (the *speed probe*, a quorum of its own) and plan the rest of that period
-    (:meth:`plan_rest`). Times are the caller's clock, so that tests can drive it.
+    those speeds (the *speed probe*, a quorum of its own, formed while the groups go on
+    training) and plan the rest of that period (:meth:`plan_rest`). Times are the caller's
+    clock, so that tests can drive it.
     """
 
     def __init__(self, period: int) -> None:
@@ -78,8 +79,11 @@ class PeriodPlan:
         #: restart mid-period), and the inner steps taken before it (the probe's).
         self._began: float | None = None
         self._planned_from = 0
-        #: The inner step after which this group probes its speed (None: no probe due).
+        #: The inner step after which this group probes its speed (None: no probe due), the
+        #: one after which it last did, and its seconds per inner step measured there.
         self.probe_at: int | None = None
+        self.probed_after = 0
+        self.probed_seconds = 0.0
         #: This group's seconds per inner step in its last period (or in the probe's steps).
         self.step_seconds = 0.0
 
@@ -119,8 +123,9 @@ class PeriodPlan:
             self._began, self._planned_from = now, 1
         if taken < self.probe_at:
             return False
-        self.probe_at = None
+        self.probe_at, self.probed_after = None, taken
         self.measure(taken, now)
+        self.probed_seconds = self.step_seconds
         return True
 
     def time_from(self, taken: int, now: float) -> None:
@@ -129,7 +134,8 @@ class PeriodPlan:
         self._began, self._planned_from = now, taken
 
     def plan_rest(self, taken: int, steps: int, seconds: float, now: float) -> None:
-        """After the probe (``taken`` steps done): ``steps`` more in ``seconds``, from now."""
+        """Once the probe's quorum is done (``taken`` steps done by now; the group went on
+        training while it formed): ``steps`` more in ``seconds``, from now."""
         self._began, self._planned_from = now, taken
         self.steps = taken + max(1, min(2 * self.period - taken, steps))
         self._seconds = seconds

@@ -100,12 +100,13 @@ INNER_STEPS_PLANNED = EventKind(
     "{ms_per_step:.1f} ms per step, the fastest {fastest_ms_per_step:.1f} ms)",
 )
 
-#: DyLU's speed probe in a new job's first period planned the rest of that period.
+#: DyLU's speed probe in a new job's first period planned the rest of that period (from
+#: inner step ``planned_at``: the group trained on while the probe's quorum formed).
 SPEED_PROBE = EventKind(
     "semi_sync.speed_probe",
-    "[semi-sync] DyLU speed probe after inner step {after}: the first period takes "
-    "{steps}/{period} inner steps (this group {ms_per_step:.1f} ms per step, the fastest "
-    "{fastest_ms_per_step:.1f} ms)",
+    "[semi-sync] DyLU speed probe after inner step {after}, planned at step {planned_at}: "
+    "the first period takes {steps}/{period} inner steps (this group {ms_per_step:.1f} ms "
+    "per step, the fastest {fastest_ms_per_step:.1f} ms)",
 )
 
 #: A (re)started group has started its Manager and asks for its first quorum.

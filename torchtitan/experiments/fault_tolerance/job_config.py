@@ -146,9 +146,9 @@ class FaultTolerance(CoreFaultTolerance):
 
     dylu_probe_steps: int = 1
     """DyLU in a new job's first period, which has no measured speeds: the groups time this
-    many inner steps after the first, exchange those speeds (a quorum of its own, no sync)
-    and plan the rest of the period, so that fast groups do not wait at the first sync
-    point. 0: no probe (nor when the period has too few steps)."""
+    many inner steps after the first, exchange those speeds (a quorum of its own, no sync,
+    formed while they train on) and plan the rest of the period, so that fast groups do not
+    wait at the first sync point. 0: no probe (nor when the period has too few steps)."""
 
     pseudo_grad_dtype: PseudoGradDtype = "float32"
     """diloco and async_diloco: how pseudo-gradients travel: ``float32``, ``bfloat16`` (half

@@ -5,14 +5,18 @@ Every member of a quorum computes the plan from the same exchanged speeds, so th
 together (:func:`~.dylu.dylu_inner_steps`); the group's ranks then take the most any of them
 planned. The first period of a new job has no speeds to plan from: the groups agree in their
 start-up quorum to time the ``dylu_probe_steps`` inner steps after the first and exchange
-those speeds in a quorum of its own that is no sync (:meth:`SpeedExchange.on_probe`). A group
-that restarts meanwhile and meets the probe does not use that quorum (it joins at the first
-sync point), and the probing groups then finish the period unplanned, as without the probe.
+those speeds in a quorum of its own that is no sync (:meth:`SpeedExchange.on_probe`), which
+forms while the groups train on (no group waits there for the slow ones' first steps); each
+plans the rest of the period once it is done (:meth:`SpeedExchange.after_probe`). A group that
+restarts meanwhile and meets the probe does not use that quorum (it joins at the first sync
+point), and the probing groups then finish the period unplanned, as without the probe.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,6 +54,10 @@ class SpeedExchange:
         self.most_in_group = most_in_group
         #: The groups of the start-up quorum that decided the probe (all must be in it).
         self._probe_groups = 0
+        #: What the probe's exchange found, until the training thread plans from it.
+        self._probed: ProbeFound | None = None
+        #: Seconds, for the time between the probe's exchange and its plan (tests set it).
+        self.clock: Callable[[], float] = time.perf_counter
 
     def fill(self, mine: Member) -> None:
         """This group's microseconds per inner step in its last period, into its record. A
@@ -84,40 +92,93 @@ class SpeedExchange:
             self._probe_groups = len(members)
 
     def on_probe(self) -> bool:
-        """The probe's exchange (the sync Manager runs it in the probe's quorum): every group's
-        speed in its steps so far, and the rest of the first period planned from them as a
-        sync quorum plans a period. Unless it is not the start-up quorum's groups (one
-        restarted meanwhile and is starting, or one is missing: the lighthouse did not wait
-        for it): then the period goes on as planned, in every group alike (the group's ranks
-        agree first), and its speed is measured from here on."""
+        """The probe's exchange, in its quorum (the sync Manager runs that quorum in a thread
+        of its own while the group trains on): every group's speed in its steps up to the
+        probe, and the rest of the first period planned from them as a sync quorum plans a
+        period, from the moment the exchange ended. Kept for :meth:`after_probe`; the quorum
+        is done either way (True)."""
         method = self.method
-        mine = Member(RUNNING, probe=1)
-        self.fill(mine)
+        # The speed of the probe's steps (the training thread may end the period meanwhile
+        # and measure the whole of it).
+        mine = Member(RUNNING, probe=1, step_us=round(method.plan.probed_seconds * 1e6))
         members = exchange(self.ft.manager, mine, self.device)
         usable = (
             members is not None
             and len(members) == self._probe_groups
             and all(m.probe for m in members)
         )
-        taken, speeds = method.local_step(), _speeds(members or [])
+        taken, speeds = method.plan.probed_after, _speeds(members or [])
         rest = self.period - taken
-        steps = dylu_inner_steps(rest, speeds, mine.step_us / 1e6) if usable else 0
+        self._probed = ProbeFound(
+            usable=usable,
+            after=taken,
+            seconds=dylu_period_seconds(rest, speeds) if usable else 0.0,
+            step_seconds=mine.step_us / 1e6,
+            fastest=min(speeds, default=0.0),
+            at=self.clock(),
+        )
+        return True
+
+    def after_probe(self) -> None:
+        """In the training thread, once the probe's quorum is done (every rank of the group at
+        the same inner step, mid-period or at the end of the period as it stands, where the
+        group waited for it): plan the rest of the first period, what is left of the planned
+        length since the exchange ended in the steps this group's speed takes for it (at the
+        period's end possibly none). Unless the probe was not the start-up quorum's groups
+        (one restarted meanwhile and is starting, or one is missing: the lighthouse did not
+        wait for it) or another rank of the group found so: then the period goes on as
+        planned, in every group alike, and its speed is measured from here on."""
+        method = self.method
+        found, self._probed = self._probed, None
+        taken = method.local_step()
+        over = taken >= method.steps_this_period()
+        usable = found is not None and found.usable
+        seconds, steps = 0.0, 0
+        if usable:
+            assert found is not None
+            seconds = max(0.0, found.seconds - (self.clock() - found.at))
+            if found.step_seconds > 0:
+                steps = round(seconds / found.step_seconds)
+                # Mid-period at least one more step; at its end, none if no time is left.
+                steps = steps if over else max(1, steps)
+            usable = steps > 0
         if self.group_ranks > 1:
-            unusable, steps = self.most_in_group([int(not usable), steps])
-            usable = not unusable
+            # One plan for the group: each rank exchanged with its own peers, so their speeds
+            # and lengths differ a little; every rank takes the most (the corrections then
+            # fall at the same steps on all).
+            unusable, steps, us = self.most_in_group([int(not usable), steps, round(seconds * 1e6)])
+            usable, seconds = not unusable, us / 1e6
         if not usable:
             method.probe_unused()
-            return True
+            return
+        assert found is not None
+        method.plan_rest_of_period(steps, seconds)
         events.SPEED_PROBE.emit(
             step=self.train_state.step,
-            after=taken,
-            steps=taken + steps,
+            after=found.after,
+            planned_at=taken,
+            steps=method.steps_this_period(),
             period=self.period,
-            ms_per_step=mine.step_us / 1e3,
-            fastest_ms_per_step=min(speeds) * 1e3,
+            ms_per_step=found.step_seconds * 1e3,
+            fastest_ms_per_step=found.fastest * 1e3,
         )
-        method.plan_rest_of_period(steps, dylu_period_seconds(rest, speeds))
-        return True
+
+
+@dataclass(frozen=True)
+class ProbeFound:
+    """What the speed probe's exchange found, for the training thread to plan from."""
+
+    #: Whether the probe was the start-up quorum's groups, all probing.
+    usable: bool
+    #: The inner step after which this group probed.
+    after: int
+    #: The planned length of the rest of the period from ``at`` (0: not usable).
+    seconds: float
+    #: This group's and the fastest group's seconds per inner step in the probe's steps.
+    step_seconds: float
+    fastest: float
+    #: When the exchange ended (``time.perf_counter``).
+    at: float
 
 
 def _speeds(members: list[Member]) -> list[float]:

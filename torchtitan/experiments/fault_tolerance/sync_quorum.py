@@ -13,6 +13,7 @@ after :func:`exchange`.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import astuple, dataclass
@@ -109,6 +110,47 @@ def most_in_group(values: list[int], device: torch.device) -> list[int]:
     return [int(v) for v in found.tolist()]
 
 
+class ProbeInFlight:
+    """DyLU's speed probe under way: ``run`` (its quorum and exchange) in a daemon thread,
+    on the training thread's accelerator device, while the training thread goes on with its
+    inner steps. Nothing else uses the replica process group or the Manager's quorum
+    meanwhile: a new job's first period has no sync in flight, and the next quorum (the
+    first sync point, or the end of training) waits for this one (:meth:`finish`). A peer
+    that heals in the probe's quorum reads this group's state only while the training
+    thread waits in :meth:`finish` (async DiLoCo keeps state reads disallowed until then)."""
+
+    def __init__(self, run: Callable[[], None], after: Callable[[], None]) -> None:
+        self._after = after
+        self._error: BaseException | None = None
+        # A new thread starts on device 0: torchft's quorum takes the caller's device.
+        accelerator = torch.accelerator.is_available()
+        device = torch.accelerator.current_device_index() if accelerator else None
+        self._thread = threading.Thread(
+            target=self._run, args=(run, device), name="dylu-speed-probe", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, run: Callable[[], None], device: int | None) -> None:
+        try:
+            if device is not None:
+                torch.accelerator.set_device_index(device)
+            run()
+        except BaseException as e:  # raised in the training thread, by finish()
+            self._error = e
+
+    def done(self) -> bool:
+        """Whether the probe's quorum and exchange are over (this rank's)."""
+        return not self._thread.is_alive()
+
+    def finish(self) -> None:
+        """Wait for the probe, raise what it raised (e.g. its quorum timed out), then run
+        ``after`` here, in the training thread."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        self._after()
+
+
 def most_of_one_in_group(value: int, device: torch.device) -> int:
     """The largest of this replica group's ranks' ``value``."""
     return most_in_group([value], device)[0]
@@ -151,8 +193,11 @@ class SyncManager(ManagerStandIn):
         self.min_groups = min_groups
         self.timeout_s = timeout_s
         self.on_quorum: Callable[[], bool] = on_quorum or _no_exchange_yet
-        #: The exchange of DyLU's speed probe (the trainer sets the quorum protocol's).
+        #: The exchange of DyLU's speed probe, in the probe's quorum (its own thread), and
+        #: what the training thread does once that quorum is done (the trainer sets the
+        #: quorum protocol's speed exchange's).
         self.on_probe: Callable[[], bool] = _no_exchange_yet
+        self.after_probe: Callable[[], None] = lambda: None
         self.transport = transport
         self._fragment_of_sync = fragment_of_sync
         #: True while this group is inside a sync quorum (a peer healing from it then gets
@@ -249,6 +294,12 @@ class SyncManager(ManagerStandIn):
             self.last_wait = time.perf_counter() - start
             self.in_quorum = False
         self.begin_sync()
+
+    def start_probe(self) -> ProbeInFlight:
+        """DyLU's speed probe (:meth:`probe_quorum`) in a thread of its own: the group takes
+        its next inner steps while the probe's quorum forms. ``ProbeInFlight.finish``, in the
+        training thread, then runs ``after_probe`` (which plans the rest of the period)."""
+        return ProbeInFlight(self.probe_quorum, self.after_probe)
 
     def probe_quorum(self) -> None:
         """DyLU's speed probe in the job's first period: a quorum that is no sync, in which

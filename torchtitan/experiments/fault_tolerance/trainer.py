@@ -169,6 +169,7 @@ class SemiSyncTrainer(Trainer):
         self.sync.on_quorum = self.protocol.on_quorum
         if self.protocol.speeds is not None:  # DyLU's speed probe runs its own exchange
             self.sync.on_probe = self.protocol.speeds.on_probe
+            self.sync.after_probe = self.protocol.speeds.after_probe
         self.ft.register_state_dict_fn(
             "semi_sync_position", self.protocol.load_peer, self.protocol.position
         )
