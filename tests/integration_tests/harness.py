@@ -18,7 +18,16 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from torchtitan.tools.cluster import LighthouseSettings, LocalJob, Process, listening_sockets
+from tests.integration_tests import warm_start
+from torchtitan.tools.cluster import (
+    LighthouseSettings,
+    LocalJob,
+    Process,
+    listening_sockets,
+    process_tree,
+)
+from torchtitan.tools.cluster.lighthouse import groups_alive_at
+from torchtitan.tools.cluster.process import ProcessSpec
 from torchtitan.tools.events import EVENTS_FOLDER, Event, EventKind, read_events
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,7 +57,7 @@ PACED_ARGS = [FAULTS_MODULE, "--fault_injection.step_sleep_s=0.2"]
 
 class FTJob(LocalJob):
     """A local job with the tests' defaults; every group writes to ``dump_folder`` (default
-    ``<folder>/dump``)."""
+    ``<folder>/dump``). Its trainers start warm (``warm_start.py``) unless ``warm`` is False."""
 
     def __init__(
         self,
@@ -59,6 +68,7 @@ class FTJob(LocalJob):
         heartbeat_timeout_ms: int = 2000,
         min_replicas: int = 1,
         dump_folder: Path | None = None,
+        warm: bool = True,
     ) -> None:
         self.dump_folder = dump_folder or folder / "dump"
         super().__init__(
@@ -71,6 +81,7 @@ class FTJob(LocalJob):
             lighthouse=LighthouseSettings(
                 min_replicas=min_replicas, heartbeat_timeout_ms=heartbeat_timeout_ms
             ),
+            launch_group=_warm_group if warm else _cold_group,
         )
 
     def run_to_end(self, timeout: float = 240) -> FTJob:
@@ -102,6 +113,37 @@ class FTJob(LocalJob):
             assert group.alive(), tail(group.text())
             time.sleep(0.2)
         raise AssertionError(f"nobody asked for a quorum:\n{tail(self.latest(replica_id).text())}")
+
+    def pids(self) -> list[int]:
+        """Every live process of the job, warm trainers included."""
+        return warm_start.children(super().pids())
+
+    def close(self, grace_s: float = 0.0) -> None:
+        """As ``LocalJob.close``; when it returns, the warm trainers are gone too (their
+        zygote kills them just after their stand-ins, not with them)."""
+        trainers = self.pids()
+        super().close(grace_s)
+        warm_start.kill(trainers)
+
+    def _kill(self, process: Process) -> None:
+        """SIGKILL a process's tree, its warm trainers with it; returns once all are gone."""
+        trainers = warm_start.children(process_tree(process.pid)) if process.alive() else []
+        super()._kill(process)
+        warm_start.kill(trainers)
+
+    def group_pids(self, replica_id: int) -> list[int]:
+        """The live processes of the group's latest start (its warm trainer included)."""
+        return warm_start.children(process_tree(self.latest(replica_id).pid))
+
+    def wait_until_dead_to_lighthouse(self, alive: int, timeout: float = 60) -> None:
+        """Until the lighthouse counts ``alive`` groups alive, e.g. after a kill: it counts a
+        killed group until its heartbeats are older than the heartbeat timeout. A group
+        restarted sooner meets its dead self in the next quorum (3 members of 2 groups; that
+        sync then fails), which a cold start, slower than the timeout, never did."""
+        deadline = time.monotonic() + timeout
+        while groups_alive_at(self.lighthouse_address) != alive:
+            assert time.monotonic() < deadline, f"the lighthouse never counted {alive} alive"
+            time.sleep(0.1)
 
     def _others(self, replica_id: int) -> str:
         """The other groups' latest output, for a failure message: a group that waits for a
@@ -178,6 +220,14 @@ class FTJob(LocalJob):
                     f"{tail(run.text())}{self._others(replica_id)}"
                 )
             time.sleep(0.2)
+
+
+def _warm_group(replica_id: int, spec: ProcessSpec) -> ProcessSpec:
+    return ProcessSpec(spec.argv, warm_start.launch(spec.env))
+
+
+def _cold_group(replica_id: int, spec: ProcessSpec) -> ProcessSpec:
+    return spec
 
 
 def tail(text: str, lines: int = 40) -> str:

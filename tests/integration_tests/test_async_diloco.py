@@ -32,7 +32,7 @@ from torchtitan.experiments.fault_tolerance.events import (
     SYNC,
 )
 from torchtitan.experiments.fault_tolerance.lineage import job_model
-from torchtitan.tools.cluster import process_tree, signal_pids
+from torchtitan.tools.cluster import signal_pids
 from torchtitan.trainer import TRAINING_FINISHED
 
 
@@ -220,7 +220,7 @@ def test_a_group_stopped_until_the_others_finished_ends_with_a_named_lineage(
     job = ft_job(groups=2, train_args=train_args)
     job.start()
     job.wait_for_event(1, TRAIN_STEP, timeout=240, where=lambda e: e.step == 6)
-    frozen = process_tree(job.latest(1).pid)
+    frozen = job.group_pids(1)
     signal_pids(frozen, signal.SIGSTOP)
     try:
         assert job.wait_exit(0, timeout=240) == 0, tail(job.latest(0).text())

@@ -166,6 +166,7 @@ def test_a_group_restarted_within_the_period_of_its_checkpoint_replays_nothing(
     job.wait_for_event(1, STALLED_AFTER_STEP, timeout=240)
     job.kill_group(1)
     job.wait_for_event(0, HELD_BEFORE_SYNC, timeout=60, where=lambda e: e.sync == 3)
+    job.wait_until_dead_to_lighthouse(alive=1)
     job.start_group(1, [])
     job.wait_quorum_request(1)
     hold.unlink()

@@ -18,6 +18,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests.integration_tests import warm_start
 from tests.integration_tests.train_runs import (
     REPO,
     RUN_TRAIN,
@@ -35,6 +36,7 @@ from torchtitan.components.checkpoint import (
     scan_steps,
 )
 from torchtitan.components.metrics import read_metrics
+from torchtitan.tools.cluster import process_tree
 from torchtitan.tools.events import EVENTS_FOLDER, read_events
 
 N = 5  # checkpoint interval and the step the run is killed after
@@ -82,7 +84,9 @@ def _run_until_saved(args: list[str], dump: Path, step: int) -> None:
             time.sleep(0.02)
     finally:
         if proc.poll() is None:
+            trainers = warm_start.children(process_tree(proc.pid))  # a warm one is elsewhere
             os.killpg(proc.pid, signal.SIGKILL)
+            warm_start.kill(trainers)
         proc.wait(timeout=TIMEOUT_S)
     assert saved(), log.read_text()
 

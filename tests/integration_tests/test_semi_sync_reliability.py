@@ -84,6 +84,7 @@ def test_rejoin_with_a_period_longer_than_the_sync_timeout(
     rejoin_sync = held[0].sync
     job.kill_group(1)
     killed_at = time.monotonic()
+    job.wait_until_dead_to_lighthouse(alive=1)
     job.start_group(1)
     job.wait_for_event(1, ASKING_FOR_QUORUM, timeout=180)
     asked_after = time.monotonic() - killed_at

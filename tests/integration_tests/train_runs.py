@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.integration_tests import warm_start
 from torchtitan.components.metrics import TRAIN_STEP
 from torchtitan.tools.events import EVENTS_FOLDER, read_events
 
@@ -33,7 +34,8 @@ TIMEOUT_S = 600
 
 
 def train_env(**extra: str) -> dict[str, str]:
-    """The environment of a run: this interpreter, no inherited torchrun/rank variables."""
+    """The environment of a run: this interpreter, no inherited torchrun/rank variables; the
+    trainer starts warm when the tests' zygote runs (``warm_start.py``)."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -41,7 +43,7 @@ def train_env(**extra: str) -> dict[str, str]:
     }
     env["PYTHON"] = sys.executable
     env.update(extra)
-    return env
+    return warm_start.launch(env)
 
 
 def run_train(

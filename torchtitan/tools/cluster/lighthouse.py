@@ -85,10 +85,25 @@ def wait_until_listening(lighthouse: Process, settings: LighthouseSettings, port
 _WAITING = re.compile(r"\[(\d+)/\d+ participants healthy\]")
 
 
+_HEARTBEATING = re.compile(r"\[(\d+) heartbeating\]")
+
+
+def _status(address: str, timeout_s: float) -> str:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(f"{address}/status", timeout=timeout_s) as response:
+        return response.read().decode()
+
+
 def groups_waiting_at(address: str, timeout_s: float = 5.0) -> int:
     """How many replica groups wait for a quorum at the lighthouse at ``address`` now
     (``http://host:port``); raises ``OSError`` when the lighthouse cannot be reached."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(f"{address}/status", timeout=timeout_s) as response:
-        match = _WAITING.search(response.read().decode())
+    match = _WAITING.search(_status(address, timeout_s))
+    return int(match.group(1)) if match else 0
+
+
+def groups_alive_at(address: str, timeout_s: float = 5.0) -> int:
+    """How many replica groups the lighthouse at ``address`` counts alive now: those whose
+    last heartbeat is within its heartbeat timeout (a killed group stays counted until then).
+    Raises ``OSError`` when the lighthouse cannot be reached."""
+    match = _HEARTBEATING.search(_status(address, timeout_s))
     return int(match.group(1)) if match else 0
