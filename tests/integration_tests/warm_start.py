@@ -111,26 +111,18 @@ def children(pids: Iterable[int]) -> list[int]:
 
 
 def kill(pids: Iterable[int], timeout: float = 30) -> None:
-    """SIGKILL ``pids`` and wait until each is gone (reaped by its parent): a warm trainer is
-    no child of whoever kills it."""
-    from torchtitan.tools.cluster.process_tree import signal_pids
+    """SIGKILL ``pids`` and wait until each is dead (a zombie counts: its parent reaps it); a
+    warm trainer is no child of whoever kills it."""
+    from torchtitan.tools.cluster.process_tree import process_state, signal_pids
 
     pids = list(pids)
     signal_pids(pids)
     deadline = time.monotonic() + timeout
     for pid in pids:
-        while os.path.exists(f"/proc/{pid}") and _state(pid) != "Z":
+        while process_state(pid) not in ("", "Z"):  # a zombie is dead, its parent reaps it
             if time.monotonic() > deadline:
                 raise TimeoutError(f"process {pid} still there {timeout:.0f}s after SIGKILL")
             time.sleep(0.02)
-
-
-def _state(pid: int) -> str:
-    """The process's state letter ('' once it is gone); a zombie ('Z') is dead already."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError, ProcessLookupError):
-        return ""
 
 
 class Zygote:

@@ -13,21 +13,31 @@ import signal
 from collections.abc import Iterable
 
 
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """Fields 3.. of ``/proc/<pid>/stat`` (state, parent pid, ...); None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None  # it exited while we looked
+    # Field 2, the command name, may contain spaces and parentheses: the fields after it
+    # start after its closing parenthesis.
+    return stat[stat.rfind(")") + 2 :].split()
+
+
+def process_state(pid: int) -> str:
+    """The process's state letter (``R``, ``S``, ``Z`` for a zombie not yet reaped, ...);
+    ``""`` once it is gone."""
+    fields = _stat_fields(pid)
+    return fields[0] if fields else ""
+
+
 def _parent_of_each_process() -> dict[int, int]:
     """{pid: parent pid} of every process visible in /proc."""
     parents = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue  # it exited while we looked
-        # Field 2, the command name, may contain spaces and parentheses: the fields after it
-        # start after its closing parenthesis.
-        fields = stat[stat.rfind(")") + 2 :].split()
-        parents[int(entry)] = int(fields[1])
+        if entry.isdigit() and (fields := _stat_fields(entry)) is not None:
+            parents[int(entry)] = int(fields[1])
     return parents
 
 
