@@ -1,28 +1,16 @@
-import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.integration_tests.harness import FTJob
-from tests.integration_tests.warm_start import CHILDREN_ENV, COLD_ENV, SOCKET_ENV, Zygote
+from tests.integration_tests.warm_start import Zygote
 
 
 @pytest.fixture(scope="session", autouse=True)
-def warm_starts() -> Iterator[None]:
-    """One zygote per pytest process: the trainers of the tests' jobs start warm (see
-    ``warm_start.py``) unless TORCHTITAN_TEST_COLD_START=1."""
-    if os.environ.get(COLD_ENV) == "1":
-        yield
-        return
-    # Short: a Unix socket's path has at most 107 bytes.
-    with tempfile.TemporaryDirectory(prefix="tt-zygote-") as folder, Zygote(Path(folder)) as z:
-        os.environ[SOCKET_ENV], os.environ[CHILDREN_ENV] = z.path, str(z.children)
-        try:
-            yield
-        finally:
-            del os.environ[SOCKET_ENV], os.environ[CHILDREN_ENV]
+def warm_starts(zygote: Zygote | None) -> None:
+    """The trainers of the integration tests' jobs start warm (the session's ``zygote``,
+    ``tests/conftest.py``) unless TORCHTITAN_TEST_COLD_START=1."""
 
 
 @pytest.fixture

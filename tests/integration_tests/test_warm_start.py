@@ -14,6 +14,7 @@ import pytest
 from tests.integration_tests import warm_start
 from tests.integration_tests.harness import FAST_ARGS, PACED_ARGS, FTJob, per_step
 from torchtitan.components.metrics import TRAIN_STEP
+from torchtitan.tools.cluster import ProcessSpec
 from torchtitan.trainer import PARAM_DIGEST
 
 
@@ -60,3 +61,20 @@ def test_a_warm_group_exits_as_its_trainer_and_dies_with_it(tmp_path: Path) -> N
         while os.path.exists(f"/proc/{trainers[1]}") and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not os.path.exists(f"/proc/{trainers[1]}"), "the killed group's trainer lives on"
+
+
+def test_a_warm_trainer_takes_its_group_process_s_pinning(tmp_path: Path) -> None:
+    """A group started as ``taskset -c 0 <python> ...`` (as the benchmarks pin groups): its
+    warm trainer runs on core 0 only, as a cold one would. (Its network namespace follows the
+    same way: the WAN smoke runs, ``test_benchmarks_wan_smoke.py``, whose warm trainers reach
+    their lighthouse only from inside their namespaces.)"""
+    job = FTJob(tmp_path, groups=1, train_args=[*FAST_ARGS, *PACED_ARGS, "--training.steps=200"])
+    warm = job.launch_group
+    job.launch_group = lambda replica_id, spec: warm(
+        replica_id, ProcessSpec(["taskset", "-c", "0", *spec.argv], spec.env)
+    )
+    with job:
+        job.start()
+        (step,) = job.wait_for_event(0, TRAIN_STEP, timeout=240, where=lambda e: e.step == 2)
+        assert step.pid != job.latest(0).pid
+        assert os.sched_getaffinity(step.pid) == {0}

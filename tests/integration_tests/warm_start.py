@@ -12,9 +12,12 @@ zygote, forwards the signals it gets to the trainer, and exits as the trainer di
 status, or killed by the same signal). The trainer runs its module as ``__main__`` at the top of
 its stack and leaves through the interpreter's normal shutdown, as ``python -m`` does.
 
-``[-u] -m torchtitan.train`` and torchrun (``-m torchtitan.tools.loopback_torchrun``, whose
-ranks then start through the stand-in too) start warm. Anything else the stand-in is asked to
-run (``run_train.sh``'s config check) runs cold, in the real interpreter.
+``[-u] -m torchtitan.train``, the benchmarks' ``-m benchmarks.train_entry`` and torchrun
+(``-m torchtitan.tools.loopback_torchrun``, whose ranks then start through the stand-in too)
+start warm. Anything else the stand-in is asked to run (``run_train.sh``'s config check) runs
+cold, in the real interpreter. The trainer takes the stand-in's CPU affinity (``taskset -c 1
+warm_python ...`` pins it) and joins the stand-in's network namespace (``ip netns exec NS
+warm_python ...`` puts it there), as a cold start under those prefixes would be.
 
 What differs from a cold start:
 
@@ -56,6 +59,9 @@ WARM_PYTHON = Path(__file__).with_name("warm_python")
 
 _TRAIN = "torchtitan.train"
 _TORCHRUN = "torchtitan.tools.loopback_torchrun"
+_BENCHMARK = "benchmarks.train_entry"
+#: The modules whose ``python [-u] -m MODULE`` starts warm.
+_WARM_MODULES = (_TRAIN, _TORCHRUN, _BENCHMARK)
 # What a trainer imports (or imports later, while it builds itself), loaded by the zygote.
 _PRELOAD = [
     "torch",
@@ -77,6 +83,8 @@ _PRELOAD = [
     "torchtitan.experiments.fault_tolerance.job_config",
     "torchtitan.tools.loopback_torchrun",
     "tests.integration_tests.faults",
+    "benchmarks.train_entry",
+    "benchmarks.timed_trainer",
 ]
 _MESSAGE = 1 << 20  # the largest message: a request carries a whole environment
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
@@ -188,7 +196,12 @@ def stand_in(args: list[str]) -> int:
         os.execv(python, [python, *args])
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     conn.connect(path)
-    request = {"args": args, "env": dict(os.environ), "cwd": os.getcwd()}
+    request = {
+        "args": args,
+        "env": dict(os.environ),
+        "cwd": os.getcwd(),
+        "cpus": sorted(os.sched_getaffinity(0)),
+    }
     socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
     child = json.loads(conn.recv(_MESSAGE))["pid"]
     exited = False
@@ -219,7 +232,7 @@ def _warm_command(args: list[str]) -> tuple[str, list[str]] | None:
     """(module, its arguments) when ``python ARGS`` is ``[-u] -m MODULE ...`` for a module
     that starts warm; else None."""
     rest = args[1:] if args[:1] == ["-u"] else args
-    if len(rest) >= 2 and rest[0] == "-m" and rest[1] in (_TRAIN, _TORCHRUN):
+    if len(rest) >= 2 and rest[0] == "-m" and rest[1] in _WARM_MODULES:
         return rest[1], rest[2:]
     return None
 
@@ -259,7 +272,7 @@ def serve(path: str) -> None:
         importlib.import_module(name)
     # A child runs its module as __main__, as `python -m` does: not the module loaded above
     # (runpy would warn that it is in sys.modules already).
-    for name in (_TRAIN, _TORCHRUN):
+    for name in _WARM_MODULES:
         sys.modules.pop(name, None)
     gc.collect()
     gc.freeze()  # the children's collections leave the imported objects (shared pages) alone
@@ -328,7 +341,7 @@ def _start(
         credentials = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
         stand_in_pid = struct.unpack("3i", credentials)[0]
         others = [c for c, _ in running.values() if c is not None]
-        pid = _fork(request, fds, [*owned, conn, *others], pipe)
+        pid = _fork(request, fds, [*owned, conn, *others], pipe, stand_in_pid)
     finally:
         for fd in fds:
             os.close(fd)
@@ -365,9 +378,10 @@ def _reap(running: dict[int, tuple[socket.socket | None, Path]], selector) -> No
         conn.close()
 
 
-def _fork(request: dict, fds: list[int], owned: list, pipe: tuple[int, int]) -> int:
+def _fork(request: dict, fds: list[int], owned: list, pipe: tuple[int, int], stand_in: int) -> int:
     """Fork. In the parent: the child's PID. In the child: set up as a fresh process with the
-    request's streams, then raise ``_BecomeChild``."""
+    request's streams, CPU affinity and the network namespace of its stand-in (PID
+    ``stand_in``), then raise ``_BecomeChild``."""
     sys.stdout.flush()
     sys.stderr.flush()
     zygote = os.getpid()
@@ -387,12 +401,32 @@ def _fork(request: dict, fds: list[int], owned: list, pipe: tuple[int, int]) -> 
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for target, fd in enumerate(fds):
             os.dup2(fd, target)  # the originals are closed by the caller, as in the parent
+        os.sched_setaffinity(0, request["cpus"])
+        _join_network_namespace(stand_in)
     except BaseException:
         import traceback
 
         traceback.print_exc()
         os._exit(1)
     raise _BecomeChild(request)
+
+
+def _join_network_namespace(pid: int) -> None:
+    """Enter the network namespace of process ``pid`` when it is not this process's (its
+    stand-in was started by ``ip netns exec NS``); needs the privilege that command needs."""
+    import ctypes
+
+    theirs, ours = os.stat(f"/proc/{pid}/ns/net"), os.stat("/proc/self/ns/net")
+    if (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino):
+        return
+    clone_newnet = 0x40000000
+    fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, clone_newnet) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"setns into the network namespace of {pid}: {os.strerror(error)}")
+    finally:
+        os.close(fd)
 
 
 def _die_with(zygote: int) -> None:

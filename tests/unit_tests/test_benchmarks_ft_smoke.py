@@ -271,6 +271,7 @@ def test_peer_throughput_smoke_measures_ours_and_the_matmul_peak(tmp_path: Path)
     assert summary["mm_peak_gflops"]["bf16"] > 0
 
 
+@pytest.mark.usefixtures("warm_benchmark_trainers")
 def test_ft_overhead_smoke_reports_ratio_to_no_ft(tmp_path: Path) -> None:
     out = tmp_path / "ft.json"
     assert _module("ft_overhead").main(["--smoke", "--methods", "diloco", "--out", str(out)]) == 0
@@ -327,6 +328,7 @@ def test_memory_smoke_reports_extra_over_parameter_bytes(tmp_path: Path) -> None
     assert summary["diloco"]["extra_vs_no_ft_over_param_bytes"] == round(extra, 3)
 
 
+@pytest.mark.usefixtures("warm_benchmark_trainers")
 def test_convergence_smoke_sweeps_then_reports_on_the_test_half(tmp_path: Path) -> None:
     out, png = tmp_path / "conv.json", tmp_path / "conv.png"
     sweep_out = tmp_path / "sweep.json"
@@ -363,6 +365,7 @@ def test_convergence_smoke_sweeps_then_reports_on_the_test_half(tmp_path: Path) 
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.usefixtures("warm_benchmark_trainers")
 def test_convergence_straggler_smoke_gives_blocking_diloco_its_own_schedule(
     tmp_path: Path,
 ) -> None:

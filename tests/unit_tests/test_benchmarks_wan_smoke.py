@@ -235,6 +235,7 @@ def test_divergence_compares_syncs_reported_by_both_groups() -> None:
 # ---- smoke runs (real processes) -----------------------------------------------------------
 
 
+@pytest.mark.usefixtures("warm_benchmark_trainers")
 def test_wan_smoke_shapes_links_and_reports_utilisation(tmp_path: Path) -> None:
     netns = _module("netns")
     why = netns.unavailable()
@@ -290,6 +291,7 @@ def _read_runs(path: Path) -> list[dict[str, Any]]:
     return json.loads(path.read_text())["runs"]
 
 
+@pytest.mark.usefixtures("warm_benchmark_trainers")
 def test_recovery_smoke_heals_and_soaks_without_divergence(tmp_path: Path) -> None:
     out = tmp_path / "recovery.json"
     assert _module("recovery").main(["--smoke", "--out", str(out)]) == 0
@@ -389,6 +391,7 @@ def test_heal_replay_judges_each_case_by_its_repeats() -> None:
     assert targets["equal global digests after every heal"] is True
 
 
+@pytest.mark.usefixtures("warm_benchmark_trainers")
 def test_heal_replay_smoke_replays_fewer_bytes_than_a_full_heal(tmp_path: Path) -> None:
     """One job over an emulated 100 Mbit/s link: a full heal, then a restart 2 syncs behind
     that replays exactly those 2 syncs (int4) in far fewer bytes; digests agree after both."""
