@@ -35,9 +35,10 @@ def warm_benchmark_trainers(
     zygote: warm_start.Zygote | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The trainers a benchmark starts (``benchmarks.ft_common.TRAIN_ENTRY``) begin warm, with
-    the pinning and network namespace their launch gives them. Not for a benchmark that reads
-    its trainers' resource usage (``memory.py``, ``peer_throughput.py``): the process it
-    starts is the stand-in, not the trainer."""
+    the pinning and network namespace their launch gives them. Not for a benchmark whose figure
+    is its trainers' resource usage (``memory.py``, ``peer_throughput.py``): the process it
+    starts is the stand-in, not the trainer (``ft_overhead.py`` records each process's peak RSS
+    beside its figures: the stand-in's here, which its smoke test does not read)."""
     if zygote is None:
         return
     from benchmarks import ft_common

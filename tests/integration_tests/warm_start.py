@@ -17,7 +17,9 @@ its stack and leaves through the interpreter's normal shutdown, as ``python -m``
 start warm. Anything else the stand-in is asked to run (``run_train.sh``'s config check) runs
 cold, in the real interpreter. The trainer takes the stand-in's CPU affinity (``taskset -c 1
 warm_python ...`` pins it) and joins the stand-in's network namespace (``ip netns exec NS
-warm_python ...`` puts it there), as a cold start under those prefixes would be.
+warm_python ...`` puts it there), as a cold start under those prefixes would be; only those two:
+not the mount namespace ``ip netns exec`` also makes (its ``/sys``), nor cgroup, rlimits, nice or
+user, which the tests' jobs do not change.
 
 What differs from a cold start:
 
@@ -26,7 +28,10 @@ What differs from a cold start:
   stand-in's PID (:func:`children` follows them: ``FTJob.pids``, ``FTJob.group_pids``,
   :func:`kill`), and SIGKILLs a child whose stand-in is gone, with the child's own tree
   (torchrun's ranks' stand-ins, whose ranks follow). That happens just after the stand-in's
-  death, not with it: ``FTJob`` kills and waits for the trainers themselves;
+  death, not with it: ``FTJob`` kills and waits for the trainers themselves; a benchmark's
+  ``LocalJob`` (the smoke runs') does not, so its kills and ``close()`` return while the
+  trainer may still live for a few milliseconds, and what it reads from the processes it
+  started (``max_rss_mib``) is the stand-in's;
 * it shares what the imports left: the zygote's hash seed (random per zygote), and libgomp's
   reading of ``OMP_NUM_THREADS`` at load (the child sets torch's thread count from its own
   environment, as a cold start would read it). Python's and NumPy's global random generators
