@@ -207,7 +207,9 @@ def stand_in(args: list[str]) -> int:
         "cwd": os.getcwd(),
         "cpus": sorted(os.sched_getaffinity(0)),
     }
-    socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
+    namespace = os.open("/proc/self/ns/net", os.O_RDONLY)  # where the trainer joins
+    socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2, namespace])
+    os.close(namespace)
     child = json.loads(conn.recv(_MESSAGE))["pid"]
     exited = False
 
@@ -338,15 +340,18 @@ def _start(
 ) -> int:
     """Read a stand-in's request from ``conn``, fork its child, record the child's PID under
     the stand-in's and tell the stand-in."""
-    data, fds, _, _ = socket.recv_fds(conn, _MESSAGE, 3)
+    data, fds, _, _ = socket.recv_fds(conn, _MESSAGE, 4)
     try:
-        if len(fds) != 3:
-            raise ValueError(f"a request with {len(fds)} of its 3 standard streams")
+        if len(fds) != 4:
+            raise ValueError(
+                f"a request with {len(fds)} of its 4 descriptors (3 standard streams and the "
+                "stand-in's network namespace)"
+            )
         request = json.loads(data)
         credentials = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
         stand_in_pid = struct.unpack("3i", credentials)[0]
         others = [c for c, _ in running.values() if c is not None]
-        pid = _fork(request, fds, [*owned, conn, *others], pipe, stand_in_pid)
+        pid = _fork(request, fds, [*owned, conn, *others], pipe)
     finally:
         for fd in fds:
             os.close(fd)
@@ -383,10 +388,10 @@ def _reap(running: dict[int, tuple[socket.socket | None, Path]], selector) -> No
         conn.close()
 
 
-def _fork(request: dict, fds: list[int], owned: list, pipe: tuple[int, int], stand_in: int) -> int:
+def _fork(request: dict, fds: list[int], owned: list, pipe: tuple[int, int]) -> int:
     """Fork. In the parent: the child's PID. In the child: set up as a fresh process with the
-    request's streams, CPU affinity and the network namespace of its stand-in (PID
-    ``stand_in``), then raise ``_BecomeChild``."""
+    request's streams (``fds[:3]``), CPU affinity and network namespace (``fds[3]``), then
+    raise ``_BecomeChild``."""
     sys.stdout.flush()
     sys.stderr.flush()
     zygote = os.getpid()
@@ -404,10 +409,10 @@ def _fork(request: dict, fds: list[int], owned: list, pipe: tuple[int, int], sta
         for sig in (signal.SIGCHLD, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        for target, fd in enumerate(fds):
+        for target, fd in enumerate(fds[:3]):
             os.dup2(fd, target)  # the originals are closed by the caller, as in the parent
         os.sched_setaffinity(0, request["cpus"])
-        _join_network_namespace(stand_in)
+        _join_network_namespace(fds[3])
     except BaseException:
         import traceback
 
@@ -416,22 +421,19 @@ def _fork(request: dict, fds: list[int], owned: list, pipe: tuple[int, int], sta
     raise _BecomeChild(request)
 
 
-def _join_network_namespace(pid: int) -> None:
-    """Enter the network namespace of process ``pid`` when it is not this process's (its
-    stand-in was started by ``ip netns exec NS``); needs the privilege that command needs."""
+def _join_network_namespace(namespace: int) -> None:
+    """Enter the network namespace open as ``namespace`` (the stand-in's) when it is not this
+    process's (the stand-in was started by ``ip netns exec NS``); needs the privilege that
+    command needs. Called single-threaded: the threads started later inherit it."""
     import ctypes
 
-    theirs, ours = os.stat(f"/proc/{pid}/ns/net"), os.stat("/proc/self/ns/net")
+    theirs, ours = os.fstat(namespace), os.stat("/proc/self/ns/net")
     if (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino):
         return
     clone_newnet = 0x40000000
-    fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
-    try:
-        if ctypes.CDLL(None, use_errno=True).setns(fd, clone_newnet) != 0:
-            error = ctypes.get_errno()
-            raise OSError(error, f"setns into the network namespace of {pid}: {os.strerror(error)}")
-    finally:
-        os.close(fd)
+    if ctypes.CDLL(None, use_errno=True).setns(namespace, clone_newnet) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"setns into the stand-in's network namespace: {os.strerror(error)}")
 
 
 def _die_with(zygote: int) -> None:
