@@ -4,6 +4,8 @@ Streaming DiLoCo and async DiLoCo on the embedded corpus; or, with a straggler, 
     .venv/bin/python -m benchmarks.convergence --sweep-lr 1e-3 2e-3 4e-3 8e-3 1.6e-2 3.2e-2
     .venv/bin/python -m benchmarks.convergence --from-sweep --sweep-outer-lr 0.5 0.7 1.0 \
         --sweep-outer-momentum 0.0 0.9          # DiLoCo's outer optimizer, at DP's best lr
+    .venv/bin/python -m benchmarks.convergence --from-sweep --sweep-method async_eager \
+        --sweep-outer-lr 0.5 1.0 --sweep-outer-momentum 0.0 0.5    # async DiLoCo's own
     .venv/bin/python -m benchmarks.convergence --from-sweep      # the report (seeds 1 2 3)
     .venv/bin/python -m benchmarks.convergence --from-sweep --straggler 2
     .venv/bin/python -m benchmarks.convergence --smoke     # seconds; checks the plumbing only
@@ -15,13 +17,15 @@ and linear decay, seed per run (``--seeds``; model init and data order, the same
 groups).
 
 How the hyperparameters are chosen, fairly: synchronous DP's learning rate
-(``--sweep-lr``) and DiLoCo's outer optimizer (``--sweep-outer-lr`` x
-``--sweep-outer-momentum``, at DP's best learning rate, which is every method's inner
-learning rate) each get a sweep of their own, on seeds ``--sweep-seeds`` (default 0) and on
-the *selection* half of the held-out documents. ``--from-sweep`` takes the best of each from
-the sweep file. The report runs other seeds (default 1, 2, 3) and evaluates on the *test*
-half, which no choice has seen. The embedded corpus's held-out documents are split into the
-two halves by size, so that each holds about 57 k tokens (``held_out_halves``).
+(``--sweep-lr``), blocking DiLoCo's outer optimizer and async DiLoCo's
+(``--sweep-outer-lr`` x ``--sweep-outer-momentum``, ``--sweep-method diloco`` or
+``async_eager``, at DP's best learning rate, which is every method's inner learning rate)
+each get a sweep of their own, on seeds ``--sweep-seeds`` (default 0) and on the *selection*
+half of the held-out documents. ``--from-sweep`` takes the best of each from the sweep file
+(async DiLoCo takes blocking DiLoCo's where the file has no async sweep). The report runs
+other seeds (default 1, 2, 3) and evaluates on the *test* half, which no choice has seen. The
+embedded corpus's held-out documents are split into the two halves by size, so that each
+holds about 57 k tokens (``held_out_halves``).
 
 * ``single_group``: one process without FT (1 thread), ``2 x --steps`` steps (so it sees as
   many tokens as two groups do in ``--steps``);
@@ -30,7 +34,8 @@ two halves by size, so that each holds about 57 k tokens (``held_out_halves``).
   ``streaming_diloco`` (the same outer optimizer, 2 fragments, ``fragment_sync_delay=1``):
   2 groups, H = ``--sync-steps``.
 * ``async_eager``, ``async_delayed``: async DiLoCo (``semi_sync_method=async_diloco``,
-  ``async_update`` eager or delayed), the same outer optimizer, 1 fragment;
+  ``async_update`` eager or delayed), async DiLoCo's outer optimizer (``--async-outer-lr``,
+  ``--async-outer-momentum``), 1 fragment;
 * ``async_eager_share``: async DiLoCo with ``async_update=eager_share`` (the group's share of
   the average applied at once, the others' when it arrives);
 * ``async_eager_dn``, ``async_delayed_dn``: the same with Delayed Nesterov
@@ -91,6 +96,9 @@ BASE_METHOD = {"sync_dp": "sync_ft", "localsgd": "localsgd", "diloco": "diloco",
                "diloco_int8": "diloco_int8", "diloco_int4_ef": "diloco_int4_ef"}  # fmt: skip
 #: With --straggler: blocking DiLoCo against async DiLoCo with DyLU.
 STRAGGLER_CONFIGS = ["diloco", "async_eager", "async_dylu"]
+#: The methods whose outer optimizer gets a sweep of its own (``--sweep-method``): blocking
+#: DiLoCo's is used by every DiLoCo row, async DiLoCo's by the ``async_*`` rows.
+OUTER_SWEPT = ("diloco", "async_eager")
 #: The halves of the held-out documents: ``select`` for the sweeps, ``test`` for the report.
 EVAL_SPLITS = ("select", "test")
 TARGETS = {
@@ -120,9 +128,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", nargs="+", default=REPORT_CONFIGS, choices=CONFIGS)
     p.add_argument("--lr", type=float, default=2e-3,
                    help="AdamW's peak learning rate (every method's inner lr)")  # fmt: skip
-    p.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer SGD lr")
+    p.add_argument("--outer-lr", type=float, default=0.7,
+                   help="the outer SGD lr of DiLoCo, Streaming and compressed DiLoCo")  # fmt: skip
     p.add_argument("--outer-momentum", type=float, default=0.0,
                    help="its Nesterov momentum (0: plain SGD)")  # fmt: skip
+    p.add_argument("--async-outer-lr", type=float, default=None,
+                   help="async DiLoCo's outer SGD lr; default: --outer-lr")  # fmt: skip
+    p.add_argument("--async-outer-momentum", type=float, default=None,
+                   help="its Nesterov momentum; default: --outer-momentum")  # fmt: skip
     p.add_argument(
         "--dn-momentum",
         type=float,
@@ -131,12 +144,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--sweep-lr", type=float, nargs="+",
                    help="sweep: synchronous DP alone, one run per learning rate")  # fmt: skip
-    p.add_argument("--sweep-outer-lr", type=float, nargs="+", help="sweep: DiLoCo only")
-    p.add_argument("--sweep-outer-momentum", type=float, nargs="+", help="sweep: DiLoCo only")
+    p.add_argument("--sweep-outer-lr", type=float, nargs="+",
+                   help="sweep: the outer optimizer of --sweep-method alone, one run per "
+                   "(outer lr, outer momentum) pair, at --lr")  # fmt: skip
+    p.add_argument("--sweep-outer-momentum", type=float, nargs="+",
+                   help="sweep: the outer momenta of those pairs")  # fmt: skip
+    p.add_argument("--sweep-method", choices=OUTER_SWEPT, default="diloco",
+                   help="whose outer optimizer --sweep-outer-* tunes: blocking DiLoCo's (used "
+                   "by every DiLoCo row) or async DiLoCo's (used by the async_* rows)")  # fmt: skip
     p.add_argument("--sweep-out", type=Path, help=provenance.output_help("convergence_sweep.json"))
     p.add_argument("--from-sweep", action="store_true",
-                   help="take --lr (synchronous DP's best) and --outer-lr / --outer-momentum "
-                   "(DiLoCo's best at that lr) from --sweep-out")  # fmt: skip
+                   help="take --lr (synchronous DP's best), --outer-lr / --outer-momentum "
+                   "(DiLoCo's best at that lr) and --async-outer-lr / --async-outer-momentum "
+                   "(async DiLoCo's best at that lr, where the file has an async sweep) from "
+                   "--sweep-out")  # fmt: skip
     p.add_argument("--out", type=Path, help=provenance.output_help("convergence.json"))
     p.add_argument("--png", type=Path, help="chart (default: --out, as .png)")
     p.add_argument("--straggler", type=float, default=None,
@@ -166,7 +187,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args.png = args.png or args.out.with_suffix(".png")
     args.parameters = None  # the model's, from the first run's train.started
+    _default_async_outer(args)
     return args
+
+
+def _default_async_outer(args: argparse.Namespace) -> None:
+    """Async DiLoCo's outer optimizer, where not given: blocking DiLoCo's."""
+    if args.async_outer_lr is None:
+        args.async_outer_lr = args.outer_lr
+    if args.async_outer_momentum is None:
+        args.async_outer_momentum = args.outer_momentum
 
 
 def held_out_halves(folder: Path) -> dict[str, Path]:
@@ -263,15 +293,21 @@ def run_all(args: argparse.Namespace, tmp: Path, curves: Curves, save, split: st
             save(curves)
 
 
-def semi_sync_args(args: argparse.Namespace, config: str = "diloco") -> list[str]:
-    """Flags of the semi-sync runs (the outer optimizer's only matter to DiLoCo); the
-    Delayed Nesterov rows (``*_dn``) take ``--dn-momentum``, which that optimizer needs."""
+def semi_sync_args(args: argparse.Namespace, config: str) -> list[str]:
+    """Flags of the semi-sync runs of ``config``: the async rows (``async_*``) take async
+    DiLoCo's outer optimizer, the other DiLoCo rows blocking DiLoCo's; the Delayed Nesterov
+    rows (``*_dn``) take ``--dn-momentum``, which that optimizer needs."""
     if config == "localsgd":  # no outer optimizer: the trainer refuses its fields
         return [f"--fault_tolerance.sync_steps={args.sync_steps}"]
-    momentum = args.dn_momentum if config.endswith("_dn") else args.outer_momentum
+    if config.startswith("async"):
+        lr, momentum = args.async_outer_lr, args.async_outer_momentum
+    else:
+        lr, momentum = args.outer_lr, args.outer_momentum
+    if config.endswith("_dn"):
+        momentum = args.dn_momentum
     return [
         f"--fault_tolerance.sync_steps={args.sync_steps}",
-        f"--fault_tolerance.outer_lr={args.outer_lr}",
+        f"--fault_tolerance.outer_lr={lr}",
         f"--fault_tolerance.outer_momentum={momentum}",
     ]
 
@@ -384,6 +420,8 @@ def settings(args: argparse.Namespace) -> dict:
         f"{2 * args.eval_batches}), every {args.sync_steps} steps",
         "lr": f"AdamW {args.lr:g}, warmup 20, linear decay to 0",
         "outer_optimizer": f"SGD lr {args.outer_lr}, momentum {args.outer_momentum}, Nesterov",
+        "async_outer_optimizer": f"SGD lr {args.async_outer_lr}, momentum "
+        f"{args.async_outer_momentum}, Nesterov",
         "delayed_nesterov_rows": f"momentum {args.dn_momentum}, applied every 2 outer steps",
         "streaming": "2 fragments, fragment_sync_delay=1",
         "threads": "1 per process; 2-group runs: group i on core i; single group unpinned",
@@ -391,7 +429,7 @@ def settings(args: argparse.Namespace) -> dict:
 
 
 #: Settings that the hyperparameters under comparison may change between runs.
-TUNED = ("lr", "outer_optimizer", "delayed_nesterov_rows")
+TUNED = ("lr", "outer_optimizer", "async_outer_optimizer", "delayed_nesterov_rows")
 
 
 def same_run_settings(saved: dict, args: argparse.Namespace) -> bool:
@@ -409,14 +447,20 @@ def load_reusable(args: argparse.Namespace) -> Curves:
         print("[convergence] --reuse: settings differ from the saved run; starting afresh")
         return {}
     now = settings(args)
-    same_lr = old["settings"].get("lr") == now["lr"]
-    same_outer = all(old["settings"].get(k) == now[k] for k in TUNED[1:])
+
+    def same(key: str) -> bool:
+        return old["settings"].get(key) == now[key]
+
+    def reusable(config: str) -> bool:
+        if config in ("single_group", "sync_dp", "localsgd"):
+            return True  # no outer optimizer
+        outer = "async_outer_optimizer" if config.startswith("async") else "outer_optimizer"
+        return same(outer) and (not config.endswith("_dn") or same("delayed_nesterov_rows"))
+
     return {
         config: {int(seed): {int(t): v for t, v in c.items()} for seed, c in by_seed.items()}
         for config, by_seed in old.get("curves", {}).items()
-        if config in args.configs
-        and same_lr
-        and (same_outer or config in ("single_group", "sync_dp", "localsgd"))
+        if config in args.configs and same("lr") and reusable(config)
     }
 
 
@@ -427,13 +471,17 @@ def _row_key(row: dict) -> tuple:
     return (row["config"], row["lr"], row.get("outer_lr"), row.get("outer_momentum"))
 
 
-def best_rows(rows: list[dict]) -> tuple[dict | None, dict | None]:
-    """Synchronous DP's best row, and DiLoCo's best row at that row's learning rate."""
+def best_rows(rows: list[dict]) -> tuple[dict | None, dict[str, dict]]:
+    """Synchronous DP's best row, and for each method of ``OUTER_SWEPT`` that the rows sweep,
+    its best row at that row's learning rate."""
     dp = [r for r in rows if r["config"] == "sync_dp"]
     best_dp = min(dp, key=lambda r: r["final_eval_loss_mean"]) if dp else None
-    diloco = [r for r in rows if r["config"] == "diloco" and best_dp and r["lr"] == best_dp["lr"]]
-    best_diloco = min(diloco, key=lambda r: r["final_eval_loss_mean"]) if diloco else None
-    return best_dp, best_diloco
+    best_outer = {}
+    for method in OUTER_SWEPT:
+        swept = [r for r in rows if r["config"] == method and best_dp and r["lr"] == best_dp["lr"]]
+        if swept:
+            best_outer[method] = min(swept, key=lambda r: r["final_eval_loss_mean"])
+    return best_dp, best_outer
 
 
 def take_from_sweep(args: argparse.Namespace) -> dict[str, object]:
@@ -444,17 +492,28 @@ def take_from_sweep(args: argparse.Namespace) -> dict[str, object]:
     saved = json.loads(args.sweep_out.read_text())
     if not same_run_settings(saved, args):
         raise SystemExit(f"--from-sweep: {args.sweep_out} was swept with other settings")
-    best_dp, best_diloco = best_rows(saved["rows"])
+    best_dp, best_outer = best_rows(saved["rows"])
     if best_dp is None:
         raise SystemExit(f"--from-sweep: {args.sweep_out} has no sync_dp row (--sweep-lr)")
     args.lr = best_dp["lr"]
     chosen: dict[str, object] = {"lr": args.lr, "sync_dp_runs_swept": sum(
         r["config"] == "sync_dp" for r in saved["rows"])}  # fmt: skip
-    if best_diloco is not None:
-        args.outer_lr, args.outer_momentum = best_diloco["outer_lr"], best_diloco["outer_momentum"]
+    if "diloco" in best_outer:
+        best = best_outer["diloco"]
+        args.outer_lr, args.outer_momentum = best["outer_lr"], best["outer_momentum"]
         chosen.update(outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                       diloco_runs_swept=sum(r["config"] == "diloco" and r["lr"] == args.lr
                                             for r in saved["rows"]))  # fmt: skip
+    if "async_eager" in best_outer:
+        best = best_outer["async_eager"]
+        args.async_outer_lr, args.async_outer_momentum = best["outer_lr"], best["outer_momentum"]
+        chosen.update(async_outer_lr=args.async_outer_lr,
+                      async_outer_momentum=args.async_outer_momentum,
+                      async_runs_swept=sum(r["config"] == "async_eager" and r["lr"] == args.lr
+                                           for r in saved["rows"]))  # fmt: skip
+    else:  # no sweep of its own: blocking DiLoCo's choice
+        args.async_outer_lr, args.async_outer_momentum = args.outer_lr, args.outer_momentum
+        chosen.update(async_outer_optimizer="DiLoCo's: the file has no async_eager sweep")
     chosen.update(sweep_file=str(args.sweep_out), sweep_seeds=saved["seeds"],
                   sweep_eval_split=saved.get("eval_split"))  # fmt: skip
     return chosen
@@ -462,8 +521,9 @@ def take_from_sweep(args: argparse.Namespace) -> dict[str, object]:
 
 def sweep(args: argparse.Namespace) -> int:
     """On the sweep seeds and the selection half: synchronous DP's final held-out loss for
-    every learning rate (``--sweep-lr``), or DiLoCo's for every (outer lr, outer momentum)
-    pair at ``--lr``; DiLoCo's rows are rated against the file's best DP row."""
+    every learning rate (``--sweep-lr``), or ``--sweep-method``'s (blocking or async DiLoCo)
+    for every (outer lr, outer momentum) pair at ``--lr``; the outer optimizers' rows are
+    rated against the file's best DP row."""
     load = common.load_average()
     rows: list[dict] = []
     commands: list[str] = []
@@ -482,7 +542,7 @@ def sweep(args: argparse.Namespace) -> int:
         args.configs = ["sync_dp"]
         points = [(lr, None, None) for lr in args.sweep_lr]
     else:
-        args.configs = ["diloco"]
+        args.configs = [args.sweep_method]
         points = [
             (args.lr, lr, momentum)
             for momentum in args.sweep_outer_momentum or [args.outer_momentum]
@@ -492,6 +552,7 @@ def sweep(args: argparse.Namespace) -> int:
         args.lr = lr
         if outer_lr is not None:
             args.outer_lr, args.outer_momentum = outer_lr, momentum
+            args.async_outer_lr, args.async_outer_momentum = outer_lr, momentum
         curves: Curves = {}
         with tempfile.TemporaryDirectory(prefix="convergence_sweep_") as tmp:
             run_all(args, Path(tmp), curves, lambda c: None, "select")
@@ -510,7 +571,7 @@ def sweep(args: argparse.Namespace) -> int:
             same_lr = best_dp is not None and r["lr"] == best_dp["lr"]
             r["ratio_to_best_sync_dp"] = (
                 round(r["final_eval_loss_mean"] / best_dp["final_eval_loss_mean"], 4)  # type: ignore[index]
-                if r["config"] == "diloco" and same_lr
+                if r["config"] in OUTER_SWEPT and same_lr
                 else None
             )
         print(
@@ -528,6 +589,7 @@ def sweep(args: argparse.Namespace) -> int:
                     **settings(args),
                     "lr": "swept (rows)",
                     "outer_optimizer": "swept (rows)",
+                    "async_outer_optimizer": "swept (rows)",
                     "load_avg_1min_at_start": round(load, 2),
                 },
                 "parameters": args.parameters,
@@ -562,7 +624,7 @@ def _group0_curve(
             tmp / f"{config}_seed{seed}_{steps}steps",
             BASE_METHOD[config],
             train_args(args, seed, False, eval_folder, steps=steps),
-            semi_sync_args=semi_sync_args(args),
+            semi_sync_args=semi_sync_args(args, config),
             group_args=group_args,
             timeout=7200,
             job_options=job_options,
@@ -781,8 +843,8 @@ def main(argv: list[str] | None = None) -> int:
     title = (
         f"{args.flavor}, seq {args.seq_len}, batch {args.batch}/group, 2 groups x "
         f"{args.steps} steps, H={args.sync_steps}, seeds {result['seeds']}, AdamW {args.lr:g}\n"
-        f"DiLoCo outer SGD lr {args.outer_lr}, momentum {args.outer_momentum}"
-        + (" (Nesterov)" if args.outer_momentum > 0 else "")
+        f"outer SGD (Nesterov): DiLoCo lr {args.outer_lr}, momentum {args.outer_momentum}; "
+        f"async lr {args.async_outer_lr}, momentum {args.async_outer_momentum}"
     )
     result["png"] = plot({c: curves[c] for c in args.configs if curves.get(c)}, args.png, title)
     provenance.write_result(args.out, result, command)

@@ -205,6 +205,27 @@ def test_the_sweeps_pick_dp_s_best_lr_and_diloco_s_best_outer_optimizer_at_that_
     assert (args.lr, args.outer_lr, args.outer_momentum) == (4e-3, 1.0, 0.0)
     assert chosen["sync_dp_runs_swept"] == 2 and chosen["diloco_runs_swept"] == 2
     assert chosen["sweep_eval_split"] == "select"
+    # Without a sweep of its own, async DiLoCo runs with blocking DiLoCo's choice, and says so.
+    assert (args.async_outer_lr, args.async_outer_momentum) == (1.0, 0.0)
+    assert "no async_eager sweep" in chosen["async_outer_optimizer"]
+    # With one, each takes its own best at DP's best lr.
+    rows += [
+        {"config": "async_eager", "lr": 4e-3, "outer_lr": 0.5, "outer_momentum": 0.0,
+         "final_eval_loss_mean": 2.28},
+        {"config": "async_eager", "lr": 4e-3, "outer_lr": 0.7, "outer_momentum": 0.5,
+         "final_eval_loss_mean": 2.35},
+        {"config": "async_eager", "lr": 1e-3, "outer_lr": 1.0, "outer_momentum": 0.9,
+         "final_eval_loss_mean": 1.9},  # another inner lr
+    ]  # fmt: skip
+    sweep_out.write_text(json.dumps({"settings": conv.settings(smoke), "rows": rows,
+                                     "seeds": [0], "eval_split": "select"}))  # fmt: skip
+    args = conv.parse_args(["--smoke", "--sweep-out", str(sweep_out)])
+    chosen = conv.take_from_sweep(args)
+    assert (args.outer_lr, args.outer_momentum) == (1.0, 0.0)
+    assert (args.async_outer_lr, args.async_outer_momentum) == (0.5, 0.0)
+    assert chosen["async_runs_swept"] == 2 and chosen["diloco_runs_swept"] == 2
+    assert "--fault_tolerance.outer_lr=0.5" in conv.semi_sync_args(args, "async_dylu")
+    assert "--fault_tolerance.outer_lr=1.0" in conv.semi_sync_args(args, "diloco_int8")
 
 
 def test_straggler_summary_compares_final_losses_of_runs_that_end_together() -> None:
@@ -239,6 +260,15 @@ def test_localsgd_gets_no_outer_optimizer_flags() -> None:
     args = conv.parse_args(["--smoke", "--outer-lr", "0.5", "--outer-momentum", "0.5"])
     assert conv.semi_sync_args(args, "localsgd") == ["--fault_tolerance.sync_steps=4"]
     assert "--fault_tolerance.outer_lr=0.5" in conv.semi_sync_args(args, "diloco")
+    # Async DiLoCo's outer optimizer: its own where given, else blocking DiLoCo's; the Delayed
+    # Nesterov rows take its lr with --dn-momentum.
+    assert conv.semi_sync_args(args, "async_eager") == conv.semi_sync_args(args, "diloco")
+    args = conv.parse_args(["--smoke", "--outer-lr", "0.5", "--async-outer-lr", "0.9",
+                            "--async-outer-momentum", "0.0", "--dn-momentum", "0.8"])  # fmt: skip
+    assert conv.semi_sync_args(args, "async_eager")[1:] == [
+        "--fault_tolerance.outer_lr=0.9", "--fault_tolerance.outer_momentum=0.0"]  # fmt: skip
+    assert conv.semi_sync_args(args, "async_delayed_dn")[1:] == [
+        "--fault_tolerance.outer_lr=0.9", "--fault_tolerance.outer_momentum=0.8"]  # fmt: skip
 
 
 def test_convergence_summary_rates_async_against_diloco() -> None:
@@ -400,6 +430,8 @@ def test_a_sweep_rates_each_pair_against_the_best_dp_row_and_extends_its_file(
         final = 2.0 + 100 * abs(args.lr - 2e-3)
         if config == "diloco":
             final += args.outer_lr / 2 + args.outer_momentum / 10
+        if config == "async_eager":  # its own sweep reads its own fields
+            final += abs(args.async_outer_lr - 1.0) / 4 + args.async_outer_momentum
         curves[config] = {0: {64: 3.0, 128: final}}
 
     monkeypatch.setattr(conv, "run_all", run_all)
@@ -425,3 +457,15 @@ def test_a_sweep_rates_each_pair_against_the_best_dp_row_and_extends_its_file(
     args = conv.parse_args(["--smoke", *files])
     conv.take_from_sweep(args)
     assert (args.lr, args.outer_lr, args.outer_momentum) == (2e-3, 0.5, 0.0)
+    # Async DiLoCo's outer optimizer gets a sweep of its own, in the same file.
+    runs.clear()
+    async_grid = ["--sweep-method", "async_eager", "--sweep-outer-lr", "0.7", "1.0",
+                  "--sweep-outer-momentum", "0.0"]  # fmt: skip
+    assert conv.main(["--smoke", "--from-sweep", *async_grid, *files]) == 0
+    assert runs == [("async_eager", 2e-3, 0.7, 0.0), ("async_eager", 2e-3, 1.0, 0.0)]
+    rows = [r for r in _read(sweep_out)["rows"] if r["config"] == "async_eager"]
+    assert [r["ratio_to_best_sync_dp"] for r in rows] == pytest.approx([1.0375, 1.0])
+    args = conv.parse_args(["--smoke", *files])
+    conv.take_from_sweep(args)
+    assert (args.outer_lr, args.outer_momentum) == (0.5, 0.0)  # DiLoCo's own, unchanged
+    assert (args.async_outer_lr, args.async_outer_momentum) == (1.0, 0.0)
