@@ -375,7 +375,8 @@ def verdicts(summary: dict[str, dict]) -> dict[str, str]:
 
 
 def plot(curves: Curves, path: Path, title: str) -> str:
-    """Eval loss vs tokens, one line per config (mean over seeds; seeds faint)."""
+    """Eval loss vs tokens, one line per config (mean over seeds; seeds faint); past the ten
+    colours of the cycle, the lines are dashed, so no two configs look alike."""
     try:
         import matplotlib
 
@@ -384,10 +385,11 @@ def plot(curves: Curves, path: Path, title: str) -> str:
     except ImportError:
         return "matplotlib is not installed (pip install -e '.[bench]'): no PNG written"
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
-    for config, by_seed in curves.items():
+    for index, (config, by_seed) in enumerate(curves.items()):
         tokens = sorted(set.intersection(*(set(c) for c in by_seed.values())))
         mean = [sum(c[t] for c in by_seed.values()) / len(by_seed) for t in tokens]
-        (line,) = ax.plot([t / 1e6 for t in tokens], mean, marker="o", ms=3, label=config)
+        (line,) = ax.plot([t / 1e6 for t in tokens], mean, marker="o", ms=3, label=config,
+                          color=f"C{index % 10}", ls=("-", "--", ":")[index // 10 % 3])  # fmt: skip
         if len(by_seed) > 1:
             for curve in by_seed.values():
                 xs = sorted(curve)
