@@ -22,10 +22,10 @@ How the hyperparameters are chosen, fairly: synchronous DP's learning rate
 ``async_eager``, at DP's best learning rate, which is every method's inner learning rate)
 each get a sweep of their own, on seeds ``--sweep-seeds`` (default 0) and on the *selection*
 half of the held-out documents. ``--from-sweep`` takes the best of each from the sweep file
-(async DiLoCo takes blocking DiLoCo's where the file has no async sweep). The report runs
-other seeds (default 1, 2, 3) and evaluates on the *test* half, which no choice has seen. The
-embedded corpus's held-out documents are split into the two halves by size, so that each
-holds about 57 k tokens (``held_out_halves``).
+(where the file has no async sweep, async DiLoCo takes ``--async-outer-*``, else blocking
+DiLoCo's choice). The report runs other seeds (default 1, 2, 3) and evaluates on the *test*
+half, which no choice has seen. The embedded corpus's held-out documents are split into the
+two halves by size, so that each holds about 57 k tokens (``held_out_halves``).
 
 * ``single_group``: one process without FT (1 thread), ``2 x --steps`` steps (so it sees as
   many tokens as two groups do in ``--steps``);
@@ -135,7 +135,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--async-outer-lr", type=float, default=None,
                    help="async DiLoCo's outer SGD lr; default: --outer-lr")  # fmt: skip
     p.add_argument("--async-outer-momentum", type=float, default=None,
-                   help="its Nesterov momentum; default: --outer-momentum")  # fmt: skip
+                   help="its Nesterov momentum (the *_dn rows: --dn-momentum); default: "
+                   "--outer-momentum")  # fmt: skip
     p.add_argument(
         "--dn-momentum",
         type=float,
@@ -149,15 +150,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(outer lr, outer momentum) pair, at --lr")  # fmt: skip
     p.add_argument("--sweep-outer-momentum", type=float, nargs="+",
                    help="sweep: the outer momenta of those pairs")  # fmt: skip
-    p.add_argument("--sweep-method", choices=OUTER_SWEPT, default="diloco",
+    p.add_argument("--sweep-method", choices=OUTER_SWEPT,
                    help="whose outer optimizer --sweep-outer-* tunes: blocking DiLoCo's (used "
-                   "by every DiLoCo row) or async DiLoCo's (used by the async_* rows)")  # fmt: skip
+                   "by every DiLoCo row; the default) or async DiLoCo's (used by the async_* "
+                   "rows)")  # fmt: skip
     p.add_argument("--sweep-out", type=Path, help=provenance.output_help("convergence_sweep.json"))
     p.add_argument("--from-sweep", action="store_true",
                    help="take --lr (synchronous DP's best), --outer-lr / --outer-momentum "
                    "(DiLoCo's best at that lr) and --async-outer-lr / --async-outer-momentum "
-                   "(async DiLoCo's best at that lr, where the file has an async sweep) from "
-                   "--sweep-out")  # fmt: skip
+                   "(async DiLoCo's best at that lr, where the file has an async sweep; "
+                   "without one, async DiLoCo takes what --async-outer-* say, else DiLoCo's "
+                   "choice) from --sweep-out")  # fmt: skip
     p.add_argument("--out", type=Path, help=provenance.output_help("convergence.json"))
     p.add_argument("--png", type=Path, help="chart (default: --out, as .png)")
     p.add_argument("--straggler", type=float, default=None,
@@ -180,6 +183,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--rate needs --straggler (the equal-token comparison runs on loopback)")
     if args.rate is not None and (why := netns.unavailable()):
         p.error(f"--rate: no emulated links here: {why}")
+    outer_sweep = args.sweep_outer_lr or args.sweep_outer_momentum
+    if args.sweep_method is not None and not outer_sweep:
+        p.error("--sweep-method needs --sweep-outer-lr and/or --sweep-outer-momentum")
+    if args.sweep_lr and outer_sweep:
+        p.error("--sweep-lr and --sweep-outer-*: one sweep per command (DP's lr first)")
+    args.sweep_method = args.sweep_method or "diloco"
     name = "convergence.json" if args.straggler is None else "convergence_straggler.json"
     args.out = args.out or provenance.default_output(name, args.smoke)
     args.sweep_out = args.sweep_out or provenance.default_output(
@@ -187,16 +196,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args.png = args.png or args.out.with_suffix(".png")
     args.parameters = None  # the model's, from the first run's train.started
-    _default_async_outer(args)
     return args
 
 
-def _default_async_outer(args: argparse.Namespace) -> None:
-    """Async DiLoCo's outer optimizer, where not given: blocking DiLoCo's."""
-    if args.async_outer_lr is None:
-        args.async_outer_lr = args.outer_lr
-    if args.async_outer_momentum is None:
-        args.async_outer_momentum = args.outer_momentum
+def async_outer(args: argparse.Namespace) -> tuple[float, float]:
+    """Async DiLoCo's outer (lr, momentum): ``--async-outer-*`` where given (or chosen by
+    ``--from-sweep``), else blocking DiLoCo's."""
+    lr = args.outer_lr if args.async_outer_lr is None else args.async_outer_lr
+    momentum = (
+        args.outer_momentum if args.async_outer_momentum is None else args.async_outer_momentum
+    )
+    return lr, momentum
 
 
 def held_out_halves(folder: Path) -> dict[str, Path]:
@@ -300,7 +310,7 @@ def semi_sync_args(args: argparse.Namespace, config: str) -> list[str]:
     if config == "localsgd":  # no outer optimizer: the trainer refuses its fields
         return [f"--fault_tolerance.sync_steps={args.sync_steps}"]
     if config.startswith("async"):
-        lr, momentum = args.async_outer_lr, args.async_outer_momentum
+        lr, momentum = async_outer(args)
     else:
         lr, momentum = args.outer_lr, args.outer_momentum
     if config.endswith("_dn"):
@@ -422,8 +432,7 @@ def settings(args: argparse.Namespace) -> dict:
         f"{2 * args.eval_batches}), every {args.sync_steps} steps",
         "lr": f"AdamW {args.lr:g}, warmup 20, linear decay to 0",
         "outer_optimizer": f"SGD lr {args.outer_lr}, momentum {args.outer_momentum}, Nesterov",
-        "async_outer_optimizer": f"SGD lr {args.async_outer_lr}, momentum "
-        f"{args.async_outer_momentum}, Nesterov",
+        "async_outer_optimizer": "SGD lr {}, momentum {}, Nesterov".format(*async_outer(args)),
         "delayed_nesterov_rows": f"momentum {args.dn_momentum}, applied every 2 outer steps",
         "streaming": "2 fragments, fragment_sync_delay=1",
         "threads": "1 per process; 2-group runs: group i on core i; single group unpinned",
@@ -513,9 +522,11 @@ def take_from_sweep(args: argparse.Namespace) -> dict[str, object]:
                       async_outer_momentum=args.async_outer_momentum,
                       async_runs_swept=sum(r["config"] == "async_eager" and r["lr"] == args.lr
                                            for r in saved["rows"]))  # fmt: skip
-    else:  # no sweep of its own: blocking DiLoCo's choice
-        args.async_outer_lr, args.async_outer_momentum = args.outer_lr, args.outer_momentum
+    elif args.async_outer_lr is None and args.async_outer_momentum is None:
         chosen.update(async_outer_optimizer="DiLoCo's: the file has no async_eager sweep")
+    else:  # no sweep of its own: what the command line says, DiLoCo's where it is silent
+        chosen.update(async_outer_optimizer="the command line's (--async-outer-*; DiLoCo's "
+                      "where not given): the file has no async_eager sweep")  # fmt: skip
     chosen.update(sweep_file=str(args.sweep_out), sweep_seeds=saved["seeds"],
                   sweep_eval_split=saved.get("eval_split"))  # fmt: skip
     return chosen
@@ -545,10 +556,15 @@ def sweep(args: argparse.Namespace) -> int:
         points = [(lr, None, None) for lr in args.sweep_lr]
     else:
         args.configs = [args.sweep_method]
+        # A grid given in one dimension only: the other at the swept method's own setting.
+        lr0, momentum0 = (
+            async_outer(args) if args.sweep_method == "async_eager"
+            else (args.outer_lr, args.outer_momentum)
+        )  # fmt: skip
         points = [
             (args.lr, lr, momentum)
-            for momentum in args.sweep_outer_momentum or [args.outer_momentum]
-            for lr in args.sweep_outer_lr or [args.outer_lr]
+            for momentum in args.sweep_outer_momentum or [momentum0]
+            for lr in args.sweep_outer_lr or [lr0]
         ]
     for lr, outer_lr, momentum in points:
         args.lr = lr
@@ -846,7 +862,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.flavor}, seq {args.seq_len}, batch {args.batch}/group, 2 groups x "
         f"{args.steps} steps, H={args.sync_steps}, seeds {result['seeds']}, AdamW {args.lr:g}\n"
         f"outer SGD (Nesterov): DiLoCo lr {args.outer_lr}, momentum {args.outer_momentum}; "
-        f"async lr {args.async_outer_lr}, momentum {args.async_outer_momentum}"
+        "async lr {}, momentum {}".format(*async_outer(args))
     )
     result["png"] = plot({c: curves[c] for c in args.configs if curves.get(c)}, args.png, title)
     provenance.write_result(args.out, result, command)

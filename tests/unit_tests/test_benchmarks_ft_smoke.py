@@ -205,9 +205,14 @@ def test_the_sweeps_pick_dp_s_best_lr_and_diloco_s_best_outer_optimizer_at_that_
     assert (args.lr, args.outer_lr, args.outer_momentum) == (4e-3, 1.0, 0.0)
     assert chosen["sync_dp_runs_swept"] == 2 and chosen["diloco_runs_swept"] == 2
     assert chosen["sweep_eval_split"] == "select"
-    # Without a sweep of its own, async DiLoCo runs with blocking DiLoCo's choice, and says so.
-    assert (args.async_outer_lr, args.async_outer_momentum) == (1.0, 0.0)
-    assert "no async_eager sweep" in chosen["async_outer_optimizer"]
+    # Without a sweep of its own, async DiLoCo runs with blocking DiLoCo's choice, and says so;
+    # what the command line gives it is kept.
+    assert conv.async_outer(args) == (1.0, 0.0)
+    assert chosen["async_outer_optimizer"].startswith("DiLoCo's")
+    args = conv.parse_args(["--smoke", "--sweep-out", str(sweep_out), "--async-outer-lr", "0.3"])
+    chosen = conv.take_from_sweep(args)
+    assert conv.async_outer(args) == (0.3, 0.0)
+    assert chosen["async_outer_optimizer"].startswith("the command line's")
     # With one, each takes its own best at DP's best lr.
     rows += [
         {"config": "async_eager", "lr": 4e-3, "outer_lr": 0.5, "outer_momentum": 0.0,
@@ -222,7 +227,7 @@ def test_the_sweeps_pick_dp_s_best_lr_and_diloco_s_best_outer_optimizer_at_that_
     args = conv.parse_args(["--smoke", "--sweep-out", str(sweep_out)])
     chosen = conv.take_from_sweep(args)
     assert (args.outer_lr, args.outer_momentum) == (1.0, 0.0)
-    assert (args.async_outer_lr, args.async_outer_momentum) == (0.5, 0.0)
+    assert conv.async_outer(args) == (0.5, 0.0)
     assert chosen["async_runs_swept"] == 2 and chosen["diloco_runs_swept"] == 2
     assert "--fault_tolerance.outer_lr=0.5" in conv.semi_sync_args(args, "async_dylu")
     assert "--fault_tolerance.outer_lr=1.0" in conv.semi_sync_args(args, "diloco_int8")
@@ -468,4 +473,14 @@ def test_a_sweep_rates_each_pair_against_the_best_dp_row_and_extends_its_file(
     args = conv.parse_args(["--smoke", *files])
     conv.take_from_sweep(args)
     assert (args.outer_lr, args.outer_momentum) == (0.5, 0.0)  # DiLoCo's own, unchanged
-    assert (args.async_outer_lr, args.async_outer_momentum) == (1.0, 0.0)
+    assert conv.async_outer(args) == (1.0, 0.0)
+    # A grid in one dimension: the other at the swept method's own (async's) setting.
+    runs.clear()
+    one_dim = ["--sweep-method", "async_eager", "--sweep-outer-lr", "0.7",
+               "--async-outer-momentum", "0.3"]  # fmt: skip
+    assert conv.main(["--smoke", *one_dim, "--lr", "2e-3", *files]) == 0
+    assert runs == [("async_eager", 2e-3, 0.7, 0.3)]
+    # --sweep-method says whose sweep; alone, or beside DP's sweep, it is an error.
+    for bad in (["--sweep-method", "async_eager"], ["--sweep-lr", "1e-3", "--sweep-outer-lr", "1"]):
+        with pytest.raises(SystemExit):
+            conv.parse_args(["--smoke", *bad])
