@@ -13,12 +13,19 @@ Columns: the file; the commit its numbers come from (``machine.git_commit``), ma
 repeats it records (the count of distinct ``repeat`` numbers where a file numbers its runs
 instead). The README's preamble holds the table between two markers, so that it says what the
 files say.
+
+    .venv/bin/python -m benchmarks.results_index --code-changes
+
+prints, per file, the code that changed between its commit and HEAD (git, in the clone): what
+the trainer, launcher and benchmarks run (``CODE``), not docs, tests or other results. "none"
+means the file's numbers come from the code HEAD holds.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +35,13 @@ from benchmarks.provenance import RESULTS
 
 README = RESULTS.parent / "README.md"
 BEGIN, END = "<!-- results-index: begin -->", "<!-- results-index: end -->"
+# What a benchmark runs: a change here can change a figure. Docs, tests, the results, this
+# reader of them and the test runner cannot.
+CODE = [
+    "torchtitan", "benchmarks", "scripts", "run_train.sh", "pyproject.toml",
+    ":(exclude)*.md", ":(exclude)benchmarks/results", ":(exclude)benchmarks/results_index.py",
+    ":(exclude)scripts/test.sh",
+]  # fmt: skip
 HEADER = [
     "| file | commit | written (UTC) | CPU vector ISA | 1-min load (min-max) | repeats |",
     "| --- | --- | --- | --- | --- | --- |",
@@ -66,6 +80,34 @@ def row(path: Path) -> str:
     return f"| `{path.name}` | {commit} | {date} | {isa} | {load} | {count} |"
 
 
+def code_changes(commit: str, repo: Path = RESULTS.parents[1]) -> list[str]:
+    """The code files (``CODE``) that differ between ``commit`` and HEAD in ``repo``."""
+    out = subprocess.run(
+        ["git", "diff", "--name-only", commit, "HEAD", "--", *CODE],
+        cwd=repo, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return out.stdout.split()
+
+
+def code_changes_report(folder: Path = RESULTS) -> str:
+    """One line per result file: its commit and the code changed since, or why unknown."""
+    lines = []
+    for path in sorted(folder.glob("*.json")):
+        machine = json.loads(path.read_text()).get("machine")
+        commit = machine.get("git_commit") if isinstance(machine, dict) else None
+        if not commit:
+            lines.append(f"{path.name}: no commit recorded")
+            continue
+        commit = commit.removesuffix("+dirty")
+        try:
+            changed = code_changes(commit, folder.parents[1])
+        except subprocess.CalledProcessError as e:
+            lines.append(f"{path.name}: {commit}: git cannot compare ({e.stderr.strip()})")
+            continue
+        lines.append(f"{path.name}: {commit}: code changed since: {', '.join(changed) or 'none'}")
+    return "\n".join(lines)
+
+
 def table(folder: Path = RESULTS) -> str:
     return "\n".join([*HEADER, *(row(p) for p in sorted(folder.glob("*.json")))])
 
@@ -82,7 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true",
                    help=f"compare with the copy in {README.name} (1 if it differs)")  # fmt: skip
     p.add_argument("--write", action="store_true", help=f"replace the copy in {README.name}")
+    p.add_argument("--code-changes", action="store_true",
+                   help="per file, the code changed between its commit and HEAD (git)")  # fmt: skip
     args = p.parse_args(argv)
+    if args.code_changes:
+        print(code_changes_report())
+        return 0
     now = table()
     if args.write:
         text = README.read_text()
