@@ -291,10 +291,23 @@ def _read_runs(path: Path) -> list[dict[str, Any]]:
     return json.loads(path.read_text())["runs"]
 
 
+def _print_log_tails(folder: Path, lines: int = 40) -> None:
+    """Every log under ``folder`` (lighthouse and each start of each group), its last lines:
+    what a failed run of a multi-process benchmark leaves to read in the test's report."""
+    for log in sorted(folder.rglob("*.log")):
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        print(f"==== {log.relative_to(folder)} (last {len(tail)} lines)", *tail, sep="\n")
+
+
 @pytest.mark.usefixtures("warm_benchmark_trainers")
 def test_recovery_smoke_heals_and_soaks_without_divergence(tmp_path: Path) -> None:
-    out = tmp_path / "recovery.json"
-    assert _module("recovery").main(["--smoke", "--out", str(out)]) == 0
+    out, logs = tmp_path / "recovery.json", tmp_path / "logs"
+    try:
+        code = _module("recovery").main(["--smoke", "--out", str(out), "--logs", str(logs)])
+    except BaseException:
+        _print_log_tails(logs)  # kept under pytest's tmp_path too
+        raise
+    assert code == 0
     data = json.loads(out.read_text())
     sample, joiner = data["recovery"]["samples"]
     # A heal carries at least the model and AdamW's two moments, in fp32.
