@@ -28,7 +28,7 @@ PYEOF
 if [[ -n $missing ]]; then
   if compgen -G ".whl/*.whl" >/dev/null; then
     echo "gpu_check: installing $missing from .whl/"
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/gpu_check_site .whl/*.whl || exit 4
+    "$PY" -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/gpu_check_site .whl/*.whl || exit 4
     export PYTHONPATH=/tmp/gpu_check_site${PYTHONPATH:+:$PYTHONPATH}
     export PATH=/tmp/gpu_check_site/bin:$PATH
   else
@@ -40,4 +40,4 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHON=$PY  # run_train.sh, which the launcher starts, takes it
 args=(--out "$out")
 [[ $dry == 1 ]] && args+=(--dry-run)
-exec timeout 480 "$PY" scripts/gpu_check.py "${args[@]}"
+exec timeout 460 "$PY" scripts/gpu_check.py "${args[@]}"
