@@ -36,11 +36,13 @@ from benchmarks.provenance import RESULTS
 README = RESULTS.parent / "README.md"
 BEGIN, END = "<!-- results-index: begin -->", "<!-- results-index: end -->"
 # What a benchmark runs: a change here can change a figure. Docs, tests, the results, this
-# reader of them and the test runner cannot.
+# reader of them, the test runner and the checks that no benchmark runs (the GPU check, the
+# mutation check) cannot.
 CODE = [
     "torchtitan", "benchmarks", "scripts", "run_train.sh", "pyproject.toml",
     ":(exclude)*.md", ":(exclude)benchmarks/results", ":(exclude)benchmarks/results_index.py",
-    ":(exclude)scripts/test.sh",
+    ":(exclude)scripts/test.sh", ":(exclude)scripts/gpu_check.*",
+    ":(exclude)scripts/mutation_check.py",
 ]  # fmt: skip
 HEADER = [
     "| file | commit | written (UTC) | CPU vector ISA | 1-min load (min-max) | repeats |",
