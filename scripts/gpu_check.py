@@ -1,5 +1,5 @@
 """The GPU path, run for real in one go: what ``scripts/gpu_check.sh`` runs on a machine with one
-CUDA device, within a time budget (``--budget-s``, default 400 s). Everything it measures goes
+CUDA device, within a time budget (``--budget-s``, default 330 s). Everything it measures goes
 into one folder: a log per run and ``gpu_check.json``, written again after every run, so that a
 run cut off by the budget loses nothing measured before it.
 
@@ -35,11 +35,14 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from torchtitan.tools.cluster.process_tree import process_tree, signal_pids
 
 REPO = Path(__file__).resolve().parents[1]
 SEMI_SYNC_MODULE = "--job.custom_args_module=torchtitan.experiments.fault_tolerance.job_config"
@@ -56,8 +59,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="folder for the logs and the JSON")
     p.add_argument("--dry-run", action="store_true", help="the steps on the CPU, tiny")
-    p.add_argument("--budget-s", type=float, default=400.0, help="seconds for all runs together")
+    p.add_argument("--budget-s", type=float, default=330.0, help="seconds for all runs together")
     return p.parse_args(argv)
+
+
+class Terminated(BaseException):  # not an Exception: a run's error handling must not take it
+    """SIGTERM (the wrapper's ``timeout``): stop the run in progress, keep what was measured."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """End ``proc`` and everything it started. The launcher's lighthouse and groups run in
+    sessions of their own, so the tree is collected first; SIGTERM lets the launcher stop its
+    groups (10 s of grace), then whatever is left is killed by PID."""
+    tree = process_tree(proc.pid)
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        pass
+    signal_pids(tree, signal.SIGKILL)
+    proc.wait()
 
 
 class Budget:
@@ -78,14 +103,15 @@ def run(name: str, cmd: list[str], out: Path, timeout_s: float) -> dict:
         return {"exit": "skipped: budget spent", "seconds": 0.0, "log": None}
     start = time.monotonic()
     with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
         try:
-            proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
-                                    start_new_session=True)  # fmt: skip
             code: int | str = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)  # the launcher's lighthouse and groups too
-            proc.wait()
+            stop(proc)
             code = "timeout"
+        except Terminated:
+            stop(proc)
+            raise
     return {"exit": code, "seconds": round(time.monotonic() - start, 1), "log": log.name}
 
 
@@ -115,10 +141,10 @@ def median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2] if values else float("nan")
 
 
-def cuda_tests(out: Path, python: str, dry: bool, budget: Budget) -> dict:
-    only_cuda = ["-k", "cuda"] if dry else []  # the CUDA tests' names say "cuda"
-    cmd = [python, "-m", "pytest", *CUDA_TESTS, *only_cuda, "-q", "-rs", "-p", "no:cacheprovider"]
-    result = run("cuda_tests", cmd, out, budget.limit(150))
+def cuda_tests(out: Path, python: str, budget: Budget) -> dict:
+    # Only the tests that need CUDA (their names say "cuda"); the rest run in the suite.
+    cmd = [python, "-m", "pytest", *CUDA_TESTS, "-k", "cuda", "-q", "-rs", "-p", "no:cacheprovider"]
+    result = run("cuda_tests", cmd, out, budget.limit(90))
     tail = " ".join(last_lines(out / "cuda_tests.log", 3))
     for word in ("passed", "skipped", "failed", "error"):
         match = re.search(rf"(\d+) {word}", tail)
@@ -137,17 +163,19 @@ def two_groups(spec: dict, out: Path, python: str, budget: Budget) -> dict:
         f"--model.flavor={spec['flavor']}", f"--training.steps={spec['steps']}",
         f"--training.local_batch_size={spec.get('batch', 4)}",
         f"--training.seq_len={spec.get('seq', 256)}", "--validation.enable=false",
-        f"--metrics.log_freq={spec.get('log_freq', 4)}", "--metrics.log_param_digest",
-        "--lr_scheduler.warmup_steps=2",
+        f"--metrics.log_freq={spec.get('log_freq', 4)}", "--lr_scheduler.warmup_steps=2",
         f"--fault_tolerance.semi_sync_method={spec['method']}",
         f"--fault_tolerance.sync_steps={spec.get('sync_steps', 4)}",
         f"--fault_tolerance.process_group={spec['backend']}",
-        "--fault_tolerance.sync_collective_timeout_s=120", *spec.get("train_args", []),
+        # Below the run's own limit: a hung collective is reported by the groups, not cut off.
+        f"--fault_tolerance.sync_collective_timeout_s={spec.get('collective_timeout_s', 25)}",
+        *(["--metrics.log_param_digest"] if spec.get("digests", True) else []),
+        *spec.get("train_args", []),
     ]  # fmt: skip
     cmd = [python, "-m", "torchtitan.experiments.fault_tolerance.launcher", "--groups", "2",
            *spec.get("launcher_args", []), "--", *train]  # fmt: skip
     row: dict[str, Any] = dict(spec)
-    row.update(run(name, cmd, out, budget.limit(spec.get("timeout_s", 120))))
+    row.update(run(name, cmd, out, budget.limit(spec.get("timeout_s", 60))))
     finals: dict[int, str] = {}
     memory: dict[int, float] = {}
     for entry in events(dump, "semi_sync.final_model"):
@@ -156,7 +184,10 @@ def two_groups(spec: dict, out: Path, python: str, budget: Budget) -> dict:
     for entry in events(dump, "train.step"):
         replica = entry.get("replica", 0)
         memory[replica] = max(memory.get(replica, 0.0), entry["fields"]["memory_gib"])
-    tps = [e["fields"]["tps"] for e in events(dump, "train.step")[2:]]  # past the first lines
+    steps_by_group: dict[int, list[float]] = {}
+    for entry in events(dump, "train.step"):
+        steps_by_group.setdefault(entry.get("replica", 0), []).append(entry["fields"]["tps"])
+    tps = [t for group in steps_by_group.values() for t in group[2:]]  # past each warm-up
     row["final_digests"] = finals
     row["groups_agree"] = len(finals) == 2 and len(set(finals.values())) == 1
     row["peak_memory_gib"] = memory
@@ -227,23 +258,25 @@ def runs(dry: bool) -> list[tuple[str, dict]]:
         ]  # fmt: skip
     async_int8 = ["--fault_tolerance.pseudo_grad_dtype=int8"]
     state = "--fault_tolerance.outer_state_device="
+    # The 1B: no per-sync digests (hashing 4 GB on the host at each sync); the final one stays.
     big = {"flavor": "1B", "backend": "gloo", "method": "async_diloco", "steps": 8, "batch": 4,
-           "seq": 1024, "log_freq": 2, "timeout_s": 100}  # fmt: skip
+           "seq": 1024, "log_freq": 2, "timeout_s": 90, "collective_timeout_s": 60,
+           "digests": False}  # fmt: skip
     return [
         ("two_groups", {"name": "two_groups_async_int8", "flavor": "debugmodel", "backend": "gloo",
                         "method": "async_diloco", "steps": 40,
                         "train_args": [*async_int8, "--fault_tolerance.outer_state_device=cpu"]}),
         # Group 1 dies at step 10 and comes back after 1 s; paced steps (0.25 s) keep group 0
-        # running for about 50 s, so that the restarted group heals from it on the GPU.
+        # running for about 40 s, so that the restarted group heals from it on the GPU.
         ("two_groups", {"name": "two_groups_diloco_heal", "flavor": "debugmodel",
-                        "backend": "gloo", "method": "diloco", "steps": 200, "sync_steps": 5,
-                        "paced": True, "log_freq": 10, "timeout_s": 110,
+                        "backend": "gloo", "method": "diloco", "steps": 160, "sync_steps": 5,
+                        "paced": True, "log_freq": 10, "timeout_s": 90,
                         "launcher_args": ["--kill", "1@10", "--restart-after", "1"],
                         "train_args": ["--fault_injection.step_sleep_s=0.25"]}),
         ("throughput", {"flavor": "debugmodel", "compile": False, "batch": 16, "seq": 2048,
-                        "steps": 30, "log_freq": 5, "timeout_s": 60}),
+                        "steps": 30, "log_freq": 5, "timeout_s": 45}),
         ("throughput", {"flavor": "1B", "compile": False, "batch": 8, "seq": 2048,
-                        "steps": 30, "log_freq": 5, "timeout_s": 80}),
+                        "steps": 30, "log_freq": 5, "timeout_s": 70}),
         ("two_groups", {**big, "name": "two_groups_1B_state_cpu",
                         "train_args": [*async_int8, state + "cpu"]}),
         ("two_groups", {**big, "name": "two_groups_1B_state_device",
@@ -251,7 +284,7 @@ def runs(dry: bool) -> list[tuple[str, dict]]:
         ("throughput", {"flavor": "1B", "compile": True, "batch": 8, "seq": 2048,
                         "steps": 30, "log_freq": 5, "timeout_s": 120}),
         ("two_groups", {"name": "two_groups_nccl", "flavor": "debugmodel", "backend": "nccl",
-                        "method": "async_diloco", "steps": 8, "timeout_s": 45,
+                        "method": "async_diloco", "steps": 8, "timeout_s": 40,
                         "train_args": async_int8}),
     ]  # fmt: skip
 
@@ -277,16 +310,21 @@ def measured_matmul_peak() -> float:
 def provenance() -> dict[str, Any]:
     """The commit (``git``, else ``GPU_CHECK_COMMIT``: a copied tree may lack ``.git``)."""
     git = ["git", "-C", str(REPO)]
-    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    if head.returncode == 0:
-        status = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
-                                capture_output=True, text=True).stdout  # fmt: skip
-        return {"commit": head.stdout.strip(), "git_dirty": bool(status.strip())}
+    try:
+        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True)  # fmt: skip
+        if head.returncode == 0:
+            status = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
+                                    capture_output=True, text=True).stdout  # fmt: skip
+            return {"commit": head.stdout.strip(), "git_dirty": bool(status.strip())}
+    except OSError:  # no git on the machine
+        pass
     return {"commit": os.environ.get("GPU_CHECK_COMMIT", "unknown"), "git_dirty": None}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _on_sigterm)
     args.out.mkdir(parents=True, exist_ok=True)
     budget = Budget(args.budget_s)
     python = sys.executable
@@ -309,28 +347,33 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as e:
         report["torch"] = f"not importable: {e}"
     save()
-    print("gpu_check: cuda_tests ...", flush=True)
-    report["cuda_tests"] = cuda_tests(args.out, python, args.dry_run, budget)
-    save()
-    print(f"gpu_check: cuda_tests: {json.dumps(report['cuda_tests'])[:300]}", flush=True)
-    report["two_groups"], report["throughput"] = [], []
-    for kind, spec in runs(args.dry_run):
-        label = spec.get("name") or f"{spec['flavor']} compile={spec['compile']}"
-        print(f"gpu_check: {kind} {label} ...", flush=True)
-        try:
-            if kind == "two_groups":
-                row = two_groups(spec, args.out, python, budget)
-            else:
-                row = throughput(spec, args.out, python, budget, matmul_peak)
-        except Exception as e:  # a broken run must not lose what the others measured
-            row = {**spec, "error": f"{type(e).__name__}: {e}"}
-        report[kind].append(row)
+    label = "cuda_tests"
+    try:
+        print("gpu_check: cuda_tests ...", flush=True)
+        report["cuda_tests"] = cuda_tests(args.out, python, budget)
         save()
-        print(f"gpu_check: {kind} {label}: {json.dumps(row)[:400]}", flush=True)
+        print(f"gpu_check: cuda_tests: {json.dumps(report['cuda_tests'])[:300]}", flush=True)
+        report["two_groups"], report["throughput"] = [], []
+        for kind, spec in runs(args.dry_run):
+            label = spec.get("name") or f"{spec['flavor']} compile={spec['compile']}"
+            print(f"gpu_check: {kind} {label} ...", flush=True)
+            try:
+                if kind == "two_groups":
+                    row = two_groups(spec, args.out, python, budget)
+                else:
+                    row = throughput(spec, args.out, python, budget, matmul_peak)
+            except Exception as e:  # a broken run must not lose what the others measured
+                row = {**spec, "error": f"{type(e).__name__}: {e}"}
+            report[kind].append(row)
+            save()
+            print(f"gpu_check: {kind} {label}: {json.dumps(row)[:400]}", flush=True)
+    except Terminated:
+        report["terminated"] = f"SIGTERM during {label}: that run was stopped and not recorded"
+        print(f"gpu_check: {report['terminated']}", flush=True)
     report["seconds"] = round(time.time() - report["started"], 1)
     save()
     print(f"gpu_check: wrote {path} after {report['seconds']} s")
-    return 0
+    return 1 if "terminated" in report else 0
 
 
 if __name__ == "__main__":

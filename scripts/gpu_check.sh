@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The GPU path, run for real in one go (scripts/gpu_check.py says what it runs): on a machine
-# with one CUDA device, at most 8 minutes, everything it measures in one folder (logs and
-# gpu_check.json).
+# with one CUDA device, 330 s of runs (stopped at 380 s by SIGTERM, which ends the run in
+# progress and keeps what was measured), everything in one folder (logs and gpu_check.json).
 #
 #   scripts/gpu_check.sh [OUT]           # default OUT: $OUT, else outputs/gpu_check
 #   GPU_CHECK_DRY_RUN=1 scripts/gpu_check.sh /tmp/x   # the same steps on the CPU, tiny
 #
 # Without CUDA (and without GPU_CHECK_DRY_RUN=1) it exits at once, status 3, saying so. Python
 # packages the machine lacks (torchft, tyro, ...) are installed from wheels carried in .whl/
-# (no network there): /work/.library/device/README.md, "Notes", says how to fetch them.
+# (no network there): /work/.library/device/README.md, "Notes", says how to fetch them. Where
+# the copied tree has no .git, export GPU_CHECK_COMMIT=<commit> for the JSON's provenance.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-outputs/gpu_check}}
@@ -40,4 +41,4 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHON=$PY  # run_train.sh, which the launcher starts, takes it
 args=(--out "$out")
 [[ $dry == 1 ]] && args+=(--dry-run)
-exec timeout 460 "$PY" scripts/gpu_check.py "${args[@]}"
+exec timeout 380 "$PY" scripts/gpu_check.py "${args[@]}"

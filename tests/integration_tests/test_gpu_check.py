@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.integration_tests.train_runs import REPO
+from torchtitan.tools.cluster.process_tree import kill_tree, process_state, process_tree
 
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
 
@@ -67,3 +70,32 @@ def test_a_spent_budget_skips_the_runs_and_still_writes_the_json(tmp_path: Path)
     skipped = [report["cuda_tests"], *report["two_groups"], *report["throughput"]]
     assert len(skipped) == 4
     assert all(row["exit"] == "skipped: budget spent" for row in skipped), skipped
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_run_in_progress_and_its_processes_and_keeps_the_json(
+    tmp_path: Path,
+) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--out", str(tmp_path),
+         "--dry-run"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        # The first two-group run: a launcher with a lighthouse and two groups under it.
+        deadline = time.monotonic() + 120
+        while len(process_tree(proc.pid)) < 4:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout
+            time.sleep(0.2)
+        tree = process_tree(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 1
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["terminated"].startswith("SIGTERM during two_groups_async_int8"), report
+    assert report["cuda_tests"]["exit"] == 0 and report["two_groups"] == []
+    time.sleep(1)
+    alive = [pid for pid in tree if process_state(pid) not in ("", "Z")]
+    assert alive == [], f"left running: {alive}"
