@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan.tools.cluster.process_tree import process_tree, signal_pids
+from torchtitan.tools.events import EVENTS_FOLDER, Event, read_events
 
 REPO = Path(__file__).resolve().parents[1]
 SEMI_SYNC_MODULE = "--job.custom_args_module=torchtitan.experiments.fault_tolerance.job_config"
@@ -122,18 +123,9 @@ def last_lines(path: Path, count: int = 5) -> list[str]:
         return []
 
 
-def events(dump: Path, name: str) -> list[dict[str, Any]]:
-    """The events of ``name`` in a run's event files (plain JSON: no project import)."""
-    found = []
-    for file in sorted((dump / "events").glob("*.jsonl")):
-        for line in file.read_text().splitlines():
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                continue
-            if entry.get("event") == name:
-                found.append(entry)
-    return found
+def events(dump: Path, name: str) -> list[Event]:
+    """The events of ``name`` in a run's dump folder, oldest first."""
+    return read_events(dump / EVENTS_FOLDER, name)
 
 
 def median(values: list[float]) -> float:
@@ -179,24 +171,21 @@ def two_groups(spec: dict, out: Path, python: str, budget: Budget) -> dict:
     finals: dict[int, str] = {}
     memory: dict[int, float] = {}
     for entry in events(dump, "semi_sync.final_model"):
-        if entry.get("rank", 0) == 0:
-            finals[entry["replica"]] = entry["fields"]["digest"]
-    for entry in events(dump, "train.step"):
-        replica = entry.get("replica", 0)
-        memory[replica] = max(memory.get(replica, 0.0), entry["fields"]["memory_gib"])
+        if entry.rank == 0:
+            finals[entry.replica or 0] = entry.fields["digest"]
     steps_by_group: dict[int, list[float]] = {}
     for entry in events(dump, "train.step"):
-        steps_by_group.setdefault(entry.get("replica", 0), []).append(entry["fields"]["tps"])
+        replica = entry.replica or 0
+        memory[replica] = max(memory.get(replica, 0.0), entry.fields["memory_gib"])
+        steps_by_group.setdefault(replica, []).append(entry.fields["tps"])
     tps = [t for group in steps_by_group.values() for t in group[2:]]  # past each warm-up
     row["final_digests"] = finals
     row["groups_agree"] = len(finals) == 2 and len(set(finals.values())) == 1
     row["peak_memory_gib"] = memory
-    row["syncs_committed"] = sum(
-        1 for e in events(dump, "semi_sync.sync") if e["fields"]["committed"]
-    )
+    row["syncs_committed"] = sum(1 for e in events(dump, "semi_sync.sync") if e.fields["committed"])
     row["heals"] = [
-        {"replica": e.get("replica"), "sync": e.get("sync"), "step": e.get("step"),
-         **{k: e["fields"].get(k) for k in ("peer", "transfer", "bytes_received", "receive_s")}}
+        {"replica": e.replica, "sync": e.sync, "step": e.step,
+         **{k: e.fields.get(k) for k in ("peer", "transfer", "bytes_received", "receive_s")}}
         for e in events(dump, "semi_sync.healed")
     ]  # fmt: skip
     if tps:
@@ -224,16 +213,16 @@ def throughput(spec: dict, out: Path, python: str, budget: Budget, matmul_peak: 
     steps_seen = events(dump, "train.step")
     later = steps_seen[len(steps_seen) // 2 :]  # past compilation and warm-up
     if later:
-        fields = [e["fields"] for e in later]
+        fields = [e.fields for e in later]
         row["tokens_per_s"] = median([f["tps"] for f in fields])
         mfu = [f["mfu_pct"] for f in fields if f["mfu_pct"] is not None]
         row["mfu_pct"] = median(mfu) if mfu else None
         row["peak_memory_gib"] = max(f["memory_gib"] for f in fields)
-        row["loss_first_last"] = [steps_seen[0]["fields"]["loss"], fields[-1]["loss"]]
+        row["loss_first_last"] = [steps_seen[0].fields["loss"], fields[-1]["loss"]]
     started = events(dump, "train.started")
     if started:
-        row["parameters"] = started[0]["fields"]["parameters"]
-        row["peak_flops"] = started[0]["fields"]["peak_flops"]
+        row["parameters"] = started[0].fields["parameters"]
+        row["peak_flops"] = started[0].fields["peak_flops"]
         if row.get("mfu_pct") and row["peak_flops"] and matmul_peak:
             row["mfu_pct_of_measured_matmul"] = row["mfu_pct"] * row["peak_flops"] / matmul_peak
     if row["exit"] != 0:
