@@ -16,7 +16,8 @@ bytes).
 Part 1, recovery (``--kills`` times, alternating groups): once both groups have committed syncs,
 SIGKILL one group (its whole process group) and measure
 
-* kill -> the survivor's next inner step and next committed sync (and that sync's duration);
+* kill -> the survivor's next inner step and next committed sync, the first that the killed
+  group took no part in (and that sync's duration);
 * restart (``--restart-after`` s later) -> the restarted group's heal: bytes received and
   seconds in torchft's checkpoint transport, and the time from its start to its first committed
   sync (process start-up included).
@@ -60,7 +61,7 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from benchmarks import ft_common as common
@@ -103,21 +104,35 @@ def healed(events: Iterable[Event]) -> list[Event]:
     return [e for e in events if e.name == HEALED.name]
 
 
-def committed_sync_after(events: Sequence[Event], t: float) -> tuple[int, float, float, int] | None:
+def committed_sync_after(
+    events: Sequence[Event], t: float, without: Collection[int] = ()
+) -> tuple[int, float, float, int] | None:
     """(step, monotonic time, sync ms, groups) of the first committed sync whose step ended
-    after ``t``."""
-    found = _committed_syncs(events)
-    return next((row for row in found if row[1] > t), None)
+    after ``t``, leaving out the syncs of the quorums in ``without``.
+
+    After a kill at ``t``, ``without`` is the quorums the killed start synced in
+    (:func:`quorums_of`): a sync it had already taken part in can commit for the survivor a
+    moment after the kill (its step ends after the kill), and is not the survivor's recovery.
+    No later sync of those quorums can commit: one member is dead."""
+    return next((row for row in _committed_syncs(events, without) if row[1] > t), None)
 
 
-def _committed_syncs(events: Sequence[Event]) -> list[tuple[int, float, float, int]]:
+def quorums_of(events: Iterable[Event]) -> set[int]:
+    """The quorum ids of every sync (committed or not) in ``events``: one start's."""
+    return {e["quorum_id"] for e in syncs(events) if e["quorum_id"] is not None}
+
+
+def _committed_syncs(
+    events: Sequence[Event], without: Collection[int] = ()
+) -> list[tuple[int, float, float, int]]:
     """(step, monotonic time at the step's end, sync ms, groups) of every committed sync whose
-    step's timing is known (its ``bench.timing`` event follows the sync's)."""
+    step's timing is known (its ``bench.timing`` event follows the sync's), but those of the
+    quorums in ``without``."""
     times = dict(timings(events))
     return [
         (e.step, times[e.step], round(1000 * e["seconds"], 1), e["groups"])
         for e in syncs(events)
-        if e["committed"] and e.step in times
+        if e["committed"] and e.step in times and e["quorum_id"] not in without
     ]
 
 
@@ -260,10 +275,13 @@ def recovery_part(folder: Path, args: argparse.Namespace, train_args: list[str])
             killed = job.kill_group(victim)
             t_kill = killed.killed_at
             assert t_kill is not None
+            dead = quorums_of(events.of(killed))
             surv = job.latest(survivor)
 
-            def next_committed_sync(s: Process = surv, t: float = t_kill) -> tuple | None:
-                return committed_sync_after(events.of(s), t)
+            def next_committed_sync(
+                s: Process = surv, t: float = t_kill, dead: set[int] = dead
+            ) -> tuple | None:
+                return committed_sync_after(events.of(s), t, dead)
 
             wait_until(lambda: next_committed_sync() is not None, args.timeout,
                        "committed sync of the survivor", job)  # fmt: skip
@@ -346,10 +364,11 @@ def kill_a_joiner_at_its_first_sync(
     job.kill_group(victim)
     t_kill = joiner.killed_at
     assert t_kill is not None
+    dead = quorums_of(events.of(joiner))
     surv = job.latest(survivor)
-    wait_until(lambda: committed_sync_after(events.of(surv), t_kill) is not None, args.timeout,
-               "committed sync of the survivor", job)  # fmt: skip
-    after_kill = committed_sync_after(events.of(surv), t_kill)
+    wait_until(lambda: committed_sync_after(events.of(surv), t_kill, dead) is not None,
+               args.timeout, "committed sync of the survivor", job)  # fmt: skip
+    after_kill = committed_sync_after(events.of(surv), t_kill, dead)
     assert after_kill is not None  # waited for above
     _, sync_t, sync_ms, sync_groups = after_kill
     failed = [e for e in syncs(events.of(surv, SYNC)) if not e["committed"]]
@@ -462,7 +481,7 @@ def survivor_stalls(
     for k in kills:
         t_kill = t_begin + k["t"]
         candidates = [
-            committed_sync_after(emitted_by[s.name], t_kill)
+            committed_sync_after(emitted_by[s.name], t_kill, k["victim_quorums"])
             for s in starts
             if s.replica_id != k["group"] and s.started < t_kill
         ]
@@ -486,6 +505,8 @@ def kill_and_record(job: LocalJob, events: common.GroupEvents, victim: int, t_be
         "victim_steps_since_start": len(timings(emitted)),
         "victim_committed_syncs_since_start": committed_syncs(emitted),
         "victim_is_a_restart": killed is not job.starts[victim][0],
+        # Its syncs' quorums: one of them may commit for the survivor just after the kill.
+        "victim_quorums": sorted(quorums_of(emitted)),
     }
 
 

@@ -366,6 +366,26 @@ def test_the_rejoin_wait_is_read_from_the_sync_event(tmp_path: Path) -> None:
     assert recovery.committed_sync_after(timed, 90.0) is None
 
 
+def test_the_survivors_recovery_is_a_sync_without_the_killed_group() -> None:
+    """A kill right after the victim's part in a sync: the survivor commits that sync (both
+    groups, the victim's quorum) a moment after the kill. Its recovery is the next sync, in a
+    quorum of its own (seen in the recovery smoke: 0.0 s, 2 groups, instead of 2.1 s)."""
+    recovery = _module("recovery")
+
+    def sync(step: int, quorum: int, groups: int) -> Event:
+        return Event(SYNC.name, step=step, sync=step // 4,
+                     fields=dict(committed=True, seconds=0.007, groups=groups,
+                                 quorum_id=quorum))  # fmt: skip
+
+    victim = [sync(172, 3, 2), _timing(172, 1.0, 9.97), sync(176, 3, 2)]  # killed at 10.0
+    survivor = [sync(176, 3, 2), _timing(176, 1.0, 10.0005),
+                sync(180, 4, 2), _timing(180, 1.0, 12.1)]  # fmt: skip
+    dead = recovery.quorums_of(victim)
+    assert dead == {3}
+    assert recovery.committed_sync_after(survivor, 10.0) == (176, 10.0005, 7.0, 2)
+    assert recovery.committed_sync_after(survivor, 10.0, dead) == (180, 12.1, 7.0, 2)
+
+
 def test_heal_replay_names_rate_0_unshaped() -> None:
     heal_replay = _module("heal_replay")
     assert [heal_replay.link(r) for r in (0.0, 100.0, 1000.0)] == [
