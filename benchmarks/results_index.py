@@ -18,13 +18,17 @@ files say.
 
 prints, per file, the code that changed between its commit and HEAD (git, in the clone): what
 the trainer, launcher and benchmarks run (``CODE``), not docs, tests or other results. "none"
-means the file's numbers come from the code HEAD holds.
+means the file's numbers come from the code HEAD holds. Of the benchmark scripts, only the one
+that wrote the file (named in its ``command``) and those it imports count: a script that nothing
+imports or starts (``recovery.py`` for ``wan.json``) runs only when a user starts it.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -71,9 +75,16 @@ def row(path: Path) -> str:
     if machine.get("git_dirty") or commit.endswith("+dirty"):  # older files: "<sha>+dirty"
         commit = commit.removesuffix("+dirty") + " (uncommitted changes)"
     date = (machine.get("date_utc") or "not recorded").replace("T", " ").rstrip("Z")
-    loads = [v for k, v in found if k.startswith("load_avg") and isinstance(v, int | float)]
+    loads = [
+        v for k, v in found
+        if k.startswith(("load_avg", "load_average")) and isinstance(v, int | float)
+    ]  # fmt: skip
     load = f"{min(loads):.2f}-{max(loads):.2f}" if loads else "not recorded"
-    repeats = sorted({v for k, v in found if k == "repeats" and isinstance(v, int)})
+    # A count, or the list of the repeats themselves.
+    repeats = sorted(
+        {v if isinstance(v, int) else len(v) for k, v in found
+         if k == "repeats" and isinstance(v, int | list)}
+    )  # fmt: skip
     if not repeats:  # files that number their runs' repeats instead
         numbered = {v for k, v in found if k == "repeat" and isinstance(v, int)}
         repeats = [len(numbered)] if numbered else []
@@ -82,10 +93,61 @@ def row(path: Path) -> str:
     return f"| `{path.name}` | {commit} | {date} | {isa} | {load} | {count} |"
 
 
-def code_changes(commit: str, repo: Path = RESULTS.parents[1]) -> list[str]:
-    """The code files (``CODE``) that differ between ``commit`` and HEAD in ``repo``."""
+def script_of(result: dict[str, Any]) -> str | None:
+    """The benchmark script that wrote ``result`` (``wan`` for ``python -m benchmarks.wan``)."""
+    command = result.get("command")
+    if isinstance(command, list):
+        command = " ".join(map(str, command))
+    found = re.search(r"benchmarks[./](\w+)", command) if isinstance(command, str) else None
+    return found.group(1) if found else None
+
+
+def _uses(path: Path) -> set[str]:
+    """The ``benchmarks`` modules ``path`` imports (``from benchmarks import a``,
+    ``from benchmarks.a import x``, ``import benchmarks.a``) or names in a string, as a process
+    it starts does (``"-m", "benchmarks.train_entry"``)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "benchmarks":
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom | ast.Import):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [
+                a.name for a in node.names
+            ]  # fmt: skip
+            found.update(n.split(".")[1] for n in names if n.startswith("benchmarks."))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            found.update(re.findall(r"benchmarks[./](\w+)", node.value))
+    return found
+
+
+def scripts_not_run_by(script: str, repo: Path = RESULTS.parents[1]) -> list[str]:
+    """The benchmark scripts (modules of ``benchmarks/`` with a ``__main__`` block) that
+    ``script`` neither imports nor starts, directly or through the modules it uses: their code
+    cannot change its figures."""
+    folder = repo / "benchmarks"
+    sources = {p.stem: p for p in sorted(folder.glob("*.py"))}
+    reached, todo = {script}, [script]
+    while todo:
+        name = todo.pop()
+        if name in sources:
+            for used in _uses(sources[name]) - reached:
+                reached.add(used)
+                todo.append(used)
+    return [
+        f"benchmarks/{path.name}"
+        for name, path in sources.items()
+        if name not in reached and '__name__ == "__main__"' in path.read_text()
+    ]
+
+
+def code_changes(
+    commit: str, repo: Path = RESULTS.parents[1], script: str | None = None
+) -> list[str]:
+    """The code files (``CODE``) that differ between ``commit`` and HEAD in ``repo``; with
+    ``script``, the benchmark scripts it does not run left out."""
+    skipped = [f":(exclude){path}" for path in scripts_not_run_by(script, repo)] if script else []
     out = subprocess.run(
-        ["git", "diff", "--name-only", commit, "HEAD", "--", *CODE],
+        ["git", "diff", "--name-only", commit, "HEAD", "--", *CODE, *skipped],
         cwd=repo, capture_output=True, text=True, check=True,
     )  # fmt: skip
     return out.stdout.split()
@@ -95,14 +157,15 @@ def code_changes_report(folder: Path = RESULTS) -> str:
     """One line per result file: its commit and the code changed since, or why unknown."""
     lines = []
     for path in sorted(folder.glob("*.json")):
-        machine = json.loads(path.read_text()).get("machine")
+        result = json.loads(path.read_text())
+        machine = result.get("machine")
         commit = machine.get("git_commit") if isinstance(machine, dict) else None
         if not commit:
             lines.append(f"{path.name}: no commit recorded")
             continue
         commit = commit.removesuffix("+dirty")
         try:
-            changed = code_changes(commit, folder.parents[1])
+            changed = code_changes(commit, folder.parents[1], script_of(result))
         except subprocess.CalledProcessError as e:
             lines.append(f"{path.name}: {commit}: git cannot compare ({e.stderr.strip()})")
             continue

@@ -83,3 +83,56 @@ def test_code_changes_name_the_code_changed_since_a_file_s_commit(tmp_path: Path
     (repo / "torchtitan" / "train.py").write_text("a = 1\n")
     _git(repo, "commit", "-q", "-am", "back")
     assert results_index.code_changes(first, repo) == []
+
+
+def test_a_row_reads_per_repeat_loads_and_a_list_of_repeats(tmp_path: Path) -> None:
+    result = {
+        "machine": {"git_commit": "abc1234", "load_avg_1min": 1.27},
+        "sizes": [{"repeats": [{"load_average": 1.65}, {"load_average": 1.0}]}],
+    }  # fmt: skip
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps(result))
+    assert results_index.row(path).endswith("| 1.00-1.65 | 2 |")
+
+
+def test_a_file_s_code_is_its_script_and_what_that_uses(tmp_path: Path) -> None:
+    """A change to a benchmark script that a file's script neither imports nor starts is not a
+    change to that file's code; a change to one it uses, or to the trainer, is."""
+    repo = tmp_path / "repo"
+    bench = repo / "benchmarks"
+    (bench / "results").mkdir(parents=True)
+    (repo / "torchtitan").mkdir()
+    main_block = 'if __name__ == "__main__":\n    main()\n'
+    files = {
+        "benchmarks/common.py": 'ENTRY = ["-m", "benchmarks.entry"]\n',
+        "benchmarks/entry.py": main_block,  # started by common, never imported
+        "benchmarks/alpha.py": "from benchmarks import common\n" + main_block,
+        "benchmarks/beta.py": "from benchmarks.alpha import x\n" + main_block,
+        "benchmarks/gamma.py": "import benchmarks.common\n" + main_block,
+        "torchtitan/train.py": "a = 1\n",
+    }
+    for name, text in files.items():
+        (repo / name).write_text(text)
+    assert results_index.scripts_not_run_by("alpha", repo) == [
+        "benchmarks/beta.py", "benchmarks/gamma.py"
+    ]  # fmt: skip
+    assert results_index.scripts_not_run_by("beta", repo) == ["benchmarks/gamma.py"]
+    _git(repo, "init", "-q")
+    _git(repo, "config", "user.email", "t@example.com")
+    _git(repo, "config", "user.name", "t")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "first")
+    first = _git(repo, "rev-parse", "--short", "HEAD")
+    for name in ("benchmarks/gamma.py", "benchmarks/entry.py"):
+        (repo / name).write_text(files[name] + "# changed\n")
+    _git(repo, "commit", "-q", "-am", "change")
+    assert results_index.code_changes(first, repo, "alpha") == ["benchmarks/entry.py"]
+    assert results_index.code_changes(first, repo, "gamma") == [
+        "benchmarks/entry.py", "benchmarks/gamma.py"
+    ]  # fmt: skip
+    assert results_index.code_changes(first, repo) == [
+        "benchmarks/entry.py", "benchmarks/gamma.py"
+    ]  # fmt: skip
+    assert results_index.script_of({"command": "python -m benchmarks.alpha --x 1"}) == "alpha"
+    assert results_index.script_of({"command": ["python", "benchmarks/beta.py"]}) == "beta"
+    assert results_index.script_of({"command": "something else"}) is None
