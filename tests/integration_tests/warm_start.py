@@ -1,6 +1,6 @@
 """Warm starts for the trainers that the integration tests start.
 
-A trainer spends about 5 s of CPU here before it does anything: importing torch,
+A trainer spends seconds of CPU here before it does anything (3.0-3.2 s at a602db2): importing torch,
 ``torch._dynamo`` (torch's optimizers import it), DCP, FSDP2 and torchft. The integration tests
 start about two hundred trainers on a 2-core machine, so those imports were most of the suite's
 time. A *zygote* imports all of it once per pytest worker and forks a trainer for each start.
