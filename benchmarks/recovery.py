@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import math
 import random
 import sys
 import tempfile
@@ -108,13 +109,36 @@ def committed_sync_after(
     events: Sequence[Event], t: float, without: Collection[int] = ()
 ) -> tuple[int, float, float, int] | None:
     """(step, monotonic time, sync ms, groups) of the first committed sync whose step ended
-    after ``t``, leaving out the syncs of the quorums in ``without``.
-
-    After a kill at ``t``, ``without`` is the quorums the killed start synced in
-    (:func:`quorums_of`): a sync it had already taken part in can commit for the survivor a
-    moment after the kill (its step ends after the kill), and is not the survivor's recovery.
-    No later sync of those quorums can commit: one member is dead."""
+    after ``t``, leaving out the syncs of the quorums in ``without``."""
     return next((row for row in _committed_syncs(events, without) if row[1] > t), None)
+
+
+def recovery_sync(
+    events: Sequence[Event],
+    t_kill: float,
+    killed: Collection[int],
+    groups: int,
+    back_at: float = math.inf,
+) -> tuple[int, float, float, int] | None:
+    """The survivor's first committed sync (as :func:`committed_sync_after`) after a kill at
+    ``t_kill`` that the killed start took no part in.
+
+    A sync it had taken part in can commit for the survivor a moment after the kill (the
+    survivor's step ends after it), and is no recovery. Left out: the syncs of the quorums the
+    killed start logged a sync in (``killed``, :func:`quorums_of`: a dead member's quorum
+    commits no later sync, and torchft never reuses a quorum id), and the syncs of all
+    ``groups`` of the job that ended before the killed group's next start (``back_at``,
+    monotonic): until then the killed start is the only one that can have made up the number.
+    That covers a start killed after its part in a sync it had not logged yet (a joiner, right
+    after its heal line)."""
+    return next(
+        (
+            row
+            for row in _committed_syncs(events, killed)
+            if row[1] > t_kill and not (row[3] >= groups and row[1] < back_at)
+        ),
+        None,
+    )
 
 
 def quorums_of(events: Iterable[Event]) -> set[int]:
@@ -237,6 +261,10 @@ def divergence(starts: Iterable[tuple[int, Iterable[Event]]]) -> dict[str, objec
 # ---- part 1 --------------------------------------------------------------------------------
 
 
+#: The replica groups of every FT job here.
+GROUPS = 2
+
+
 @contextlib.contextmanager
 def two_groups(folder: Path, args: argparse.Namespace, train_args: list[str]) -> Iterator[LocalJob]:
     """A lighthouse and two groups started with ``train_args``; all stopped at the end."""
@@ -244,7 +272,7 @@ def two_groups(folder: Path, args: argparse.Namespace, train_args: list[str]) ->
         heartbeat_timeout_ms=args.heartbeat_timeout_ms, join_timeout_ms=args.join_timeout_ms
     )
     with common.trainer_job(
-        folder, 2, train_args, ft_args=ft_args(args), lighthouse=lighthouse
+        folder, GROUPS, train_args, ft_args=ft_args(args), lighthouse=lighthouse
     ) as job:
         yield job.start()
 
@@ -281,7 +309,7 @@ def recovery_part(folder: Path, args: argparse.Namespace, train_args: list[str])
             def next_committed_sync(
                 s: Process = surv, t: float = t_kill, dead: set[int] = dead
             ) -> tuple | None:
-                return committed_sync_after(events.of(s), t, dead)
+                return recovery_sync(events.of(s), t, dead, GROUPS)
 
             wait_until(lambda: next_committed_sync() is not None, args.timeout,
                        "committed sync of the survivor", job)  # fmt: skip
@@ -366,9 +394,9 @@ def kill_a_joiner_at_its_first_sync(
     assert t_kill is not None
     dead = quorums_of(events.of(joiner))
     surv = job.latest(survivor)
-    wait_until(lambda: committed_sync_after(events.of(surv), t_kill, dead) is not None,
+    wait_until(lambda: recovery_sync(events.of(surv), t_kill, dead, GROUPS) is not None,
                args.timeout, "committed sync of the survivor", job)  # fmt: skip
-    after_kill = committed_sync_after(events.of(surv), t_kill, dead)
+    after_kill = recovery_sync(events.of(surv), t_kill, dead, GROUPS)
     assert after_kill is not None  # waited for above
     _, sync_t, sync_ms, sync_groups = after_kill
     failed = [e for e in syncs(events.of(surv, SYNC)) if not e["committed"]]
@@ -411,7 +439,7 @@ def long_period_part(folder: Path, args: argparse.Namespace, train_args: list[st
     samples: list[dict] = []
     with two_groups(folder, args, long_args) as job:
         events = common.GroupEvents(job)
-        periods: list[float] = []
+        periods: list[float] = []  # the survivor's sync-to-sync times so far
         for i in range(args.long_period_kills):
             victim, survivor = 1, 0
             surv = job.latest(survivor)
@@ -419,7 +447,7 @@ def long_period_part(folder: Path, args: argparse.Namespace, train_args: list[st
                        and committed_syncs(events.of(s, SYNC)) >= n,
                        args.timeout * 4, "a committed sync in both groups", job)  # fmt: skip
             sync_times = [t for _, t, *_ in _committed_syncs(events.of(surv))]
-            periods += [b - a for a, b in zip(sync_times, sync_times[1:], strict=False)]
+            periods = [b - a for a, b in zip(sync_times, sync_times[1:], strict=False)]
             period = periods[-1] if periods else 0.0
             time.sleep(random.Random(args.seed + i).uniform(0.1, 0.6) * max(period, 1.0))
             t_kill = job.kill_group(victim).killed_at
@@ -456,7 +484,10 @@ def long_period_part(folder: Path, args: argparse.Namespace, train_args: list[st
         if crashed(job):
             raise RuntimeError("a group crashed during the long-period part")
         waits = [s["survivor_quorum_wait_at_rejoin_s"] for s in samples]
-        quiet = [w for _, _, w in sync_quorum_waits(events.of(job.latest(0), SYNC))]
+        rejoins = {s["rejoin_sync"] for s in samples}
+        quiet = [
+            w for n, _, w in sync_quorum_waits(events.of(job.latest(0), SYNC)) if n not in rejoins
+        ]
     return {
         "sync_steps": args.long_period_steps,
         "period_s_median": round(sorted(periods)[len(periods) // 2], 2) if periods else None,
@@ -480,8 +511,12 @@ def survivor_stalls(
     stalls = []
     for k in kills:
         t_kill = t_begin + k["t"]
+        back_at = min(
+            (s.started for s in starts if s.replica_id == k["group"] and s.started > t_kill),
+            default=math.inf,
+        )
         candidates = [
-            committed_sync_after(emitted_by[s.name], t_kill, k["victim_quorums"])
+            recovery_sync(emitted_by[s.name], t_kill, k["victim_quorums"], GROUPS, back_at)
             for s in starts
             if s.replica_id != k["group"] and s.started < t_kill
         ]

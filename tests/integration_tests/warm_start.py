@@ -1,9 +1,10 @@
 """Warm starts for the trainers that the integration tests start.
 
-A trainer spends seconds of CPU here before it does anything (3.0-3.2 s at a602db2): importing torch,
-``torch._dynamo`` (torch's optimizers import it), DCP, FSDP2 and torchft. The integration tests
-start about two hundred trainers on a 2-core machine, so those imports were most of the suite's
-time. A *zygote* imports all of it once per pytest worker and forks a trainer for each start.
+A trainer spends seconds of CPU here before it does anything (3.2-3.5 s, user and system, for
+the imports below at a602db2): importing torch, ``torch._dynamo`` (torch's optimizers import
+it), DCP, FSDP2 and torchft. The integration tests start about two hundred trainers on a 2-core
+machine, so those imports were most of the suite's time. A *zygote* imports all of it once per
+pytest worker and forks a trainer for each start.
 
 The process a job starts is still a process of its own: ``warm_python`` (``run_train.sh``'s
 ``PYTHON``, see :func:`launch`) runs this module as a stand-in that needs only the standard
