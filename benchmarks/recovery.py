@@ -443,8 +443,9 @@ def long_period_part(folder: Path, args: argparse.Namespace, train_args: list[st
         for i in range(args.long_period_kills):
             victim, survivor = 1, 0
             surv = job.latest(survivor)
+            # (a committed sync of the survivor with its step's timing, which follows the sync)
             wait_until(lambda n=1 + i, s=surv: committed_syncs(events.of(job.latest(1), SYNC)) >= 1
-                       and committed_syncs(events.of(s, SYNC)) >= n,
+                       and len(_committed_syncs(events.of(s))) >= n,
                        args.timeout * 4, "a committed sync in both groups", job)  # fmt: skip
             sync_times = [t for _, t, *_ in _committed_syncs(events.of(surv))]
             periods = [b - a for a, b in zip(sync_times, sync_times[1:], strict=False)]
