@@ -98,6 +98,16 @@ def check_config(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    status = _run(argv)
+    # A collective given up on a peer that is gone may still block a gloo thread: the
+    # interpreter's teardown would abort the process on it (SIGABRT); exit past it instead.
+    from torchtitan.components.ft.given_up import exit_if_blocked
+
+    exit_if_blocked(status)
+    return status
+
+
+def _run(argv: list[str] | None) -> int:
     init_logger()
     manager = ConfigManager()
     args = list(sys.argv[1:] if argv is None else argv)

@@ -14,9 +14,16 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+from torchft.manager import REPLICA_ID_KEY
 
+from torchtitan.experiments.fault_tolerance.peer_watch import PeerWatch
 from torchtitan.experiments.fault_tolerance.sync_quorum import SyncManager
 from torchtitan.experiments.fault_tolerance.transport import SyncTransport
+
+
+def heartbeat_id(rank: int) -> str:
+    """The lighthouse id of group ``rank`` in these tests (torchft's ``replica_<R>:<uuid>``)."""
+    return f"replica_{rank}:test-start"
 
 
 class LoopbackManager:
@@ -36,6 +43,9 @@ class LoopbackManager:
         self._quorum_id = 1
         self.fns: dict[str, tuple[Any, Any]] = {}
         self.commits: list[bool] = []
+        # The id it heartbeats to the lighthouse under, where torchft keeps it.
+        self._store = dist.HashStore()
+        self._store.set(REPLICA_ID_KEY, heartbeat_id(rank))
 
     def start_quorum(self, *args: Any, **kwargs: Any) -> None:
         self._errored = None
@@ -107,13 +117,16 @@ def sync_manager(
     bucket_numel: int = 300,
     timeout_s: float = 30.0,
     fragment_of_sync: Callable[[], int] = lambda: 0,
+    peers: PeerWatch | None = None,
 ) -> SyncManager:
-    """The trainer's sync Manager over ``manager``, with buckets of ``bucket_numel`` values."""
+    """The trainer's sync Manager over ``manager``, with buckets of ``bucket_numel`` values;
+    ``peers``: what it asks whether a group of the quorum is gone."""
     transport = SyncTransport(
         dtype,
         error_feedback=error_feedback,
         bucket_mb=bucket_numel * 4 / 2**20,
         timeout_s=timeout_s,
+        peers=peers,
     )
     ft: Any = OneGroupFT(manager)
     # No exchange in these quorums: every group is in each one, and none is starting.

@@ -269,6 +269,7 @@ def test_a_starting_group_that_meets_a_probe_does_not_use_that_quorum(healed_the
         reporter=SimpleNamespace(agreement=None),
         announce=announced.append,
         heal=SimpleNamespace(replay_failed="", take_heal=lambda: None),
+        sync=SimpleNamespace(heartbeat=7, set_members=lambda keys: None),
     )
     assert QuorumProtocol.on_quorum(cast(Any, protocol)) is False
     assert protocol._peer is None

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 from torch.distributed.checkpoint.stateful import Stateful
 
-from torchtitan.components.ft import torchft_adapter
+from torchtitan.components.ft import given_up, torchft_adapter
 from torchtitan.components.ft.errors import FaultToleranceError
 from torchtitan.components.ft.healing import NOT_HEALED
 from torchtitan.components.ft.manager import FTManager
@@ -53,7 +56,12 @@ def fresh_rendezvous_address(store_addr: str, world_size: int, timeout: timedelt
 
 def fresh_rendezvous_process_group(backend: str, timeout: timedelta) -> Any:
     """torchft's reconfigurable process group for ``backend`` (``nccl`` or ``gloo``), rebuilt
-    at every quorum on fresh rendezvous keys (:func:`fresh_rendezvous_address`)."""
+    at every quorum on fresh rendezvous keys (:func:`fresh_rendezvous_address`).
+
+    On gloo, the group of the last quorum is released on a thread of its own, not aborted in
+    the quorum: gloo's ``abort`` and its destructor both wait for every collective in flight,
+    and one that waits for a peer already gone (a sync abandoned by ``peer_watch``) returns only
+    at its own timeout, minutes for a sync's transfer (seen: the next quorum held up 295 s)."""
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
     base = ProcessGroupNCCL if backend == "nccl" else ProcessGroupGloo
@@ -64,7 +72,42 @@ def fresh_rendezvous_process_group(backend: str, timeout: timedelta) -> Any:
             address = fresh_rendezvous_address(store_addr, world_size, timeout)
             super().configure(address, replica_id, rank, world_size, *args, **kwargs)
 
+        def abort(self, errored: bool = True) -> None:
+            if backend == "nccl":  # ncclCommAbort: returns, and ends the kernels in flight
+                super().abort(errored)
+                return
+            old: Any = self.__dict__.get("_pg")  # torchft's base group (untyped)
+            self._pg = None
+            if old is not None:
+                threading.Thread(
+                    target=_release_when_unreferenced,
+                    args=([old],),
+                    name=given_up.thread_name("gloo-group-release"),
+                    daemon=True,
+                ).start()
+
     return FreshRendezvous(timeout=timeout)
+
+
+def _release_when_unreferenced(holder: list[Any], poll_s: float = 0.05) -> None:
+    """Drop the last reference to ``holder[0]`` here, on this thread: once nobody else refers
+    to it (torchft's ``configure`` keeps it in a local until it returns), so that its
+    destructor, which waits for its collectives in flight, blocks only this thread."""
+    while sys.getrefcount(holder[0]) > 2:  # the list's and getrefcount's own
+        time.sleep(poll_s)
+    holder.clear()
+
+
+def end_collectives_in_flight(pg: Any) -> None:
+    """A peer of the collectives in flight on ``pg`` (the replicate group) is gone: on nccl,
+    abort the communicator now (torchft's ``abort``), or its kernels would stay queued on the
+    device and every device-wide synchronize (torchft's ``should_commit`` makes one) would wait
+    for them. On gloo nothing is queued on a device: the blocked collective only holds its own
+    thread, and the group is let go at the next quorum."""
+    from torchft.process_group import ProcessGroupNCCL
+
+    if isinstance(pg, ProcessGroupNCCL):
+        pg.abort()
 
 
 def build_ft_manager(

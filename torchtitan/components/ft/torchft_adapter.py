@@ -14,8 +14,9 @@ public constructors, verbs and context managers. What torchft 0.2.0 does not off
 * the inner-step position in the sync period, DiLoCo's per-fragment global copies, outer
   optimizer and in-flight all-reduce, and the two steps of a fragment sync (so that a group
   that joins at a peer's sync point can take part in that sync);
-* the Manager's quorum id and commit failure count;
-* the lighthouse's count of groups waiting for a quorum (read from its status page).
+* the Manager's quorum id and commit failure count, and the id the lighthouse knows its group by;
+* the lighthouse's view of the groups: who heartbeats, who it dropped, who waits for a quorum
+  (read from its status page: 0.2.0 has no other way to ask).
 
 :func:`check_version` fails with a clear message on another torchft version; the core calls it
 before it builds anything of torchft (``build.build_ft_manager``).
@@ -26,6 +27,9 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import logging
+import re
+import urllib.parse
+import urllib.request
 import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -267,3 +271,38 @@ def replica_process_group(manager: Manager) -> ProcessGroup:
     reconfigures it at every quorum that changes membership): for collectives the Manager does
     not offer, such as compressed all-reduces."""
     return manager._pg
+
+
+def heartbeat_id(manager: Manager) -> str:
+    """The id this group heartbeats to the lighthouse under: ``replica_<R>:<uuid>``, a new
+    uuid at every start (so a restarted group is not its dead predecessor). Alike on every
+    rank of the group (torchft shares it through the group's store)."""
+    import torchft.manager as torchft_manager
+
+    return bytes(manager._store.get(torchft_manager.REPLICA_ID_KEY)).decode()
+
+
+# ---- the lighthouse's status page ----------------------------------------------------------
+
+
+def lighthouse_status(address: str, timeout_s: float) -> str:
+    """The lighthouse's HTML status page (``http://host:port``); raises ``OSError`` when it
+    cannot be reached within ``timeout_s``."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    url = address if "://" in address else f"http://{address}"
+    with opener.open(urllib.parse.urljoin(url, "/status"), timeout=timeout_s) as response:
+        return str(response.read().decode())
+
+
+# One heartbeat of the page's "Heartbeats" list: its CSS class says "old" once the heartbeat is
+# older than the lighthouse's --heartbeat_timeout_ms (the group no longer counts as alive).
+_HEARTBEAT = re.compile(r'<li class="heartbeat\s*(old)?\s*">\s*(\S+): seen ([0-9.]+)s ago')
+
+
+def lighthouse_heartbeats(address: str, timeout_s: float = 1.0) -> dict[str, bool]:
+    """Every group the lighthouse has heard from since it started, by :func:`heartbeat_id`:
+    True while it counts the group alive, False once it dropped it (its last heartbeat is
+    older than the lighthouse's heartbeat timeout). Raises ``OSError`` when the lighthouse
+    cannot be reached."""
+    page = lighthouse_status(address, timeout_s)
+    return {m.group(2): m.group(1) is None for m in _HEARTBEAT.finditer(page)}

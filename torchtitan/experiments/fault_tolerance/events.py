@@ -244,6 +244,15 @@ COLLECTIVE_TIMEOUT = EventKind(
     logging.ERROR,
 )
 
+#: The lighthouse dropped a group of sync ``sync``'s quorum while its transfers were in
+#: flight: the sync ended then, not at ``sync_collective_timeout_s`` (``message`` names the
+#: group and how long the transfers had run).
+PEER_GONE = EventKind(
+    "semi_sync.peer_gone",
+    "[semi-sync] sync #{sync} NOT committed: {message}",
+    logging.WARNING,
+)
+
 #: No checkpoint of this group passed its checksums (``problem``: the newest one's first bad
 #: file): the group starts without one and heals in full from a peer at its first quorum.
 OWN_CHECKPOINT_REJECTED = EventKind(

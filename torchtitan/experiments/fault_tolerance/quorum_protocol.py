@@ -273,11 +273,13 @@ class QuorumProtocol:
         healed = self.heal.take_heal()
         digest = None if failed_replay else self._digest_if_due()
         mine.replay_failed = int(bool(failed_replay))
+        mine.heartbeat = self.sync.heartbeat
         if digest is not None:
             mine.has_digest, mine.digest = 1, digest
         if self.speeds is not None:
             self.speeds.fill(mine)
         members = exchange(manager, mine, self.device)
+        self.sync.set_members([m.heartbeat for m in members or []])
         verdict = compare_digests(members or [])
         own = mine.digest if mine.has_digest else None
         found = QuorumFindings(

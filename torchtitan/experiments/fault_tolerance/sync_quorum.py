@@ -29,6 +29,7 @@ from torchtitan.components.ft import torchft_adapter as tft
 from torchtitan.components.ft.torchft_adapter import ManagerStandIn
 from torchtitan.experiments.fault_tolerance import events
 from torchtitan.experiments.fault_tolerance.compression import Delivered
+from torchtitan.experiments.fault_tolerance.peer_watch import heartbeat_key
 from torchtitan.experiments.fault_tolerance.transport import (
     FragmentResiduals,
     SyncTransport,
@@ -64,6 +65,9 @@ class Member:
     #: 1 when this group's replay of its missed syncs failed on arrival: nobody commits this
     #: quorum's sync, and the group heals in full at the next one.
     replay_failed: int = 0
+    #: The key of the id this group heartbeats to the lighthouse under (``peer_watch``): the
+    #: sync's transfers end as soon as the lighthouse drops a member.
+    heartbeat: int = 0
 
 
 def exchange(manager: Manager, mine: Member, device: torch.device) -> list[Member] | None:
@@ -214,6 +218,21 @@ class SyncManager(ManagerStandIn):
         #: The most of this group's ranks' numbers (the trainer sets a MAX all-reduce when the
         #: group has more than one rank): they decide alike whether a sync timed out.
         self.agree_in_group: Callable[[int], int] = lambda n: n
+        #: The heartbeat keys of the last quorum's members (:meth:`set_members`).
+        self._members: tuple[int, ...] = ()
+        self._heartbeat: int | None = None
+
+    @property
+    def heartbeat(self) -> int:
+        """The key of the id this group heartbeats to the lighthouse under (``peer_watch``)."""
+        if self._heartbeat is None:
+            self._heartbeat = heartbeat_key(tft.heartbeat_id(self.ft.manager))
+        return self._heartbeat
+
+    def set_members(self, heartbeats: list[int]) -> None:
+        """The quorum just formed has these members (their heartbeat keys, from its exchange):
+        the sync it starts watches them."""
+        self._members = tuple(heartbeats)
 
     @property
     def dtype(self) -> str:
@@ -315,8 +334,14 @@ class SyncManager(ManagerStandIn):
 
     def begin_sync(self) -> None:
         """The quorum of a sync is in (this one's, or a starting group's first): its transfers
-        are numbered from 0, for the fragment it syncs."""
-        self.transport.begin_sync(self.ft.manager, self._fragment_of_sync())
+        are numbered from 0, for the fragment it syncs, and watched for a member gone."""
+        members = self._members
+        self.transport.begin_sync(
+            self.ft.manager,
+            self._fragment_of_sync(),
+            members,
+            self.heartbeat if members else 0,
+        )
 
     def should_commit(self, timeout: timedelta | None = None) -> bool:
         """The sync's verdict (every rank of the group alike, torchft's ``should_commit``),
@@ -340,6 +365,9 @@ class SyncManager(ManagerStandIn):
                     FloatingPointError(f"sync #{sync}: a pseudo-gradient was not finite")
                 )
         groups = manager.num_participants()
+        gone = self.transport.peer_gone
+        if gone is not None:
+            events.PEER_GONE.emit(sync=manager.current_step() + 1, message=str(gone))
         committed = False
         try:
             committed = self.ft.should_commit(unit="sync")

@@ -53,6 +53,7 @@ from torchtitan.experiments.fault_tolerance.outer_loop import (
     GlobalCopyLoop,
     OuterLoop,
 )
+from torchtitan.experiments.fault_tolerance.peer_watch import PeerWatch
 from torchtitan.experiments.fault_tolerance.quorum_protocol import JoinAtSync, QuorumProtocol
 from torchtitan.experiments.fault_tolerance.reporting import SyncReporter
 from torchtitan.experiments.fault_tolerance.sync_quorum import (
@@ -96,6 +97,7 @@ class SemiSyncTrainer(Trainer):
             error_feedback=ft.error_feedback,
             bucket_mb=ft.sync_bucket_mb,
             timeout_s=ft.sync_collective_timeout_s,
+            peers=PeerWatch(self.ft.lighthouse),
         )
         self.sync = SyncManager(
             self.ft,

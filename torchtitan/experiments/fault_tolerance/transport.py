@@ -35,6 +35,15 @@ pseudo-gradient), async DiLoCo one flat tensor per fragment plus its token count
   not apply; it is given to the collective's options for gloo and to its ``wait`` for torchft's
   nccl wrapper, which ignores the options): one that fails or ends past it fails the sync with
   a :class:`CollectiveTimeout` whose message names the field (:attr:`SyncTransport.timed_out`).
+* **A dead or hung peer costs seconds, not the timeout.** While a rank waits for a transfer,
+  it asks the lighthouse (``peer_watch.PeerWatch``) whether a group of the sync's quorum is
+  gone; if so the sync ends at once with :class:`PeerGone` (:attr:`SyncTransport.peer_gone`),
+  its transfers abandoned (``compression.runner``), and on nccl the communicator aborted so
+  that nothing stays queued on the device. The old process group is dropped at the next
+  quorum, whose id the failed commit changes. A transfer ended so may still write into the
+  tensor it carried after the sync failed: every tensor handed to :meth:`SyncTransport.allreduce`
+  must belong to its sync alone (torchft's DiLoCo and LocalSGD, and async DiLoCo, hand in
+  fresh ones).
 
 Failure semantics are torchft's: a failed collective is reported to the Manager
 (``report_error``), the sync is not committed, nothing is applied, and ``wait`` never raises.
@@ -42,6 +51,8 @@ Failure semantics are torchft's: a failed collective is reported to the Manager
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -49,6 +60,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from torchtitan.components.ft import torchft_adapter as tft
+from torchtitan.components.ft.build import end_collectives_in_flight
 from torchtitan.experiments.fault_tolerance.compression import (
     AsyncCompressedAllReduce,
     CompressedWork,
@@ -56,6 +68,7 @@ from torchtitan.experiments.fault_tolerance.compression import (
     ErrorFeedback,
     Packed,
 )
+from torchtitan.experiments.fault_tolerance.peer_watch import Gone, PeerWatch
 
 if TYPE_CHECKING:
     from torchft.manager import Manager
@@ -73,6 +86,11 @@ def bucket_numel(bucket_mb: float) -> int:
 
 class CollectiveTimeout(RuntimeError):
     """A collective of a sync ran past ``fault_tolerance.sync_collective_timeout_s``."""
+
+
+class PeerGone(RuntimeError):
+    """The lighthouse dropped a group of the sync's quorum while its transfers were in flight:
+    the sync ended without waiting for them."""
 
 
 def _timed_out(error: BaseException) -> bool:
@@ -210,15 +228,18 @@ class _Done:
 
 
 class _Pieces:
-    """The works of a tensor sent in bucket-sized pieces."""
+    """The works of a tensor sent in bucket-sized pieces (or in one, e.g. an exact one)."""
 
-    def __init__(self, tensor: torch.Tensor, works: list[CompressedWork]) -> None:
+    def __init__(
+        self, transport: SyncTransport, tensor: torch.Tensor, works: list[CompressedWork]
+    ) -> None:
+        self._transport = transport
         self.tensor = tensor
         self.works = works
 
     def wait(self) -> bool:
         for work in self.works:
-            work.wait()
+            self._transport.await_transfer(work)
         return True
 
 
@@ -257,11 +278,12 @@ class BucketedWork:
         if self._bucket.work is None:
             self._transport.flush()
         assert self._bucket.work is not None
-        return self._bucket.work.wait()
+        self._transport.await_transfer(self._bucket.work)
+        return True
 
 
 #: What :meth:`SyncTransport.allreduce` returns: each waits until its tensor holds the result.
-TransferWork = _Done | _Pieces | BucketedWork | CompressedWork
+TransferWork = _Done | _Pieces | BucketedWork
 
 
 class SyncTransport:
@@ -280,9 +302,12 @@ class SyncTransport:
         bucket_mb: float,
         timeout_s: float,
         keep_delivered: bool = False,
+        peers: PeerWatch | None = None,
     ) -> None:
         """``keep_delivered``: keep each transfer's result as every group received it (CPU
-        memory), for :meth:`delivered` (the heal history)."""
+        memory), for :meth:`delivered` (the heal history). ``peers``: asked while a transfer
+        is waited for whether a group of the sync's quorum is gone (None: only the timeout
+        ends a transfer)."""
         self.dtype = dtype
         self.keep_delivered = keep_delivered
         #: The error-feedback residuals (None: no error feedback).
@@ -299,13 +324,23 @@ class SyncTransport:
         self._all: list[CompressedWork] = []
         #: The error of this sync's first collective that failed or ended past the timeout.
         self.timed_out: CollectiveTimeout | None = None
+        self.peers = peers
+        #: Why this sync's transfers were abandoned (a group of its quorum is gone), if so.
+        self.peer_gone: PeerGone | None = None
+        self._participants: tuple[int, ...] = ()
+        self._own = 0
+        self._sent_at: float | None = None
 
     # ---- one sync ------------------------------------------------------------------------------
 
-    def begin_sync(self, manager: Manager, fragment: int) -> None:
+    def begin_sync(
+        self, manager: Manager, fragment: int, participants: Sequence[int] = (), own: int = 0
+    ) -> None:
         """A sync of ``fragment`` starts (its quorum is in): transfers are numbered from 0. What
         an earlier sync staged and nobody decided (it was dropped, e.g. at the end of
-        training) is void; residuals a checkpoint loaded as staged stay for the next verdict."""
+        training) is void; residuals a checkpoint loaded as staged stay for the next verdict.
+        ``participants``: the heartbeat keys of the quorum's groups (``peer_watch``), this
+        group's ``own`` among them, watched while the sync's transfers are waited for."""
         if self._runner.broken is not None:  # loud, as the failure would have been in flush
             raise RuntimeError(
                 f"fault_tolerance: this rank cannot sync any more: {self._runner.broken}; "
@@ -318,6 +353,10 @@ class SyncTransport:
         self.works = []
         self._all = []
         self.timed_out = None
+        self.peer_gone = None
+        self._participants = tuple(participants)
+        self._own = own
+        self._sent_at = None
         if self.residuals is not None:
             self.residuals.discard(loaded=False)
 
@@ -337,12 +376,12 @@ class SyncTransport:
         divide_by = manager.num_participants() if average else 1
         if exact:
             self.flush()
-            return self._submit(tensor.view(-1), divide_by, exact=True)
+            return _Pieces(self, tensor, [self._submit(tensor.view(-1), divide_by, exact=True)])
         if tensor.numel() >= self.bucket_numel and tensor.is_contiguous():
             self.flush()
             flat, step = tensor.view(-1), self.bucket_numel
             pieces = [flat[i : i + step] for i in range(0, flat.numel(), step)]
-            return _Pieces(tensor, [self._submit(piece, divide_by) for piece in pieces])
+            return _Pieces(self, tensor, [self._submit(piece, divide_by) for piece in pieces])
         bucket = self._pending
         if (
             bucket is None
@@ -378,6 +417,8 @@ class SyncTransport:
             key = FragmentResiduals.key(self.fragment, self._transfers)
             self._transfers += 1
         numel = flat.numel if isinstance(flat, Packed) else flat.numel()
+        if self._sent_at is None:
+            self._sent_at = time.monotonic()
 
         def on_error(error: Exception) -> None:
             if _timed_out(error):
@@ -415,7 +456,7 @@ class SyncTransport:
         self.flush()
         found = None
         for work in self._all:
-            work.wait()
+            self.await_transfer(work)
             if work.non_finite == "sent":
                 return "sent"
             found = found or work.non_finite
@@ -435,7 +476,7 @@ class SyncTransport:
         pseudo-gradients, flat, in the order the method handed them in."""
         found = []
         for work in self.works:
-            work.wait()
+            self.await_transfer(work)
             assert work.delivered is not None, "a committed transfer kept no result"
             found.append(work.delivered)
         return found
@@ -445,7 +486,40 @@ class SyncTransport:
         checkpoint reads the error-feedback residuals, which the transfers stage)."""
         self.flush()
         for work in self._all:
+            self.await_transfer(work)
+
+    def await_transfer(self, work: CompressedWork) -> None:
+        """Wait until ``work`` is done. While it takes longer than the peer watch's interval,
+        ask the lighthouse whether a group of this sync's quorum is gone: if one is, the
+        sync's transfers are abandoned (:meth:`_abandon`) and the wait ends at once."""
+        peers = self.peers
+        if peers is None or len(self._participants) < 2:
             work.wait()
+            return
+        while not work.wait_for(peers.every_s):
+            gone = peers.gone(self._participants, self._own)
+            if gone is not None:
+                self._abandon(gone)
+
+    def _abandon(self, gone: Gone) -> None:
+        """Fail this sync because ``gone`` left its quorum: report it to the Manager (the sync
+        is not committed), complete every transfer without result, and on nccl abort the
+        communicator, whose collectives would otherwise stay queued on the device."""
+        if self.peer_gone is not None:
+            return
+        manager = self._manager
+        assert manager is not None  # a transfer was submitted, so the sync has a Manager
+        since = 0.0 if self._sent_at is None else time.monotonic() - self._sent_at
+        self.peer_gone = PeerGone(
+            f"{gone.name} stopped heartbeating (the lighthouse dropped it after its heartbeat "
+            f"timeout) while fragment {self.fragment}'s transfers were in flight: ended "
+            f"{since:.1f}s after they started, without waiting for "
+            f"{TIMEOUT_FIELD}={self.timeout.total_seconds():g}s"
+        )
+        if manager.errored() is None:
+            manager.report_error(self.peer_gone)
+        self._runner.abandon()
+        end_collectives_in_flight(tft.replica_process_group(manager))
 
     def stats(self) -> tuple[int, float | None]:
         """This sync's bytes sent by this rank and, compressed, its seconds compressing and
@@ -453,7 +527,7 @@ class SyncTransport:
         self.flush()
         sent, seconds = 0, 0.0
         for work in self.works:
-            work.wait()
+            self.await_transfer(work)
             if self.dtype == "float32":
                 sent += work.numel * 4
             elif work.stats is not None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import re
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from torchtitan.components.ft.torchft_adapter import lighthouse_status
 from torchtitan.tools.cluster.listeners import listening_sockets
 from torchtitan.tools.cluster.ports import LOOPBACK
 from torchtitan.tools.cluster.process import Process
@@ -88,16 +88,10 @@ _WAITING = re.compile(r"\[(\d+)/\d+ participants healthy\]")
 _HEARTBEATING = re.compile(r"\[(\d+) heartbeating\]")
 
 
-def _status(address: str, timeout_s: float) -> str:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(f"{address}/status", timeout=timeout_s) as response:
-        return response.read().decode()
-
-
 def groups_waiting_at(address: str, timeout_s: float = 5.0) -> int:
     """How many replica groups wait for a quorum at the lighthouse at ``address`` now
     (``http://host:port``); raises ``OSError`` when the lighthouse cannot be reached."""
-    match = _WAITING.search(_status(address, timeout_s))
+    match = _WAITING.search(lighthouse_status(address, timeout_s))
     return int(match.group(1)) if match else 0
 
 
@@ -105,5 +99,5 @@ def groups_alive_at(address: str, timeout_s: float = 5.0) -> int:
     """How many replica groups the lighthouse at ``address`` counts alive now: those whose
     last heartbeat is within its heartbeat timeout (a killed group stays counted until then).
     Raises ``OSError`` when the lighthouse cannot be reached."""
-    match = _HEARTBEATING.search(_status(address, timeout_s))
+    match = _HEARTBEATING.search(lighthouse_status(address, timeout_s))
     return int(match.group(1)) if match else 0

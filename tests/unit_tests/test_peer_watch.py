@@ -1,0 +1,186 @@
+"""Failure detection for a sync in flight: the lighthouse's heartbeats end a sync whose peer is
+gone in seconds, while a late but live peer's transfer still completes (real lighthouse, real
+gloo groups)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.unit_tests.gloo_groups import LoopbackManager, heartbeat_id, run_groups, sync_manager
+from torchtitan.components.ft import given_up
+from torchtitan.components.ft.build import fresh_rendezvous_process_group
+from torchtitan.components.ft.network import listen_store
+from torchtitan.components.ft.torchft_adapter import lighthouse_heartbeats
+from torchtitan.experiments.fault_tolerance import events
+from torchtitan.experiments.fault_tolerance.peer_watch import Gone, PeerWatch, heartbeat_key
+from torchtitan.experiments.fault_tolerance.transport import PeerGone
+from torchtitan.tools.events import event_of
+
+
+def _heartbeat_until(client: Any, replica: str, stop: threading.Event) -> None:
+    while not stop.is_set():
+        client.heartbeat(replica)
+        time.sleep(0.05)
+
+
+def test_the_lighthouse_says_which_groups_it_dropped() -> None:
+    """A real lighthouse with a 300 ms heartbeat timeout: a group that keeps heartbeating is
+    alive, one that went silent is dropped; the watch names the dropped member of a quorum,
+    never this group itself, and concludes nothing from a lighthouse it cannot reach."""
+    from torchft.coordination import LighthouseClient, LighthouseServer
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, heartbeat_timeout_ms=300)
+    stop = threading.Event()
+    try:
+        address = lighthouse.address()
+        client = LighthouseClient(address, connect_timeout=timedelta(seconds=5))
+        alive, silent, me = "replica_0:aaaa", "replica_1:bbbb", "replica_2:cccc"
+        for replica in (alive, silent, me):
+            client.heartbeat(replica)
+        beating = threading.Thread(target=_heartbeat_until, args=(client, alive, stop))
+        beating.start()
+        time.sleep(1.0)
+        assert lighthouse_heartbeats(address) == {alive: True, silent: False, me: False}
+
+        watch = PeerWatch(address, every_s=0.0)
+        keys = [heartbeat_key(r) for r in (alive, silent, me)]
+        assert watch.gone(keys, own=keys[2]) == Gone(silent)
+        assert Gone(silent).name == "replica group 1"
+        assert watch.gone([keys[0], keys[2]], own=keys[2]) is None  # only itself dropped
+        assert PeerWatch("http://127.0.0.1:9", every_s=0.0).gone(keys, own=keys[2]) is None
+    finally:
+        stop.set()
+        lighthouse.shutdown()
+
+
+def _dropped_after(seconds: float, replica: str) -> Any:
+    """A lighthouse view in which ``replica`` is dropped ``seconds`` from now."""
+    start = time.monotonic()
+
+    def heartbeats(_: str) -> dict[str, bool]:
+        return {replica: time.monotonic() - start < seconds, heartbeat_id(0): True}
+
+    return heartbeats
+
+
+@pytest.mark.parametrize("peer", ["gone", "late_but_alive"])
+def test_a_peer_the_lighthouse_dropped_ends_the_sync_in_seconds(peer: str, caplog: Any) -> None:
+    """Two groups, int8 with error feedback, a collective timeout of 8 s. Group 1 takes part
+    in the quorum but does not send its part for 3 s. ``gone``: the lighthouse drops it after
+    1 s: group 0's wait ends about then, the sync is not committed, the error names group 1
+    and says the timeout did not end it, and no residual of the sync is ever staged, not even
+    when the abandoned collective returns at its timeout. ``late_but_alive``: it is alive all
+    along: group 0 waits the 3 s and the sync commits with both groups' values."""
+    caplog.set_level("WARNING")
+    keys = [heartbeat_key(heartbeat_id(r)) for r in range(2)]
+    released = threading.Event()
+
+    def group(rank: int, pg: Any) -> dict[str, Any]:
+        manager = LoopbackManager(pg, rank, 2)
+        view = _dropped_after(1.0 if peer == "gone" else 1e9, heartbeat_id(1))
+        watch = PeerWatch("lighthouse", every_s=0.1, heartbeats=view)
+        sync = sync_manager(
+            manager, "int8", error_feedback=True, bucket_numel=300, timeout_s=8, peers=watch
+        )
+        sync.on_quorum = lambda: (sync.set_members(keys), True)[1]
+        try:
+            sync.start_quorum()
+            if rank == 1:
+                time.sleep(3.0)
+                if peer == "gone":  # dropped: it never sends; its group lives until the end
+                    released.wait(30)
+                    return {}
+            x = torch.arange(1000, dtype=torch.float32) * (rank + 1)
+            started = time.monotonic()
+            sync.allreduce(x).wait()
+            waited = time.monotonic() - started
+            committed = sync.should_commit()
+            assert sync.residuals is not None
+            return {
+                "waited": waited,
+                "committed": committed,
+                "gone": sync.transport.peer_gone,
+                "x": x,
+                "feedback": sync.residuals.feedback,
+            }
+        finally:
+            if rank == 0:
+                released.set()
+            sync.shutdown()
+
+    first, _ = run_groups(2, group, timeout_s=60)
+    if peer == "late_but_alive":
+        assert first["committed"] is True and first["gone"] is None
+        assert first["waited"] >= 2.5
+        assert torch.allclose(first["x"], torch.arange(1000.0) * 1.5, rtol=0.02, atol=0.5)
+        return
+    assert first["committed"] is False
+    assert 0.9 <= first["waited"] < 6, first["waited"]
+    gone = first["gone"]
+    assert isinstance(gone, PeerGone)
+    assert "replica group 1 stopped heartbeating" in str(gone)
+    assert "without waiting for fault_tolerance.sync_collective_timeout_s=8s" in str(gone)
+    lines = [event_of(r) for r in caplog.records]
+    assert any(e is not None and e.name == events.PEER_GONE.name for e in lines)
+    # The abandoned collective returns at its own timeout (gloo waits for the part group 1
+    # never sent): it must neither stage what its encode dropped nor owe anything new.
+    _wait_until_none_blocked()
+    assert first["feedback"].owed(staged=True) == {}
+    assert first["feedback"].owed() == {}
+
+
+def _wait_until_none_blocked(timeout_s: float = 30.0) -> None:
+    """Until no thread is blocked in a collective given up (a test must not leave one: the
+    interpreter's teardown would abort pytest on it)."""
+    deadline = time.monotonic() + timeout_s
+    while given_up.blocked() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not given_up.blocked()
+
+
+def test_a_gloo_group_with_a_collective_blocked_is_let_go_at_once() -> None:
+    """Rebuilding the replicate group for the next quorum releases the old one: on gloo, with
+    a collective still waiting for a peer that stopped, that returns at once (gloo's own
+    abort, or its destructor, would wait out the collective's timeout); the collective's group
+    is released on a thread of its own, which ends when the collective does."""
+    store = listen_store("127.0.0.1")
+    address = f"127.0.0.1:{store.port}/test"
+    groups: list[Any] = [None, None]
+
+    def configure(rank: int) -> None:
+        pg = fresh_rendezvous_process_group("gloo", timedelta(seconds=5))
+        pg.configure(address, f"replica_{rank}", rank, 2)
+        groups[rank] = pg
+
+    threads = [threading.Thread(target=configure, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    blocked_for: list[float] = []
+
+    def blocked_allreduce() -> None:
+        started = time.monotonic()
+        try:
+            groups[0].allreduce([torch.ones(4)], dist.AllreduceOptions()).wait()
+        except RuntimeError:
+            pass
+        blocked_for.append(time.monotonic() - started)
+
+    collective = threading.Thread(target=blocked_allreduce, daemon=True)
+    collective.start()
+    time.sleep(0.5)  # group 1 never joins it: group 0's collective waits
+    started = time.monotonic()
+    groups[0].abort(errored=False)  # what configure does with the last quorum's group
+    assert time.monotonic() - started < 1.0
+    assert given_up.blocked()  # the release waits for the collective (its 5 s timeout)
+    collective.join(30)
+    assert blocked_for and blocked_for[0] < 10
+    _wait_until_none_blocked()
