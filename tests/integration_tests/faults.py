@@ -18,7 +18,7 @@ puts a NaN into what it sends in sync K, and ``--fault_injection.corrupt_heal_hi
 damages this group's heal-history entry of sync K. As the peer of a replay,
 ``--fault_injection.damage_replay_payload=N`` damages the N-th average it sends (on the wire,
 not in its history), and ``--fault_injection.exit_serving_replay_after=N`` exits the process
-once it has sent N averages.
+once it has sent N averages; ``--fault_injection.heal_send_sleep_s`` paces every heal it serves.
 
 The step-level knobs (``stall_after_step``, ``pause_file``, ``step_sleep_s``) work with both
 trainers; the sync-level ones with the semi-sync trainer only. Use with
@@ -129,6 +129,10 @@ class FaultInjection:
     exit_serving_replay_after: int = 0
     """Serving a replay, exit the process (status 3) once N averages were sent and had time to
     arrive: a peer that dies in the middle of a replay. 0: never."""
+
+    heal_send_sleep_s: float = 0.0
+    """Serving a heal, sleep this long before each tensor it sends: a slow link, so that a heal
+    outlasts the process group's own timeout. 0: never."""
 
 
 @dataclass
@@ -271,6 +275,27 @@ class StallingTrainer(StepFaults, SemiSyncTrainer):
                 return HealAnswer(served.state, payloads)
 
             self.heal.answer = answer_with_faults  # type: ignore[method-assign]
+
+        if self.faults.heal_send_sleep_s:
+            self._pace_heals(self.faults.heal_send_sleep_s)
+
+    def _pace_heals(self, seconds: float) -> None:
+        """Once the torchft Manager exists, sleep before each tensor its heal transport sends."""
+        build = self.ft._build_manager  # type: ignore[union-attr]
+
+        def build_paced() -> Any:
+            manager = build()
+            group = manager._checkpoint_transport._pg  # the heal's PiecewiseGroup
+            send = group.send
+
+            def paced(*args: Any, **kwargs: Any) -> Any:
+                time.sleep(seconds)
+                return send(*args, **kwargs)
+
+            group.send = paced
+            return manager
+
+        self.ft._build_manager = build_paced  # type: ignore[union-attr]
 
     def _corrupt_after_report(self) -> None:
         sync = self.ft.manager.current_step()  # type: ignore[union-attr]

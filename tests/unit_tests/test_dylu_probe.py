@@ -16,6 +16,7 @@ from torchtitan.components.ft import FaultToleranceError
 from torchtitan.experiments.fault_tolerance.dylu import PeriodPlan
 from torchtitan.experiments.fault_tolerance.events import SPEED_PROBE
 from torchtitan.experiments.fault_tolerance.quorum_protocol import QuorumProtocol
+from torchtitan.experiments.fault_tolerance.shapes import CollectiveShape
 from torchtitan.experiments.fault_tolerance.speed_exchange import SpeedExchange
 from torchtitan.experiments.fault_tolerance.sync_quorum import (
     FRESH,
@@ -256,7 +257,7 @@ def test_a_starting_group_that_meets_a_probe_does_not_use_that_quorum(healed_the
     protocol = SimpleNamespace(
         ft=SimpleNamespace(manager=manager, poll_s=1.0),
         job_config=SimpleNamespace(
-            fault_tolerance=SimpleNamespace(group_size=2, quorum_timeout_s=60.0)
+            fault_tolerance=SimpleNamespace(group_size=2, quorum_timeout_s=60.0, replica_id=0)
         ),
         starting=True,
         _start_attempts=0,
@@ -270,6 +271,7 @@ def test_a_starting_group_that_meets_a_probe_does_not_use_that_quorum(healed_the
         announce=announced.append,
         heal=SimpleNamespace(replay_failed="", take_heal=lambda: None),
         sync=SimpleNamespace(heartbeat=7, set_members=lambda keys: None),
+        shape=CollectiveShape(1, 1, 100, 300, 0, 5),
     )
     assert QuorumProtocol.on_quorum(cast(Any, protocol)) is False
     assert protocol._peer is None

@@ -17,6 +17,7 @@ from tests.unit_tests.gloo_groups import LoopbackManager, heartbeat_id, run_grou
 from torchtitan.components.ft import given_up
 from torchtitan.components.ft.build import fresh_rendezvous_process_group
 from torchtitan.components.ft.network import listen_store
+from torchtitan.components.ft.timeouts import ReplicaTimeouts
 from torchtitan.components.ft.torchft_adapter import lighthouse_heartbeats
 from torchtitan.experiments.fault_tolerance import events
 from torchtitan.experiments.fault_tolerance.peer_watch import Gone, PeerWatch, heartbeat_key
@@ -155,7 +156,7 @@ def test_a_gloo_group_with_a_collective_blocked_is_let_go_at_once() -> None:
     groups: list[Any] = [None, None]
 
     def configure(rank: int) -> None:
-        pg = fresh_rendezvous_process_group("gloo", timedelta(seconds=5))
+        pg = fresh_rendezvous_process_group("gloo", ReplicaTimeouts.of(5000, 60.0, 300.0))
         pg.configure(address, f"replica_{rank}", rank, 2)
         groups[rank] = pg
 

@@ -44,3 +44,23 @@ def test_the_command_prints_every_dtype_and_refuses_bad_values(
     with pytest.raises(SystemExit) as info:
         planner.main(["--params", "8B", "--step-s", "0", "--link-mbit", "1000"])
     assert info.value.code == 2
+
+
+def test_the_collective_timeout_scales_with_the_ranks_sharing_the_link(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """8B, 4 groups, 1 Gbit/s: one 32 MiB float32 bucket takes 0.40 s with the link to itself;
+    with 8 ranks each sending one at once, 3.2 s, and the suggested timeout (4x) follows."""
+    one = Plan(8e9, 2.0, 1000, 4, 100, ranks_per_group=1)
+    eight = Plan(8e9, 2.0, 1000, 4, 100, ranks_per_group=8)
+    assert one.bucket_s() == pytest.approx(1.5 * 32 * 2**20 * 8 / 1e9)
+    assert eight.bucket_s() == pytest.approx(8 * one.bucket_s())
+    assert eight.bucket_s() == pytest.approx(3.2, abs=0.05)
+    args = ["--params", "8B", "--step-s", "2", "--link-mbit", "1000", "--groups", "4"]
+    assert planner.main([*args, "--ranks-per-group", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "sync_collective_timeout_s >= 13 " in out
+    assert "while each of the 8 rank(s) sends one" in out
+    assert "4 replica groups of 8 rank(s), 1000 Mbit/s from each group" in out
+    assert planner.main(args) == 0
+    assert "sync_collective_timeout_s >= 2 " in capsys.readouterr().out

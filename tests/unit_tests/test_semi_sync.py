@@ -3,6 +3,7 @@ checkpoint carries, healing positions, the digest exchange and the pseudo-gradie
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import astuple
 from pathlib import Path
 from types import SimpleNamespace
@@ -530,7 +531,7 @@ def test_quorum_findings_travel_as_ints_and_come_back_named() -> None:
     comes back under its name."""
     found = QuorumFindings(failed=False, disagree=True, no_majority=False, minority=True,
                            planned_steps=7)  # fmt: skip
-    assert found.as_ints() == [0, 1, 0, 1, 7, 0, 0, 0]
+    assert found.as_ints() == [0, 1, 0, 1, 7, 0, 0, 0, 0]
     assert QuorumFindings.from_ints(found.as_ints()) == found
     other = QuorumFindings(True, False, False, False, 9)
     merged = [max(a, b) for a, b in zip(found.as_ints(), other.as_ints(), strict=True)]
@@ -554,3 +555,26 @@ def test_every_method_implements_its_whole_interface() -> None:
         assert not inspect.isabstract(cls), (cls, cls.__abstractmethods__)
     assert issubclass(TorchftDiLoCo, GlobalCopyLoop) and issubclass(AsyncDiLoCo, GlobalCopyLoop)
     assert not issubclass(TorchftLocalSGD, GlobalCopyLoop)
+
+
+def test_a_mismatch_of_the_collectives_shapes_names_both_groups_and_the_field() -> None:
+    """What fixes a sync's collectives (ranks, fragments, shards, buckets, dtype) is compared
+    field by field; the first difference names both groups' values and the field to change."""
+    from torchtitan.experiments.fault_tolerance.shapes import CollectiveShape, mismatch
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    mine = CollectiveShape.of([model], 1, 300, "int8")
+    assert mine.shard_values == 8 * 4 + 4 + 4 * 2 + 2
+    assert mismatch([(0, mine), (1, mine)], mine) == ""
+    cases = {
+        "NGPU": dataclasses.replace(mine, ranks=2, shard_values=mine.shard_values // 2),
+        "fault_tolerance.pseudo_grad_dtype": CollectiveShape.of([model], 1, 300, "int4"),
+        "fault_tolerance.sync_bucket_mb": CollectiveShape.of([model], 1, 600, "int8"),
+        "fault_tolerance.num_fragments": CollectiveShape.of(list(model), 1, 300, "int8"),
+        "model.flavor": CollectiveShape.of([torch.nn.Linear(8, 6)], 1, 300, "int8"),
+    }
+    for field, other in cases.items():
+        found = mismatch([(0, mine), (3, other)], mine)
+        assert found.startswith("replica group 3's collectives cannot pair"), found
+        assert field in found, (field, found)
+        assert other.describe() in found and mine.describe() in found

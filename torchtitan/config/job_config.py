@@ -515,8 +515,8 @@ class FaultTolerance:
     lighthouse at the address: the group exits with an error naming it after this long)."""
 
     timeout_s: float = 60.0
-    """Timeout of the Manager's own operations: ``should_commit`` and sending or receiving
-    the healing state."""
+    """Timeout of the Manager's own operations: ``should_commit``, and each operation of a
+    heal (semi-sync sends the healing state in pieces of 64 MiB)."""
 
     max_consecutive_failures: int = 10
     """Stop the run with an error (naming the last cause torchft recorded, e.g. a healing

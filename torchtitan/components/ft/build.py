@@ -19,6 +19,7 @@ from torchtitan.components.ft.errors import FaultToleranceError
 from torchtitan.components.ft.healing import NOT_HEALED
 from torchtitan.components.ft.manager import FTManager
 from torchtitan.components.ft.network import bind_ip, lighthouse_address
+from torchtitan.components.ft.timeouts import ReplicaTimeouts
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools.events import EventKind
@@ -54,26 +55,34 @@ def fresh_rendezvous_address(store_addr: str, world_size: int, timeout: timedelt
     return f"{store_addr}/rebuild_{rebuild}"
 
 
-def fresh_rendezvous_process_group(backend: str, timeout: timedelta) -> Any:
+def fresh_rendezvous_process_group(backend: str, timeouts: ReplicaTimeouts) -> Any:
     """torchft's reconfigurable process group for ``backend`` (``nccl`` or ``gloo``), rebuilt
-    at every quorum on fresh rendezvous keys (:func:`fresh_rendezvous_address`).
+    at every quorum on fresh rendezvous keys (:func:`fresh_rendezvous_address`), with every
+    timeout c10d and torchft apply to it from ``timeouts`` (``timeouts.py``).
+
+    On nccl: c10d's watchdog (the communicator's options) is ``timeouts.watchdog``;
+    torchft's abort timer around issuing an operation and ``TORCH_NCCL_NONBLOCKING_TIMEOUT``
+    (unless set) are ``timeouts.operation``; a wait that names no timeout (the quorum's
+    exchange, queued on the communicator's stream behind what is in flight) gets
+    ``timeouts.collective``; a new group's rendezvous ``timeouts.rendezvous``.
 
     On gloo, the group of the last quorum is released on a thread of its own, not aborted in
     the quorum: gloo's ``abort`` and its destructor both wait for every collective in flight,
     and one that waits for a peer already gone (a sync abandoned by ``peer_watch``) returns only
     at its own timeout, minutes for a sync's transfer (seen: the next quorum held up 295 s)."""
-    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
-
-    base = ProcessGroupNCCL if backend == "nccl" else ProcessGroupGloo
+    nccl = backend == "nccl"
+    if nccl:
+        timeouts.apply_nccl_environment()  # before torchft's group reads it
+    base = torchft_adapter.reconfigurable_group_class(backend)
 
     class FreshRendezvous(base):  # type: ignore[valid-type,misc]  # a class chosen at run time
         def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
                       *args: Any, **kwargs: Any) -> None:  # fmt: skip
-            address = fresh_rendezvous_address(store_addr, world_size, timeout)
+            address = fresh_rendezvous_address(store_addr, world_size, timeouts.rendezvous)
             super().configure(address, replica_id, rank, world_size, *args, **kwargs)
 
         def abort(self, errored: bool = True) -> None:
-            if backend == "nccl":  # ncclCommAbort: returns, and ends the kernels in flight
+            if nccl:  # ncclCommAbort: returns, and ends the kernels in flight
                 super().abort(errored)
                 return
             old: Any = self.__dict__.get("_pg")  # torchft's base group (untyped)
@@ -86,7 +95,29 @@ def fresh_rendezvous_process_group(backend: str, timeout: timedelta) -> Any:
                     daemon=True,
                 ).start()
 
-    return FreshRendezvous(timeout=timeout)
+        if nccl:
+
+            def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
+                store.set_timeout(timeouts.rendezvous)  # a member that never joins the group
+                self._errored = None
+                options = torchft_adapter.nccl_options(
+                    timeouts.watchdog, self.__dict__.get("_global_ranks"), self._quorum_group_name()
+                )
+                return torchft_adapter.build_nccl_group(store, rank, world_size, options)
+
+            def _wrap_work(self, work: Any, opts: object) -> Any:
+                return torchft_adapter.accelerator_timeout_work(self, work, timeouts.collective)
+
+            def _quorum_group_name(self) -> str | None:
+                quorum, rank, size = (
+                    self.__dict__.get(k) for k in ("_quorum_id", "_group_rank", "_group_world_size")
+                )
+                return f"torchft_quorum_{quorum}_rank_{rank % size}" if rank and size else None
+
+    # The wrapper's own timeout: on nccl torchft's timer around issuing each operation; on
+    # gloo the rendezvous, and the default of an operation that names none (gloo runs the
+    # quorum's small exchange beside a sync's transfers, never queued behind them).
+    return FreshRendezvous(timeout=timeouts.operation if nccl else timeouts.rendezvous)
 
 
 def _release_when_unreferenced(holder: list[Any], poll_s: float = 0.05) -> None:
@@ -119,6 +150,7 @@ def build_ft_manager(
     init_sync: bool = True,
     quorum_timeout_s: float | None = None,
     checkpoint_transport: Callable[..., Any] | None = None,
+    collective_timeout_s: float | None = None,
 ) -> FTManager | None:
     """This rank's FTManager, from ``[fault_tolerance]``; None when it is off. The torchft
     Manager itself is built by ``FTManager.start()``. Fails at once (``TorchftVersionError``)
@@ -134,6 +166,9 @@ def build_ft_manager(
     ``fault_tolerance.quorum_timeout_s``), the Manager's default timeout for the quorums that
     torchft's own algorithms start. ``checkpoint_transport(pg, timeout, device)``: how healing
     state travels (default torchft's ``PGTransport`` over the replicate process group).
+    ``collective_timeout_s``: the longest one collective across groups may take (semi-sync's
+    ``sync_collective_timeout_s``; default ``process_group_timeout_ms``): with ``timeout_s`` it
+    sizes every timeout of the replicate process group (``timeouts.ReplicaTimeouts``).
     """
     ft = job_config.fault_tolerance
     if not ft.enable:
@@ -155,9 +190,10 @@ def build_ft_manager(
         backend = ft.process_group
         if backend == "auto":
             backend = "nccl" if parallel_dims.device.type == "cuda" else "gloo"
-        pg = fresh_rendezvous_process_group(
-            backend, timedelta(milliseconds=ft.process_group_timeout_ms)
+        timeouts = ReplicaTimeouts.of(
+            ft.process_group_timeout_ms, ft.timeout_s, collective_timeout_s
         )
+        pg = fresh_rendezvous_process_group(backend, timeouts)
         # Healing goes over the replicate process group itself (no extra HTTP server listening
         # on every interface and serving the whole model unauthenticated).
         make_transport: Callable[..., Any] = checkpoint_transport or PGTransport

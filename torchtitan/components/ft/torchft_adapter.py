@@ -32,6 +32,7 @@ import urllib.parse
 import urllib.request
 import warnings
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -271,6 +272,57 @@ def replica_process_group(manager: Manager) -> ProcessGroup:
     reconfigures it at every quorum that changes membership): for collectives the Manager does
     not offer, such as compressed all-reduces."""
     return manager._pg
+
+
+# ---- the replicate process group -----------------------------------------------------------
+
+
+def reconfigurable_group_class(backend: str) -> type:
+    """torchft's reconfigurable process group class for ``nccl`` or ``gloo``."""
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+    return ProcessGroupNCCL if backend == "nccl" else ProcessGroupGloo
+
+
+def nccl_options(
+    watchdog: timedelta, global_ranks: list[int] | None, group_name: str | None
+) -> Any:
+    """c10d's options for the nccl backend of a quorum's group, as torchft 0.2.0 builds them
+    (non-blocking communicators, the quorum's ranks and name), plus the watchdog's timeout,
+    which torchft leaves at c10d's default (10 min per operation, counted from its queueing)."""
+    from torch.distributed import ProcessGroupNCCL
+
+    options = ProcessGroupNCCL.Options()
+    options.config.blocking = False
+    options._timeout = watchdog
+    if global_ranks:
+        options.global_ranks_in_group = global_ranks
+    if group_name:
+        options.group_name = group_name  # type: ignore[assignment]  # a str, as torchft sets it
+    return options
+
+
+def build_nccl_group(store: Any, rank: int, world_size: int, options: Any) -> Any:
+    """A c10d process group with an nccl backend built with ``options`` and connected on the
+    current device: what torchft 0.2.0's ``ProcessGroupNCCL._create_pg`` builds."""
+    from torch.distributed import ProcessGroup
+    from torch.distributed import ProcessGroupNCCL as NCCLBackend
+
+    group = ProcessGroup(store, rank, world_size)
+    group._set_default_backend(ProcessGroup.BackendType.NCCL)
+    backend = NCCLBackend(store, rank, world_size, options)
+    backend._set_sequence_number_for_group()
+    backend.eager_connect_single_device(torch.device(torch.accelerator.current_device_index()))
+    group._register_backend(torch.device("cuda"), ProcessGroup.BackendType.NCCL, backend)
+    return group
+
+
+def accelerator_timeout_work(pg: Any, work: Any, timeout: timedelta) -> Any:
+    """torchft's wrapper of an nccl work: its ``wait`` aborts ``pg`` after ``timeout`` (or the
+    one it is given) instead of letting c10d's watchdog end the process."""
+    from torchft.process_group import _WorkAcceleratorTimeout
+
+    return _WorkAcceleratorTimeout(pg, work, timeout)
 
 
 def heartbeat_id(manager: Manager) -> str:

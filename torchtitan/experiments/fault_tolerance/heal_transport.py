@@ -40,6 +40,7 @@ from torchtitan.experiments.fault_tolerance.heal_history import (
     plan_replay,
     replay,
 )
+from torchtitan.experiments.fault_tolerance.heal_pieces import PiecewiseGroup
 from torchtitan.experiments.fault_tolerance.job_config import semi_sync_config
 from torchtitan.experiments.fault_tolerance.outer_loop import (
     GlobalCopyLoop,
@@ -405,6 +406,7 @@ def build_history_transport(exchange_of: Callable[[], HealExchange]) -> Callable
         def send_checkpoint(
             self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta
         ) -> None:
+            self._pg.begin()
             # Every joiner's request first (a few numbers each), then one send per distinct
             # answer to all the joiners it is for, as torchft sends one state to all of them.
             answers: dict[str, tuple[HealAnswer, list[int]]] = {}
@@ -435,6 +437,7 @@ def build_history_transport(exchange_of: Callable[[], HealExchange]) -> Callable
             self, src_rank: int, metadata: str, step: int, timeout: timedelta
         ) -> Any:
             started = time.perf_counter()
+            self._pg.begin()
             exchange = exchange_of()
             request = exchange.basis.to_tensor(self._device)
             self._pg.send([request], src_rank, tag=_REQUEST_TAG).wait(timeout)
@@ -481,7 +484,9 @@ def build_history_transport(exchange_of: Callable[[], HealExchange]) -> Callable
                 yield t.to("cpu")
 
     def build(pg: ProcessGroup, timeout: timedelta, device: torch.device) -> Any:
-        return HistoryTransport(pg, timeout=timeout, device=device)
+        # Both ends of every heal in bounded pieces (heal_pieces: c10d's watchdog counts an
+        # operation from its queueing, and torchft queues a whole state's sends at once).
+        return HistoryTransport(PiecewiseGroup(pg, timeout), timeout=timeout, device=device)
 
     return build
 

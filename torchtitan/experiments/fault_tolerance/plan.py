@@ -2,7 +2,7 @@
 timeouts, for a model size, an inner step time and a link.
 
     .venv/bin/python -m torchtitan.experiments.fault_tolerance.plan --params 8B --step-s 2 \\
-        --link-mbit 1000 --groups 4
+        --link-mbit 1000 --groups 4 --ranks-per-group 8
 
 It prints, for each ``pseudo_grad_dtype``, the bytes one group sends per sync and how long that
 takes on the link; for the chosen (or suggested) ``sync_steps``, whether blocking DiLoCo idles
@@ -10,8 +10,10 @@ and whether the overlapped methods (Streaming DiLoCo, async DiLoCo) hide the syn
 a full heal; and the timeouts that fit. The arithmetic, per group and sync:
 
 * bytes sent: a ring all-reduce's ``2 (G - 1) / G`` times the encoded pseudo-gradient (the
-  codec's own wire size, scales included: ``compression/codecs.py``), over the group's share of the
-  link (``--link-mbit``, all its ranks together);
+  codec's own wire size, scales included: ``compression/codecs.py``), over the group's link to
+  the others (``--link-mbit``: what one group sends, all its ranks together);
+* one bucket's transfer, what ``sync_collective_timeout_s`` bounds: every rank of a group sends
+  its own buckets at the same time, so each gets ``1 / --ranks-per-group`` of the link;
 * blocking DiLoCo's idle share: ``sync / (period + sync)``; overlap hides a sync that takes less
   than one period;
 * a full heal receives the model, the inner AdamW's two moments, DiLoCo's global copy and outer
@@ -24,6 +26,7 @@ It measures nothing: compute, codec time and the link's real throughput are the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import re
 import sys
@@ -57,6 +60,8 @@ class Plan:
     link_mbit: float
     groups: int
     sync_steps: int
+    #: Ranks of one group: each sends its own shard's buckets over the group's link at once.
+    ranks_per_group: int = 1
 
     def sync_s(self, dtype: str) -> float:
         """Seconds one sync's all-reduce takes on the link."""
@@ -83,9 +88,11 @@ class Plan:
         return self.params * HEAL_BYTES_PER_PARAM * 8 / (self.link_mbit * 1e6)
 
     def bucket_s(self) -> float:
-        """One bucket's transfer (``sync_bucket_mb``; what the collective timeout bounds)."""
+        """One float32 bucket's transfer (``sync_bucket_mb``; what the collective timeout
+        bounds) while every rank of the group sends one: each has its share of the link."""
         ring = 2 * (self.groups - 1) / self.groups
-        return ring * BUCKET_MB * 2**20 * 8 / (self.link_mbit * 1e6)
+        share = self.link_mbit * 1e6 / self.ranks_per_group
+        return ring * BUCKET_MB * 2**20 * 8 / share
 
 
 def steps_to_hide(plan: Plan, dtype: str) -> int:
@@ -126,8 +133,9 @@ def _duration(seconds: float) -> str:
 
 def report(plan: Plan, suggested: bool) -> str:
     lines = [
-        f"{plan.params:.3g} parameters, {plan.groups} replica groups, {plan.link_mbit:g} Mbit/s "
-        f"per group, inner step {plan.step_s:g} s",
+        f"{plan.params:.3g} parameters, {plan.groups} replica groups of {plan.ranks_per_group} "
+        f"rank(s), {plan.link_mbit:g} Mbit/s from each group to the others (its ranks share it), "
+        f"inner step {plan.step_s:g} s",
         f"sync_steps {plan.sync_steps}{' (suggested: hides an int8 sync)' * suggested}: period "
         f"{_duration(plan.period_s)}",
         "",
@@ -157,7 +165,8 @@ def report(plan: Plan, suggested: bool) -> str:
     lines += [
         "timeouts that fit (fields of [fault_tolerance]):",
         f"  sync_collective_timeout_s >= {math.ceil(HEADROOM * plan.bucket_s())} "
-        f"({HEADROOM:g} x one {BUCKET_MB:g} MiB bucket at this rate, {_duration(plan.bucket_s())})",
+        f"({HEADROOM:g} x one {BUCKET_MB:g} MiB float32 bucket, {_duration(plan.bucket_s())}, "
+        f"while each of the {plan.ranks_per_group} rank(s) sends one)",
         f"  sync_quorum_timeout_s >= {math.ceil(HEADROOM * (plan.period_s + slowest))} "
         f"({HEADROOM:g} x a period plus a float32 sync: how long a group may wait for the others)",
         f"  timeout_s >= {math.ceil(HEADROOM * plan.heal_s())} ({HEADROOM:g} x a full heal)",
@@ -187,9 +196,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--link-mbit",
         type=float,
         required=True,
-        help="Mbit/s one group can send to the others (all its ranks together)",
+        help="Mbit/s one group can send to the others: its link between sites, shared by all "
+        "its ranks",
     )
     parser.add_argument("--groups", type=int, default=2, help="replica groups (default 2)")
+    parser.add_argument(
+        "--ranks-per-group",
+        type=int,
+        default=1,
+        help="ranks (GPUs) of one group, each sending its own shard's buckets at once over the "
+        "group's link (default 1)",
+    )
     parser.add_argument("--sync-steps", type=int, default=None,
                         help="inner steps per sync to judge (default: suggest one)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -198,6 +215,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')}: must be > 0")
     if args.groups < 2:
         parser.error("--groups: a sync needs at least 2 groups")
+    if args.ranks_per_group < 1:
+        parser.error("--ranks-per-group: must be >= 1")
     if args.sync_steps is not None and args.sync_steps < 1:
         parser.error("--sync-steps: must be >= 1")
     return args
@@ -205,11 +224,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    plan = Plan(args.params, args.step_s, args.link_mbit, args.groups, args.sync_steps or 1)
+    plan = Plan(
+        args.params,
+        args.step_s,
+        args.link_mbit,
+        args.groups,
+        args.sync_steps or 1,
+        args.ranks_per_group,
+    )
     suggested = args.sync_steps is None
     if suggested:
-        chosen = steps_to_hide(plan, "int8")
-        plan = Plan(args.params, args.step_s, args.link_mbit, args.groups, chosen)
+        plan = dataclasses.replace(plan, sync_steps=steps_to_hide(plan, "int8"))
     print(report(plan, suggested))
     return 0
 

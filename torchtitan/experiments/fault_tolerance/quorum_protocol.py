@@ -37,6 +37,7 @@ from torchtitan.experiments.fault_tolerance.job_config import semi_sync_config
 from torchtitan.experiments.fault_tolerance.lineage import Lineage
 from torchtitan.experiments.fault_tolerance.outer_loop import OuterLoop
 from torchtitan.experiments.fault_tolerance.reporting import SyncReporter
+from torchtitan.experiments.fault_tolerance.shapes import CollectiveShape, mismatch
 from torchtitan.experiments.fault_tolerance.speed_exchange import SpeedExchange
 from torchtitan.experiments.fault_tolerance.sync_quorum import (
     FRESH,
@@ -83,16 +84,19 @@ class QuorumFindings:
     #: must not mix them: each rank's peer decided for its own shards).
     replayed: bool = False
     healed_in_full: bool = False
+    #: The members' collectives cannot pair (``shapes.mismatch``).
+    shapes_differ: bool = False
 
     def as_ints(self) -> list[int]:
         return [int(v) for v in dataclasses.astuple(self)]
 
     @classmethod
     def from_ints(cls, values: list[int]) -> QuorumFindings:
-        failed, disagree, no_majority, minority, steps, replay_failed, replayed, full = values
+        failed, disagree, no_majority, minority, steps, *flags = values
+        replay_failed, replayed, full, shapes_differ = (bool(v) for v in flags)
         return cls(
             bool(failed), bool(disagree), bool(no_majority), bool(minority), steps,
-            bool(replay_failed), bool(replayed), bool(full),
+            replay_failed, replayed, full, shapes_differ,
         )  # fmt: skip
 
 
@@ -112,7 +116,10 @@ class QuorumProtocol:
         group_ranks: int,
         most_in_group: Callable[[list[int]], list[int]],
         heal: HealExchange,
+        shape: CollectiveShape,
     ) -> None:
+        """``shape``: what fixes the shapes of this rank's sync collectives, compared with
+        every member's before the quorum is used."""
         self.job_config = job_config
         self.ft = ft
         self.sync = sync
@@ -126,6 +133,7 @@ class QuorumProtocol:
         self.most_in_group = most_in_group
         #: Both ends of a heal (a replay of missed syncs, or the full state).
         self.heal = heal
+        self.shape = shape
         self.period = algorithm.period
         ft_config = semi_sync_config(job_config)
         #: DyLU's plans (None: no DyLU; the config allows it with async DiLoCo only).
@@ -274,12 +282,18 @@ class QuorumProtocol:
         digest = None if failed_replay else self._digest_if_due()
         mine.replay_failed = int(bool(failed_replay))
         mine.heartbeat = self.sync.heartbeat
+        mine.replica = ft.replica_id
+        mine.give_shape(self.shape)
         if digest is not None:
             mine.has_digest, mine.digest = 1, digest
         if self.speeds is not None:
             self.speeds.fill(mine)
         members = exchange(manager, mine, self.device)
         self.sync.set_members([m.heartbeat for m in members or []])
+        # A member in DyLU's speed probe sent its record from the probe's own exchange, which
+        # carries no shapes (nor is its quorum used for a sync: see below).
+        shapes = [(m.replica, m.shape()) for m in members or [] if not m.probe]
+        shapes_differ = mismatch(shapes, self.shape)
         verdict = compare_digests(members or [])
         own = mine.digest if mine.has_digest else None
         found = QuorumFindings(
@@ -293,12 +307,24 @@ class QuorumProtocol:
             replay_failed=bool(failed_replay) or any(m.replay_failed for m in members or []),
             replayed=healed == "replay",
             healed_in_full=healed == "full",
+            shapes_differ=bool(shapes_differ),
         )
         if self.group_ranks > 1:
             # Each rank exchanged with the same rank of the other groups (and compared its own
             # shard): the group acts on what any of its ranks found, and all its ranks take
             # the same number of inner steps.
             found = QuorumFindings.from_ints(self.most_in_group(found.as_ints()))
+        if found.shapes_differ:
+            # Before any collective that depends on them: nobody uses this quorum, and a
+            # starting group, the one that does not fit the job, stops.
+            manager.report_error(RuntimeError("the groups' collectives cannot pair"))
+            if self.starting:
+                raise FaultToleranceError(
+                    "[semi-sync] "
+                    + (shapes_differ or "another rank of this group found that the replica "
+                       "groups' collectives cannot pair (see its error line)")
+                )  # fmt: skip
+            return True
         self.reporter.agreement = (
             None if not verdict.digests else "disagree" if found.disagree else "agree"
         )

@@ -13,6 +13,7 @@ after :func:`exchange`.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from torchtitan.components.ft.torchft_adapter import ManagerStandIn
 from torchtitan.experiments.fault_tolerance import events
 from torchtitan.experiments.fault_tolerance.compression import Delivered
 from torchtitan.experiments.fault_tolerance.peer_watch import heartbeat_key
+from torchtitan.experiments.fault_tolerance.shapes import CollectiveShape
 from torchtitan.experiments.fault_tolerance.transport import (
     FragmentResiduals,
     SyncTransport,
@@ -68,6 +70,29 @@ class Member:
     #: The key of the id this group heartbeats to the lighthouse under (``peer_watch``): the
     #: sync's transfers end as soon as the lighthouse drops a member.
     heartbeat: int = 0
+    #: This group's ``fault_tolerance.replica_id``.
+    replica: int = 0
+    #: What fixes the shapes of its collectives (``shapes.CollectiveShape``), field by field.
+    ranks: int = 0
+    fragments: int = 0
+    shard_values: int = 0
+    bucket_values: int = 0
+    dtype: int = 0
+    layout: int = 0
+
+    def shape(self) -> CollectiveShape:
+        return CollectiveShape(
+            self.ranks,
+            self.fragments,
+            self.shard_values,
+            self.bucket_values,
+            self.dtype,
+            self.layout,
+        )
+
+    def give_shape(self, shape: CollectiveShape) -> None:
+        for name, value in dataclasses.asdict(shape).items():
+            setattr(self, name, value)
 
 
 def exchange(manager: Manager, mine: Member, device: torch.device) -> list[Member] | None:

@@ -56,6 +56,7 @@ from torchtitan.experiments.fault_tolerance.outer_loop import (
 from torchtitan.experiments.fault_tolerance.peer_watch import PeerWatch
 from torchtitan.experiments.fault_tolerance.quorum_protocol import JoinAtSync, QuorumProtocol
 from torchtitan.experiments.fault_tolerance.reporting import SyncReporter
+from torchtitan.experiments.fault_tolerance.shapes import CollectiveShape
 from torchtitan.experiments.fault_tolerance.sync_quorum import (
     SyncManager,
     most_in_group,
@@ -166,6 +167,12 @@ class SemiSyncTrainer(Trainer):
             self.parallel_dims.world_size,
             functools.partial(most_in_group, device=self.device),
             self.heal,
+            CollectiveShape.of(
+                self.fragments,
+                self.parallel_dims.world_size,
+                transport.bucket_numel,
+                ft.pseudo_grad_dtype,
+            ),
         )
         # Every member of a sync's quorum runs the protocol's exchange in it.
         self.sync.on_quorum = self.protocol.on_quorum
@@ -206,6 +213,7 @@ class SemiSyncTrainer(Trainer):
             init_sync=False,
             quorum_timeout_s=semi_sync_config(self.job_config).sync_quorum_timeout_s,
             checkpoint_transport=build_history_transport(lambda: self.heal),
+            collective_timeout_s=semi_sync_config(self.job_config).sync_collective_timeout_s,
         )
 
     def load_checkpoint(self) -> None:

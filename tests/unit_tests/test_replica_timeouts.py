@@ -1,0 +1,111 @@
+"""Every timeout of the replicate process group comes from the fields that govern it, and
+reaches c10d and torchft (nccl's intercepted here: no CUDA needed); a heal travels in bounded
+pieces (real gloo groups)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.unit_tests.gloo_groups import run_groups
+from torchtitan.components.ft import torchft_adapter as tft
+from torchtitan.components.ft.build import fresh_rendezvous_process_group
+from torchtitan.components.ft.timeouts import NONBLOCKING_TIMEOUT_ENV, ReplicaTimeouts
+from torchtitan.experiments.fault_tolerance.heal_pieces import MAX_PIECES, PiecewiseGroup
+
+
+def test_each_timeout_comes_from_the_field_that_governs_it() -> None:
+    """Semi-sync (sync_collective_timeout_s 300, timeout_s 600): one operation may take 600 s
+    (a heal's piece), c10d's watchdog waits twice that plus a minute. Without semi-sync a
+    collective is a step's all-reduce (process_group_timeout_ms)."""
+    semi = ReplicaTimeouts.of(10_000, 600.0, 300.0)
+    assert semi.rendezvous == timedelta(seconds=10)
+    assert semi.collective == timedelta(seconds=300)
+    assert semi.operation == timedelta(seconds=600)
+    assert semi.watchdog == timedelta(seconds=1260)
+    assert semi.nccl_environment() == {NONBLOCKING_TIMEOUT_ENV: "600"}
+    steps = ReplicaTimeouts.of(10_000, 60.0)
+    assert steps.collective == timedelta(seconds=10) and steps.operation == timedelta(seconds=60)
+
+
+class _Options:
+    """Stands in for c10d's ``ProcessGroupNCCL.Options`` (absent from CPU builds of torch)."""
+
+    def __init__(self) -> None:
+        self.config = SimpleNamespace(blocking=True)
+        self._timeout = timedelta(minutes=10)  # c10d's default
+        self.global_ranks_in_group: list[int] = []
+        self.group_name = ""
+
+
+def test_the_nccl_group_gets_its_timeouts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the project hands torchft's nccl group, intercepted where it meets c10d: the
+    communicator's options carry the watchdog's timeout (c10d's default is 10 min per
+    operation, from its queueing: a full heal of 8B at 1 Gbit/s takes 21 min), the environment
+    ``TORCH_NCCL_NONBLOCKING_TIMEOUT`` (which also bounds creating a heal's point-to-point
+    communicator), the group its timer around issuing an operation, a wait that names no
+    timeout the collective's, and a new group's rendezvous the short one."""
+    monkeypatch.delenv(NONBLOCKING_TIMEOUT_ENV, raising=False)
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", SimpleNamespace(Options=_Options), raising=False)
+    from torchft.process_group import ProcessGroupWrapper
+
+    # torchft's nccl group cannot be built without CUDA: the wrapper it extends stands in.
+    monkeypatch.setattr(tft, "reconfigurable_group_class", lambda backend: ProcessGroupWrapper)
+    built: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(tft, "build_nccl_group", lambda *args: built.append(args) or "group")
+    timeouts = ReplicaTimeouts.of(5_000, 1800.0, 300.0)
+    pg = fresh_rendezvous_process_group("nccl", timeouts)
+    import os
+
+    assert os.environ[NONBLOCKING_TIMEOUT_ENV] == "1800"
+    assert pg._timeout == timedelta(seconds=1800)  # torchft's timer around issuing
+    store = dist.HashStore()
+    pg._global_ranks, pg._quorum_id, pg._group_rank, pg._group_world_size = [1, 3], 7, 1, 2
+    assert pg._create_pg(store, 1, 2) == "group"
+    ((_, rank, size, options),) = built
+    assert (rank, size) == (1, 2)
+    assert options._timeout == timedelta(seconds=3660) == timeouts.watchdog
+    assert options.config.blocking is False
+    assert options.global_ranks_in_group == [1, 3]
+    assert options.group_name == "torchft_quorum_7_rank_1"
+    assert store.timeout == timedelta(seconds=5)  # a member that never joins the group
+    work = pg._wrap_work(object(), dist.AllreduceOptions())
+    assert work._timeout == timedelta(seconds=300)  # the quorum's exchange, say
+    monkeypatch.setenv(NONBLOCKING_TIMEOUT_ENV, "42")  # the user's value stays
+    fresh_rendezvous_process_group("nccl", timeouts)
+    assert os.environ[NONBLOCKING_TIMEOUT_ENV] == "42"
+
+
+def test_a_heal_travels_in_pieces_with_few_queued() -> None:
+    """A 1,000-byte tensor and a 100-value fp32 one through the heal's group with 96-byte
+    pieces, 2 queued at most: each arrives whole and exact, in 11 and 5 operations, never
+    more than 2 queued; a tensor too large for MAX_PIECES pieces gets larger ones."""
+
+    def group(rank: int, pg: Any) -> tuple[list[torch.Tensor], int, int]:
+        heal = PiecewiseGroup(pg, timedelta(seconds=30), piece_bytes=96, in_flight=2)
+        heal.begin()
+        sent = [torch.arange(1000, dtype=torch.int64).to(torch.uint8), torch.randn(100)]
+        if rank == 0:
+            works = [heal.send([t], 1, tag=3 + i) for i, t in enumerate(sent)]
+            got = sent
+        else:
+            got = [torch.empty_like(t) for t in sent]
+            works = [heal.recv([t], 0, tag=3 + i) for i, t in enumerate(got)]
+        for work in works:
+            work.wait(timedelta(seconds=30))
+        return got, heal.issued, heal.most_queued
+
+    (sent, issued, most), (got, issued_1, most_1) = run_groups(2, group, timeout_s=60)
+    assert all(torch.equal(a, b) for a, b in zip(sent, got, strict=True))
+    assert issued == issued_1 == 11 + 5
+    assert most <= 2 and most_1 <= 2
+    from torchtitan.experiments.fault_tolerance.heal_pieces import pieces_of
+
+    big = torch.empty(MAX_PIECES * 10 + 1, dtype=torch.uint8)
+    assert len(pieces_of(big, 4)) <= MAX_PIECES
+    assert sum(p.numel() for p in pieces_of(big, 4)) == big.numel()

@@ -1,0 +1,87 @@
+"""What fixes the shapes of a sync's collectives, so that groups can compare it before any.
+
+Every rank of a replica group all-reduces with the same rank of every other group, tensor by
+tensor in the same buckets. That pairs up only if the groups have as many ranks, the same shard
+of every fragment on each rank, the same buckets and the same dtype on the wire; otherwise gloo
+fails with a traceback (or a mismatch passes for a disagreement of the global parameters), and
+nccl hangs or returns garbage. :class:`CollectiveShape` is exchanged in every sync quorum's
+member record (``sync_quorum.Member``), and a mismatch stops the groups that are starting, in
+one line naming both groups' values and the field to change (:func:`mismatch`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from torchtitan.experiments.fault_tolerance.job_config import PSEUDO_GRAD_DTYPES
+from torchtitan.experiments.fault_tolerance.outer_loop import local_tensor
+
+
+@dataclass(frozen=True)
+class CollectiveShape:
+    """One rank's side of a sync's collectives (all int64, for the member record)."""
+
+    #: Ranks of the group (``NGPU``).
+    ranks: int
+    #: Fragments of the model, each synced on its own.
+    fragments: int
+    #: This rank's values of all fragments (its shards).
+    shard_values: int
+    #: fp32 values in a bucket (``sync_bucket_mb``).
+    bucket_values: int
+    #: Index of ``pseudo_grad_dtype`` in ``PSEUDO_GRAD_DTYPES``.
+    dtype: int
+    #: A 64-bit key of every fragment's tensors' local shapes, in order.
+    layout: int
+
+    @classmethod
+    def of(
+        cls, fragments: Sequence[nn.Module], ranks: int, bucket_values: int, dtype: str
+    ) -> CollectiveShape:
+        shapes = [
+            [tuple(local_tensor(p).shape) for p in fragment.parameters()] for fragment in fragments
+        ]
+        digest = hashlib.blake2b(repr(shapes).encode(), digest_size=8).digest()
+        return cls(
+            ranks=ranks,
+            fragments=len(fragments),
+            shard_values=sum(local_tensor(p).numel() for f in fragments for p in f.parameters()),
+            bucket_values=bucket_values,
+            dtype=PSEUDO_GRAD_DTYPES.index(dtype),
+            layout=int.from_bytes(digest, "little", signed=True),
+        )
+
+    def describe(self) -> str:
+        return (
+            f"{self.ranks} rank(s), {self.fragments} fragment(s), shards of "
+            f"{self.shard_values:,} values, buckets of {self.bucket_values * 4 / 2**20:g} MiB, "
+            f"pseudo-gradients as {PSEUDO_GRAD_DTYPES[self.dtype]}"
+        )
+
+
+def mismatch(shapes: Sequence[tuple[int, CollectiveShape]], mine: CollectiveShape) -> str:
+    """Why the members' shapes (``(replica id, shape)`` in quorum order) cannot pair with this
+    rank's ``mine``, naming both sides and the field to change; "" when they all match."""
+    for replica, other in shapes:
+        if other == mine:
+            continue
+        if other.ranks != mine.ranks:
+            field = "NGPU (the ranks of each replica group)"
+        elif other.dtype != mine.dtype:
+            field = "fault_tolerance.pseudo_grad_dtype"
+        elif other.bucket_values != mine.bucket_values:
+            field = "fault_tolerance.sync_bucket_mb"
+        elif other.fragments != mine.fragments:
+            field = "fault_tolerance.num_fragments (or module_fqns_per_model_fragment)"
+        else:
+            field = "the model (model.name, model.flavor) and its sharding (parallelism)"
+        return (
+            f"replica group {replica}'s collectives cannot pair with this group's: it has "
+            f"{other.describe()}; this group has {mine.describe()}. Start every group with the "
+            f"same {field}."
+        )
+    return ""
