@@ -1,4 +1,5 @@
-"""Recovery and soak of DiLoCo across 2 replica groups, with SIGKILLed groups.
+"""Recovery and soak of DiLoCo across 2 replica groups, with SIGKILLed groups, and a kill
+inside an async DiLoCo sync of 3 groups with compressed pseudo-gradients.
 
     .venv/bin/python -m benchmarks.recovery                # the README's figures (~18 min)
     .venv/bin/python -m benchmarks.recovery --minutes 3    # shorter soak
@@ -31,6 +32,14 @@ Part 3, long periods (``--long-period-steps``, ~1 min on an idle machine; the sy
 timeout set below the period): SIGKILL a group mid-period, restart it, and report the survivor's
 ``quorum_wait`` at the sync where the restarted group rejoins (the survivors' stall per rejoin),
 next to the period and the waits at the other syncs.
+
+Part 4, async kill (``--async-kills``): 3 groups, async DiLoCo with int4 pseudo-gradients and
+error feedback, buckets of ``--async-bucket-mb`` (small: a sync's transfers last seconds on
+loopback, as a real one does on a slow link). Right after group 2 logs a sync (it has just
+started the next sync's transfers, which its peers then wait on), SIGKILL it; report each
+survivor's stall (``ft.committed_after_stall``: previous commit -> first commit without the
+killed group) and whether the lighthouse's heartbeats ended its sync in flight
+(``semi_sync.peer_gone``) or it had none waiting on the dead group; then restart group 2.
 
 Part 2, soak (``--minutes``): a fresh job; every ``--kill-every`` s (uniform in [0.5, 1.5] of
 it, seeded by ``--seed``) SIGKILL a random group and restart it after ``--restart-after`` s. A
@@ -68,10 +77,12 @@ from pathlib import Path
 from benchmarks import ft_common as common
 from benchmarks import provenance
 from benchmarks.timed_trainer import HEAL_TRANSFER, TIMING
+from torchtitan.components.ft.manager import COMMITTED_AFTER_STALL
 from torchtitan.experiments.fault_tolerance.events import (
     ASKING_FOR_QUORUM,
     GLOBAL_DIGEST,
     HEALED,
+    PEER_GONE,
     SYNC,
 )
 from torchtitan.tools.cluster import (
@@ -500,6 +511,94 @@ def long_period_part(folder: Path, args: argparse.Namespace, train_args: list[st
     }
 
 
+# ---- part 4 --------------------------------------------------------------------------------
+
+#: The groups of part 4.
+ASYNC_GROUPS = 3
+
+
+def async_kill_part(folder: Path, args: argparse.Namespace, train_args: list[str]) -> dict:
+    """Part 4 (see the module docstring): group 2 of 3 SIGKILLed inside an async int4 sync."""
+    async_args = [
+        *(a for a in train_args if not a.startswith("--fault_tolerance.semi_sync_method")),
+        "--fault_tolerance.semi_sync_method=async_diloco",
+        "--fault_tolerance.pseudo_grad_dtype=int4",
+        "--fault_tolerance.error_feedback",
+        f"--fault_tolerance.sync_bucket_mb={args.async_bucket_mb}",
+    ]
+    lighthouse = LighthouseSettings(
+        heartbeat_timeout_ms=args.heartbeat_timeout_ms, join_timeout_ms=args.join_timeout_ms
+    )
+    victim, samples = ASYNC_GROUPS - 1, []
+    with common.trainer_job(
+        folder, ASYNC_GROUPS, async_args, ft_args=ft_args(args), lighthouse=lighthouse
+    ) as job:
+        job.start()
+        events = common.GroupEvents(job)
+        for i in range(args.async_kills):
+
+            def committed(g: int) -> int:
+                return committed_syncs(events.of(job.latest(g), SYNC))
+
+            base = {g: committed(g) for g in range(ASYNC_GROUPS)}
+            wait_until(lambda b=base: all(committed(g) >= b[g] + 2 for g in b), args.timeout,
+                       "2 committed syncs in every group", job)  # fmt: skip
+            logged = len(syncs(events.of(job.latest(victim))))
+            wait_until(lambda n=logged: len(syncs(events.of(job.latest(victim)))) > n,
+                       args.timeout, "a sync of the victim", job, poll_s=0.02)  # fmt: skip
+            killed_at = time.time()
+            job.kill_group(victim)
+            sample: dict[str, object] = {"kill": i}
+            for g in range(ASYNC_GROUPS - 1):
+                survivor = job.latest(g)
+
+                def stall(s: Process = survivor, t: float = killed_at) -> Event | None:
+                    found = [e for e in events.of(s, COMMITTED_AFTER_STALL) if e.time > t]
+                    return found[0] if found else None
+
+                wait_until(lambda f=stall: f() is not None, args.timeout,
+                           f"group {g}'s first commit after the kill", job)  # fmt: skip
+                seen = stall()
+                assert seen is not None
+                gone = [e for e in events.of(survivor, PEER_GONE) if e.time > killed_at]
+                sample[f"group_{g}"] = {
+                    "stall_s": round(seen["stall_s"], 3),
+                    "commit_after_kill_s": round(seen.time - killed_at, 3),
+                    "groups_then": seen["groups"],
+                    "ended_by": (
+                        "heartbeat"
+                        if gone
+                        else "not by heartbeat (its transfers failed at once or were done)"
+                    ),
+                    "peer_gone_after_kill_s": round(gone[0].time - killed_at, 3) if gone else None,
+                }
+            samples.append(sample)
+            print(f"[async kill] {sample}", flush=True)
+            if i < args.async_kills - 1:
+                time.sleep(args.restart_after)
+                restarted = job.start_group(victim)
+                wait_until(lambda r=restarted: committed_syncs(events.of(r, SYNC)) > 0,
+                           args.timeout, "a committed sync of the restarted group",
+                           job)  # fmt: skip
+        if crashed(job):
+            raise RuntimeError("a survivor crashed during part 4")
+    stalls = [
+        sample[f"group_{g}"]["stall_s"]  # type: ignore[index]
+        for sample in samples
+        for g in range(ASYNC_GROUPS - 1)
+    ]
+    return {
+        "settings": {
+            "method": "async DiLoCo (eager), int4 + error feedback",
+            "groups": ASYNC_GROUPS,
+            "sync_bucket_mb": args.async_bucket_mb,
+            "sync_collective_timeout_s": "300 (the default)",
+        },
+        "samples": samples,
+        "survivor_stall_s": {"max": max(stalls), "min": min(stalls), "n": len(stalls)},
+    }
+
+
 # ---- part 2 --------------------------------------------------------------------------------
 
 
@@ -694,6 +793,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="sync_quorum_timeout_s of part 3: below the period on purpose",
     )
     p.add_argument("--long-period-kills", type=int, default=2)
+    p.add_argument(
+        "--async-kills",
+        type=int,
+        default=3,
+        help="part 4: kills of a group inside an async int4 sync, 3 groups",
+    )
+    p.add_argument(
+        "--async-bucket-mb",
+        type=float,
+        default=0.02,
+        help="part 4's sync_bucket_mb: a sync's transfers last seconds",
+    )
+    p.add_argument("--skip-async", action="store_true", help="no part 4")
     p.add_argument("--skip-long-period", action="store_true", help="no part 3")
     p.add_argument("--skip-recovery", action="store_true", help="soak only")
     p.add_argument("--skip-soak", action="store_true", help="part 1 only")
@@ -708,7 +820,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         # every 1.5-4.5 s kills at least once.
         p.set_defaults(flavor="debugmodel_small", seq_len=32, batch=2, sync_steps=4, kills=1,
                        joiner_kills=1, minutes=0.1, kill_every=3.0, restart_after=1.0,
-                       max_load=float("inf"), baseline_steps=20)  # fmt: skip
+                       max_load=float("inf"), baseline_steps=20, async_kills=1,
+                       async_bucket_mb=0.002)  # fmt: skip
         args = p.parse_args(argv)
         # Part 3 is part 1 with longer periods: tests/integration_tests/
         # test_semi_sync_reliability.py runs that scenario (and CI's time is short).
@@ -762,6 +875,8 @@ def main(argv: list[str] | None = None) -> int:
             "goodput_with_downtime": "reported (no target)",
             "divergence": "none",
             "survivor_crashes": 0,
+            "async_kill_survivor_stall_s": "seconds (a few heartbeat timeouts and periods), "
+            "not sync_collective_timeout_s",
         },
     }
     command = provenance.command_line(__file__, argv)
@@ -774,6 +889,14 @@ def main(argv: list[str] | None = None) -> int:
                 "samples": recovery_part(Path(tmp) / "recovery", args, train_args),
                 "load_avg_1min_after": round(common.load_average(), 2),
             }
+            provenance.write_result(args.out, result, command)
+        if not args.skip_async:
+            load = common.wait_for_quiet_machine(args.max_load, 120)
+            part = async_kill_part(Path(tmp) / "async_kill", args, train_args)
+            part["load_avg_1min_before"] = round(load, 2)
+            part["load_avg_1min_after"] = round(common.load_average(), 2)
+            result["async_kill"] = part
+            print(f"[async kill] survivors' stalls {part['survivor_stall_s']}", flush=True)
             provenance.write_result(args.out, result, command)
         if not args.skip_long_period:
             load = common.wait_for_quiet_machine(args.max_load, 120)

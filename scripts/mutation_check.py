@@ -36,7 +36,12 @@ TESTS = [
     "tests/unit_tests/test_compression.py",
     "tests/unit_tests/test_outer_optimizer.py",
     "tests/unit_tests/test_lineage.py",
+    "tests/unit_tests/test_peer_watch.py",
+    "tests/unit_tests/test_replica_timeouts.py",
+    "tests/unit_tests/test_ft_manager.py",
 ]
+#: Failure detection and the replicate group's timeouts live in the core's fault tolerance.
+CORE_FT = "torchtitan/components/ft"
 TIMEOUT_S = 600
 
 
@@ -163,6 +168,42 @@ MUTANTS = [
         f"{PACKAGE}/async_diloco.py",
         "1 / max(1, self.manager.num_participants())",
         "1 / 2",
+    ),
+    Mutant(
+        "transport: a wait never asks whether a peer of the sync is gone",
+        f"{PACKAGE}/transport.py",
+        "if peers is None or len(self._participants) < 2:",
+        "if True:",
+    ),
+    Mutant(
+        "runner: an abandoned collective still reports and stages when it returns",
+        f"{PACKAGE}/compression/runner.py",
+        "if lane.abandoned:  # the sync ended without this collective: touch nothing shared",
+        "if False:",
+    ),
+    Mutant(
+        "shapes: groups whose ranks match pass whatever else differs",
+        f"{PACKAGE}/shapes.py",
+        "if other == mine:",
+        "if other.ranks == mine.ranks:",
+    ),
+    Mutant(
+        "heal pieces: one piece more than allowed is queued",
+        f"{PACKAGE}/heal_pieces.py",
+        "while len(self._queued) >= self.in_flight:",
+        "while len(self._queued) > self.in_flight:",
+    ),
+    Mutant(
+        "timeouts: c10d's watchdog is no longer than torchft's own timer",
+        f"{CORE_FT}/timeouts.py",
+        "return 2 * self.operation + WATCHDOG_MARGIN",
+        "return self.operation",
+    ),
+    Mutant(
+        "FTManager: a heal's sender waits for no write of the state",
+        f"{CORE_FT}/manager.py",
+        "self._written = torch.accelerator.current_stream().record_event()",
+        "self._written = None",
     ),
 ]
 

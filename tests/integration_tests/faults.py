@@ -126,6 +126,10 @@ class FaultInjection:
     """Serving a replay, change one byte of the N-th average sent (1-based; its history keeps
     it intact), as a fault on the wire would. 0: never."""
 
+    damage_replay_payload_rank: int = -1
+    """Only this rank of the group damages what it serves (``damage_replay_payload``): the
+    joiner's other ranks replay in full. -1: every rank."""
+
     exit_serving_replay_after: int = 0
     """Serving a replay, exit the process (status 3) once N averages were sent and had time to
     arrive: a peer that dies in the middle of a replay. 0: never."""
@@ -265,7 +269,8 @@ class StallingTrainer(StepFaults, SemiSyncTrainer):
                 served = answer(*args, **kwargs)
                 payloads = list(served.payloads)
                 n = self.faults.damage_replay_payload
-                if 0 < n <= len(payloads):
+                rank = self.faults.damage_replay_payload_rank
+                if 0 < n <= len(payloads) and rank in (-1, self.parallel_dims.rank):
                     payloads[n - 1] = payloads[n - 1].clone()
                     payloads[n - 1].view(torch.uint8)[0] ^= 0xFF
                     REPLAY_PAYLOAD_DAMAGED.emit(index=n)

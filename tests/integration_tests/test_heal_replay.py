@@ -359,3 +359,36 @@ def test_with_fsdp2_every_rank_replays_its_own_shard(
         shared = sorted(set(digests[0]) & set(digests[1]))
         assert healed.sync in shared
         assert all(digests[0][n] == digests[1][n] for n in shared), rank
+
+
+def test_a_replay_that_fails_on_one_rank_only_heals_the_group_in_full_without_a_hang(
+    ft_job: Callable[..., FTJob], tmp_path: Path
+) -> None:
+    """2 groups x 2 ranks (FSDP2): group 0's rank 1 damages the second average it serves, so
+    group 1's rank 1 stops its replay there while rank 0 replays both. A replay issues no
+    collective (the norm of a replayed outer step is not reduced in the group), so the ranks
+    still issue the same collectives: they agree in the quorum's exchange that the replay
+    failed, nobody commits that sync, and group 1 heals in full at the next one; both groups
+    finish within the bound, with the same global parameters."""
+    pause = tmp_path / "pause_group0"
+    history = "--fault_tolerance.heal_history_syncs=8"
+    job = ft_job(groups=2, ngpu=2, train_args=_paced("diloco", history))
+    damage = [
+        "--fault_injection.damage_replay_payload=2",
+        "--fault_injection.damage_replay_payload_rank=1",
+    ]
+    _restart_behind(job, pause, alone_until=4, group0=damage)
+    assert [e["index"] for e in job.events(0, REPLAY_PAYLOAD_DAMAGED)] == [2]
+    problems = sorted(e["problem"] for e in job.events(1, REPLAY_FAILED))
+    assert problems == [
+        "another rank of this group failed its replay",
+        "the history entry of sync #4 arrived damaged",
+    ], problems
+    for rank in (0, 1):
+        heals = job.events(1, HEALED, rank=rank)
+        assert [h["transfer"] for h in heals] == ["full"], (rank, [h.fields for h in heals])
+        digests = [global_digests(job.events(r, GLOBAL_DIGEST, rank=rank, all_starts=True))
+                   for r in range(2)]  # fmt: skip
+        shared = sorted(set(digests[0]) & set(digests[1]))
+        assert heals[0].sync in shared
+        assert all(digests[0][n] == digests[1][n] for n in shared), rank

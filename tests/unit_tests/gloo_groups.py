@@ -108,6 +108,9 @@ class OneGroupFT:
     def register_state_dict_fn(self, key: str, load: Any, save: Any) -> None:
         self.manager.register_state_dict_fn(key, load, save)
 
+    def note_state_written(self) -> None:
+        """On a CPU nothing is queued: a heal reads what the host wrote."""
+
 
 def sync_manager(
     manager: LoopbackManager,

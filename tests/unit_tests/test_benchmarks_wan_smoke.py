@@ -319,6 +319,10 @@ def test_recovery_smoke_heals_and_soaks_without_divergence(tmp_path: Path) -> No
     # A restarted group killed right after its heal: the survivor still commits a sync.
     assert joiner["joiner_had_healed"] and joiner["survivor_next_committed_sync_after_kill_s"] > 0
     assert "long_period" not in data  # not in a smoke run (see recovery.parse_args)
+    # Group 2 of 3 killed inside an async int4 sync: both survivors commit again in seconds
+    # (the collective timeout stays at its default, 300 s).
+    stalls = data["async_kill"]["survivor_stall_s"]
+    assert stalls["n"] == 2 and 0 < stalls["max"] < 60, data["async_kill"]
     soak = data["soak"]
     assert soak["minutes"] == 0.1  # the smoke's soak
     assert soak["kills"], "the soak killed no group"

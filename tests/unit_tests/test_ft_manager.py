@@ -357,3 +357,104 @@ def test_an_unreachable_lighthouse_is_named_as_such():
     assert f"lighthouse at http://127.0.0.1:{port} is unreachable" in message
     assert "fault_tolerance.quorum_timeout_s=30s" in message
     ft.shutdown()
+
+
+class _Stream:
+    """Stands in for the accelerator's streams: logs each event recorded and each wait."""
+
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name = log, name
+
+    def record_event(self) -> str:
+        event = f"event{sum(1 for e in self.log if e.startswith('record'))}"
+        self.log.append(f"record {event} on {self.name}")
+        return event
+
+    def wait_event(self, event: str) -> None:
+        self.log.append(f"wait {event} on {self.name}")
+
+
+class _HealingManager(ScriptedManager):
+    """A quorum in which a peer heals from this group: torchft's quorum thread sends the state
+    from its recovery stream (here: the transport's ``send_checkpoint``, called in the quorum)."""
+
+    def __init__(self, send: object, log: list[str]) -> None:
+        super().__init__([(2, 3)], step=3)
+        self.send, self.log = send, log
+
+    def start_quorum(self, timeout: object = None) -> None:
+        self.log.append("quorum")
+        super().start_quorum(timeout)
+        with _on_stream(self, "recovery"):
+            self.send.send_checkpoint([1], 3, {"model": "..."}, None)  # type: ignore[attr-defined]
+
+
+_current: list[str] = ["training"]
+
+
+class _on_stream:  # noqa: N801  # a context manager, like torch.cuda.stream
+    def __init__(self, _: object, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> None:
+        _current.append(self.name)
+
+    def __exit__(self, *exc: object) -> None:
+        _current.pop()
+
+
+@pytest.mark.parametrize("path", ["step", "sync", "probe", "reads_allowed"])
+def test_a_heal_reads_the_state_only_after_the_compute_that_writes_it(
+    monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """With a (stand-in) accelerator: whichever way a peer heals from this group (synchronous
+    FT's step-start quorum, a sync's quorum of every method, DyLU's probe quorum, or a quorum
+    in which async DiLoCo lets peers read again after a step), the heal's sender first makes its
+    own stream wait for an event recorded on the training stream after the last kernel that
+    writes the state was queued: one event wait, no device-wide synchronize."""
+    import torch
+
+    from torchtitan.components.ft.build import SendsAfterWrites
+    from torchtitan.experiments.fault_tolerance.sync_quorum import SyncManager
+
+    log: list[str] = []
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda *_: _Stream(log, _current[-1]))
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *_: log.append("SYNCHRONIZE"))
+
+    class Reader:
+        def send_checkpoint(self, *args: object) -> None:
+            log.append("first read of the state")
+
+    transport = SendsAfterWrites(Reader(), None)  # type: ignore[arg-type]
+    manager = _HealingManager(transport, log)
+    ft = make_ft(manager)
+    transport.ft = ft  # built before its FTManager, as build_ft_manager's closure does
+    log.append("optimizer step queued")
+    if path == "step":
+        ft.start_step()
+    elif path in ("sync", "probe"):
+        sync = SyncManager(ft, 1, 60.0, lambda: True, transport=None)  # type: ignore[arg-type]
+        sync.on_probe = lambda: True
+        sync.begin_sync = lambda: None  # type: ignore[method-assign]  # no transfers here
+        sync.start_quorum() if path == "sync" else sync.probe_quorum()
+    else:
+        # Async DiLoCo while DyLU's probe quorum waits for its state: once the training thread
+        # lets peers read it (``_finish_probe``), the quorum thread sends it.
+        sync = SyncManager(ft, 1, 60.0, lambda: True, transport=None)  # type: ignore[arg-type]
+
+        def send_once_allowed() -> None:
+            with _on_stream(None, "recovery"):
+                transport.send_checkpoint([1], 3, {}, None)
+
+        manager.allow_state_dict_read = send_once_allowed  # type: ignore[attr-defined]
+        sync.allow_state_dict_read()
+    step = log.index("optimizer step queued")
+    recorded = [i for i, e in enumerate(log) if e.startswith("record") and e.endswith("training")]
+    waited = [i for i, e in enumerate(log) if e.startswith("wait")]
+    read = log.index("first read of the state")
+    assert recorded and waited, log
+    event = log[recorded[-1]].split()[1]
+    assert step < recorded[-1] < waited[-1] < read, log
+    assert log[waited[-1]] == f"wait {event} on recovery", log
+    assert "SYNCHRONIZE" not in log

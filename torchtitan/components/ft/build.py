@@ -129,6 +129,27 @@ def _release_when_unreferenced(holder: list[Any], poll_s: float = 0.05) -> None:
     holder.clear()
 
 
+class SendsAfterWrites:
+    """A checkpoint transport whose sender, before it reads any of the state, makes its stream
+    wait for the compute that writes it (``FTManager.wait_for_state_writes``): torchft sends a
+    heal from its recovery stream, which never waits for the training stream, so a peer could
+    otherwise get parameters or optimizer moments half-way through an optimizer step. (The
+    state's ``state_dict`` functions only hand out references: no kernel reads it before.)"""
+
+    def __init__(self, transport: Any, ft: FTManager) -> None:
+        self.transport = transport
+        self.ft = ft
+
+    def send_checkpoint(
+        self, dst_ranks: list[int], step: int, state_dict: Any, timeout: Any
+    ) -> None:
+        self.ft.wait_for_state_writes()
+        self.transport.send_checkpoint(dst_ranks, step, state_dict, timeout)
+
+    def __getattr__(self, name: str) -> Any:  # receiving, metadata: torchft's transport's own
+        return getattr(self.transport, name)
+
+
 def end_collectives_in_flight(pg: Any) -> None:
     """A peer of the collectives in flight on ``pg`` (the replicate group) is gone: on nccl,
     abort the communicator now (torchft's ``abort``), or its kernels would stay queued on the
@@ -197,8 +218,11 @@ def build_ft_manager(
         # Healing goes over the replicate process group itself (no extra HTTP server listening
         # on every interface and serving the whole model unauthenticated).
         make_transport: Callable[..., Any] = checkpoint_transport or PGTransport
-        transport = make_transport(
-            pg, timeout=timedelta(seconds=ft.timeout_s), device=parallel_dims.device
+        transport = SendsAfterWrites(
+            make_transport(
+                pg, timeout=timedelta(seconds=ft.timeout_s), device=parallel_dims.device
+            ),
+            ft_manager,
         )
         try:
             with torchft_adapter.manager_server_bound_to(bind_ip(ft.hostname)):

@@ -124,6 +124,9 @@ class FTManager:
         #: States of the current heal that this group kept as its own (set by the transport).
         self._kept_own: set[str] = set()
         self._last_commit: float | None = None
+        #: Recorded on the training stream where the state a heal sends was last written
+        #: (:meth:`note_state_written`); None on a CPU.
+        self._written: Any = None
         self._last_participants = 0
         self._uncommitted = 0
         #: Commits and commit attempts (steps or syncs) of this process.
@@ -172,6 +175,21 @@ class FTManager:
             self._pending.append((key, load, save))
         else:
             self._manager.register_state_dict_fn(key, load, save)
+
+    def note_state_written(self) -> None:
+        """The state a heal sends is now what the kernels queued on this thread's stream so
+        far write (an optimizer step may still run on the device): remember that point, for
+        :meth:`wait_for_state_writes`. Called where a quorum starts, and where a method lets
+        peers read its state again after it computed."""
+        if torch.accelerator.is_available():
+            self._written = torch.accelerator.current_stream().record_event()
+
+    def wait_for_state_writes(self) -> None:
+        """On the heal sender's stream (torchft sends from a stream of its own, which never
+        waits for the training stream): wait for the point :meth:`note_state_written` marked,
+        before the first read of the state. One event wait, not a device-wide synchronize."""
+        if self._written is not None:
+            torch.accelerator.current_stream().wait_event(self._written)
 
     def keep_own(self, names: list[str]) -> None:
         """In the heal under way, these states stay this group's own (a transport that sends
@@ -268,6 +286,8 @@ class FTManager:
         accept: Callable[[], bool] | None,
     ) -> float:
         self._timeout_s = self.quorum_timeout_s if timeout_s is None else timeout_s
+        # A peer healing in this quorum reads the state written by the kernels queued so far.
+        self.note_state_written()
         self._timeout_field = timeout_field
         start = time.monotonic()
         deadline = start + self._timeout_s

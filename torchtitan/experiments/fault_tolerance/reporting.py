@@ -10,6 +10,7 @@ The method's own outcome (:meth:`OuterLoop.last_outcome`) says what the sync was
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +63,8 @@ class SyncReporter:
         self.seconds = 0.0
         #: The averaged pseudo-gradient's norm of the sync being reported (None: not measured).
         self.pseudo_grad_norm: float | None = None
+        #: This rank's sum of squares of it (``measure_pseudo_gradient``), not yet reported.
+        self._norm_squares: torch.Tensor | None = None
         #: The agreement check of the last quorum: "agree", "disagree", or None (not checked).
         self.agreement: str | None = None
         self._clock = 0.0
@@ -75,6 +78,7 @@ class SyncReporter:
         """The next sync's time and norm start from nothing."""
         self.seconds = 0.0
         self.pseudo_grad_norm = None
+        self._norm_squares = None
 
     def start_clock(self) -> None:
         """After an inner step, before the method's own hook: a sync (if any) starts now."""
@@ -83,7 +87,11 @@ class SyncReporter:
     @torch.no_grad()
     def measure_pseudo_gradient(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         """Outer-optimizer pre-hook: the fragment's gradients are now the pseudo-gradients
-        averaged over the groups (the same in every group), whatever the delay."""
+        averaged over the groups (the same in every group), whatever the delay. This rank's
+        shard's sum of squares only: the hook also runs in a heal's replay, on torchft's
+        quorum thread, where one rank may replay fewer outer steps than another (its replay
+        failed) and a collective here would pair with another one. The group adds its ranks'
+        shares in :meth:`report`, which every rank reaches at the same syncs."""
         grads = [
             local_tensor(p.grad)
             for group in optimizer.param_groups
@@ -93,9 +101,20 @@ class SyncReporter:
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
         if grads:  # one fused norm (its time counts in the sync's): not a loop of reductions
             squares += torch.nn.utils.get_total_norm(grads).double().square()
+        self._norm_squares = squares
+
+    def _pseudo_grad_norm(self) -> float | None:
+        """The averaged pseudo-gradient's norm over the whole fragment, all ranks of the group
+        (None: no outer step measured it). One all-reduce in the group when it has several
+        ranks, which every rank issues (it reports the same syncs as the others)."""
+        squares, self._norm_squares = self._norm_squares, None
+        found = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if squares is not None:
+            found[0], found[1] = squares, 1.0
         if self.group_ranks > 1:  # shards of one group: sum over its ranks
-            dist.all_reduce(squares)
-        self.pseudo_grad_norm = squares.sqrt().item()
+            dist.all_reduce(found)
+        total, measured = found.tolist()
+        return math.sqrt(total) if measured else None
 
     def after_inner_step(self, step: int) -> None:
         """After the method's own hook in inner step ``step``: report the sync it performed."""
@@ -122,6 +141,8 @@ class SyncReporter:
             return
         committed, number = outcome.committed, outcome.number
         quorum_id = tft.quorum_id(self.ft.manager)
+        if committed:  # alike in every rank of the group: each takes part in the sum
+            self.pseudo_grad_norm = self._pseudo_grad_norm()
         norm = self.pseudo_grad_norm if committed else None
         wait = self.sync.last_wait
         events.SYNC.emit(

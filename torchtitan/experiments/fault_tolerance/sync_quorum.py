@@ -439,6 +439,10 @@ class SyncManager(ManagerStandIn):
         self.ft.manager.report_error(error)
 
     def allow_state_dict_read(self) -> None:
+        """Peers may read this group's state for a heal again: what the kernels queued so far
+        write (this step's optimizer step) is what a heal sends (``FTManager``'s write point:
+        the sender waits for it)."""
+        self.ft.note_state_written()
         self.ft.manager.allow_state_dict_read()
 
     def disallow_state_dict_read(self) -> None:
