@@ -22,6 +22,7 @@ import importlib
 import logging
 import os
 import sys
+import traceback
 from types import ModuleType
 from typing import Any
 
@@ -98,11 +99,17 @@ def check_config(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    status = _run(argv)
     # A collective given up on a peer that is gone may still block a gloo thread: the
     # interpreter's teardown would abort the process on it (SIGABRT); exit past it instead.
-    from torchtitan.components.ft.given_up import exit_if_blocked
+    from torchtitan.components.ft.given_up import blocked, exit_if_blocked
 
+    try:
+        status = _run(argv)
+    except BaseException:
+        if blocked():  # a bug's traceback first, then the same exit past those threads
+            traceback.print_exc()
+            exit_if_blocked(1)
+        raise
     exit_if_blocked(status)
     return status
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.integration_tests.faults import STALLED_IN_SYNC
+from tests.integration_tests.faults import STALLED_AFTER_STEP, STALLED_IN_SYNC
 from tests.integration_tests.harness import FAST_ARGS, FAULTS_MODULE, FTJob, tail
 from tests.integration_tests.test_semi_sync import (
     args,
@@ -156,8 +156,8 @@ def test_groups_whose_collectives_cannot_pair_stop_before_any_sync(
     for r in range(2):
         text = job.latest(r).text()
         other = 1 - r
-        assert f"replica group {other}'s collectives cannot pair with this group's" in text, tail(
-            text
+        assert f"the collectives of replica group {other} cannot pair with this group's" in text, (
+            tail(text)
         )
         assert f"it has {1 + other} rank(s)" in text and f"this group has {1 + r} rank(s)" in text
         assert "Start every group with the same NGPU" in text
@@ -189,3 +189,39 @@ def test_a_heal_slower_than_the_process_group_timeout_completes(
     assert heal["transfer"] == "full" and heal["receive_s"] > 5.0, heal.fields
     assert_same_global_params(job)
     print(f"heal: {heal['bytes_received'] / 2**20:.1f} MiB in {heal['receive_s']:.1f} s")
+
+
+def test_a_group_restarted_with_another_shape_is_refused_before_its_heal(
+    ft_job: Callable[..., FTJob],
+) -> None:
+    """DiLoCo with 1 rank per group; group 1 is killed and restarted with 2 ranks. It could not
+    even receive a heal of the other shape: it reads its peer's shape in the heal's metadata,
+    refuses the heal (telling the peer, which sends nothing) and stops in one line naming both
+    shapes and NGPU. Group 0 goes on alone to the end."""
+    job = ft_job(
+        groups=2,
+        train_args=[
+            *FAST_ARGS,
+            FAULTS_MODULE,
+            "--fault_tolerance.semi_sync_method=diloco",
+            "--fault_tolerance.sync_steps=4",
+            "--fault_injection.step_sleep_s=0.2",
+            "--training.steps=60",
+        ],
+    )
+    job.start_lighthouse()
+    job.start_group(0)
+    job.start_group(1, ["--fault_injection.stall_after_step=6"])
+    job.wait_for_event(1, STALLED_AFTER_STEP, timeout=180)
+    job.kill_group(1)
+    job.ngpu = 2
+    job.start_group(1)
+    assert job.wait_exit(1, timeout=180) != 0
+    text = job.latest(1).text()
+    assert "the collectives of the peer it heals from cannot pair with this group's" in text, tail(
+        text
+    )
+    assert "it has 1 rank(s)" in text and "this group has 2 rank(s)" in text
+    assert "Start every group with the same NGPU" in text
+    assert job.wait_exit(0, timeout=300) == 0, tail(job.latest(0).text())
+    assert job.events(0, SYNC)[-1]["committed"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -71,21 +72,25 @@ def _dropped_after(seconds: float, replica: str) -> Any:
     return heartbeats
 
 
-@pytest.mark.parametrize("peer", ["gone", "late_but_alive"])
+@pytest.mark.parametrize("peer", ["gone", "late_but_alive", "dropped_but_alive"])
 def test_a_peer_the_lighthouse_dropped_ends_the_sync_in_seconds(peer: str, caplog: Any) -> None:
     """Two groups, int8 with error feedback, a collective timeout of 8 s. Group 1 takes part
     in the quorum but does not send its part for 3 s. ``gone``: the lighthouse drops it after
     1 s: group 0's wait ends about then, the sync is not committed, the error names group 1
     and says the timeout did not end it, and no residual of the sync is ever staged, not even
     when the abandoned collective returns at its timeout. ``late_but_alive``: it is alive all
-    along: group 0 waits the 3 s and the sync commits with both groups' values."""
+    along: group 0 waits the 3 s and the sync commits with both groups' values.
+    ``dropped_but_alive``: dropped after 1 s although alive (a lighthouse that missed its
+    heartbeats): group 0 ends its sync as for ``gone``; group 1's part still arrives at 3 s
+    and lets group 0's abandoned collective go on, which then issues, stages and reports
+    nothing."""
     caplog.set_level("WARNING")
     keys = [heartbeat_key(heartbeat_id(r)) for r in range(2)]
     released = threading.Event()
 
     def group(rank: int, pg: Any) -> dict[str, Any]:
         manager = LoopbackManager(pg, rank, 2)
-        view = _dropped_after(1.0 if peer == "gone" else 1e9, heartbeat_id(1))
+        view = _dropped_after(1e9 if peer == "late_but_alive" else 1.0, heartbeat_id(1))
         watch = PeerWatch("lighthouse", every_s=0.1, heartbeats=view)
         sync = sync_manager(
             manager, "int8", error_feedback=True, bucket_numel=300, timeout_s=8, peers=watch
@@ -110,6 +115,7 @@ def test_a_peer_the_lighthouse_dropped_ends_the_sync_in_seconds(peer: str, caplo
                 "gone": sync.transport.peer_gone,
                 "x": x,
                 "feedback": sync.residuals.feedback,
+                "manager": manager,
             }
         finally:
             if rank == 0:
@@ -134,6 +140,8 @@ def test_a_peer_the_lighthouse_dropped_ends_the_sync_in_seconds(peer: str, caplo
     # never sent): it must neither stage what its encode dropped nor owe anything new.
     _wait_until_none_blocked()
     assert first["feedback"].owed(staged=True) == {}
+    # ... nor report an error into whatever sync the Manager holds by then.
+    assert first["manager"].errored() is gone
     assert first["feedback"].owed() == {}
 
 
@@ -185,3 +193,35 @@ def test_a_gloo_group_with_a_collective_blocked_is_let_go_at_once() -> None:
     collective.join(30)
     assert blocked_for and blocked_for[0] < 10
     _wait_until_none_blocked()
+
+
+def test_a_collective_taken_up_as_its_sync_is_abandoned_still_completes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The runner's thread takes a queued collective, and the sync is abandoned before it
+    marks it as under way: that collective is not issued, and its work completes as
+    abandoned (a waiter would otherwise wait for ever)."""
+    import queue
+
+    from torchtitan.experiments.fault_tolerance.compression import runner as runner_module
+
+    taken = threading.Event()
+
+    class SlowQueue(queue.Queue):  # type: ignore[type-arg]
+        def get(self, *args: Any, **kwargs: Any) -> Any:
+            job = super().get(*args, **kwargs)
+            if job is not None:
+                taken.set()
+                time.sleep(0.3)  # abandon() runs meanwhile
+            return job
+
+    monkeypatch.setattr(runner_module, "queue", SimpleNamespace(Queue=SlowQueue, Empty=queue.Empty))
+    runner = runner_module.AsyncCompressedAllReduce()
+    issued: list[str] = []
+    pg = SimpleNamespace(size=lambda: 2, allreduce=lambda *a: issued.append("allreduce"))
+    work = runner.submit(pg, torch.ones(4), "float32", on_error=lambda e: issued.append(str(e)))  # type: ignore[arg-type]
+    assert taken.wait(5)
+    assert runner.abandon() == 0  # neither queued nor under way, as it saw it
+    assert work.wait_for(2.0) and work.abandoned
+    assert issued == []
+    runner.shutdown(timeout=5)

@@ -66,6 +66,7 @@ def test_the_nccl_group_gets_its_timeouts(monkeypatch: pytest.MonkeyPatch) -> No
     assert pg._timeout == timedelta(seconds=1800)  # torchft's timer around issuing
     store = dist.HashStore()
     pg._global_ranks, pg._quorum_id, pg._group_rank, pg._group_world_size = [1, 3], 7, 1, 2
+    pg._use_abort = True  # what torchft's nccl group sets from NCCL's version (>= 2.25)
     assert pg._create_pg(store, 1, 2) == "group"
     ((_, rank, size, options),) = built
     assert (rank, size) == (1, 2)
@@ -88,16 +89,17 @@ def test_a_heal_travels_in_pieces_with_few_queued() -> None:
 
     def group(rank: int, pg: Any) -> tuple[list[torch.Tensor], int, int]:
         heal = PiecewiseGroup(pg, timedelta(seconds=30), piece_bytes=96, in_flight=2)
-        heal.begin()
         sent = [torch.arange(1000, dtype=torch.int64).to(torch.uint8), torch.randn(100)]
-        if rank == 0:
-            works = [heal.send([t], 1, tag=3 + i) for i, t in enumerate(sent)]
-            got = sent
-        else:
-            got = [torch.empty_like(t) for t in sent]
-            works = [heal.recv([t], 0, tag=3 + i) for i, t in enumerate(got)]
-        for work in works:
-            work.wait(timedelta(seconds=30))
+        with heal.heal():
+            if rank == 0:
+                works = [heal.send([t], 1, tag=3 + i) for i, t in enumerate(sent)]
+                got = sent
+            else:
+                got = [torch.empty_like(t) for t in sent]
+                works = [heal.recv([t], 0, tag=3 + i) for i, t in enumerate(got)]
+            for work in works:
+                work.wait(timedelta(seconds=30))
+        assert not heal._queued  # nothing of the heal is held after it
         return got, heal.issued, heal.most_queued
 
     (sent, issued, most), (got, issued_1, most_1) = run_groups(2, group, timeout_s=60)

@@ -566,7 +566,7 @@ def test_a_mismatch_of_the_collectives_shapes_names_both_groups_and_the_field() 
     model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
     mine = CollectiveShape.of([model], 1, 300, "int8")
     assert mine.shard_values == 8 * 4 + 4 + 4 * 2 + 2
-    assert mismatch([(0, mine), (1, mine)], mine) == ""
+    assert mismatch([("replica group 0", mine), ("replica group 1", mine)], mine) == ""
     cases = {
         "NGPU": dataclasses.replace(mine, ranks=2, shard_values=mine.shard_values // 2),
         "fault_tolerance.pseudo_grad_dtype": CollectiveShape.of([model], 1, 300, "int4"),
@@ -575,7 +575,8 @@ def test_a_mismatch_of_the_collectives_shapes_names_both_groups_and_the_field() 
         "model.flavor": CollectiveShape.of([torch.nn.Linear(8, 6)], 1, 300, "int8"),
     }
     for field, other in cases.items():
-        found = mismatch([(0, mine), (3, other)], mine)
-        assert found.startswith("replica group 3's collectives cannot pair"), found
+        found = mismatch([("replica group 0", mine), ("replica group 3", other)], mine)
+        assert found.startswith("the collectives of replica group 3 cannot pair"), found
         assert field in found, (field, found)
         assert other.describe() in found and mine.describe() in found
+        assert CollectiveShape.from_text(other.to_text()) == other

@@ -106,6 +106,8 @@ def fresh_rendezvous_process_group(backend: str, timeouts: ReplicaTimeouts) -> A
                 return torchft_adapter.build_nccl_group(store, rank, world_size, options)
 
             def _wrap_work(self, work: Any, opts: object) -> Any:
+                if not self._use_abort:  # NCCL < 2.25: c10d's own timeouts, as torchft does
+                    return work
                 return torchft_adapter.accelerator_timeout_work(self, work, timeouts.collective)
 
             def _quorum_group_name(self) -> str | None:

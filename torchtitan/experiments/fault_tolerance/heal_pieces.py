@@ -14,7 +14,9 @@ buffer has the sender's size), and each piece has a tag of its own.
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -84,9 +86,16 @@ class PiecewiseGroup:
         self.issued = 0
         self.most_queued = 0
 
-    def begin(self) -> None:
-        """A heal starts: nothing of an earlier one (which may have failed) is waited for."""
+    @contextlib.contextmanager
+    def heal(self) -> Iterator[None]:
+        """Around one end of a heal: nothing of an earlier one (which may have failed) is
+        waited for, and the last pieces' works, which hold their tensors (on a joiner's GPU, a
+        payload's buffer), are dropped at the end."""
         self._queued.clear()
+        try:
+            yield
+        finally:
+            self._queued.clear()
 
     def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int) -> _AllPieces:
         return self._each_piece(self.pg.send, tensors, dst_rank, tag)

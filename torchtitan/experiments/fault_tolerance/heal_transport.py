@@ -47,6 +47,7 @@ from torchtitan.experiments.fault_tolerance.outer_loop import (
     OuterLoop,
     ReplaysOuterSteps,
 )
+from torchtitan.experiments.fault_tolerance.shapes import CollectiveShape, mismatch
 from torchtitan.tools.digest import device_digest
 
 #: The key of the heal history's entry in torchft's healing state.
@@ -56,6 +57,9 @@ _REQUEST_TAG = 0
 #: The tag of a replay's first payload, the next ones counting up: clear of torchft's tags (1,
 #: 2, then one per tensor of the state it sends).
 _PAYLOAD_TAG = 1 << 20
+#: A request's first slot when the joiner refuses the heal (the peer's shape is not its own):
+#: the peer sends it nothing.
+_REFUSED = 0x5EA1_0BAD
 
 
 class HealTransferError(RuntimeError):
@@ -117,9 +121,20 @@ class HealExchange:
     that cannot replay (LocalSGD) keeps no history, and each of its heals is a full one."""
 
     def __init__(
-        self, history: HealHistory, fingerprint: int, loop: OuterLoop, ft: FTManager
+        self,
+        history: HealHistory,
+        fingerprint: int,
+        loop: OuterLoop,
+        ft: FTManager,
+        shape: CollectiveShape | None = None,
     ) -> None:
+        """``shape``: what fixes this rank's sync collectives: a joiner refuses a heal from a
+        peer of another shape (``shape_refused``) before anything is sent."""
         self.history = history
+        self.shape = shape
+        #: Why this group refused to heal from its peer ("": it did not): their collectives
+        #: cannot pair. The group stops at its quorum's exchange.
+        self.shape_refused = ""
         self.fingerprint = fingerprint
         self.loop = loop
         self.ft = ft
@@ -403,16 +418,28 @@ def build_history_transport(exchange_of: Callable[[], HealExchange]) -> Callable
     from torchft.checkpointing.pg_transport import PGTransport
 
     class HistoryTransport(PGTransport):
+        def metadata(self) -> str:
+            """What torchft hands a joiner before it heals from this rank: its shape."""
+            shape = exchange_of().shape
+            return super().metadata() if shape is None else shape.to_text()
+
         def send_checkpoint(
             self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta
         ) -> None:
-            self._pg.begin()
+            with self._pg.heal():
+                self._send(dst_ranks, step, state_dict, timeout)
+
+        def _send(
+            self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta
+        ) -> None:
             # Every joiner's request first (a few numbers each), then one send per distinct
             # answer to all the joiners it is for, as torchft sends one state to all of them.
             answers: dict[str, tuple[HealAnswer, list[int]]] = {}
             for dst in dst_ranks:
                 request = torch.zeros(BASIS_SLOTS, dtype=torch.int64, device=self._device)
                 self._pg.recv([request], dst, tag=_REQUEST_TAG).wait(timeout)
+                if int(request[0]) == _REFUSED:  # its collectives cannot pair with ours
+                    continue
                 answer = exchange_of().answer(ReplayBasis.from_tensor(request), step, state_dict)
                 answers.setdefault(repr(answer.key), (answer, []))[1].append(dst)
             for answer, dsts in answers.values():
@@ -436,9 +463,24 @@ def build_history_transport(exchange_of: Callable[[], HealExchange]) -> Callable
         def recv_checkpoint(
             self, src_rank: int, metadata: str, step: int, timeout: timedelta
         ) -> Any:
+            with self._pg.heal():
+                return self._receive(src_rank, metadata, step, timeout)
+
+        def _receive(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
             started = time.perf_counter()
-            self._pg.begin()
             exchange = exchange_of()
+            mine, peers = exchange.shape, CollectiveShape.from_text(metadata)
+            refused = (
+                ""
+                if mine is None or peers is None
+                else mismatch([("the peer it heals from", peers)], mine)
+            )
+            if refused:  # tell the peer (it waits for a request), take nothing
+                request = torch.zeros(BASIS_SLOTS, dtype=torch.int64, device=self._device)
+                request[0] = _REFUSED
+                self._pg.send([request], src_rank, tag=_REQUEST_TAG).wait(timeout)
+                exchange.shape_refused = refused
+                raise HealTransferError(f"heal refused: {refused}")
             request = exchange.basis.to_tensor(self._device)
             self._pg.send([request], src_rank, tag=_REQUEST_TAG).wait(timeout)
             state = super().recv_checkpoint(src_rank, metadata, step, timeout)

@@ -83,8 +83,10 @@ class FaultTolerance(CoreFaultTolerance):
 
     sync_collective_timeout_s: float = 300.0
     """How long one bucket's collective of a sync may take before the sync fails, naming this
-    field; size it for a bucket on the slowest link (32 MiB as int8: about 17 MB, 1.4 s at
-    100 Mbit/s). Two timed-out syncs in a row with every group alive stop the run."""
+    field; size it for a bucket on the slowest link, shared by the group's ranks (32 MiB as
+    int8: about 17 MB, 1.4 s at 100 Mbit/s; the planner says). Two timed-out syncs in a row
+    with every group alive stop the run. A group the lighthouse drops (dead, stopped) ends
+    the sync sooner: this field is for transfers that are merely slow."""
 
     sync_bucket_mb: float = 32.0
     """A sync's tensors travel in buckets of up to this many MiB of fp32 values: small ones

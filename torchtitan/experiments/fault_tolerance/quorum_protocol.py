@@ -271,6 +271,8 @@ class QuorumProtocol:
         job) and whether the groups agree."""
         manager = self.ft.manager
         ft = self.job_config.fault_tolerance
+        if self.heal.shape_refused:  # before any collective of a quorum it cannot take part in
+            raise FaultToleranceError(f"[semi-sync] {self.heal.shape_refused}")
         if self.starting:
             self._start_attempts += 1
             joined = int(self._peer is not None and not self._peer["starting"])
@@ -292,7 +294,7 @@ class QuorumProtocol:
         self.sync.set_members([m.heartbeat for m in members or []])
         # A member in DyLU's speed probe sent its record from the probe's own exchange, which
         # carries no shapes (nor is its quorum used for a sync: see below).
-        shapes = [(m.replica, m.shape()) for m in members or [] if not m.probe]
+        shapes = [(f"replica group {m.replica}", m.shape()) for m in members or [] if not m.probe]
         shapes_differ = mismatch(shapes, self.shape)
         verdict = compare_digests(members or [])
         own = mine.digest if mine.has_digest else None

@@ -6,11 +6,14 @@ of every fragment on each rank, the same buckets and the same dtype on the wire;
 fails with a traceback (or a mismatch passes for a disagreement of the global parameters), and
 nccl hangs or returns garbage. :class:`CollectiveShape` is exchanged in every sync quorum's
 member record (``sync_quorum.Member``), and a mismatch stops the groups that are starting, in
-one line naming both groups' values and the field to change (:func:`mismatch`).
+one line naming both groups' values and the field to change (:func:`mismatch`). A group that
+would heal first also reads its peer's in the heal's metadata (``heal_transport``), before
+anything is sent: a heal of another shape could not even be received.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +22,9 @@ from torch import nn
 
 from torchtitan.experiments.fault_tolerance.job_config import PSEUDO_GRAD_DTYPES
 from torchtitan.experiments.fault_tolerance.outer_loop import local_tensor
+
+#: How a shape starts in the heal transport's metadata.
+SHAPE_PREFIX = "collective-shape:"
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,17 @@ class CollectiveShape:
             layout=int.from_bytes(digest, "little", signed=True),
         )
 
+    def to_text(self) -> str:
+        """The shape as the heal transport's metadata (a string torchft hands a joiner)."""
+        return SHAPE_PREFIX + ",".join(str(v) for v in dataclasses.astuple(self))
+
+    @classmethod
+    def from_text(cls, text: str) -> CollectiveShape | None:
+        """The shape in a peer's metadata (None: it has none, e.g. another transport's)."""
+        if not text.startswith(SHAPE_PREFIX):
+            return None
+        return cls(*(int(v) for v in text.removeprefix(SHAPE_PREFIX).split(",")))
+
     def describe(self) -> str:
         return (
             f"{self.ranks} rank(s), {self.fragments} fragment(s), shards of "
@@ -63,10 +80,10 @@ class CollectiveShape:
         )
 
 
-def mismatch(shapes: Sequence[tuple[int, CollectiveShape]], mine: CollectiveShape) -> str:
-    """Why the members' shapes (``(replica id, shape)`` in quorum order) cannot pair with this
-    rank's ``mine``, naming both sides and the field to change; "" when they all match."""
-    for replica, other in shapes:
+def mismatch(shapes: Sequence[tuple[str, CollectiveShape]], mine: CollectiveShape) -> str:
+    """Why the others' shapes (``(name, shape)``, e.g. ``"replica group 1"``) cannot pair
+    with this rank's ``mine``, naming both sides and the field to change; "" when all match."""
+    for name, other in shapes:
         if other == mine:
             continue
         if other.ranks != mine.ranks:
@@ -80,7 +97,7 @@ def mismatch(shapes: Sequence[tuple[int, CollectiveShape]], mine: CollectiveShap
         else:
             field = "the model (model.name, model.flavor) and its sharding (parallelism)"
         return (
-            f"replica group {replica}'s collectives cannot pair with this group's: it has "
+            f"the collectives of {name} cannot pair with this group's: it has "
             f"{other.describe()}; this group has {mine.describe()}. Start every group with the "
             f"same {field}."
         )

@@ -128,7 +128,13 @@ class SemiSyncTrainer(Trainer):
         keeps = method != "localsgd" and not ft.should_quantize
         history = HealHistory(ft.heal_history_syncs if keeps else 0)
         fingerprint = job_fingerprint(job_fingerprint_parts(job_config, self.model))
-        self.heal = HealExchange(history, fingerprint, self.algorithm, self.ft)
+        shape = CollectiveShape.of(
+            self.algorithm.fragments,
+            self.parallel_dims.world_size,
+            transport.bucket_numel,
+            ft.pseudo_grad_dtype,
+        )
+        self.heal = HealExchange(history, fingerprint, self.algorithm, self.ft, shape)
         if self.heal.replays:
             transport.keep_delivered = True
             self.sync.on_committed = self.heal.record
@@ -167,12 +173,7 @@ class SemiSyncTrainer(Trainer):
             self.parallel_dims.world_size,
             functools.partial(most_in_group, device=self.device),
             self.heal,
-            CollectiveShape.of(
-                self.fragments,
-                self.parallel_dims.world_size,
-                transport.bucket_numel,
-                ft.pseudo_grad_dtype,
-            ),
+            shape,
         )
         # Every member of a sync's quorum runs the protocol's exchange in it.
         self.sync.on_quorum = self.protocol.on_quorum

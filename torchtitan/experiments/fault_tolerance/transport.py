@@ -497,6 +497,9 @@ class SyncTransport:
             work.wait()
             return
         while not work.wait_for(peers.every_s):
+            if self.peer_gone is not None:  # abandoned already: this one never delivers
+                work.abandon()
+                return
             gone = peers.gone(self._participants, self._own)
             if gone is not None:
                 self._abandon(gone)
@@ -518,8 +521,10 @@ class SyncTransport:
         )
         if manager.errored() is None:
             manager.report_error(self.peer_gone)
-        self._runner.abandon()
+        # nccl first: issuing a collective on a communicator whose peer is gone may block (a
+        # lazy connection), and the runner's thread holds its lane while it issues.
         end_collectives_in_flight(tft.replica_process_group(manager))
+        self._runner.abandon()
 
     def stats(self) -> tuple[int, float | None]:
         """This sync's bytes sent by this rank and, compressed, its seconds compressing and

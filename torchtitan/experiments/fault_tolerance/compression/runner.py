@@ -125,6 +125,12 @@ class CompressedWork:
             finally:
                 self._done.set()
 
+    def abandon(self) -> None:
+        """Complete it now, without result (its collective will never deliver)."""
+        if not self.done():
+            self.abandoned = True
+        self.complete()
+
     def get_future(self) -> torch.futures.Future[torch.Tensor]:
         """Completes with the tensor when done."""
         return self._future
@@ -278,8 +284,7 @@ class AsyncCompressedAllReduce:
                     jobs.append(job)
             lane.queue.put(None)  # the old thread ends once its collective returns
         for job in jobs:
-            job.work.abandoned = True
-            job.work.complete()
+            job.work.abandon()
         return len(jobs)
 
     def shutdown(self, timeout: float | None = None) -> None:
@@ -298,9 +303,12 @@ class AsyncCompressedAllReduce:
             if job is None:
                 return
             with lane.lock:
-                if lane.abandoned:
-                    return
-                lane.current = job
+                taken_too_late = lane.abandoned  # abandon() did not see it: taken meanwhile
+                if not taken_too_late:
+                    lane.current = job
+            if taken_too_late:
+                job.work.abandon()
+                return
             self._execute(lane, job)
             with lane.lock:
                 lane.current = None
