@@ -839,6 +839,20 @@ def ft_args(args: argparse.Namespace) -> list[str]:
     ]
 
 
+def on_a_quiet_machine(
+    part: Callable[[Path, argparse.Namespace, list[str]], dict],
+    folder: Path,
+    args: argparse.Namespace,
+    train_args: list[str],
+) -> dict:
+    """Run a part once the machine is quiet (``--max-load``), with the load before and after."""
+    load = common.wait_for_quiet_machine(args.max_load, 120)
+    found = part(folder, args, train_args)
+    found["load_avg_1min_before"] = round(load, 2)
+    found["load_avg_1min_after"] = round(common.load_average(), 2)
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     train_args = [
@@ -891,18 +905,12 @@ def main(argv: list[str] | None = None) -> int:
             }
             provenance.write_result(args.out, result, command)
         if not args.skip_async:
-            load = common.wait_for_quiet_machine(args.max_load, 120)
-            part = async_kill_part(Path(tmp) / "async_kill", args, train_args)
-            part["load_avg_1min_before"] = round(load, 2)
-            part["load_avg_1min_after"] = round(common.load_average(), 2)
+            part = on_a_quiet_machine(async_kill_part, Path(tmp) / "async_kill", args, train_args)
             result["async_kill"] = part
             print(f"[async kill] survivors' stalls {part['survivor_stall_s']}", flush=True)
             provenance.write_result(args.out, result, command)
         if not args.skip_long_period:
-            load = common.wait_for_quiet_machine(args.max_load, 120)
-            part = long_period_part(Path(tmp) / "long_period", args, train_args)
-            part["load_avg_1min_before"] = round(load, 2)
-            part["load_avg_1min_after"] = round(common.load_average(), 2)
+            part = on_a_quiet_machine(long_period_part, Path(tmp) / "long_period", args, train_args)
             result["long_period"] = part
             print(f"[long period] {part}", flush=True)
             provenance.write_result(args.out, result, command)
