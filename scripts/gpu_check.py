@@ -1,32 +1,32 @@
 """The GPU path, run for real in one go: what ``scripts/gpu_check.sh`` runs on a machine with one
-CUDA device, within a time budget (``--budget-s``, default 330 s). Everything it measures goes
-into one folder: a log per run and ``gpu_check.json``, written again after every run, so that a
-run cut off by the budget loses nothing measured before it.
+CUDA device, within a time budget (``--budget-s``, default 280 s; the wrapper's hard limit is
+330 s). Everything it measures goes into one folder: a log per run and ``gpu_check.json``,
+written again after every run, so that a run cut off by the budget loses nothing measured before
+it. ``scripts/gpu_check_runs.py`` lists the runs, each with its own timeout, the timeouts adding
+up to less than the budget.
 
 Runs, in this order (the most telling first; each bounded by its own timeout and by what is left
 of the budget, each recorded whatever its outcome):
 
-1. ``cuda_tests``: the tests that need CUDA (the codecs' CUDA-against-CPU bit equality, Delayed
-   Nesterov on CUDA, async DiLoCo's non_blocking copies to pinned host state against blocking
-   ones), with their pass / skip / fail counts.
-2. ``two_groups``: a lighthouse and two replica groups on the one GPU, gloo across them (CUDA
-   tensors): async DiLoCo with int8 on the debug model; blocking DiLoCo (torchft's) with group 1
-   SIGKILLed at step 10 and restarted, so that it heals from group 0 on the GPU (paced steps keep
-   group 0 running meanwhile); then the ``1B`` flavor under async DiLoCo + int8 with its outer
-   state in pinned host memory (``outer_state_device=cpu``) against on the device (peak GPU
-   memory per group); last nccl across the groups, where two ranks on one device are expected to
-   be refused (what failed is recorded: a 2-GPU machine is needed for that path). Per run: both
-   groups' final digests (they must agree), committed syncs, heals, peak GPU memory per group.
-3. ``throughput``: one replica group (no fault tolerance, FSDP off: one rank) training the debug
-   model and the ``1B`` flavor in bf16 (autocast), eager, and the ``1B`` with ``compile.enable``:
-   tokens/s, MFU against the device's bf16 dense peak (the datasheet's, as the trainer prints
-   it) and against the bf16 matmul rate measured here first, peak memory, from the run's own step
-   events.
+1. ``cuda_tests``: the tests that need CUDA, with their pass / skip / fail counts: a sync's wait
+   behind seconds of queued compute on a world-size-1 nccl group (it must take milliseconds; its
+   figures, from ``sync_wait.json``, go into the row), the step clock, the codecs' CUDA-against-
+   CPU bit equality, Delayed Nesterov on CUDA, async DiLoCo's copies to pinned host state.
+2. ``outer_step``: ``benchmarks/outer_step.py`` at a 1B-size shard (1.25e9 values) with the
+   outer state in pinned host memory: the host seconds of a sync point against its copies',
+   pinned and resident host memory.
+3. ``two_groups``: a lighthouse and two replica groups on the one GPU, gloo across them: async
+   DiLoCo + int8 with bf16 autocast and ``torch.compile`` (steps/s, syncs committed, whether the
+   blocks compiled); blocking DiLoCo with group 1 SIGKILLed and restarted, so that it heals from
+   group 0: CUDA tensors over gloo (``heal_cuda_over_gloo``: ``healed``, or ``unsupported`` with
+   the error line that says why, ...). Per run: both groups' final digests (they must agree),
+   committed syncs, heals, peak GPU memory per group.
+4. ``throughput``: one replica group (no fault tolerance, one rank) training the ``1B`` flavor in
+   bf16, eager: tokens/s, MFU against the datasheet's bf16 peak and the matmul rate measured here
+   first, peak memory, from the run's own step events.
 
-The two lists interleave in that order of priority (see ``RUNS``). ``--dry-run`` runs the same
-steps on the CPU with the smallest model and a few steps: only the tests that need CUDA (which
-then skip; the others run in the test suite anyway), one async and one healing DiLoCo run, one
-eager throughput run. It checks the script, not the GPU.
+``--dry-run`` runs the same steps on the CPU with the smallest model and a few steps (the tests
+that need CUDA then skip): it checks the script, not the GPU.
 """
 
 from __future__ import annotations
@@ -42,6 +42,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpu_check_runs import (
+    CUDA_TESTS,
+    NOT_RUN,
+    OUTER_STEP_KEYS,
+    SYNC_WAIT_JSON,
+    WHOLE_FILES,
+    runs,
+)
+
 from torchtitan.tools.cluster.process_tree import process_tree, signal_pids
 from torchtitan.tools.events import EVENTS_FOLDER, Event, read_events
 
@@ -49,18 +58,19 @@ REPO = Path(__file__).resolve().parents[1]
 SEMI_SYNC_MODULE = "--job.custom_args_module=torchtitan.experiments.fault_tolerance.job_config"
 # The experiment's config plus the tests' fault knobs (paced steps), for the healing run.
 FAULTS_MODULE = "--job.custom_args_module=tests.integration_tests.faults"
-CUDA_TESTS = [
-    "tests/unit_tests/test_compression.py",
-    "tests/unit_tests/test_outer_optimizer.py",
-    "tests/unit_tests/test_async_diloco.py",
-]
+# An error line saying that gloo cannot carry a CUDA tensor (torch's gloo reads and writes the
+# tensor's memory from the host: a device pointer gives EFAULT, "Bad address", or is refused).
+GLOO_CUDA_ERROR = re.compile(
+    r"Bad address|(?i:gloo).*(?i:cuda|device)|(?i:cuda).*(?i:gloo)|(?i:cuda) tensors?.*not supp"
+)
+ERROR_WORDS = re.compile(r"Error|error|Exception|failed|Bad address|not supported|unsupported")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="folder for the logs and the JSON")
     p.add_argument("--dry-run", action="store_true", help="the steps on the CPU, tiny")
-    p.add_argument("--budget-s", type=float, default=330.0, help="seconds for all runs together")
+    p.add_argument("--budget-s", type=float, default=280.0, help="seconds for all runs together")
     return p.parse_args(argv)
 
 
@@ -97,14 +107,15 @@ class Budget:
         return max(0.0, min(wanted, self.deadline - time.monotonic() - 5.0))
 
 
-def run(name: str, cmd: list[str], out: Path, timeout_s: float) -> dict:
+def run(name: str, cmd: list[str], out: Path, timeout_s: float,
+        env: dict[str, str] | None = None) -> dict:  # fmt: skip
     """Run ``cmd`` with its output in ``out/<name>.log``; its exit status and seconds."""
     log = out / f"{name}.log"
     if timeout_s < 10:
         return {"exit": "skipped: budget spent", "seconds": 0.0, "log": None}
     start = time.monotonic()
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=env)
         try:
             code: int | str = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -133,22 +144,118 @@ def median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2] if values else float("nan")
 
 
-def cuda_tests(out: Path, python: str, budget: Budget) -> dict:
-    # Only the tests that need CUDA (their names say "cuda"); the rest run in the suite.
-    cmd = [python, "-m", "pytest", *CUDA_TESTS, "-k", "cuda", "-q", "-rs", "-p", "no:cacheprovider"]
-    result = run("cuda_tests", cmd, out, budget.limit(90))
-    tail = " ".join(last_lines(out / "cuda_tests.log", 3))
+def read_json(path: Path) -> dict | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def cuda_tests(spec: dict, out: Path, python: str, budget: Budget) -> dict:
+    """The tests that need CUDA (``CUDA_TESTS``; of most files only those named ``cuda``): counts,
+    the seconds of the whole files' tests, and the sync-wait test's figures."""
+    files = [f for f in CUDA_TESTS if (REPO / f).exists()]
+    keyword = " or ".join(["cuda", *(Path(f).stem for f in WHOLE_FILES if f in files)])
+    cmd = [python, "-m", "pytest", *files, "-k", keyword, "-q", "-rs", "-p", "no:cacheprovider",
+           "--durations=0", "--durations-min=0.05"]  # fmt: skip
+    figures = out / SYNC_WAIT_JSON
+    figures.unlink(missing_ok=True)
+    env = {**os.environ, "GPU_CHECK_OUT": str(out.resolve())}
+    row: dict[str, Any] = {**spec, **run("cuda_tests", cmd, out, budget.limit(spec["timeout_s"]),
+                                         env)}  # fmt: skip
+    row["not_there"] = [f for f in CUDA_TESTS if f not in files]  # left out, not failed
+    log = out / "cuda_tests.log"
+    tail = " ".join(last_lines(log, 3))
     for word in ("passed", "skipped", "failed", "error"):
         match = re.search(rf"(\d+) {word}", tail)
-        result[word] = int(match.group(1)) if match else 0
-    if result["failed"] or result["error"]:
-        result["last_lines"] = last_lines(out / "cuda_tests.log", 15)
-    return result
+        row[word] = int(match.group(1)) if match else 0
+    # pytest's --durations lines: "2.51s call     tests/...py::test_name".
+    whole = tuple(WHOLE_FILES)
+    row["durations_s"] = {
+        m.group(2).split("::", 1)[1]: float(m.group(1))
+        for line in last_lines(log, 200)
+        if (m := re.match(r"([\d.]+)s call\s+(\S+)$", line.strip()))
+        and m.group(2).startswith(whole)
+    }
+    row["sync_wait"] = read_json(figures)  # None: the test did not run (or not to its end)
+    if row["failed"] or row["error"]:
+        row["last_lines"] = last_lines(log, 15)
+    return row
 
 
-def two_groups(spec: dict, out: Path, python: str, budget: Budget) -> dict:
+def outer_step_figure(figures: dict, key: str) -> Any:
+    """``key`` of the benchmark's JSON: at its top level, else in its summary of this code
+    (``versions.this``: ``key``, ``key_median``, ``key_max``), else the median over its runs."""
+    this = figures.get("versions", {}).get("this", {})
+    for where, name in ((figures, key), (this, key), (this, f"{key}_median"), (this, f"{key}_max")):
+        if name in where:
+            return where[name]
+    values = []
+    for one in this.get("runs", []):
+        value = one.get(key)
+        values.extend(value if isinstance(value, list) else [] if value is None else [value])
+    return median(values) if values else None
+
+
+def outer_step(spec: dict, out: Path, python: str, budget: Budget) -> dict:
+    """``benchmarks/outer_step.py``: a sync point's host seconds and host memory. Its JSON goes
+    into the row (``figures``), ``OUTER_STEP_KEYS`` first; cut off before it wrote that, the
+    ratios it printed per turn."""
+    row: dict[str, Any] = dict(spec)
+    script = REPO / "benchmarks" / "outer_step.py"
+    if not script.exists():
+        return {**row, "exit": "skipped: benchmarks/outer_step.py is not there", "seconds": 0.0,
+                "log": None}  # fmt: skip
+    result = out / "outer_step.json"
+    result.unlink(missing_ok=True)
+    cmd = [python, "-m", "benchmarks.outer_step", "--numel", str(spec["numel"]),
+           "--no-one-thread", "--repeats", str(spec["repeats"]),
+           "--json", str(result.resolve()), "--device", spec["device"]]  # fmt: skip
+    if "--turns" in script.read_text():  # one process, not one per turn, where it says so
+        cmd += ["--turns", str(spec["turns"])]
+    row.update(run("outer_step", cmd, out, budget.limit(spec["timeout_s"])))
+    figures = read_json(result)
+    if figures is not None:
+        row.update({key: outer_step_figure(figures, key) for key in OUTER_STEP_KEYS})
+        row["missing_keys"] = [key for key in OUTER_STEP_KEYS if row[key] is None]
+        row["figures"] = figures
+    else:
+        printed = [m.group(1) for line in last_lines(out / "outer_step.log", 50)
+                   if (m := re.match(r"this: (\[.*\]) memcpy equivalents$", line))]  # fmt: skip
+        row["ratios_printed"] = [json.loads(r) for r in printed]
+    if row["exit"] != 0:
+        row["last_lines"] = last_lines(out / "outer_step.log", 12)
+    return row
+
+
+def steps_per_s(steps: list[Event]) -> float | None:
+    """Steps per second of one group, from its second step event on (past compilation)."""
+    if len(steps) < 3 or steps[-1].time <= steps[1].time:
+        return None
+    return (steps[-1].step - steps[1].step) / (steps[-1].time - steps[1].time)
+
+
+def heal_verdict(row: dict, log: Path, dry: bool) -> dict[str, Any]:
+    """Whether the restarted group healed over gloo with its state on the GPU: ``healed``;
+    ``unsupported`` with the error line saying gloo cannot carry a CUDA tensor; ``not
+    exercised`` (the group came back after its peer had ended); else ``failed``."""
+    if dry:
+        return {"heal_cuda_over_gloo": "not checked: the dry run's state is on the CPU"}
+    if row["heals"]:
+        return {"heal_cuda_over_gloo": "healed"}
+    for line in last_lines(log, 100_000):
+        if GLOO_CUDA_ERROR.search(line) and ERROR_WORDS.search(line):
+            return {"heal_cuda_over_gloo": "unsupported", "why": line.strip()[:400]}
+    if row["exit"] == 0:
+        return {"heal_cuda_over_gloo": "not exercised: no heal (the group came back too late)"}
+    return {"heal_cuda_over_gloo": "failed", "why": f"exit {row['exit']}, no heal"}
+
+
+def two_groups(spec: dict, out: Path, python: str, budget: Budget, dry: bool) -> dict:
     """A lighthouse and two replica groups on the one device (``spec``: name, flavor, method,
-    backend, outer-state placement, steps, extra launcher and train arguments)."""
+    backend, steps, extra launcher and train arguments; ``compile``: say whether the blocks
+    compiled; ``heal``: say whether a heal carried the GPU's tensors over gloo)."""
     name, dump = spec["name"], out / spec["name"]
     train = [
         FAULTS_MODULE if spec.get("paced") else SEMI_SYNC_MODULE, f"--job.dump_folder={dump}",
@@ -167,21 +274,32 @@ def two_groups(spec: dict, out: Path, python: str, budget: Budget) -> dict:
     cmd = [python, "-m", "torchtitan.experiments.fault_tolerance.launcher", "--groups", "2",
            *spec.get("launcher_args", []), "--", *train]  # fmt: skip
     row: dict[str, Any] = dict(spec)
-    row.update(run(name, cmd, out, budget.limit(spec.get("timeout_s", 60))))
+    row.update(run(name, cmd, out, budget.limit(spec["timeout_s"])))
+    log = out / f"{name}.log"
     finals: dict[int, str] = {}
     memory: dict[int, float] = {}
     for entry in events(dump, "semi_sync.final_model"):
         if entry.rank == 0:
             finals[entry.replica or 0] = entry.fields["digest"]
-    steps_by_group: dict[int, list[float]] = {}
+    steps_by_group: dict[int, list[Event]] = {}  # of each group's last process (a restart)
     for entry in events(dump, "train.step"):
         replica = entry.replica or 0
         memory[replica] = max(memory.get(replica, 0.0), entry.fields["memory_gib"])
-        steps_by_group.setdefault(replica, []).append(entry.fields["tps"])
-    tps = [t for group in steps_by_group.values() for t in group[2:]]  # past each warm-up
+        seen = steps_by_group.setdefault(replica, [])
+        if seen and seen[-1].pid != entry.pid:
+            seen.clear()
+        seen.append(entry)
+    # past each warm-up
+    tps = [e.fields["tps"] for group in steps_by_group.values() for e in group[2:]]
     row["final_digests"] = finals
     row["groups_agree"] = len(finals) == 2 and len(set(finals.values())) == 1
     row["peak_memory_gib"] = memory
+    row["steps_per_s"] = {r: steps_per_s(group) for r, group in sorted(steps_by_group.items())}
+    if spec.get("compile"):
+        compiled = re.findall(r"Compiled (\d+) transformer blocks with torch.compile",
+                              log.read_text(errors="replace") if log.exists() else "")  # fmt: skip
+        row["compiled_blocks_per_process"] = [int(n) for n in compiled]
+        row["ran"] = row["exit"] == 0 and bool(compiled) and len(steps_by_group) == 2
     row["syncs_committed"] = sum(1 for e in events(dump, "semi_sync.sync") if e.fields["committed"])
     row["heals"] = [
         {"replica": e.replica, "sync": e.sync, "step": e.step,
@@ -190,16 +308,17 @@ def two_groups(spec: dict, out: Path, python: str, budget: Budget) -> dict:
     ]  # fmt: skip
     if tps:
         row["median_tokens_per_s_per_group"] = median(tps)
+    if spec.get("heal"):
+        row.update(heal_verdict(row, log, dry))
     if row["exit"] != 0:
-        row["last_lines"] = last_lines(out / f"{name}.log", 12)
+        row["last_lines"] = last_lines(log, 12)
     return row
 
 
 def throughput(spec: dict, out: Path, python: str, budget: Budget, matmul_peak: float | None,
                ) -> dict:  # fmt: skip
     """One group, no fault tolerance: tokens/s, MFU and peak memory past warm-up."""
-    flavor, compiled = spec["flavor"], spec["compile"]
-    name = f"throughput_{flavor}_{'compile' if compiled else 'eager'}"
+    name, flavor, compiled = spec["name"], spec["flavor"], spec["compile"]
     dump = out / name
     cmd = [
         python, "-m", "torchtitan.train", f"--job.dump_folder={dump}",
@@ -228,54 +347,6 @@ def throughput(spec: dict, out: Path, python: str, budget: Budget, matmul_peak: 
     if row["exit"] != 0:
         row["last_lines"] = last_lines(out / f"{name}.log", 12)
     return row
-
-
-def runs(dry: bool) -> list[tuple[str, dict]]:
-    """(list name, spec) in order of priority."""
-    if dry:
-        small = {"flavor": "debugmodel_small", "backend": "gloo"}
-        return [
-            ("two_groups", {**small, "name": "two_groups_async_int8", "method": "async_diloco",
-                            "steps": 8, "train_args": ["--fault_tolerance.pseudo_grad_dtype=int8",
-                                                       "--fault_tolerance.outer_state_device=cpu"]}),
-            ("two_groups", {**small, "name": "two_groups_diloco_heal", "method": "diloco",
-                            "steps": 24, "paced": True, "timeout_s": 200,
-                            "launcher_args": ["--kill", "1@4", "--restart-after", "1"],
-                            "train_args": ["--fault_injection.step_sleep_s=0.5"]}),
-            ("throughput", {"flavor": "debugmodel_small", "compile": False, "batch": 2,
-                            "seq": 64, "steps": 4, "log_freq": 1, "timeout_s": 120}),
-        ]  # fmt: skip
-    async_int8 = ["--fault_tolerance.pseudo_grad_dtype=int8"]
-    state = "--fault_tolerance.outer_state_device="
-    # The 1B: no per-sync digests (hashing 4 GB on the host at each sync); the final one stays.
-    big = {"flavor": "1B", "backend": "gloo", "method": "async_diloco", "steps": 8, "batch": 4,
-           "seq": 1024, "log_freq": 2, "timeout_s": 90, "collective_timeout_s": 60,
-           "digests": False}  # fmt: skip
-    return [
-        ("two_groups", {"name": "two_groups_async_int8", "flavor": "debugmodel", "backend": "gloo",
-                        "method": "async_diloco", "steps": 40,
-                        "train_args": [*async_int8, "--fault_tolerance.outer_state_device=cpu"]}),
-        # Group 1 dies at step 10 and comes back after 1 s; paced steps (0.25 s) keep group 0
-        # running for about 40 s, so that the restarted group heals from it on the GPU.
-        ("two_groups", {"name": "two_groups_diloco_heal", "flavor": "debugmodel",
-                        "backend": "gloo", "method": "diloco", "steps": 160, "sync_steps": 5,
-                        "paced": True, "log_freq": 10, "timeout_s": 90,
-                        "launcher_args": ["--kill", "1@10", "--restart-after", "1"],
-                        "train_args": ["--fault_injection.step_sleep_s=0.25"]}),
-        ("throughput", {"flavor": "debugmodel", "compile": False, "batch": 16, "seq": 2048,
-                        "steps": 30, "log_freq": 5, "timeout_s": 45}),
-        ("throughput", {"flavor": "1B", "compile": False, "batch": 8, "seq": 2048,
-                        "steps": 30, "log_freq": 5, "timeout_s": 70}),
-        ("two_groups", {**big, "name": "two_groups_1B_state_cpu",
-                        "train_args": [*async_int8, state + "cpu"]}),
-        ("two_groups", {**big, "name": "two_groups_1B_state_device",
-                        "train_args": [*async_int8, state + "device"]}),
-        ("throughput", {"flavor": "1B", "compile": True, "batch": 8, "seq": 2048,
-                        "steps": 30, "log_freq": 5, "timeout_s": 120}),
-        ("two_groups", {"name": "two_groups_nccl", "flavor": "debugmodel", "backend": "nccl",
-                        "method": "async_diloco", "steps": 8, "timeout_s": 40,
-                        "train_args": async_int8}),
-    ]  # fmt: skip
 
 
 def measured_matmul_peak() -> float:
@@ -335,25 +406,31 @@ def main(argv: list[str] | None = None) -> int:
             report["bf16_matmul_tflops_measured"] = round(matmul_peak / 1e12, 1)
     except ImportError as e:
         report["torch"] = f"not importable: {e}"
+    if not args.dry_run:
+        report["not_run"] = NOT_RUN
     save()
-    label = "cuda_tests"
+    # A single run's kind is a key of its own; two_groups and throughput are lists.
+    report.update({"two_groups": [], "throughput": []})
+    label = "start-up"
     try:
-        print("gpu_check: cuda_tests ...", flush=True)
-        report["cuda_tests"] = cuda_tests(args.out, python, budget)
-        save()
-        print(f"gpu_check: cuda_tests: {json.dumps(report['cuda_tests'])[:300]}", flush=True)
-        report["two_groups"], report["throughput"] = [], []
         for kind, spec in runs(args.dry_run):
-            label = spec.get("name") or f"{spec['flavor']} compile={spec['compile']}"
+            label = spec["name"]
             print(f"gpu_check: {kind} {label} ...", flush=True)
             try:
-                if kind == "two_groups":
-                    row = two_groups(spec, args.out, python, budget)
+                if kind == "cuda_tests":
+                    row = cuda_tests(spec, args.out, python, budget)
+                elif kind == "outer_step":
+                    row = outer_step(spec, args.out, python, budget)
+                elif kind == "two_groups":
+                    row = two_groups(spec, args.out, python, budget, args.dry_run)
                 else:
                     row = throughput(spec, args.out, python, budget, matmul_peak)
             except Exception as e:  # a broken run must not lose what the others measured
                 row = {**spec, "error": f"{type(e).__name__}: {e}"}
-            report[kind].append(row)
+            if kind in ("two_groups", "throughput"):
+                report[kind].append(row)
+            else:
+                report[kind] = row
             save()
             print(f"gpu_check: {kind} {label}: {json.dumps(row)[:400]}", flush=True)
     except Terminated:

@@ -277,7 +277,11 @@ def serve(path: str) -> None:
     from torchtitan.tools.cluster.process_tree import kill_tree
 
     for name in _PRELOAD:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:  # only a module this torch lacks (_cupti_monitor: 2.13)
+                raise
     # A child runs its module as __main__, as `python -m` does: not the module loaded above
     # (runpy would warn that it is in sys.modules already).
     for name in _WARM_MODULES:
