@@ -39,6 +39,9 @@ TESTS = [
     "tests/unit_tests/test_peer_watch.py",
     "tests/unit_tests/test_replica_timeouts.py",
     "tests/unit_tests/test_ft_manager.py",
+    "tests/unit_tests/test_outer_passes.py",
+    "tests/unit_tests/test_exact_division.py",
+    "tests/unit_tests/test_step_clock.py",
 ]
 #: Failure detection and the replicate group's timeouts live in the core's fault tolerance.
 CORE_FT = "torchtitan/components/ft"
@@ -75,8 +78,8 @@ MUTANTS = [
     Mutant(
         "transport: an exact tensor travels compressed",
         f"{PACKAGE}/transport.py",
-        "return self._submit(tensor.view(-1), divide_by, exact=True)",
-        "return self._submit(tensor.view(-1), divide_by, exact=False)",
+        "self._submit(tensor.view(-1), divide_by, exact=True)",
+        "self._submit(tensor.view(-1), divide_by, exact=False)",
     ),
     Mutant(
         "transport: error-feedback residuals are kept after a failed sync",
@@ -154,8 +157,8 @@ MUTANTS = [
     Mutant(
         "DyLU's probe: the timed steps include the first",
         f"{PACKAGE}/dylu.py",
-        "            self._began, self._planned_from = now, 1",
-        "            pass",
+        "        self._warm = True\n        if self._planned_from < taken:",
+        "        self._warm = True\n        if False:",
     ),
     Mutant(
         "DyLU's probe: the rest of the first period is planned as a whole period",
@@ -204,6 +207,55 @@ MUTANTS = [
         f"{CORE_FT}/manager.py",
         "self._written = torch.accelerator.current_stream().record_event()",
         "self._written = None",
+    ),
+    Mutant(
+        "collective: a sync's wait names its timeout (torchft then synchronizes the device)",
+        f"{PACKAGE}/compression/collective.py",
+        "    work.wait()\n",
+        "    work.wait(timedelta(seconds=300))\n",
+    ),
+    Mutant(
+        "codecs: a block's scale is divided by a Python number (CUDA: a reciprocal)",
+        f"{PACKAGE}/compression/codecs.py",
+        "divide_(scales, self.qmax)",
+        "scales.div_(self.qmax)",
+    ),
+    Mutant(
+        "async state: the tokens' total divides as a Python number",
+        f"{PACKAGE}/async_state.py",
+        "self.apply_average(divide_(sums, total))",
+        "self.apply_average(sums.div_(total))",
+    ),
+    Mutant(
+        "passes: the local start is not moved to the global copy after the outer step",
+        f"{PACKAGE}/outer_passes.py",
+        "                torch.sub(piece.glob, piece.start, out=piece.out)\n"
+        "            piece.start.copy_(piece.glob)\n",
+        "                torch.sub(piece.glob, piece.start, out=piece.out)\n",
+    ),
+    Mutant(
+        "passes: the global copy's digest is kept after the copy changed",
+        f"{PACKAGE}/outer_passes.py",
+        "if self._hashes is None or self._hashes[0] != self._versions():",
+        "if self._hashes is None:",
+    ),
+    Mutant(
+        "passes: the eager start steps the optimizer's own momentum, not a copy",
+        f"{PACKAGE}/outer_passes.py",
+        "                momentum = scratch.t1\n",
+        "                momentum = piece.momentum if piece.momentum is not None else scratch.t1\n",
+    ),
+    Mutant(
+        "async DiLoCo: a failed sync's buffer carries the next sync",
+        f"{PACKAGE}/async_diloco.py",
+        "reuse = decided.buffer if decided is not None and decided.sums is not None else None",
+        "reuse = decided.buffer if decided is not None else None",
+    ),
+    Mutant(
+        "DyLU: a process's first inner step counts in its measured speed",
+        f"{PACKAGE}/async_diloco.py",
+        "        self.plan.skip_warm_up(self._local_step, self.clock)\n",
+        "",
     ),
 ]
 

@@ -14,9 +14,8 @@ import torch
 from torch import nn
 from torch.distributed import ReduceOp
 
-from torchtitan.experiments.fault_tolerance import async_diloco
 from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
-from torchtitan.experiments.fault_tolerance.async_state import FragmentState, outer_sgd_direction
+from torchtitan.experiments.fault_tolerance.async_state import FragmentState
 from torchtitan.experiments.fault_tolerance.dylu import (
     dylu_inner_steps,
     dylu_next_correction,
@@ -312,19 +311,37 @@ def test_eager_share_applies_its_share_now_and_the_others_when_the_average_arriv
             torch.testing.assert_close(t, b - 0.7 * mean, rtol=0, atol=1e-6)
 
 
-def test_outer_sgd_direction_matches_torch_sgd():
-    torch.manual_seed(0)
-    for momentum, nesterov in ((0.0, False), (0.9, False), (0.9, True)):
-        p = torch.randn(5, requires_grad=True)
-        sgd = torch.optim.SGD([p], lr=1.0, momentum=momentum, nesterov=nesterov)
-        for _ in range(3):  # a momentum buffer with history
-            p.grad = torch.randn(5)
-            before = p.detach().clone()
-            buf = sgd.state.get(p, {}).get("momentum_buffer")
-            buf = None if buf is None else buf.clone()
-            expected = outer_sgd_direction(p.grad, buf, momentum, nesterov)
-            sgd.step()
-            torch.testing.assert_close(before - p.detach(), expected)
+@pytest.mark.parametrize(("momentum", "nesterov"), [(0.0, False), (0.9, False), (0.9, True)])
+def test_eager_starts_exactly_where_the_outer_step_goes_on_the_own_pseudo_gradient(
+    momentum: float, nesterov: bool
+) -> None:
+    """Bit for bit, at every sync point (the first without momentum yet, then with its
+    history): the model starts its period where the outer optimizer's own step would take the
+    global copy if every group had sent this group's pseudo-gradient."""
+    # 8 tokens per step: the pseudo-gradient is sent times 32, a power of two (exact).
+    group = Group(Cluster(), 1, outer_momentum=momentum, outer_nesterov=nesterov, tokens_per_step=8)
+    state = group.loop._states[0]
+    with training([group]):
+        for step in range(12):
+            group.step()
+            if group.loop.local_step() != 0:
+                continue
+            flight = group.loop._in_flight
+            assert flight is not None and flight.tokens == 32
+            copies = [g.clone().requires_grad_() for g in state.global_copy.values()]
+            outer = torch.optim.SGD(
+                copies, lr=0.7, momentum=momentum, nesterov=nesterov, fused=True
+            )
+            offset = 0
+            for copy, glob in zip(copies, state.global_copy.values(), strict=True):
+                copy.grad = flight.buffer[offset : offset + copy.numel()].view_as(copy) / 32
+                offset += copy.numel()
+                buf = state.outer.state.get(glob, {}).get("momentum_buffer")
+                if buf is not None:
+                    outer.state[copy]["momentum_buffer"] = buf.clone()
+            outer.step()
+            for p, expected in zip(group.model.parameters(), copies, strict=True):
+                assert torch.equal(p.detach(), expected.detach()), f"sync point after {step}"
 
 
 def test_an_uncommitted_sync_is_dropped_alike_and_the_local_copy_follows():
@@ -375,6 +392,30 @@ def test_a_failed_all_reduce_in_flight_is_dropped_by_every_group_and_never_saved
     assert not all(torch.equal(x, y) for x, y in zip(seen[0], before[0], strict=True))
     for other in seen[1:]:
         assert all(torch.equal(x, y) for x, y in zip(seen[0], other, strict=True))
+
+
+def test_a_committed_syncs_buffer_carries_the_next_sync_and_a_failed_ones_never_does():
+    """A shard-sized buffer is not allocated at every sync point: a committed sync's buffer
+    carries the next pseudo-gradient. A failed sync's is never taken again: a transfer
+    abandoned with it may still write into it."""
+    cluster = Cluster()
+    groups = [Group(cluster, seed) for seed in (1, 2)]
+
+    def buffer_of(group: Group) -> int:
+        flight = group.loop._in_flight
+        assert flight is not None
+        return flight.buffer.data_ptr()
+
+    run(groups, 4)  # sync 1 started
+    first = [buffer_of(g) for g in groups]
+    run(groups, 4)  # sync 1 committed, sync 2 started in its buffer
+    assert [buffer_of(g) for g in groups] == first
+    cluster.failing |= {2, 3}  # sync 2's collective fails
+    run(groups, 4)  # sync 2 dropped, sync 3 started in a new buffer
+    assert all(buffer_of(g) != f for g, f in zip(groups, first, strict=True))
+    for g in groups:
+        outcome = g.loop.last_outcome(g.manager)
+        assert outcome is not None and not outcome.committed
 
 
 def test_a_group_that_heals_sends_weight_zero_and_takes_the_global_copy():
@@ -525,23 +566,24 @@ def test_dylu_period_length_and_the_halfway_correction():
 
 
 class FakeClock:
-    """``time.perf_counter`` of the module under test, moved by hand."""
+    """The device's clock (and ``time.perf_counter`` of a module under test), moved by hand."""
 
     def __init__(self) -> None:
         self.now = 100.0
+        self.reads = 0
 
     def perf_counter(self) -> float:
+        self.reads += 1
         return self.now
 
 
-def test_a_period_slower_than_planned_is_shortened_halfway(monkeypatch):
+def test_a_period_slower_than_planned_is_shortened_halfway():
     """Planned: 8 inner steps in 8 s. The group takes 2 s per step in this period, so after
     4 steps (8 s) it has reached the planned length and syncs there; the group's ranks agree
     on the count (here: the agreement raises it to 6). The next period, planned afresh, is not
     corrected when no length is given."""
     clock = FakeClock()
-    monkeypatch.setattr(async_diloco, "time", clock)
-    group = Group(Cluster(), 1)
+    group = Group(Cluster(), 1, clock=clock.perf_counter)
     group.loop.period = group.loop.plan.period = 8
     asked: list[int] = []
     group.loop.agree_in_group = lambda n: asked.append(n) or 6
@@ -564,7 +606,7 @@ def test_a_period_slower_than_planned_is_shortened_halfway(monkeypatch):
         assert group.loop.step_seconds() == pytest.approx(5.0)
 
 
-def test_a_period_that_slows_down_late_is_corrected_again(monkeypatch):
+def test_a_period_that_slows_down_late_is_corrected_again():
     """Planned: 16 inner steps in 16 s. The first 8 take 1 s each (on plan at the halfway
     correction), then each takes 2 s: the correction after step 12 (16 s gone) ends the period
     there, where the plan from halfway would have run 8 s late."""
@@ -572,8 +614,7 @@ def test_a_period_that_slows_down_late_is_corrected_again(monkeypatch):
     assert corrections == [10, 15, 17, 18, 19, None]
     assert dylu_next_correction(0, 1) is None
     clock = FakeClock()
-    monkeypatch.setattr(async_diloco, "time", clock)
-    group = Group(Cluster(), 1)
+    group = Group(Cluster(), 1, clock=clock.perf_counter)
     group.loop.period = group.loop.plan.period = 16
     asked: list[int] = []
     group.loop.agree_in_group = lambda n: asked.append(n) or n
@@ -587,6 +628,64 @@ def test_a_period_that_slows_down_late_is_corrected_again(monkeypatch):
             if group.loop.local_step() == 0:
                 break
     assert (asked, steps) == ([16, 12], 12)
+
+
+def test_dylu_times_inner_steps_on_the_device_not_on_the_host() -> None:
+    """On a GPU the host only queues an inner step and returns at once; the device takes 1 s
+    for it. The group's measured speed, which DyLU plans from, is the device's 1 s per step,
+    not the host's microseconds."""
+    clock = FakeClock()
+    group = Group(Cluster(), 1, clock=clock.perf_counter)
+    with training([group]):
+        for _ in range(8):
+            clock.now += 1.0
+            group.step()
+    assert group.loop.sync_points == 2
+    assert group.loop.step_seconds() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("start", [0, 1])
+def test_a_process_s_first_inner_step_is_not_in_its_measured_speed(start: int) -> None:
+    """A (re)started process compiles in its first inner step (30 s), at the period's start or
+    mid-period (joined at the peers' inner step 1); its later steps take 1 s. Its speed is
+    measured from after that step: 1 s per step, not a slow group that DyLU would give too
+    few steps next period."""
+    clock = FakeClock()
+    group = Group(Cluster(), 1, clock=clock.perf_counter)
+    group.loop.set_local_step(start)
+    with training([group]):
+        for seconds in [30.0] + [1.0] * (3 - start):
+            clock.now += seconds
+            group.step()
+    assert group.loop.sync_points == 1
+    assert group.loop.step_seconds() == pytest.approx(1.0)
+
+
+def test_the_warm_up_step_counts_against_the_period_s_length_but_not_in_its_speed() -> None:
+    """Planned: 8 inner steps in 8 s. The process's first step takes 3 s (compiling), the
+    others 1 s. The correction after step 4 (6 s gone) sees 1 s per step and the 2 s left
+    of the period's length (the other groups keep to it): 6 steps, ending at 8 s."""
+    clock = FakeClock()
+    group = Group(Cluster(), 1, clock=clock.perf_counter)
+    group.loop.period = group.loop.plan.period = 8
+    asked: list[int] = []
+
+    def agree(n: int) -> int:
+        asked.append(n)
+        return n
+
+    group.loop.agree_in_group = agree
+    group.loop.plan_period(8, seconds=8.0)
+    with training([group]):
+        steps = 0
+        while True:
+            clock.now += 3.0 if steps == 0 else 1.0
+            group.step()
+            steps += 1
+            if group.loop.local_step() == 0:
+                break
+    assert (asked, steps) == ([6, 6], 6)
+    assert group.loop.step_seconds() == pytest.approx(1.0)
 
 
 def run_periods(groups: list[Group], periods: int) -> list[list[list[torch.Tensor]]]:
@@ -723,9 +822,8 @@ def test_a_period_dylu_ends_early_reports_the_sync_s_own_time_with_gradients_fre
     from torchtitan.experiments.fault_tolerance.trainer import SemiSyncTrainer
 
     clock = FakeClock()
-    monkeypatch.setattr(async_diloco, "time", clock)
     monkeypatch.setattr(reporting, "time", clock)
-    group = Group(Cluster(), 1)
+    group = Group(Cluster(), 1, clock=clock.perf_counter)
     group.loop.period = group.loop.plan.period = 8
     group.loop.plan_period(8, seconds=8.0)
     grads_at_sync: list[bool] = []
@@ -914,3 +1012,26 @@ def test_a_period_that_ends_before_the_probe_waits_for_it_and_may_be_lengthened(
         for _ in range(3):
             group.step()
         assert group.loop.local_step() == 0 and group.loop.sync_points == 1
+
+
+def test_the_device_clock_is_read_only_where_dylu_decides() -> None:
+    """Each reading of the device's clock waits for the device, so a period of 40 inner steps
+    with the speed probe and corrections reads it 12 times, not after every step: the period's
+    begin, after the warm-up step (1), the probe (after step 3), its plan (after step 4), the
+    corrections (after steps 22, 31, 35, 37, 38, 39), the period's end and the next's begin."""
+    clock = FakeClock()
+    group = Group(Cluster(), 1, sync_steps=40, clock=clock.perf_counter)
+    manager = _ProbingManager(Cluster())
+    group.manager = manager
+    group.loop.manager = manager  # type: ignore[assignment]
+    group.loop.plan.probe_after(2)
+    manager.after_probe = lambda: group.loop.plan_rest_of_period(36, 36.0)
+    with training([group]):
+        for _ in range(40):
+            clock.now += 1.0
+            group.step()
+            for probe in manager.probes:
+                probe.ready = True
+    assert group.loop.sync_points == 1 and manager.probes[0].finished == 1
+    assert group.loop.step_seconds() == pytest.approx(1.0)
+    assert clock.reads == 12

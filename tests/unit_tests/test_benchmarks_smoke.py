@@ -88,3 +88,18 @@ def test_checkpoint_checksums_smoke_compares_the_same_states(tmp_path: Path) -> 
     for what in ("save", "load"):
         ratio = repeat[f"checksummed_{what}_s"] / repeat[f"plain_{what}_s"] - 1
         assert abs(size[what]["overhead"]["median"] - ratio) < 1e-12
+
+
+def test_outer_step_smoke_times_this_code_and_a_baseline_in_one_run(tmp_path: Path) -> None:
+    """Every version's figures from subprocesses of one run, each timing the code it names:
+    this checkout's with its own threads and with one, and a baseline commit's (HEAD here)."""
+    output = tmp_path / "outer_step.json"
+    run_smoke("outer_step.py", "--json", str(output), "--baseline", "HEAD")
+    figures = json.loads(output.read_text())
+    versions = figures["versions"]
+    assert set(versions) == {"this", "this_1_thread", "HEAD"}
+    assert versions["this"]["runs"][0]["code"] == str(REPO)
+    assert versions["HEAD"]["runs"][0]["code"] != str(REPO)  # a git archive of HEAD
+    assert versions["this_1_thread"]["runs"][0]["outer_step_threads"] == 1
+    for summary in versions.values():
+        assert all(r > 0 for run in summary["runs"] for r in run["ratio"])

@@ -71,22 +71,31 @@ def train_and_record(
 
     if method.startswith("async_"):
         # The average of the sync started at one sync point is applied at the next one.
-        original_apply = FragmentState.apply_average
-        original_pg = FragmentState.pseudo_gradient
+        original_finish = FragmentState.finish
+        original_start = FragmentState.start
 
-        def spy_pg(state: FragmentState, out: torch.Tensor) -> None:
+        def spy_start(state: FragmentState, out: torch.Tensor, *args: Any) -> None:
             record["local"].append(flat(model.parameters()))
             record["start"] = record.get("start", []) + [flat(state.period_start.values())]
-            original_pg(state, out)
+            original_start(state, out, *args)
 
-        def spy_apply(state: FragmentState, average: torch.Tensor) -> None:
-            record["before"].append(flat(state.global_copy.values()))
-            original_apply(state, average)
-            record["after"].append(flat(state.global_copy.values()))
+        def spy_finish(state: FragmentState, sums: torch.Tensor | None, total: float) -> None:
+            if sums is not None:
+                record["before"].append(flat(state.global_copy.values()))
+            original_finish(state, sums, total)
+            if sums is not None:
+                record["after"].append(flat(state.global_copy.values()))
+
+        def spy_both(
+            state: FragmentState, sums: Any, total: float, out: torch.Tensor, *args: Any
+        ) -> None:  # the one pass, as its two halves (test_outer_passes: the same bits)
+            spy_finish(state, sums, total)
+            spy_start(state, out, *args)
 
         state = loop._states[0]
-        state.pseudo_gradient = lambda out: spy_pg(state, out)
-        state.apply_average = lambda average: spy_apply(state, average)
+        state.start = lambda out, *args: spy_start(state, out, *args)  # type: ignore[method-assign]
+        state.finish = lambda sums, total: spy_finish(state, sums, total)  # type: ignore[method-assign]
+        state.finish_and_start = lambda *args: spy_both(state, *args)  # type: ignore[method-assign]
     else:
         start_quorum = sync.start_quorum
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ from torch.distributed import ReduceOp
 
 from tests.unit_tests.gloo_groups import LoopbackManager, run_groups, sync_manager
 from tests.unit_tests.test_compression import _varied
-from torchtitan.components.ft import FaultToleranceError
+from torchtitan.components.ft import FaultToleranceError, torchft_adapter
 from torchtitan.experiments.fault_tolerance import events
 from torchtitan.experiments.fault_tolerance.compression import get_codec
 from torchtitan.experiments.fault_tolerance.transport import (
@@ -300,3 +301,90 @@ def test_a_rank_whose_collectives_no_longer_line_up_stops_at_its_next_sync() -> 
 
     (message,) = run_groups(1, group)
     assert "a bucket could not be packed" in message and "restart the group" in message
+
+
+class _NcclLikeGroup:
+    """A real gloo group whose collectives come back wrapped as torchft's nccl group wraps them
+    (``_WorkAcceleratorTimeout``, with the collective timeout ``build.py`` gives it): the wait
+    path of a sync on GPUs, run on the CPU."""
+
+    def __init__(self, pg: Any, timeout: timedelta) -> None:
+        self._pg = pg
+        self._timeout = timeout
+        self.aborted = 0
+
+    def size(self) -> int:
+        return self._pg.size()
+
+    def abort(self) -> None:
+        self.aborted += 1
+
+    def _wrap(self, work: Any) -> Any:
+        return torchft_adapter.accelerator_timeout_work(self, work, self._timeout)
+
+    def allreduce(self, *args: Any) -> Any:
+        return self._wrap(self._pg.allreduce(*args))
+
+    def alltoall_base(self, *args: Any) -> Any:
+        return self._wrap(self._pg.alltoall_base(*args))
+
+    def allgather(self, *args: Any) -> Any:
+        return self._wrap(self._pg.allgather(*args))
+
+
+@pytest.mark.parametrize("late_s", [0.0, 2.0])
+def test_a_sync_waits_without_synchronizing_the_device_and_still_times_out(
+    monkeypatch: pytest.MonkeyPatch, late_s: float
+) -> None:
+    """torchft's nccl wrapper synchronizes the whole device (every stream, the training
+    kernels queued behind the sync included) when a wait names a timeout. A sync's waits name
+    none: no ``torch.accelerator.synchronize`` nor ``torch.cuda.synchronize`` during a sync of
+    every dtype, each wait still registers the collective timeout on the stream (where a GPU
+    aborts a collective that has not ended by then), and a peer 2 s late with a 0.5 s timeout
+    still fails the sync naming ``fault_tolerance.sync_collective_timeout_s``."""
+    import torchft.process_group as tft_pg
+
+    synchronized: list[str] = []
+    stream_timers: list[float] = []
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a: synchronized.append("acc"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: synchronized.append("cuda"))
+    # On a GPU: an event recorded on the waiting stream, checked at the timeout (the CPU has
+    # no events).
+    monkeypatch.setattr(
+        tft_pg,
+        "stream_timeout",
+        lambda callback, timeout: stream_timers.append(timeout.total_seconds()),
+    )
+    timeout_s = 0.5 if late_s else 30.0
+
+    def group(rank: int, pg: Any) -> list[Any]:
+        wrapped = _NcclLikeGroup(pg, timedelta(seconds=timeout_s))
+        manager = LoopbackManager(wrapped, rank, 2)  # type: ignore[arg-type]
+        outcomes: list[Any] = []
+        for dtype in ("float32", "int8") if not late_s else ("int8",):
+            sync = sync_manager(manager, dtype, bucket_numel=300, timeout_s=timeout_s)
+            try:
+                if rank == 1:
+                    time.sleep(late_s)
+                tensors = _tensors(rank)
+                sync.start_quorum()
+                for work in [sync.allreduce(t) for t in tensors]:
+                    work.wait()
+                outcomes += [sync.should_commit(), manager.errored()]
+            finally:
+                sync.shutdown()
+        return [*outcomes, wrapped.aborted]
+
+    started = time.monotonic()
+    results, _ = run_groups(2, group, timeout_s=60)
+    assert time.monotonic() - started < 30
+    assert synchronized == [], synchronized
+    if late_s:
+        # Group 0's first wait ran into the timeout: torchft's timer aborted the group.
+        committed, error, aborted = results
+        assert committed is False and isinstance(error, CollectiveTimeout)
+        assert "fault_tolerance.sync_collective_timeout_s=0.5s" in str(error)
+        assert aborted >= 1
+    else:
+        assert results == [True, None, True, None, 0]
+        assert stream_timers and set(stream_timers) == {timeout_s}

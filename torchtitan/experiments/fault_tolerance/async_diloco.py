@@ -45,9 +45,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -68,9 +67,20 @@ from torchtitan.experiments.fault_tolerance.outer_loop import (
     SyncOutcome,
     local_tensor,
 )
+from torchtitan.experiments.fault_tolerance.step_clock import StepClock
 
 if TYPE_CHECKING:
     from torchtitan.experiments.fault_tolerance.sync_quorum import ProbeInFlight, SyncManager
+
+
+class Decided(NamedTuple):
+    """A decided sync: its fragment, the sums to average and their total of tokens (None:
+    nothing to apply; ``FragmentState.finish``), and its buffer, free for the next sync."""
+
+    fragment: int
+    sums: torch.Tensor | None
+    total: float
+    buffer: torch.Tensor
 
 
 #: The healing state of fragment ``i``'s outer state (global copy, outer optimizer).
@@ -96,11 +106,16 @@ class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
         outer_momentum_every: int = 1,
         state_device: torch.device,
         tokens_per_step: int,
+        clock: Callable[[], float] | None = None,
+        host_threads: int = 0,
     ) -> None:
         """``manager``: the sync Manager (quorum, all-reduce, should_commit, state for
         healing); ``sync_steps``: inner steps between two syncs of one fragment; ``update``:
         ``eager`` or ``delayed``; ``tokens_per_step``: tokens this group trains on per inner
-        step (the weight of its pseudo-gradients)."""
+        step (the weight of its pseudo-gradients); ``clock``: seconds on the model's device,
+        for DyLU (a :class:`~.step_clock.StepClock` of the fragments' device by default);
+        ``host_threads``: threads for a sync point's host work (0: this rank's share of the
+        host's cores, ``outer_passes.cores_per_rank``)."""
         if update not in ASYNC_UPDATES:
             raise ValueError(f"update must be one of {ASYNC_UPDATES}, not {update!r}")
         self.manager = manager
@@ -111,11 +126,21 @@ class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
         self.inner_optimizer = inner_optimizer
         self._states = [
             FragmentState(
-                f, state_device, outer_lr, outer_momentum, outer_nesterov, outer_momentum_every
-            )
+                f,
+                state_device,
+                outer_lr,
+                outer_momentum,
+                outer_nesterov,
+                outer_momentum_every,
+                host_threads,
+            )  # fmt: skip
             for f in fragments
         ]
         self._local_step = 0
+        if clock is None:
+            clock = StepClock(local_tensor(next(fragments[0].parameters())).device).now
+        #: Seconds on the model's device, for DyLU (each reading waits for the device).
+        self.clock = clock
         #: The current period's inner steps (``period`` unless DyLU planned others).
         self.plan = PeriodPlan(self.period)
         #: The most of this group's ranks' numbers (the trainer sets a MAX all-reduce when the
@@ -143,7 +168,7 @@ class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
 
     @contextlib.contextmanager
     def _installed(self) -> Iterator[AsyncDiLoCo]:
-        self.plan.begin(time.perf_counter())
+        self.plan.begin(self.clock())
         handles = [
             self.inner_optimizer.register_step_pre_hook(self._before_step),
             self.inner_optimizer.register_step_post_hook(self._after_step),
@@ -165,7 +190,9 @@ class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
         for state in self._states:
             state.steps += 1
         self._local_step += 1
-        if self.plan.probe_due(self._local_step, time.perf_counter()):
+        # Only DyLU's decisions read the clock (each reading waits for the device).
+        self.plan.skip_warm_up(self._local_step, self.clock)
+        if self.plan.probe_due(self._local_step, self.clock):
             # DyLU's first period: the groups exchange speeds and plan the rest of it, in a
             # quorum that forms while this group takes its next steps (the fast groups would
             # otherwise wait there for the slow ones' first steps).
@@ -176,12 +203,12 @@ class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
             done = self.agree_in_group(int(not self._probe.done())) == 0
             if self._local_step >= self.plan.steps:
                 # This group's speed in the period, before it waits for the probe here.
-                self.plan.measure(self._local_step, time.perf_counter())
+                self.plan.measure(self._local_step, self.clock())
                 self._finish_probe()
             elif done:
                 self._finish_probe()
         elif self.plan.due_correction(self._local_step):
-            self.plan.correct(self._local_step, time.perf_counter(), self.agree_in_group)
+            self.plan.correct(self._local_step, self.clock(), self.agree_in_group)
         if self._probe is None:
             # While the probe's quorum forms, no peer reads this group's state for a heal
             # (it would read it from that quorum's thread while the model runs).
@@ -191,45 +218,77 @@ class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
 
     def sync_point(self) -> None:
         """Finish the sync in flight, start this fragment's (see the module docstring)."""
-        self.plan.end(self._local_step, time.perf_counter())
+        self.plan.end(self._local_step, self.clock())
         self._finish_probe()  # none is under way here (_after_step finished it)
         self.sync_points += 1
         # At the quorum every group is at inner step 0 of its next period, whatever the length
         # of the one it ended (DyLU): a group healing from it continues from there.
         self._local_step = 0
-        self._outcome = self._finish_in_flight()
+        decided = self._decide_in_flight()
         index = self.current_fragment()
         state = self._states[index]
-        buffer = self._buffer(state)
-        state.pseudo_gradient(buffer[:-1])
-        if self.update == "delayed":
-            state.start_period(None)
-        else:
+        # A committed sync's buffer carries the next one when it fits: a fresh one of a shard's
+        # size would be allocated (and, on the host, faulted in page by page) at every sync.
+        # Not a failed one's: a transfer abandoned with it may still write into it (transport).
+        reuse = decided.buffer if decided is not None and decided.sums is not None else None
+        buffer = self._buffer(state, reuse)
+        share = None  # delayed
+        if self.update != "delayed":
             # eager_share: this group's share of the average now, the others' when it arrives.
             share = 1.0 if self.update == "eager" else 1 / max(1, self.manager.num_participants())
-            state.start_period(buffer[:-1], share)
+        # Steps 1-3 of the module docstring: the host's work of the sync point, in one pass over
+        # the fragment when the one finished is the one started (``outer_passes``).
         steps, state.steps = state.steps, 0
+        tokens = steps * self.tokens_per_step  # the pseudo-gradient's weight, applied in the pass
+        if decided is not None and decided.fragment == index:
+            state.finish_and_start(decided.sums, decided.total, buffer[:-1], share, tokens)
+        else:
+            if decided is not None:
+                self._states[decided.fragment].finish(decided.sums, decided.total)
+            state.start(buffer[:-1], share, tokens)
         self._healed = False
         self.manager.start_quorum()
         if self._healed:  # this group's progress was replaced by a peer's state
             self._after_heal()
-            steps = 0
             # The peer may be a sync ahead (its Manager step is now this group's): take part
-            # in the all-reduce it starts, of the fragment it syncs.
+            # in the all-reduce it starts, of the fragment it syncs, with weight 0.
             index = self.current_fragment()
-            buffer = self._buffer(self._states[index])
-        self._start_all_reduce(index, buffer, steps)
-        self.plan.begin(time.perf_counter())
+            self._start_all_reduce(index, self._buffer(self._states[index]), 0)
+        else:
+            self._start_all_reduce(index, buffer, steps, scaled=True)
+        self.plan.begin(self.clock())
 
-    def _buffer(self, state: FragmentState) -> torch.Tensor:
+    def _buffer(self, state: FragmentState, reuse: torch.Tensor | None = None) -> torch.Tensor:
+        """A buffer for ``state``'s sync on the model's device: ``reuse`` if it is of its size
+        and there (the sums it holds are read, piece by piece, before the pseudo-gradient
+        overwrites them), else a new one."""
         device = local_tensor(next(iter(state.params.values()))).device
+        if reuse is not None and reuse.numel() == state.numel() + 1 and reuse.device == device:
+            return reuse
         return torch.empty(state.numel() + 1, dtype=torch.float32, device=device)
 
-    def _start_all_reduce(self, index: int, buffer: torch.Tensor, steps: int) -> None:
+    def _start_all_reduce(
+        self, index: int, buffer: torch.Tensor, steps: int, scaled: bool = False
+    ) -> None:
         """Start fragment ``index``'s all-reduce of the pseudo-gradient in ``buffer[:-1]``,
-        from ``steps`` inner steps (0: this group sends zeros)."""
+        from ``steps`` inner steps (0: this group sends zeros; ``scaled``: the buffer holds
+        it multiplied by its tokens already)."""
         tokens = steps * self.tokens_per_step
-        self._in_flight = InFlightSync.start(self.manager, index, buffer, steps, tokens)
+        self._in_flight = InFlightSync.start(self.manager, index, buffer, steps, tokens, scaled)
+
+    def _decide_in_flight(self) -> Decided | None:
+        """Decide the sync in flight, if any (:meth:`InFlightSync.decide`); the outcome is
+        kept."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            self._outcome = None
+            return None
+        self._finishing = flight
+        try:
+            self._outcome, sums, total = flight.decide(self.manager)
+        finally:
+            self._finishing = None
+        return Decided(flight.fragment, sums, total, flight.buffer)
 
     def _finish_in_flight(self) -> SyncOutcome | None:
         """Decide the sync in flight, if any (:meth:`InFlightSync.finish`)."""
@@ -268,11 +327,11 @@ class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
     def plan_rest_of_period(self, steps: int, seconds: float) -> None:
         """Once the speed probe is done: ``steps`` more inner steps in this period, in
         ``seconds``, from now."""
-        self.plan.plan_rest(self._local_step, steps, seconds, time.perf_counter())
+        self.plan.plan_rest(self._local_step, steps, seconds, self.clock())
 
     def probe_unused(self) -> None:
         """The speed probe planned nothing: the period goes on as planned."""
-        self.plan.time_from(self._local_step, time.perf_counter())
+        self.plan.time_from(self._local_step, self.clock())
 
     def steps_this_period(self) -> int:
         return self.plan.steps
@@ -317,7 +376,7 @@ class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
         self._start_all_reduce(index, self._buffer(self._states[index]), 0)
         self._healed = False
         self._local_step = 0
-        self.plan.begin(time.perf_counter())
+        self.plan.begin(self.clock())
         return False
 
     # ---- replaying missed syncs (heal_history) ---------------------------------------------
@@ -338,8 +397,7 @@ class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
         return delivered, total
 
     def replay_device(self, index: int) -> torch.device:
-        # The sync's buffer, divided by the tokens in ``InFlightSync.finish``, is on the model's
-        # device (``_buffer``).
+        # The sync's buffer is on the model's device (``_buffer``).
         return local_tensor(next(iter(self._states[index].params.values()))).device
 
     def replay_outer_step(self, index: int, average: torch.Tensor) -> None:
@@ -358,6 +416,14 @@ class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
 
     def global_parameters(self, index: int) -> dict[str, torch.Tensor]:
         return self._states[index].global_copy
+
+    def observe_averages(self, index: int, observe: Callable[[float], None]) -> None:
+        # The sync point's passes step the outer state without ``optimizer.step()``.
+        self._states[index].passes.observers.append(observe)
+
+    def global_chunk_hashes(self, index: int) -> list[int]:
+        # Taken in the sync point's pass over the fragment (``outer_passes``), once per change.
+        return self._states[index].global_chunk_hashes()
 
     def outer_optimizer(self, index: int) -> torch.optim.Optimizer:
         return self._states[index].outer

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.distributed import ReduceOp
+from torch.optim.sgd import sgd as sgd_step
 
 from torchtitan.experiments.fault_tolerance.outer_loop import (
     SyncOutcome,
@@ -33,16 +34,21 @@ from torchtitan.experiments.fault_tolerance.outer_loop import (
     local_tensor,
 )
 from torchtitan.experiments.fault_tolerance.outer_optimizer import DelayedNesterov
+from torchtitan.experiments.fault_tolerance.outer_passes import SyncPointPasses
+from torchtitan.tools.digest import chunk_hashes
+from torchtitan.tools.exact_division import divide_
+from torchtitan.tools.pinned import host_tensor
 
 if TYPE_CHECKING:
     from torchtitan.experiments.fault_tolerance.sync_quorum import SyncManager
 
 
 def _state_tensor(like: torch.Tensor, device: torch.device) -> torch.Tensor:
-    t = torch.empty(like.shape, dtype=torch.float32, device=device)
-    if t.device.type == "cpu" and torch.cuda.is_available():
-        t = t.pin_memory()
-    return t
+    """An fp32 tensor of ``like``'s shape for the outer state on ``device``: in host memory,
+    pinned at its exact size when a GPU is present (``tools.pinned``)."""
+    if device.type == "cpu":
+        return host_tensor(like.shape, pinned=True)
+    return torch.empty(like.shape, dtype=torch.float32, device=device)
 
 
 def _wait_for_copies(device: torch.device) -> None:
@@ -72,7 +78,10 @@ class FragmentState:
         momentum: float,
         nesterov: bool,
         momentum_every: int,
+        host_threads: int = 0,
     ) -> None:
+        """``host_threads``: threads for a sync point's host work (0: this rank's share of the
+        host's cores)."""
         self.params = dict(module.named_parameters())
         self.global_copy = {
             n: _state_tensor(local_tensor(p), device) for n, p in self.params.items()
@@ -91,11 +100,66 @@ class FragmentState:
                 lr=lr,
                 momentum=momentum,
                 nesterov=nesterov and momentum > 0,
+                # On the host: one kernel per parameter, the one the sync point's passes call
+                # on each piece of it (``outer_passes``), so both give the same bits.
+                fused=True if device.type == "cpu" else None,
             )
         #: Inner steps this group took since the fragment's last sync point.
         self.steps = 0
         #: Where the model's shards live (copies to and from it are queued on its stream).
         self.model_device = local_tensor(next(iter(self.params.values()))).device
+        #: A sync point's host work in one or two passes (plain SGD, outer state on the host).
+        self.passes = SyncPointPasses(
+            self.params, self.global_copy, self.period_start, self.outer, self.model_device,
+            host_threads,
+        )  # fmt: skip
+
+    # ---- a sync point --------------------------------------------------------------------------
+
+    def finish(self, sums: torch.Tensor | None, total: float) -> None:
+        """The outer step with the average ``sums / total`` (None: the sync is dropped, no
+        step), then the local copy follows the global copy (:meth:`follow_global`)."""
+        if self.passes.usable():
+            self.passes.finish(sums, total)
+            return
+        if sums is not None:
+            self.apply_average(divide_(sums, total))
+        self.follow_global()
+
+    def start(self, out: torch.Tensor, share: float | None, tokens: float = 1.0) -> None:
+        """This group's pseudo-gradient into ``out`` (:meth:`pseudo_gradient`), the next
+        local period (:meth:`start_period` with ``share x out`` as the estimate; ``share``
+        None: none), then ``out`` scaled by ``tokens`` (its weight in the all-reduce)."""
+        if self.passes.usable():
+            self.passes.start(out, share, tokens)
+            return
+        self.pseudo_gradient(out)
+        self.start_period(None if share is None else out, 1.0 if share is None else share)
+        if tokens != 1.0:
+            out.mul_(tokens)
+
+    def finish_and_start(
+        self,
+        sums: torch.Tensor | None,
+        total: float,
+        out: torch.Tensor,
+        share: float | None,
+        tokens: float = 1.0,
+    ) -> None:
+        """:meth:`finish` then :meth:`start`, in one pass where the passes allow."""
+        if self.passes.usable():
+            self.passes.finish_and_start(sums, total, out, share, tokens)
+            return
+        self.finish(sums, total)
+        self.start(out, share, tokens)
+
+    def global_chunk_hashes(self) -> list[int]:
+        """The chunk hashes of the global copy (``tools.digest``), taken once per change."""
+        if self.passes.usable():
+            return self.passes.global_chunk_hashes()
+        return [h for t in self.global_copy.values() for h in chunk_hashes(t)]
+
+    # ---- the whole-fragment operations (other outer optimizers, replays, heals) ----------------
 
     def numel(self) -> int:
         return sum(t.numel() for t in self.global_copy.values())
@@ -136,6 +200,10 @@ class FragmentState:
         _wait_for_copies(flat.device)  # the outer step reads them on the host
         self.outer.step()
         self.outer.zero_grad(set_to_none=True)
+        # A fused step leaves the tensors' versions as they were: moved here, so that what
+        # keys a digest to them (``outer_passes``' cache) sees the write.
+        for t in self.global_copy.values():
+            torch.autograd.graph.increment_version(t)
 
     @torch.no_grad()
     def follow_global(self) -> None:
@@ -171,19 +239,30 @@ class FragmentState:
             target.copy_(self.global_copy[name])
             if estimate is not None:
                 grad = grads[name] if scale == 1.0 else grads[name] * scale
-                target.sub_(self._outer_direction(name, grad), alpha=lr)
+                self._outer_step_on(target, name, grad, lr)
             local_tensor(p.data).copy_(target, non_blocking=self.non_blocking)
         _wait_for_copies(self.model_device)  # ``start`` is rewritten at the next sync point
 
-    def _outer_direction(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        """The direction the outer optimizer's next step takes the global copy ``name`` along
-        for gradient ``grad``, its state left as it is."""
+    def _outer_step_on(
+        self, target: torch.Tensor, name: str, grad: torch.Tensor, lr: float
+    ) -> None:
+        """Move ``target``, a copy of the global copy ``name``, as the outer optimizer's next
+        step would move the global copy for gradient ``grad``, its state left as it is: with
+        SGD, that step itself (its kernel, on a copy of the momentum), so that the estimate
+        ``eager`` applies is exactly where the outer step would go if every group had sent
+        the same pseudo-gradient as this one."""
         copy = self.global_copy[name]
         if isinstance(self.outer, DelayedNesterov):
-            return self.outer.direction(copy, grad)
+            target.sub_(self.outer.direction(copy, grad), alpha=lr)
+            return
         group = self.outer.param_groups[0]
         momentum = self.outer.state.get(copy, {}).get("momentum_buffer")
-        return outer_sgd_direction(grad, momentum, group["momentum"], group["nesterov"])
+        sgd_step(
+            [target], [grad], [None if momentum is None else momentum.clone()],
+            foreach=group["foreach"], fused=group["fused"], weight_decay=0.0,
+            momentum=group["momentum"], lr=lr, dampening=group["dampening"],
+            nesterov=group["nesterov"], maximize=False,
+        )  # fmt: skip
 
     def checkpoint(self) -> dict[str, Any]:
         """What a checkpoint holds of the fragment besides its global copy and momentum: the
@@ -242,19 +321,6 @@ class FragmentState:
         self.steps = int(state.get("steps", 0))
 
 
-def outer_sgd_direction(
-    grad: torch.Tensor, momentum_buffer: torch.Tensor | None, momentum: float, nesterov: bool
-) -> torch.Tensor:
-    """The direction ``torch.optim.SGD`` (no weight decay, no dampening) steps along for
-    ``grad`` with this momentum buffer, without changing the buffer: the estimate ``eager``
-    applies is exactly the step the outer optimizer would take if every group had sent the
-    same pseudo-gradient as this one."""
-    if momentum == 0:
-        return grad
-    buf = grad.clone() if momentum_buffer is None else momentum_buffer * momentum + grad
-    return grad + momentum * buf if nesterov else buf
-
-
 class _AllTransfers:
     """The works of one sync's all-reduce: the pseudo-gradient and, exact, the token count."""
 
@@ -295,14 +361,22 @@ class InFlightSync:
 
     @classmethod
     def start(
-        cls, manager: SyncManager, fragment: int, buffer: torch.Tensor, steps: int, tokens: int
+        cls,
+        manager: SyncManager,
+        fragment: int,
+        buffer: torch.Tensor,
+        steps: int,
+        tokens: int,
+        scaled: bool = False,
     ) -> InFlightSync:
         """All-reduce (SUM) ``[tokens x pseudo-gradient, tokens]`` for the pseudo-gradient in
-        ``buffer[:-1]``, from ``steps`` inner steps (0 tokens: this group sends zeros)."""
+        ``buffer[:-1]`` (``scaled``: already multiplied by ``tokens``), from ``steps`` inner
+        steps (0 tokens: this group sends zeros)."""
         if tokens == 0:
             buffer.zero_()
         else:
-            buffer[:-1].mul_(tokens)
+            if not scaled:
+                buffer[:-1].mul_(tokens)
             buffer[-1] = tokens
         # The pseudo-gradient as pseudo_grad_dtype says, the token count exact (fp32, no error
         # feedback); all of it sent now, to arrive while the next period computes.
@@ -316,19 +390,24 @@ class InFlightSync:
     def finish(self, manager: SyncManager, state: FragmentState) -> SyncOutcome:
         """Wait, commit or not, apply the average or not (alike in every group), and let the
         fragment's local copy follow its global copy (``state``)."""
+        outcome, sums, total = self.decide(manager)
+        state.finish(sums, total)
+        return outcome
+
+    def decide(self, manager: SyncManager) -> tuple[SyncOutcome, torch.Tensor | None, float]:
+        """Wait, commit or not (alike in every group): the outcome, and the sums to average
+        and their total of tokens (None: nothing to apply; ``FragmentState.finish``)."""
         self.work.wait()  # a failed all-reduce is recorded by the Manager, not raised
         committed = bool(manager.should_commit())
         total = float(self.buffer[-1])
-        if committed and total > 0:
-            state.apply_average(self.buffer[:-1].div_(total))
-        state.follow_global()
+        sums = self.buffer[:-1] if committed and total > 0 else None
         # Bytes of a sync loaded as arrived: its payload (the process that saved it sent it).
         sent, compression_s = (
             (self.buffer.numel() * 4, None)
             if isinstance(self.work, _AlreadyArrived)
             else manager.sync_stats()
         )
-        return SyncOutcome(
+        outcome = SyncOutcome(
             manager.current_step() + (0 if committed else 1),
             self.fragment,
             committed,
@@ -339,6 +418,7 @@ class InFlightSync:
             tokens=self.tokens,
             weight=self.tokens / total if committed and total > 0 else None,
         )
+        return outcome, sums, total
 
     def wait_for_checkpoint(self, manager: SyncManager, agree: Callable[[int], int]) -> None:
         """Wait for the result (a checkpoint blocks anyway) and mark it arrived unless the

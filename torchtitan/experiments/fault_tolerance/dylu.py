@@ -61,10 +61,17 @@ class PeriodPlan:
     period (:meth:`plan`) from the speeds the groups exchanged there, and the group corrects the
     count by its speed in the period so far at the steps :func:`dylu_next_correction` names.
     The job's first period has no measured speeds: the groups may agree, at their start, to
-    time ``probe_steps`` inner steps after the first (which carries one-time costs), exchange
-    those speeds (the *speed probe*, a quorum of its own, formed while the groups go on
-    training) and plan the rest of that period (:meth:`plan_rest`). Times are the caller's
-    clock, so that tests can drive it.
+    time ``probe_steps`` inner steps after the first, exchange those speeds (the *speed
+    probe*, a quorum of its own, formed while the groups go on training) and plan the rest of
+    that period (:meth:`plan_rest`).
+
+    The process's first inner step carries one-time costs (compilation, warm-up) and is left
+    out of every measurement (:meth:`skip_warm_up`); its seconds still count against the
+    period's planned length, which the other groups keep to.
+
+    Times are seconds on the device's timeline (``step_clock.StepClock``; tests pass their
+    own). Reading that clock waits for the device, so the methods called after every inner
+    step take a clock (``Callable[[], float]``) and read it only when they use the time.
     """
 
     def __init__(self, period: int) -> None:
@@ -84,6 +91,8 @@ class PeriodPlan:
         self.probe_at: int | None = None
         self.probed_after = 0
         self.probed_seconds = 0.0
+        #: Whether this process has taken its first inner step (see :meth:`skip_warm_up`).
+        self._warm = False
         #: This group's seconds per inner step in its last period (or in the probe's steps).
         self.step_seconds = 0.0
 
@@ -115,22 +124,33 @@ class PeriodPlan:
         current period (when at least one more step is left in it after them)."""
         self.probe_at = steps + 1 if 0 < steps and steps + 1 < self.steps else None
 
-    def probe_due(self, taken: int, now: float) -> bool:
-        """After inner step ``taken``: whether to probe now (this group's speed measured)."""
-        if self.probe_at is None:
-            return False
-        if taken == 1:  # the timed steps begin
-            self._began, self._planned_from = now, 1
-        if taken < self.probe_at:
+    def skip_warm_up(self, taken: int, clock: Callable[[], float]) -> None:
+        """After inner step ``taken``: if it was this process's first, time the period from
+        here (unless it is already timed from here or later). A (re)started group compiles
+        in its first step; counted in its speed, DyLU would give it too few steps next period.
+        Reads ``clock`` once per process."""
+        if self._warm:
+            return
+        self._warm = True
+        if self._planned_from < taken:
+            self.time_from(taken, clock())
+
+    def probe_due(self, taken: int, clock: Callable[[], float]) -> bool:
+        """After inner step ``taken``: whether to probe now (this group's speed measured).
+        Reads ``clock`` only then."""
+        if self.probe_at is None or taken < self.probe_at:
             return False
         self.probe_at, self.probed_after = None, taken
-        self.measure(taken, now)
+        self.measure(taken, clock())
         self.probed_seconds = self.step_seconds
         return True
 
     def time_from(self, taken: int, now: float) -> None:
         """Measure this period's speed from now (``taken`` steps done), e.g. after a probe
-        that planned nothing: its wait is not the group's speed."""
+        that planned nothing (its wait is not the group's speed) or after the warm-up step.
+        The planned length keeps its end: what is left of it is counted from now."""
+        if self._began is not None and self._seconds > 0:
+            self._seconds -= now - self._began
         self._began, self._planned_from = now, taken
 
     def plan_rest(self, taken: int, steps: int, seconds: float, now: float) -> None:

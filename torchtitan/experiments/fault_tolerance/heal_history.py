@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from torchtitan.experiments.fault_tolerance.compression import Delivered
-from torchtitan.tools.digest import device_digest
+from torchtitan.tools.digest import chunk_hashes, fold_digest
+from torchtitan.tools.exact_division import divide_
 
 #: Slots of a :class:`ReplayBasis` on the wire (int64): a version, the sync, the fingerprint,
 #: the number of fragments, then one digest per fragment.
@@ -40,16 +41,14 @@ def job_fingerprint(parts: Iterable[str]) -> int:
     return int.from_bytes(digest, "little", signed=True)
 
 
-def _as_words(payload: torch.Tensor) -> list[torch.Tensor]:
-    """A payload's bytes as 64-bit words (and the bytes after the last whole word): a digest
-    over them reads each byte once, without widening every byte to 64 bits."""
-    flat = payload.detach().reshape(-1).view(torch.uint8)
-    whole = flat.numel() // 8 * 8
-    return [flat[:whole].view(torch.int64), flat[whole:]]
-
-
-def _payload_digest(transfers: Iterable[Delivered]) -> int:
-    return device_digest(w for t in transfers for w in _as_words(t.payload))
+def _payload_digest(transfers: Iterable[Delivered], taken: bool = True) -> int:
+    """The digest of the transfers' payloads; ``taken``: from the hashes taken when each was
+    kept, where it has them (``Delivered.kept``), else from the bytes now."""
+    return fold_digest(
+        h
+        for t in transfers
+        for h in (t.hashes if taken and t.hashes is not None else chunk_hashes(t.payload))
+    )
 
 
 @dataclass(frozen=True)
@@ -87,7 +86,7 @@ class HistoryEntry:
 
     def intact(self) -> bool:
         """Whether the payloads still match their checksum."""
-        return _payload_digest(self.transfers) == self.checksum
+        return _payload_digest(self.transfers, taken=False) == self.checksum
 
     def average(self, device: torch.device | None = None) -> torch.Tensor:
         """The fragment's averaged pseudo-gradient, flat fp32, as the outer step took it: the
@@ -98,7 +97,7 @@ class HistoryEntry:
             return torch.zeros(0, dtype=torch.float32, device=device)
         flat = torch.cat(values) if len(values) > 1 else values[0]
         if self.scale != 1.0:
-            flat.div_(self.scale)
+            divide_(flat, self.scale)
         return flat
 
     # The wire form: the entry's description in plain containers (torchft's transport sends

@@ -48,7 +48,6 @@ from torchtitan.experiments.fault_tolerance.outer_loop import (
     ReplaysOuterSteps,
 )
 from torchtitan.experiments.fault_tolerance.shapes import CollectiveShape, mismatch
-from torchtitan.tools.digest import device_digest
 
 #: The key of the heal history's entry in torchft's healing state.
 HEAL_KEY = "heal_history"
@@ -157,15 +156,13 @@ class HealExchange:
         """This rank's digest of each fragment's global copy."""
         loop = self.loop
         assert isinstance(loop, GlobalCopyLoop)
-        return [
-            device_digest(loop.global_parameters(i).values()) for i in range(len(loop.fragments))
-        ]
+        return [loop.global_digest(i) for i in range(len(loop.fragments))]
 
     def record(self, sync: int, fragment: int, delivered: list[Delivered]) -> None:
         """A sync committed (before its outer step): keep what it delivered."""
         loop = self.loop
         assert isinstance(loop, GlobalCopyLoop) and isinstance(loop, ReplaysOuterSteps)
-        basis = device_digest(loop.global_parameters(fragment).values())
+        basis = loop.global_digest(fragment)
         kept, scale = loop.kept_average(fragment, delivered)
         self.history.record(HistoryEntry.of(sync, fragment, kept, basis, scale))
         if not self._full_said and len(self.history) == self.history.capacity:

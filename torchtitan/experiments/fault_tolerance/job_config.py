@@ -135,6 +135,11 @@ class FaultTolerance(CoreFaultTolerance):
     """async_diloco: where the global copy, the outer momentum and the period's start live (3x
     the parameters): ``cpu`` (pinned with a GPU) or ``device``, next to the model."""
 
+    outer_step_threads: int = 0
+    """async_diloco, ``outer_state_device=cpu``: threads for a sync point's host work (the outer
+    step, the next period's start, the digest), which the accelerator waits for. 0: the cores
+    this rank may run on, divided by the ranks of its host (torchrun's ``LOCAL_WORLD_SIZE``)."""
+
     outer_momentum_every: int = 1
     """async_diloco: > 1 is Delayed Nesterov (arXiv 2401.09135), the outer momentum updated
     once every this many outer steps, so stale averages do not compound through it. Needs
@@ -290,6 +295,12 @@ class FaultTolerance(CoreFaultTolerance):
         }
         for name in self._changed(tuple(not_async)):
             raise ConfigError(f"fault_tolerance.{name}", getattr(self, name), not_async[name])
+        if self.outer_step_threads < 0:
+            raise ConfigError(
+                "fault_tolerance.outer_step_threads",
+                self.outer_step_threads,
+                "must be >= 0 (0: this rank's share of the host's cores)",
+            )
         if self.outer_momentum_every < 1:
             raise ConfigError(
                 "fault_tolerance.outer_momentum_every",
@@ -432,6 +443,7 @@ OUTER_FIELDS = (
 ASYNC_FIELDS = (
     "async_update",
     "outer_state_device",
+    "outer_step_threads",
     "outer_momentum_every",
     "dynamic_local_steps",
     "dylu_probe_steps",

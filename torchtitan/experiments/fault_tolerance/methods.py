@@ -55,6 +55,7 @@ def build_method(
             outer_momentum_every=ft.outer_momentum_every,
             state_device=torch.device("cpu") if ft.outer_state_device == "cpu" else device,
             tokens_per_step=training.local_batch_size * training.seq_len * group_ranks,
+            host_threads=ft.outer_step_threads,
         )
     return _torchft_diloco(job_config, sync, fragments, optimizer, device)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from torchtitan.components.ft import torchft_adapter as tft
-from torchtitan.tools.digest import device_digest
+from torchtitan.tools.digest import chunk_hashes, device_digest, fold_digest
 
 if TYPE_CHECKING:
     from torchft.local_sgd import DiLoCo, LocalSGD
@@ -221,9 +221,23 @@ class GlobalCopyLoop(OuterLoop):
     def drop_in_flight(self, index: int) -> None:  # noqa: B027 (a no-op: nothing in flight)
         """Let a started all-reduce finish (every group started it) and drop its result."""
 
+    def observe_averages(self, index: int, observe: Callable[[float], None]) -> None:  # noqa: B027
+        """Have ``observe`` called with the sum of squares of each average fragment ``index``'s
+        outer step takes without ``optimizer.step()`` (whose pre-hooks see the others): none
+        here."""
+
+    def global_chunk_hashes(self, index: int) -> list[int]:
+        """The chunk hashes (``tools.digest``) of fragment ``index``'s global copy (this rank's
+        shards)."""
+        return [h for t in self.global_parameters(index).values() for h in chunk_hashes(t)]
+
+    def global_digest(self, index: int) -> int:
+        """A digest of fragment ``index``'s global copy (this rank's shards)."""
+        return fold_digest(self.global_chunk_hashes(index))
+
     def agreement_digest(self) -> int | None:
-        return device_digest(
-            t for i in range(len(self.fragments)) for t in self.global_parameters(i).values()
+        return fold_digest(
+            h for i in range(len(self.fragments)) for h in self.global_chunk_hashes(i)
         )
 
 

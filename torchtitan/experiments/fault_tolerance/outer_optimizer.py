@@ -52,6 +52,8 @@ from typing import Any, overload
 import torch
 from torch.optim.optimizer import ParamsT
 
+from torchtitan.tools.exact_division import divided
+
 __all__ = ["DelayedNesterov", "delayed_nesterov_direction"]
 
 
@@ -89,7 +91,7 @@ def _next_momentum(
     # The first gradient of a window is the sum as it is: adding it to a zeroed buffer would
     # turn -0.0 into +0.0, and delay=1 has to match torch's SGD to the bit.
     total = grad if position == 0 or grad_sum is None else grad_sum + grad
-    average = total / delay
+    average = divided(total, delay)  # CUDA would multiply by 1 / delay: other bits
     # torch's SGD starts its buffer as a copy of the first gradient, not as momentum * 0 + grad.
     return average if momentum_buffer is None else momentum_buffer * momentum + average
 
@@ -106,7 +108,7 @@ def _direction_and_momentum(
     """The direction of outer step ``step`` and, on a window's last step, the new momentum
     buffer (None otherwise). Shared by ``step`` and ``direction`` so the two cannot drift."""
     position = step % delay
-    scaled = grad / delay
+    scaled = divided(grad, delay)
     new_momentum: torch.Tensor | None = None
     pulled_by: torch.Tensor | None
     if position == delay - 1:

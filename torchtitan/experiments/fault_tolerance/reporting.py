@@ -73,6 +73,7 @@ class SyncReporter:
         if isinstance(loop, GlobalCopyLoop):
             for index in range(len(loop.fragments)):
                 loop.outer_optimizer(index).register_step_pre_hook(self.measure_pseudo_gradient)
+                loop.observe_averages(index, self.note_pseudo_gradient)
 
     def new_sync(self) -> None:
         """The next sync's time and norm start from nothing."""
@@ -102,6 +103,12 @@ class SyncReporter:
         if grads:  # one fused norm (its time counts in the sync's): not a loop of reductions
             squares += torch.nn.utils.get_total_norm(grads).double().square()
         self._norm_squares = squares
+
+    def note_pseudo_gradient(self, squares: float) -> None:
+        """The sum of squares of an average an outer step took without the optimizer's
+        ``step`` (async DiLoCo's passes over the host), this rank's shard's, as
+        :meth:`measure_pseudo_gradient` would have found it."""
+        self._norm_squares = torch.tensor(squares, dtype=torch.float64, device=self.device)
 
     def _pseudo_grad_norm(self) -> float | None:
         """The averaged pseudo-gradient's norm over the whole fragment, all ranks of the group

@@ -32,9 +32,10 @@ pseudo-gradient), async DiLoCo one flat tensor per fragment plus its token count
   tensor of fixed size, whatever the buckets (:class:`FragmentResiduals`).
 * **A timeout sized for transfers of minutes.** Each collective may take up to
   ``fault_tolerance.sync_collective_timeout_s`` (the per-step ``process_group_timeout_ms`` does
-  not apply; it is given to the collective's options for gloo and to its ``wait`` for torchft's
-  nccl wrapper, which ignores the options): one that fails or ends past it fails the sync with
-  a :class:`CollectiveTimeout` whose message names the field (:attr:`SyncTransport.timed_out`).
+  not apply; gloo takes it in the collective's options, torchft's nccl wrapper as its own
+  timeout, so that no wait needs to name it: named, torchft's wrapper synchronizes the whole
+  device, see ``collective._wait``): one that fails or ends past it fails the sync with a
+  :class:`CollectiveTimeout` whose message names the field (:attr:`SyncTransport.timed_out`).
 * **A dead or hung peer costs seconds, not the timeout.** While a rank waits for a transfer,
   it asks the lighthouse (``peer_watch.PeerWatch``) whether a group of the sync's quorum is
   gone; if so the sync ends at once with :class:`PeerGone` (:attr:`SyncTransport.peer_gone`),

@@ -31,6 +31,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from torchtitan.experiments.fault_tolerance.job_config import PSEUDO_GRAD_DTYPES
+from torchtitan.tools.exact_division import divide_, divided
 
 # Elements per quantization block: one fp32 scale per block costs 4 / BLOCK bytes per element
 # (0.03 for 128), small next to the 1 or 0.5 bytes of the values themselves.
@@ -274,7 +275,7 @@ class BlockQuantCodec(Codec):
         nblocks = math.ceil(x.numel() / BLOCK)
         padded = torch.nn.functional.pad(x, (0, nblocks * BLOCK - x.numel()))
         absmax = padded.view(nblocks, BLOCK).abs().amax(dim=1)
-        return torch.where(absmax > 0, (absmax / self.qmax).clamp(min=SMALLEST_SCALE), 0.0)
+        return torch.where(absmax > 0, divided(absmax, self.qmax).clamp(min=SMALLEST_SCALE), 0.0)
 
     def _split(self, packed: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The scales and the payload bytes of an encoding of ``numel`` values."""
@@ -329,7 +330,7 @@ class BlockQuantCodec(Codec):
         torch.abs(blocks, out=q)
         torch.amax(q, dim=1, out=scales)
         positive = scales > 0  # before the division, which may underflow to 0
-        scales.div_(self.qmax)
+        divide_(scales, self.qmax)  # not scales.div_(qmax): CUDA would multiply by 1/qmax
         scales.copy_(torch.where(positive, scales.clamp(min=SMALLEST_SCALE), scales))
         # A zero scale (zero block) divides by 1 instead: its values are 0 and quantize to 0.
         divisor = torch.where(positive, scales, 1.0)

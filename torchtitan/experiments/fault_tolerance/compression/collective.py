@@ -28,7 +28,7 @@ import math
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -43,6 +43,8 @@ from torchtitan.experiments.fault_tolerance.compression.codecs import (
     get_codec,
 )
 from torchtitan.experiments.fault_tolerance.compression.error_feedback import ErrorFeedback
+from torchtitan.tools.digest import chunk_hashes
+from torchtitan.tools.exact_division import divide_
 
 
 @dataclass
@@ -84,6 +86,16 @@ class Delivered:
     #: The bytes the result was decoded from (compressed dtypes: ``CompressionStats.delivered``)
     #: or, for ``float32``, the result itself (already divided).
     payload: torch.Tensor
+    #: The payload's chunk hashes (``tools.digest``) when it was kept (:meth:`kept`): the heal
+    #: history's checksum, taken where the result arrived rather than at the sync point.
+    hashes: tuple[int, ...] | None = field(default=None, compare=False)
+
+    @classmethod
+    def kept(
+        cls, dtype: str, numel: int, world_size: int, divide_by: float, payload: torch.Tensor
+    ) -> Delivered:
+        """A result kept as it arrived, its checksum taken now (``payload`` in CPU memory)."""
+        return cls(dtype, numel, world_size, divide_by, payload, tuple(chunk_hashes(payload)))
 
     @property
     def nbytes(self) -> int:
@@ -97,7 +109,7 @@ class Delivered:
         out = torch.empty(self.numel, dtype=torch.float32, device=payload.device)
         decode_delivered(payload, self.dtype, self.numel, self.world_size, out)
         if self.divide_by != 1:
-            out.div_(self.divide_by)
+            divide_(out, self.divide_by)
         return out
 
 
@@ -107,13 +119,20 @@ def _sync(t: torch.Tensor) -> None:
         torch.cuda.current_stream(t.device).synchronize()
 
 
-def _wait(work: dist.Work, timeout: timedelta | None) -> None:
-    """Wait for a collective. The timeout goes to the options (gloo honours those) and to the
-    wait: torchft's nccl wrapper clears the options' timeout and honours only the wait's."""
-    if timeout is None:
-        work.wait()
-    else:
-        work.wait(timeout)
+def _wait(work: dist.Work) -> None:
+    """Wait for a collective without a device-wide synchronize.
+
+    The wait names no timeout, on purpose: given one, torchft's nccl wrapper
+    (``_WorkAcceleratorTimeout``) calls ``torch.accelerator.synchronize()``, which waits for
+    every stream of the device, the training kernels the main thread has queued included, so
+    that each bucket of an overlapped sync would take as long as the compute queued behind it.
+    Without one, the wait only orders this thread's stream after the collective (nothing blocks
+    the host), and the collective's timeout (``sync_collective_timeout_s``) still holds: gloo
+    honours the collective's options (set by the caller); torchft's nccl wrapper gets it as its
+    own timeout (``build.py``'s ``_wrap_work``) and aborts the communicator when the waiting
+    stream has not passed the collective by then; the runner then finds the collective ended
+    past the timeout and fails the sync naming the field."""
+    work.wait()
 
 
 def chunk_numel(numel: int, world_size: int) -> int:
@@ -168,7 +187,7 @@ def compressed_all_reduce(
                 opts.timeout = timeout
             with issuing():
                 work = pg.allreduce([tensor], opts)
-            _wait(work, timeout)
+            _wait(work)
             stats.bytes_sent = 2 * (n - 1) * 4 * math.ceil(numel / n)
         if error_feedback is not None:
             _stage(error_feedback, key, torch.zeros_like(tensor), stats, stage)  # nothing dropped
@@ -236,7 +255,8 @@ def compressed_all_reduce(
         alltoall_opts.timeout = timeout
     with issuing():
         work = pg.alltoall_base(recv, send, splits, splits, alltoall_opts)
-    _wait(work, timeout)
+    _wait(work)
+    _sync(recv)  # this thread's stream only: the decode's time below is not the wire's
 
     # Reduce this rank's chunk in fp32, in rank order, so that a rerun gives the same bytes.
     t0 = time.perf_counter()
@@ -261,7 +281,8 @@ def compressed_all_reduce(
         allgather_opts.timeout = timeout
     with issuing():
         work = pg.allgather([gathered], [mine], allgather_opts)
-    _wait(work, timeout)
+    _wait(work)
+    _sync(mine)  # this thread's stream only (the gather's end): decoding is timed alone
     t0 = time.perf_counter()
     _decode_reduced_chunks(gathered, codec, numel, tensor, scratch)
     _sync(tensor)

@@ -43,6 +43,7 @@ from torchtitan.experiments.fault_tolerance.compression.collective import (
     is_finite,
 )
 from torchtitan.experiments.fault_tolerance.compression.error_feedback import ErrorFeedback
+from torchtitan.tools.exact_division import divide_
 
 
 @dataclass
@@ -403,16 +404,16 @@ class AsyncCompressedAllReduce:
         if job.check_finite and job.work.non_finite is None and not is_finite(job.tensor):
             job.work.non_finite = "received"
         if job.divide_by != 1:
-            job.tensor.div_(job.divide_by)
+            divide_(job.tensor, job.divide_by)
         if job.keep_delivered:
             stats = job.work.stats
             if stats.delivered is None:  # float32 (or nothing to send): the result itself
-                job.work.delivered = Delivered(
+                job.work.delivered = Delivered.kept(
                     "float32", job.tensor.numel(), stats.world_size, 1,
                     job.tensor.detach().to("cpu", copy=True),
                 )  # fmt: skip
             else:
-                job.work.delivered = Delivered(
+                job.work.delivered = Delivered.kept(
                     job.dtype, job.tensor.numel(), stats.world_size, job.divide_by,
                     stats.delivered.to("cpu"),
                 )  # fmt: skip
