@@ -18,9 +18,10 @@ process right before each sync point, so that the figure does not move with the 
 speed. Target (issue 47): at most 6 memcpy equivalents per sync point. The code under test is
 timed twice: with the threads it takes itself (``fault_tolerance.outer_step_threads=0``: this
 rank's share of the host's cores, ``cores`` in the JSON) and with one (``this_1_thread``).
-The checksum of the delivered result, which newer code takes on the transport's thread while
-the next period computes (``Delivered.kept``), is timed apart (``checksum_memcpy``): host work
-too, but not at the sync point. ``--baseline REV`` times the code of another commit the same
+The checksum and the sum of squares of the delivered result, which newer code takes on the
+transport's thread while the next period computes (``Delivered.kept``,
+``SyncTransport.squares``), are timed apart (``checksum_memcpy``): host work too, but not at
+the sync point. ``--baseline REV`` times the code of another commit the same
 way, in turns with this one (a subprocess each, on a clean copy of that commit made with
 ``git archive``), so that every figure comes from one run.
 """
@@ -86,6 +87,8 @@ class OneGroup:
         self.fns: dict[str, Any] = {}
         self.on_committed: Any = None
         self.delivered: list[Any] = []
+        #: The result's sum of squares, as the transport takes it on its thread.
+        self.squares: float | None = None
 
     def register_state_dict_fn(self, key: str, load: Any, save: Any) -> None:
         self.fns[key] = (load, save)
@@ -116,6 +119,9 @@ class OneGroup:
 
     def sync_failed(self) -> bool:
         return False
+
+    def sync_squares(self) -> float | None:
+        return self.squares
 
     def errored(self) -> None:
         return None
@@ -203,6 +209,7 @@ def measure_one(numel: int, repeats: int, device_name: str, threads: int) -> dic
             average = flight.buffer[:-1].to("cpu", copy=True)
             started = time.perf_counter()
             kept = (keep or Delivered)("float32", average.numel(), 1, 1, average)
+            manager.squares = float(torch.dot(average, average))
             checksum = time.perf_counter() - started if keep is not None else 0.0
             manager.delivered = [kept]
         started = time.perf_counter()

@@ -122,6 +122,9 @@ class FakeManager:
     def sync_failed(self) -> bool:
         return self.error is not None
 
+    def sync_squares(self) -> float | None:
+        return None  # as a transport that took none: the sync point takes them
+
     def reset_error_feedback(self) -> None:
         self.feedback_resets += 1
 
@@ -416,6 +419,25 @@ def test_a_committed_syncs_buffer_carries_the_next_sync_and_a_failed_ones_never_
     for g in groups:
         outcome = g.loop.last_outcome(g.manager)
         assert outcome is not None and not outcome.committed
+
+
+def test_an_average_the_passes_step_with_is_reported_by_its_sum_of_squares():
+    """The sync point's passes step the outer state without ``optimizer.step()``, whose
+    pre-hook measures the average for the sync's report: its observers are told instead."""
+    cluster = Cluster()
+    groups = [Group(cluster, seed) for seed in (1, 2)]
+    seen: list[tuple[float, float]] = []
+
+    def observe(squares: float) -> None:  # told before the pass overwrites the sums
+        average = flight.buffer[:-1].double() / float(flight.buffer[-1])
+        seen.append((squares, float(average.square().sum())))
+
+    groups[0].loop.observe_averages(0, observe)
+    run(groups, 4)  # sync 1 started
+    flight = groups[0].loop._in_flight
+    assert flight is not None and seen == []
+    run(groups, 4)  # sync 1 committed: its average is the summed buffer / its tokens
+    assert len(seen) == 1 and seen[0][0] == pytest.approx(seen[0][1], rel=1e-5)
 
 
 def test_a_group_that_heals_sends_weight_zero_and_takes_the_global_copy():

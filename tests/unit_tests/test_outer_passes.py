@@ -195,20 +195,6 @@ def test_passes_apply_only_to_plain_sgd_with_the_state_on_the_host() -> None:
     assert isinstance(delayed.passes, SyncPointPasses)
 
 
-def test_an_outer_step_in_the_passes_reports_its_averages_sum_of_squares() -> None:
-    """The passes step without ``optimizer.step()``, whose pre-hook measures the average for
-    the sync's report: they hand its sum of squares to their observers instead."""
-    model, state = _state(True, 0.9, True)
-    seen: list[float] = []
-    state.passes.observers.append(seen.append)
-    sums = torch.randn(state.numel())
-    expected = float((sums.double() / 30).square().sum())
-    state.finish_and_start(None, 30.0, torch.empty(state.numel()), 1.0)
-    assert seen == []  # no step, nothing to report
-    state.finish_and_start(sums.clone(), 30.0, torch.empty(state.numel()), 1.0)
-    assert seen == [pytest.approx(expected, rel=1e-5)]
-
-
 def test_an_outer_step_the_passes_did_not_take_voids_the_digest_kept() -> None:
     """A replayed outer step (``apply_average``: the fused optimizer's own ``step``, which
     moves no tensor version) after a digest was kept: the next digest is the new copy's."""

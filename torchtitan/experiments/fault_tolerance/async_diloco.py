@@ -147,6 +147,8 @@ class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
         #: group has more than one rank).
         self.agree_in_group: Callable[[int], int] = lambda n: n
         self.sync_points = 0
+        #: By fragment: told each average's sum of squares that the passes step with.
+        self._observers: dict[int, list[Callable[[float], None]]] = {}
         self._in_flight: InFlightSync | None = None
         #: The sync being decided (within ``_finish_in_flight``).
         self._finishing: InFlightSync | None = None
@@ -288,18 +290,30 @@ class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
             self._outcome, sums, total = flight.decide(self.manager)
         finally:
             self._finishing = None
+        self._tell_observers(flight)
         return Decided(flight.fragment, sums, total, flight.buffer)
 
+    def _tell_observers(self, flight: InFlightSync) -> None:
+        """A decided sync whose average the passes step with (``optimizer.step()``'s pre-hooks
+        see the others): its sum of squares, to :meth:`observe_averages`' observers."""
+        if flight.average_squares is not None and self._states[flight.fragment].passes.usable():
+            for observe in self._observers.get(flight.fragment, []):
+                observe(flight.average_squares)
+
     def _finish_in_flight(self) -> SyncOutcome | None:
-        """Decide the sync in flight, if any (:meth:`InFlightSync.finish`)."""
+        """Decide the sync in flight, if any (:meth:`InFlightSync.decide`), and apply it or
+        not (``FragmentState.finish``)."""
         flight, self._in_flight = self._in_flight, None
         if flight is None:
             return None
         self._finishing = flight
         try:
-            return flight.finish(self.manager, self._states[flight.fragment])
+            outcome, sums, total = flight.decide(self.manager)
         finally:
             self._finishing = None
+        self._tell_observers(flight)
+        self._states[flight.fragment].finish(sums, total)
+        return outcome
 
     # ---- DyLU ---------------------------------------------------------------------------------
 
@@ -419,7 +433,7 @@ class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
 
     def observe_averages(self, index: int, observe: Callable[[float], None]) -> None:
         # The sync point's passes step the outer state without ``optimizer.step()``.
-        self._states[index].passes.observers.append(observe)
+        self._observers.setdefault(index, []).append(observe)
 
     def global_chunk_hashes(self, index: int) -> list[int]:
         # Taken in the sync point's pass over the fragment (``outer_passes``), once per change.

@@ -352,6 +352,8 @@ class InFlightSync:
     tokens: int
     #: The result is in ``buffer`` (waited for; or loaded from a checkpoint or a peer).
     arrived: bool = False
+    #: Once committed (:meth:`decide`): the average's sum of squares, this rank's shard's.
+    average_squares: float | None = None
 
     @property
     def loaded(self) -> bool:
@@ -387,20 +389,19 @@ class InFlightSync:
         manager.flush()
         return cls(fragment, buffer, _AllTransfers(works), steps, tokens)
 
-    def finish(self, manager: SyncManager, state: FragmentState) -> SyncOutcome:
-        """Wait, commit or not, apply the average or not (alike in every group), and let the
-        fragment's local copy follow its global copy (``state``)."""
-        outcome, sums, total = self.decide(manager)
-        state.finish(sums, total)
-        return outcome
-
     def decide(self, manager: SyncManager) -> tuple[SyncOutcome, torch.Tensor | None, float]:
         """Wait, commit or not (alike in every group): the outcome, and the sums to average
-        and their total of tokens (None: nothing to apply; ``FragmentState.finish``)."""
+        and their total of tokens (None: nothing to apply; ``FragmentState.finish``). The
+        average's sum of squares, when there is one, is in :attr:`average_squares`."""
         self.work.wait()  # a failed all-reduce is recorded by the Manager, not raised
         committed = bool(manager.should_commit())
         total = float(self.buffer[-1])
         sums = self.buffer[:-1] if committed and total > 0 else None
+        if sums is not None:
+            # Taken by the transport where the sums arrived (a loaded sync: here, rarely).
+            found = None if self.loaded else manager.sync_squares()
+            found = float(torch.dot(sums, sums)) if found is None else found
+            self.average_squares = found / total**2
         # Bytes of a sync loaded as arrived: its payload (the process that saved it sent it).
         sent, compression_s = (
             (self.buffer.numel() * 4, None)

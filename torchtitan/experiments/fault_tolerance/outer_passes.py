@@ -90,8 +90,6 @@ class _Worker:
             products=torch.empty(PIECE, dtype=torch.int64),
         )
         self.hashes: dict[str, PieceHashes] = {}
-        #: The sum of squares of the outer step's gradient over its pieces (for the report).
-        self.squares = 0.0
 
     def scratch(self, numel: int) -> _Scratch:
         """The scratch buffers, cut to ``numel`` values."""
@@ -128,7 +126,7 @@ class _Workers:
         hashed: dict[str, int] | None = None,
     ) -> _Found:
         """``body(piece, worker)`` for every piece; with ``hashed`` (each parameter's numel),
-        the chunk hashes the bodies took, by parameter; and the squares they added up."""
+        the chunk hashes the bodies took, by parameter."""
         with self._lock:
             return self._run(pieces, body, hashed)
 
@@ -142,7 +140,6 @@ class _Workers:
             worker.hashes = {
                 name: PieceHashes(n, 4, torch.device("cpu")) for name, n in (hashed or {}).items()
             }
-            worker.squares = 0.0
         count = len(self.workers)
 
         def share(k: int) -> None:
@@ -157,8 +154,7 @@ class _Workers:
         finally:
             for future in futures:
                 future.result()  # raises what the worker raised
-        squares = sum(worker.squares for worker in self.workers)
-        return _Found({name: self._added(name) for name in hashed or {}}, squares)
+        return _Found({name: self._added(name) for name in hashed or {}})
 
     def _added(self, name: str) -> list[int]:
         """``name``'s chunk hashes: each chunk's sums from every worker, modulo 2^64."""
@@ -240,8 +236,6 @@ class SyncPointPasses:
         self.numel = {name: t.numel() for name, t in global_copy.items()}
         #: Model on an accelerator: the pinned host buffer its values cross through.
         self._staging: torch.Tensor | None = None
-        #: Called with each outer step's gradient's sum of squares (this rank's shard).
-        self.observers: list[Callable[[float], None]] = []
         #: The global copy's chunk hashes, with the versions of its tensors they were taken at.
         self._hashes: tuple[tuple[int, ...], list[int]] | None = None
 
@@ -285,7 +279,7 @@ class SyncPointPasses:
 
         def body(piece: _Piece, worker: _Worker) -> None:
             scratch = worker.scratch(piece.glob.numel())
-            self._step_piece(piece, step, worker)
+            self._step_piece(piece, step)
             if piece.local is not None:
                 piece.local.add_(torch.sub(piece.glob, piece.start, out=scratch.t1))
             else:
@@ -293,9 +287,7 @@ class SyncPointPasses:
             piece.start.copy_(piece.glob)
             worker.hashes[piece.name].add(piece.a, piece.glob, scratch.products)
 
-        found = self._run(pieces, body, hashed=True)
-        self._keep_hashes(found.hashes)
-        self._observe(step, found.squares)
+        self._keep_hashes(self._run(pieces, body, hashed=True).hashes)
         if not on_host:
             local, staged = self._local(), self._views(self._staging_buffer())
             for name in self.params:
@@ -367,7 +359,7 @@ class SyncPointPasses:
             scratch = worker.scratch(piece.glob.numel())
             glob, local = piece.glob, piece.local
             assert local is not None
-            self._step_piece(piece, step, worker)
+            self._step_piece(piece, step)
             # follow_global's local (+= global - start), kept in scratch: start and the model's
             # piece are written once, below; its start (= global) is read as global.
             followed = torch.add(local, torch.sub(glob, piece.start, out=scratch.t1),
@@ -377,9 +369,7 @@ class SyncPointPasses:
             self._start_piece(piece, piece.out, sgd, share, tokens, worker)
             local.copy_(piece.start)
 
-        found = self._run(pieces, body, hashed=True)
-        self._keep_hashes(found.hashes)
-        self._observe(step, found.squares)
+        self._keep_hashes(self._run(pieces, body, hashed=True).hashes)
 
     def _run(
         self,
@@ -389,20 +379,13 @@ class SyncPointPasses:
     ) -> _Found:
         """``body`` on every piece, on :attr:`threads` threads; ``hashed``: the chunk hashes of
         the global copy the bodies took (meanwhile the digest kept is void: a pass that fails
-        half-way leaves none), and the outer step's gradient's sum of squares."""
+        half-way leaves none)."""
         if hashed:
             self._hashes = None
         with one_thread_per_op():
             workers = _workers(self.threads or cores_per_rank())
             found = workers.run(pieces, body, self.numel if hashed else None)
         return found
-
-    def _observe(self, step: _OuterStep | None, squares: float) -> None:
-        """Hand the outer step's gradient's sum of squares to :attr:`observers` (none: no
-        step). It stepped without ``optimizer.step()``, whose pre-hooks would have seen it."""
-        if step is not None:
-            for observe in self.observers:
-                observe(squares)
 
     # ---- one piece -----------------------------------------------------------------------------
 
@@ -426,14 +409,12 @@ class SyncPointPasses:
         return _OuterStep(sgd, source, divide_by, first)
 
     @staticmethod
-    def _step_piece(piece: _Piece, step: _OuterStep | None, worker: _Worker) -> None:
+    def _step_piece(piece: _Piece, step: _OuterStep | None) -> None:
         """The outer step on the piece's global copy: the gradient is ``piece.source /
-        step.divide_by`` (an exact division, as ``divide_``; written back into the source),
-        whose sum of squares the worker adds up."""
+        step.divide_by`` (an exact division, as ``divide_``; written back into the source)."""
         if step is not None:
             assert piece.source is not None
             step.sgd.step(piece.glob, piece.source, piece.momentum, step.first, step.divide_by)
-            worker.squares += float(torch.dot(piece.source, piece.source))
 
     @staticmethod
     def _start_piece(
@@ -550,10 +531,9 @@ class SyncPointPasses:
 
 class _Found(NamedTuple):
     """What a pass's workers took: the global copy's chunk hashes by parameter (none unless
-    asked), and the outer step's gradient's sum of squares."""
+    asked)."""
 
     hashes: dict[str, list[int]]
-    squares: float
 
 
 class _Piece(NamedTuple):

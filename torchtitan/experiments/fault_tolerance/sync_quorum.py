@@ -296,6 +296,10 @@ class SyncManager(ManagerStandIn):
         and decompressing (waiting for its transfers)."""
         return self.transport.stats()
 
+    def sync_squares(self) -> float | None:
+        """The sum of squares of this sync's result, this rank's (``SyncTransport.squares``)."""
+        return self.transport.squares()
+
     def sync_failed(self) -> bool:
         """Whether the sync in progress is already known to fail (after its works are done):
         an error recorded, or a value that was not finite."""

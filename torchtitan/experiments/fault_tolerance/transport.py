@@ -527,6 +527,19 @@ class SyncTransport:
         end_collectives_in_flight(tft.replica_process_group(manager))
         self._runner.abandon()
 
+    def squares(self) -> float | None:
+        """After this sync's works are done: the sum of squares of its result (the
+        pseudo-gradients, not the exact tensors), or None where one transfer has none (it
+        failed, or was not finite)."""
+        self.flush()
+        total = 0.0
+        for work in self.works:
+            self.await_transfer(work)
+            if work.squares is None:
+                return None
+            total += work.squares
+        return total
+
     def stats(self) -> tuple[int, float | None]:
         """This sync's bytes sent by this rank and, compressed, its seconds compressing and
         decompressing (waiting for the transfers). Uncompressed: the payload's bytes and None."""

@@ -93,6 +93,8 @@ class CompressedWork:
         self.delivered: Delivered | None = None
         #: Set when the work was abandoned (:meth:`AsyncCompressedAllReduce.abandon`).
         self.abandoned = False
+        #: With ``check_finite``, once a finite result arrived: its sum of squares.
+        self.squares: float | None = None
         self._future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         self._done = threading.Event()
         self._lock = threading.Lock()
@@ -405,6 +407,10 @@ class AsyncCompressedAllReduce:
             job.work.non_finite = "received"
         if job.divide_by != 1:
             divide_(job.tensor, job.divide_by)
+        if job.check_finite and job.work.non_finite is None:
+            # For the sync's report (its norm), here while the period computes rather than
+            # at the sync point, which the accelerator waits for.
+            job.work.squares = float(torch.dot(job.tensor, job.tensor))
         if job.keep_delivered:
             stats = job.work.stats
             if stats.delivered is None:  # float32 (or nothing to send): the result itself
