@@ -152,13 +152,15 @@ def test_a_transfer_and_a_kept_result_divide_by_the_groups_as_the_cpu_does(
         runner.shutdown(timeout=10)
 
 
-def test_async_diloco_divides_the_sums_by_the_tokens_as_the_cpu_does() -> None:
+@pytest.mark.parametrize("momentum_every", [1, 2])
+def test_async_diloco_divides_the_sums_by_the_tokens_as_the_cpu_does(momentum_every: int) -> None:
     """Three groups, eight syncs (the token sums 30 and 60 are no powers of two): the same
-    global parameters with CUDA's scalar division as without."""
+    global parameters with CUDA's scalar division as without; through the sync point's passes
+    (SGD) and through the whole-fragment operations (Delayed Nesterov)."""
 
     def globals_after(mode: CudaScalarDivision | None) -> list[torch.Tensor]:
         cluster = Cluster()
-        groups = [Group(cluster, seed) for seed in range(3)]
+        groups = [Group(cluster, seed, outer_momentum_every=momentum_every) for seed in range(3)]
         if mode is None:
             seen = run(groups, 32)
         else:
