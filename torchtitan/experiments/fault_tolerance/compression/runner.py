@@ -410,7 +410,8 @@ class AsyncCompressedAllReduce:
         if job.check_finite and job.work.non_finite is None:
             # For the sync's report (its norm), here while the period computes rather than
             # at the sync point, which the accelerator waits for.
-            job.work.squares = float(torch.dot(job.tensor, job.tensor))
+            flat = job.tensor.detach()
+            job.work.squares = float(torch.dot(flat, flat))
         if job.keep_delivered:
             stats = job.work.stats
             if stats.delivered is None:  # float32 (or nothing to send): the result itself
