@@ -34,7 +34,7 @@ from torchtitan.experiments.fault_tolerance.outer_loop import (
     local_tensor,
 )
 from torchtitan.experiments.fault_tolerance.outer_optimizer import DelayedNesterov
-from torchtitan.experiments.fault_tolerance.outer_passes import SyncPointPasses
+from torchtitan.experiments.fault_tolerance.outer_passes import SyncPointPasses, wait_for_copies
 from torchtitan.tools.digest import chunk_hashes
 from torchtitan.tools.exact_division import divide_
 from torchtitan.tools.pinned import host_tensor
@@ -51,22 +51,12 @@ def _state_tensor(like: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.empty(like.shape, dtype=torch.float32, device=device)
 
 
-def _wait_for_copies(device: torch.device) -> None:
-    """Wait until the copies queued on ``device``'s current stream are done. Copies between the
-    model (on CUDA) and the outer state (pinned host memory) are issued ``non_blocking``, a
-    whole fragment at a time; the host waits once, before it reads what came from the device
-    or overwrites what goes to it. Nothing to wait for on the CPU, where copies are done when
-    they return."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-
-
 class FragmentState:
     """One fragment's outer state: its global copy, where this group's local period started,
     and the outer optimizer over the global copy."""
 
     #: Copies between the model and the outer state are queued without blocking the host
-    #: (waited for where the host needs them: :func:`_wait_for_copies`). False: each copy
+    #: (waited for where the host needs them: ``outer_passes.wait_for_copies``). False: each copy
     #: blocks, the reference the CUDA tests compare with.
     non_blocking = True
 
@@ -169,7 +159,7 @@ class FragmentState:
         """The model's current values become the global copy and the local start."""
         for name, p in self.params.items():
             self.global_copy[name].copy_(local_tensor(p.data), non_blocking=self.non_blocking)
-        _wait_for_copies(self.model_device)
+        wait_for_copies(self.model_device)
         for name in self.params:
             self.period_start[name].copy_(self.global_copy[name])
 
@@ -185,7 +175,7 @@ class FragmentState:
             view.copy_(self.period_start[name], non_blocking=self.non_blocking)
             view.sub_(local)
             offset += n
-        _wait_for_copies(self.model_device)  # the host rewrites ``start`` next
+        wait_for_copies(self.model_device)  # the host rewrites ``start`` next
 
     @torch.no_grad()
     def apply_average(self, flat: torch.Tensor) -> None:
@@ -197,7 +187,7 @@ class FragmentState:
                 flat[offset : offset + n].view_as(t).to(t.device, non_blocking=self.non_blocking)
             )
             offset += n
-        _wait_for_copies(flat.device)  # the outer step reads them on the host
+        wait_for_copies(flat.device)  # the outer step reads them on the host
         self.outer.step()
         self.outer.zero_grad(set_to_none=True)
         # A fused step leaves the tensors' versions as they were: moved here, so that what
@@ -216,7 +206,7 @@ class FragmentState:
             # ``shift`` is a fresh tensor nobody writes to: it may still be in flight below.
             local.add_(shift.to(local.device, non_blocking=self.non_blocking))
             self.period_start[name].copy_(self.global_copy[name])
-        _wait_for_copies(self.model_device)  # the shifts are freed on return
+        wait_for_copies(self.model_device)  # the shifts are freed on return
 
     @torch.no_grad()
     def start_period(self, estimate: torch.Tensor | None, scale: float = 1.0) -> None:
@@ -233,7 +223,7 @@ class FragmentState:
                     self.period_start[name].device, non_blocking=self.non_blocking
                 )
                 offset += n
-            _wait_for_copies(estimate.device)
+            wait_for_copies(estimate.device)
         for name, p in self.params.items():
             target = self.period_start[name]
             target.copy_(self.global_copy[name])
@@ -241,7 +231,7 @@ class FragmentState:
                 grad = grads[name] if scale == 1.0 else grads[name] * scale
                 self._outer_step_on(target, name, grad, lr)
             local_tensor(p.data).copy_(target, non_blocking=self.non_blocking)
-        _wait_for_copies(self.model_device)  # ``start`` is rewritten at the next sync point
+        wait_for_copies(self.model_device)  # ``start`` is rewritten at the next sync point
 
     def _outer_step_on(
         self, target: torch.Tensor, name: str, grad: torch.Tensor, lr: float

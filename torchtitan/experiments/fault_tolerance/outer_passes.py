@@ -45,6 +45,16 @@ from torchtitan.tools.pinned import host_tensor
 PIECE = 1 << 18
 
 
+def wait_for_copies(device: torch.device) -> None:
+    """Wait until the copies queued on ``device``'s current stream are done. Copies between the
+    model (on CUDA) and the outer state (pinned host memory) are issued ``non_blocking``, a
+    whole fragment at a time; the host waits once, before it reads what came from the device
+    or overwrites what goes to it. Nothing to wait for on the CPU, where copies are done when
+    they return."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 def cores_per_rank() -> int:
     """The host cores this rank may use for a sync point's host work: those it may run on (its
     affinity: a container's or a launcher's cpuset), shared with the other ranks of its host
@@ -292,7 +302,7 @@ class SyncPointPasses:
             local, staged = self._local(), self._views(self._staging_buffer())
             for name in self.params:
                 local[name].add_(staged[name].to(self.model_device, non_blocking=True))
-            _wait_for_copies(self.model_device)  # the host rewrites the staging next
+            wait_for_copies(self.model_device)  # the host rewrites the staging next
 
     def start(self, out: torch.Tensor, share: float | None, tokens: float) -> None:
         """``out`` (flat, on the model's device) = start - model, this group's pseudo-gradient;
@@ -316,7 +326,7 @@ class SyncPointPasses:
             views[name].copy_(self.period_start[name].view(-1), non_blocking=True)
             views[name].sub_(local[name])
         if share is None:
-            _wait_for_copies(self.model_device)  # the host rewrites ``start`` next
+            wait_for_copies(self.model_device)  # the host rewrites ``start`` next
             staged = None
         else:
             staged = self._to_host(out)
@@ -328,7 +338,7 @@ class SyncPointPasses:
         for name in self.params:
             local[name].copy_(self.period_start[name].view(-1), non_blocking=True)
         out.mul_(tokens)
-        _wait_for_copies(self.model_device)  # ``start`` is rewritten at the next sync point
+        wait_for_copies(self.model_device)  # ``start`` is rewritten at the next sync point
 
     def finish_and_start(
         self,
@@ -499,7 +509,7 @@ class SyncPointPasses:
         staging = self._views(self._staging_buffer())
         for name, view in self._views(flat).items():
             staging[name].copy_(view, non_blocking=True)
-        _wait_for_copies(flat.device)
+        wait_for_copies(flat.device)
         return staging
 
     def _staging_buffer(self) -> torch.Tensor:
@@ -558,8 +568,3 @@ class _OuterStep(NamedTuple):
     source: dict[str, torch.Tensor]
     divide_by: torch.Tensor | None
     first: bool
-
-
-def _wait_for_copies(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
