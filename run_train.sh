@@ -4,6 +4,7 @@
 #   CONFIG_FILE   TOML config. Default: the debug model's.
 #   LOG_RANK      ranks whose output is shown, comma-separated. Default 0.
 #   PYTHON        interpreter. Default: .venv/bin/python if present, else python3.
+#   RUST_LOG      torchft's own log level. Default: warn (RUST_LOG=info shows its quorum lines).
 # With NGPU > 1 it runs torchrun (--standalone) through torchtitan.tools.loopback_torchrun, so that
 # torchrun's own stores listen on 127.0.0.1 only.
 set -euo pipefail

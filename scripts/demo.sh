@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh run  # training's dependencies only: the demo needs no test tools
-exec .venv/bin/python -m torchtitan.experiments.fault_tolerance.launcher --groups 2 -- \
+exec ./run_launcher.sh --groups 2 -- \
   --job.custom_args_module=torchtitan.experiments.fault_tolerance.job_config \
   --fault_tolerance.semi_sync_method=diloco --fault_tolerance.sync_steps=20 \
   --training.steps=120 --validation.freq=40 --job.dump_folder=./outputs/demo "$@"

@@ -197,7 +197,8 @@ def test_the_semi_sync_command_line_runs_as_typed(tmp_path: Path, ranks: str) ->
         text = run.text()
         leftovers = [p for p in processes_with_env(JOB_ENV, job.job_id) if p != run.pid]
     assert "starting a lighthouse on 127.0.0.1 and this command as replica group 0 of 1" in text
-    assert "-m torchtitan.experiments.fault_tolerance.launcher --groups 2 -- ARGS" in text
+    assert "./run_launcher.sh --groups 2 -- ARGS" in text
+    assert "[INFO] [torchft::" not in text  # torchft's own INFO lines are off (RUST_LOG=warn)
     assert text.count("[launcher] lighthouse at http://127.0.0.1:") == 1
     assert re.search(r"^\[group 0\] .*step 6 sync: localsgd .* committed", text, re.M), text
     assert text.rstrip().endswith("[launcher] all 1 groups finished (0 restart(s))")

@@ -36,6 +36,8 @@ DOCS = [
 PLACEHOLDERS = ("PATH/TO/tokenizer.json", "/shared/llama3/tokenizer.json")
 TRAIN = "torchtitan.train"
 LAUNCHER = "torchtitan.experiments.fault_tolerance.launcher"
+#: The launcher as the docs type it (it runs LAUNCHER with the project's .venv).
+LAUNCHER_SCRIPT = "./run_launcher.sh"
 
 
 @dataclass
@@ -95,13 +97,20 @@ def _shell_blocks(text: str) -> Iterator[tuple[int, str]]:
 
 
 #: How a typed command starts (after its environment variables).
-ENTRY_WORDS = ("./run_train.sh", ".venv/bin/python", "python", ".venv/bin/torchrun", "torchrun")
+ENTRY_WORDS = (
+    "./run_train.sh",
+    LAUNCHER_SCRIPT,
+    ".venv/bin/python",
+    "python",
+    ".venv/bin/torchrun",
+    "torchrun",
+)
 
 
 def _is_command(words: list[str]) -> bool:
     if not words or not (words[0] in ENTRY_WORDS or words[0] == "srun"):
         return False
-    return "./run_train.sh" in words or bool({TRAIN, LAUNCHER} & set(words))
+    return "./run_train.sh" in words or bool({TRAIN, LAUNCHER, LAUNCHER_SCRIPT} & set(words))
 
 
 def typed_commands() -> list[Typed]:
@@ -152,7 +161,7 @@ def test_the_docs_have_the_commands_this_test_is_for() -> None:
     kinds = {
         "run_train": [c for c in COMMANDS if "./run_train.sh" in c.words],
         "torchrun": [c for c in COMMANDS if TRAIN in c.words],
-        "launcher": [c for c in COMMANDS if LAUNCHER in c.words],
+        "launcher": [c for c in COMMANDS if {LAUNCHER, LAUNCHER_SCRIPT} & set(c.words)],
     }
     assert all(len(found) >= 2 for found in kinds.values()), kinds
 
@@ -166,8 +175,10 @@ def test_a_documented_command_passes_the_config_check(
     tokenizer.write_text("{}")
     words = _placeholders_filled(_runtime_values_dropped(typed.words), tokenizer)
     config_file = typed.env.get("CONFIG_FILE", str(RUN_TRAIN_CONFIG))
-    if LAUNCHER in words:
-        args = launcher.parse_args(_after(words, LAUNCHER))
+    if {LAUNCHER, LAUNCHER_SCRIPT} & set(words):
+        args = launcher.parse_args(
+            _after(words, LAUNCHER if LAUNCHER in words else LAUNCHER_SCRIPT)
+        )
         train_args = [
             f"--job.config_file={config_file}",
             *args.train_args,

@@ -15,7 +15,6 @@ from tests.unit_tests.fresh_interpreter import run_python
 from torchtitan.config import ConfigError, ConfigManager, JobConfig, merge_configs, write_toml
 from torchtitan.config import job_config as core
 from torchtitan.config.manager import parse_nested_list, to_toml
-from torchtitan.tools.commands import python_command
 
 CUSTOM = "tests.assets.custom_args_module"
 
@@ -1136,7 +1135,7 @@ def test_the_short_semi_sync_command_says_how_to_run_it() -> None:
     assert info.value.field == "fault_tolerance.semi_sync_method"
     assert "\n" not in message
     assert (
-        f"{python_command()} -m torchtitan.experiments.fault_tolerance.launcher --groups 2 -- "
+        "./run_launcher.sh --groups 2 -- "
         f"--job.custom_args_module={SEMI_SYNC} --fault_tolerance.semi_sync_method=localsgd"
     ) in message
     assert "TORCHFT_LIGHTHOUSE=http://127.0.0.1:29610 ./run_train.sh" in message

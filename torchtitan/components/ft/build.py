@@ -4,7 +4,6 @@ the torchft Manager with its replicate process group when the group is ready to 
 from __future__ import annotations
 
 import math
-import os
 import sys
 import threading
 import time
@@ -22,7 +21,9 @@ from torchtitan.components.ft.network import bind_ip, lighthouse_address
 from torchtitan.components.ft.timeouts import ReplicaTimeouts
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed import ParallelDims
+from torchtitan.tools import torchft_logs
 from torchtitan.tools.events import EventKind
+from torchtitan.tools.logging import logger
 
 #: How often a group re-sends a quorum request that the lighthouse failed to answer (it died,
 #: or is restarting): torchft spreads its retries over the quorum timeout, so their number is
@@ -199,9 +200,9 @@ def build_ft_manager(
     # The Manager built below relies on torchft internals (torchft_adapter): check the version
     # here, before the model's state is registered with anything.
     torchft_adapter.check_version()
-    # torchft's Rust side logs every quorum and commit at INFO; keep its warnings only
-    # unless the user asked otherwise (RUST_LOG=info shows them again).
-    os.environ.setdefault("RUST_LOG", "warn")
+    # torchft's Rust side was quieted at import (tools/torchft_logs); its Python loggers
+    # follow RUST_LOG in the project's format.
+    torchft_logs.show_python_loggers(list(logger.handlers))
     torchft_adapter.quiet_known_noise()
     address = lighthouse_address(job_config)
     longest_quorum_s = max(ft.quorum_timeout_s, quorum_timeout_s or 0.0)

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Literal, cast, get_args
 from torchtitan.config.job_config import ConfigError
 from torchtitan.config.job_config import FaultTolerance as CoreFaultTolerance
 from torchtitan.config.job_config import JobConfig as CoreJobConfig
-from torchtitan.tools.commands import python_command
 
 if TYPE_CHECKING:
     from torch import nn
@@ -486,10 +485,7 @@ def _how_to_run(method: str) -> str:
         f"{flags} --fault_tolerance.enable --fault_tolerance.group_size=2 "
         "--fault_tolerance.replica_id=0"
     )
-    launcher = (
-        f"{python_command()} -m torchtitan.experiments.fault_tolerance.launcher --groups 2 -- "
-        f"{flags}"
-    )
+    launcher = f"./run_launcher.sh --groups 2 -- {flags}"
     return (
         "semi-synchronous training runs across replica groups and needs "
         "fault_tolerance.enable. Everything on this machine in one command: "

@@ -1,9 +1,9 @@
 """One command for a local fault-tolerant job: a lighthouse plus N replica groups.
 
-    .venv/bin/python -m torchtitan.experiments.fault_tolerance.launcher --groups 2 -- \
-        --training.steps=100
+    ./run_launcher.sh --groups 2 -- --training.steps=100
 
-starts ``torchft_lighthouse`` on 127.0.0.1 (a free port), then N replica groups, each a
+(``run_launcher.sh`` runs this module with the project's ``.venv``) starts
+``torchft_lighthouse`` on 127.0.0.1 (a free port), then N replica groups, each a
 ``run_train.sh`` (``--ngpu`` ranks) with its own manager port and ``--fault_tolerance.replica_id``.
 Every output line is prefixed with its group. Ctrl-C stops everything; the launcher exits 0 when
 every group finished, 1 when a group failed for good (exited non-zero without being killed by the
@@ -53,7 +53,6 @@ from torchtitan.tools.cluster import (
     split_devices,
     visible_gpus,
 )
-from torchtitan.tools.commands import python_command
 from torchtitan.tools.events import EventTail, event_file_path, read_events
 
 # The name of ``torchtitan.components.metrics.TRAIN_STEP``: importing the kind would bring torch
@@ -299,7 +298,7 @@ def groups_dump_folder(train_args: Sequence[str], env: Mapping[str, str] = os.en
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog=f"{python_command()} -m torchtitan.experiments.fault_tolerance.launcher",
+        prog="./run_launcher.sh",
         description=__doc__.split("\n\n")[0],
         epilog="Arguments after `--` go to every group's run_train.sh (e.g. "
         "--job.custom_args_module=... --fault_tolerance.semi_sync_method=diloco).",
@@ -432,7 +431,7 @@ def command_for_one_group(train_args: list[str]) -> list[str] | None:
     ):
         return None
     launcher = [sys.executable, "-m", "torchtitan.experiments.fault_tolerance.launcher"]
-    shown = " ".join([python_command(), *launcher[1:]])
+    shown = "./run_launcher.sh"
     print(
         f"[launcher] fault_tolerance.semi_sync_method={method} trains across replica groups "
         "with fault tolerance: starting a lighthouse on 127.0.0.1 and this command as replica "

@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from torchtitan.tools import torchft_logs
 from torchtitan.tools.cluster.lighthouse import (
     LighthouseSettings,
     groups_waiting_at,
@@ -168,8 +169,11 @@ class LocalJob:
         settings = self.lighthouse_settings
         port = port or free_port(settings.host)
         count = sum(1 for p in self.processes if p.name.startswith("lighthouse_start"))
+        # Its log keeps every quorum (INFO) unless the user set RUST_LOG; this process's own
+        # RUST_LOG quiets torchft's console lines (tools/torchft_logs).
+        env = {torchft_logs.VARIABLE: torchft_logs.lighthouse_setting()}
         lighthouse = self.start_process(
-            f"lighthouse_start{count}", settings.command(port), launch=self.launch_lighthouse
+            f"lighthouse_start{count}", settings.command(port), env, launch=self.launch_lighthouse
         )
         self.lighthouse, self.lighthouse_port = lighthouse, port
         self.lighthouse_address = settings.address(port)
