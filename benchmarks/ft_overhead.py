@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
             "repeats": args.repeats,
         },
         "summary": summary,
-        "target": {"diloco_ratio_to_no_ft": ">= 0.95"},
+        # Tokens/s between processes moves with the machine's speed: reported, not judged.
+        "target": None,
         "runs": runs,
     }
     path = provenance.write_result(args.out, result, provenance.command_line(__file__, argv))

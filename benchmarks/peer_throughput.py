@@ -350,10 +350,9 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summary,
         "mm_peak_gflops_before": peaks_before,
         "mm_peak_gflops_after": peaks_after,
-        "target": {
-            "ratio_ours_over_peer_flex-eager": ">= 1.5",
-            "ours_mfu_pct_vs_fp32_mm_peak": ">= 40",
-        },
+        # The tokens/s ratio against the peer is reported (wall-clock between processes);
+        # MFU is judged against the matmul peak timed in the same run (headline.py).
+        "target": {"ours_mfu_pct_vs_fp32_mm_peak": ">= 40"},
         "runs": runs,
     }
     path = provenance.write_result(args.out, result, provenance.command_line(__file__, argv))

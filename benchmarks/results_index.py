@@ -1,9 +1,13 @@
 """What each result file says about how it was made: one markdown row per JSON in
 ``benchmarks/results/``, from the provenance every benchmark stamps on its file.
 
-    .venv/bin/python -m benchmarks.results_index            # print the table
+    .venv/bin/python -m benchmarks.results_index            # print the tables
     .venv/bin/python -m benchmarks.results_index --check    # exit 1 if benchmarks/README.md's
-                                                            # copy differs (CI runs the check)
+                                                            # copies differ (CI runs the check)
+    .venv/bin/python -m benchmarks.results_index --write    # rewrite them; redraw the charts
+
+The README holds two generated tables: this index and the headline (``headline.py``: every
+figure, its target and verdict); ``--write`` also redraws the charts (``charts.py``).
 
 Columns: the file; the commit its numbers come from (``machine.git_commit``), marked
 "uncommitted changes" when ``machine.git_dirty`` says the tree differed; when it was written
@@ -35,16 +39,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from benchmarks import charts, headline
 from benchmarks.provenance import RESULTS
 
 README = RESULTS.parent / "README.md"
 BEGIN, END = "<!-- results-index: begin -->", "<!-- results-index: end -->"
+HEADLINE_BEGIN, HEADLINE_END = "<!-- headline: begin -->", "<!-- headline: end -->"
 # What a benchmark runs: a change here can change a figure. Docs, tests, the results, this
 # reader of them, the test runner and the checks that no benchmark runs (the GPU check, the
 # mutation check) cannot.
 CODE = [
     "torchtitan", "benchmarks", "scripts", "run_train.sh", "pyproject.toml",
     ":(exclude)*.md", ":(exclude)benchmarks/results", ":(exclude)benchmarks/results_index.py",
+    ":(exclude)benchmarks/headline.py", ":(exclude)benchmarks/charts.py",
     ":(exclude)scripts/test.sh", ":(exclude)scripts/gpu_check.*",
     ":(exclude)scripts/mutation_check.py",
 ]  # fmt: skip
@@ -177,11 +184,16 @@ def table(folder: Path = RESULTS) -> str:
     return "\n".join([*HEADER, *(row(p) for p in sorted(folder.glob("*.json")))])
 
 
-def readme_copy(text: str) -> str | None:
+def readme_copy(text: str, begin: str = BEGIN, end: str = END) -> str | None:
     """The table between the markers of ``text`` (None: no markers)."""
-    if BEGIN not in text or END not in text:
+    if begin not in text or end not in text:
         return None
-    return text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+    return text.split(begin, 1)[1].split(end, 1)[0].strip()
+
+
+def tables(folder: Path = RESULTS) -> dict[tuple[str, str], str]:
+    """The README's generated tables, by their markers: this index and the headline."""
+    return {(BEGIN, END): table(folder), (HEADLINE_BEGIN, HEADLINE_END): headline.table(folder)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,23 +207,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.code_changes:
         print(code_changes_report())
         return 0
-    now = table()
+    now = tables()
     if args.write:
         text = README.read_text()
-        if readme_copy(text) is None:
-            print(f"{README}: no {BEGIN} ... {END} markers", file=sys.stderr)
-            return 1
-        head, rest = text.split(BEGIN, 1)
-        README.write_text(f"{head}{BEGIN}\n{now}\n{END}{rest.split(END, 1)[1]}")
+        for (begin, end), copy in now.items():
+            if readme_copy(text, begin, end) is None:
+                print(f"{README}: no {begin} ... {end} markers", file=sys.stderr)
+                return 1
+            head, rest = text.split(begin, 1)
+            text = f"{head}{begin}\n{copy}\n{end}{rest.split(end, 1)[1]}"
+        README.write_text(text)
+        print("\n".join(charts.draw_all()))
         return 0
     if args.check:
-        copy = readme_copy(README.read_text())
-        if copy != now:
-            print(f"{README}'s results index differs from the files; run "
+        text = README.read_text()
+        if any(readme_copy(text, begin, end) != copy for (begin, end), copy in now.items()):
+            print(f"{README}'s results index or headline differs from the files; run "
                   "python -m benchmarks.results_index --write", file=sys.stderr)  # fmt: skip
             return 1
         return 0
-    print(now)
+    print("\n\n".join(now.values()))
     return 0
 
 

@@ -59,9 +59,9 @@ VARIANTS = ["async_dylu_no_probe"]
 #: The goodput baseline: every group's trainer without fault tolerance, all at once, pinned and
 #: slowed (``--straggler``) as in the FT runs; run first in every repeat with ``--goodput``.
 BASELINE = "no_ft_pair"
-TARGETS = {"streaming_diloco": 0.95, "diloco": 0.80, "async_diloco": 0.98, "async_dylu": 0.98}
-#: With ``--straggler``: every group of async DiLoCo with DyLU computes at least this share.
-STRAGGLER_TARGET = 0.95
+#: Where this file's figures are judged: wait shares against plan.py's verdict; goodput (a
+#: ratio of wall-clock speeds between processes) is reported only.
+JUDGED_BY = "benchmarks/headline.py"
 
 
 def in_namespace(wan: netns.Wan, namespace: str) -> Launch:
@@ -479,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
             "compute": "forward+backward, gradient clipping, inner optimizer update "
             "(benchmarks/timed_trainer.py)",
         },
-        "targets": {k: f">= {v}" for k, v in TARGETS.items()},
+        "judged_by": JUDGED_BY,
         "runs": runs,
     }
     semi_sync = {"diloco", "streaming_diloco", "async_diloco", "async_dylu"}
@@ -585,14 +585,10 @@ def plot(runs: list[dict[str, object]], path: Path) -> str:
         xs = [i + (j - (len(rates) - 1) / 2) * width for i in range(len(methods))]
         bars = ax.bar(xs, values, width, label=f"{rate:g} Mbit/s")  # type: ignore[arg-type]
         ax.bar_label(bars, fmt="%.2f", fontsize=8)
-    for m, target in TARGETS.items():
-        if m in methods:
-            i = methods.index(m)
-            ax.hlines(target, i - 0.45, i + 0.45, colors="k", linestyles="dashed", linewidth=1)
     ax.set_xticks(range(len(methods)), methods)
     ax.set_ylim(0, 1.1)
     ax.set_ylabel("compute utilisation")
-    ax.set_title("2 replica groups over tc-tbf links (no latency); dashed: targets")
+    ax.set_title("2 replica groups over tc-tbf links (no latency)")
     ax.legend(loc="lower right")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
@@ -669,12 +665,6 @@ def plot_goodput(runs: list[dict[str, object]], path: Path) -> str:
     return str(path)
 
 
-def verdict(values: list[float], target: float) -> str:
-    """ "met" when at least 4 of 5 repeats (3 of 3; all but one in five generally) reach
-    ``target``, else "missed"; with the count."""
-    return common.repeats_verdict([v >= target for v in values], f">= {target:g}")
-
-
 def median_runs(runs: list[dict[str, object]]) -> list[dict[str, object]]:
     """Of the repeats of each method and rate, the run with the median utilisation (the lower
     middle one for an even count), in first-run order."""
@@ -726,14 +716,13 @@ def goodput_spread(repeats: list[dict[str, object]]) -> dict[str, object]:
 
 
 def summarize(runs: list[dict[str, object]]) -> dict[str, dict[str, object]]:
-    """Per method and rate, of its median run: the measured utilisation, bytes, and the
-    target; ``goodput_target`` is the verdict (every repeat's whole-run job goodput), the
-    ``utilisation_target_met*`` flags are diagnostics. Where a ``no_ft`` run exists, also
-    ``utilisation_at_no_ft_compute_speed``: the utilisation had each step's compute taken as
-    long as in ``no_ft`` while the non-compute time per step stayed as measured, i.e.
-    ``c0 / (c0 + (wall - compute) per step)`` (other load on the machine slows compute and so
-    flatters the measured figure; this estimate corrects for that). With repeats, every
-    repeat's utilisation is listed too."""
+    """Per method and rate, of its median run: the measured utilisation, goodput and bytes
+    (``headline.py`` judges the wait shares; goodput is reported). Where a ``no_ft`` run
+    exists, also ``utilisation_at_no_ft_compute_speed``: the utilisation had each step's
+    compute taken as long as in ``no_ft`` while the non-compute time per step stayed as
+    measured, i.e. ``c0 / (c0 + (wall - compute) per step)`` (other load on the machine slows
+    compute and so flatters the measured figure; this estimate corrects for that). With
+    repeats, every repeat's utilisation is listed too."""
     summary: dict[str, dict[str, object]] = {}
     runs = median_runs(runs)
     base = [r for r in runs if r["method"] == "no_ft"]
@@ -743,8 +732,6 @@ def summarize(runs: list[dict[str, object]]) -> dict[str, dict[str, object]]:
         c0 = sum(g["compute_s_per_step"] for g in groups) / len(groups)  # type: ignore[misc,union-attr,arg-type]
     for run in runs:
         key = f"{run['method']}@{run['rate_mbit']:g}mbit"
-        target = TARGETS.get(str(run["method"]))
-        measured = run["compute_utilisation"]
         straggler = float(run.get("straggler", 1.0))  # type: ignore[arg-type]
         if run.get("pseudo_grad_dtype") not in (None, "float32"):
             key += f"_{run['pseudo_grad_dtype']}" + ("_ef" if run.get("error_feedback") else "")
@@ -752,8 +739,6 @@ def summarize(runs: list[dict[str, object]]) -> dict[str, dict[str, object]]:
             key += f"_{run['groups_in_job']}groups"
         if straggler != 1.0:  # every group must keep computing: the slowest group counts
             key += f"_straggler{straggler:g}"
-            target = STRAGGLER_TARGET if str(run["method"]).startswith("async") else None
-            measured = run["min_group_utilisation"]
         groups = run["groups"]
         other = sum(g["wall_s_per_step"] - g["compute_s_per_step"] for g in groups) / len(groups)  # type: ignore[misc,union-attr,arg-type]
         summary[key] = {
@@ -788,18 +773,6 @@ def summarize(runs: list[dict[str, object]]) -> dict[str, dict[str, object]]:
                 for g in groups  # type: ignore[union-attr,index]
             ],
             "wire_tx_mib_per_group_per_step": run["wire_tx_mib_per_group_per_step"],
-            "target": target,
-            # The verdict: the job's whole-run goodput of every repeat against the target.
-            "goodput_target": (
-                None
-                if target is None or not run.get("repeats_goodput")
-                else verdict(run["repeats_goodput"]["job_whole_run_repeats"], target)  # type: ignore[index]
-            ),
-            # Diagnostics only: the median repeat's compute utilisation against the same figure.
-            "utilisation_target_met": None if target is None else measured >= target,  # type: ignore[operator]
-            "utilisation_target_met_at_no_ft_compute_speed": (
-                None if target is None or c0 is None else c0 / (c0 + max(other, 0.0)) >= target
-            ),
         }
     return summary
 

@@ -149,14 +149,6 @@ def test_goodput_is_divided_by_the_same_groups_baseline() -> None:
     assert spread["job_whole_run_repeats"] == [run["job_goodput_whole_run"], 0.5]
 
 
-def test_a_goodput_target_is_met_by_4_of_5_repeats_or_3_of_3() -> None:
-    wan = _module("wan")
-    assert wan.verdict([0.9, 0.9, 0.9, 0.9, 0.7], 0.8) == "met: 4 of 5 repeats >= 0.8"
-    assert wan.verdict([0.9, 0.9, 0.9, 0.7, 0.7], 0.8).startswith("missed: 3 of 5")
-    assert wan.verdict([0.9, 0.9, 0.7], 0.8).startswith("missed: 2 of 3")
-    assert wan.verdict([0.9, 0.9, 0.9], 0.8).startswith("met: 3 of 3")
-
-
 def test_repeats_are_summarized_by_their_median_run() -> None:
     wan = _module("wan")
     runs = [
@@ -260,7 +252,7 @@ def test_wan_smoke_shapes_links_and_reports_utilisation(tmp_path: Path) -> None:
     assert data["summary"]["async_dylu@100mbit_straggler2"]["goodput"]["repeats"] == 1
     data["runs"] = data["runs"][1:]  # the rest as before
     summary = data["summary"]["async_dylu@100mbit_straggler2"]
-    assert summary["target"] == 0.95 and len(summary["per_group_utilisation"]) == 2
+    assert "target" not in summary and len(summary["per_group_utilisation"]) == 2
     for run in data["runs"]:
         assert run["rate_mbit"] == 100
         assert "tbf" in run["qdisc"] and "100Mbit" in run["qdisc"]
