@@ -10,6 +10,8 @@ without it nothing is drawn and the reason is printed.
 * ``link_speed.png``: job goodput and wait share against link speed, per method and dtype
   (``wan.json``: every method at 10 and 100 Mbit/s in one invocation), with the blocking idle
   share ``plan.py`` predicts;
+* ``loss_over_link.png``: held-out loss against wall-clock behind a slow link, per method and
+  dtype (``convergence_link.json``, ``convergence.py --rate``);
 * ``loss_vs_time.png``: held-out loss against wall-clock with a 2x straggler over 100 Mbit/s
   links (``convergence_straggler.json``);
 * ``bytes_per_sync.png``: bytes per sync per dtype, measured (veth counters) against
@@ -169,34 +171,50 @@ def draw_link_speed(folder: Path, out: Path) -> Path:
     return _save(fig, plt, out / "link_speed.png")
 
 
-def draw_loss_vs_time(folder: Path, out: Path) -> Path:
-    straggler = _load(folder, "convergence_straggler.json")
-    names = {
-        "async_dylu": "async + DyLU",
-        "async_diloco": "async DiLoCo",
-        "diloco": "DiLoCo, same wall time",
-        "diloco_equal_steps": "DiLoCo, same steps",
-    }
+#: Legend names of the wall-clock charts' runs.
+RUN_NAMES = {
+    "async_dylu": "async + DyLU", "async_diloco": "async DiLoCo", "async_eager": "async DiLoCo",
+    "async_eager_int8": "async DiLoCo, int8", "diloco": "DiLoCo", "diloco_int8": "DiLoCo, int8",
+    "diloco_int4_ef": "DiLoCo, int4+EF", "streaming_diloco": "Streaming DiLoCo",
+    "diloco_equal_steps": "DiLoCo, same steps",
+}  # fmt: skip
+
+
+def _draw_loss(result: Result, title: str, path: Path, names: dict[str, str]) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
-    for index, (method, by_seed) in enumerate(loss_series(straggler).items()):
+    finals = []
+    for index, (method, by_seed) in enumerate(loss_series(result).items()):
         for n, points in enumerate(by_seed.values()):
-            ax.plot(
-                [t for t, _ in points],
-                [v for _, v in points],
-                color=f"C{index}",
-                lw=1,
-                alpha=0.8,
-                label=names.get(method, method) if n == 0 else None,
-            )
+            finals.append(points[-1][1])
+            ax.plot([t for t, _ in points], [v for _, v in points], color=f"C{index}", lw=1,
+                    alpha=0.8, label=names.get(method, method) if n == 0 else None)  # fmt: skip
     ax.set_xlabel("wall-clock seconds since the start")
     ax.set_ylabel("held-out loss (nats/token)")
-    ax.set_ylim(2.2, 3.2)
+    ax.set_ylim(min(finals) - 0.1, min(finals) + 1.0)
     ax.grid(alpha=0.3)
     ax.legend()
-    ax.set_title("group 1 at half speed, 100 Mbit/s links, debugmodel_small, 3 seeds; "
-                 "convergence_straggler.json", fontsize=9)  # fmt: skip
-    return _save(fig, plt, out / "loss_vs_time.png")
+    ax.set_title(title, fontsize=9)
+    return _save(fig, plt, path)
+
+
+def draw_loss_vs_time(folder: Path, out: Path) -> Path:
+    names = {**RUN_NAMES, "diloco": "DiLoCo, same wall time"}
+    title = ("group 1 at half speed, 100 Mbit/s links, debugmodel_small, 3 seeds; "
+             "convergence_straggler.json")  # fmt: skip
+    return _draw_loss(_load(folder, "convergence_straggler.json"), title,
+                      out / "loss_vs_time.png", names)  # fmt: skip
+
+
+def draw_loss_over_link(folder: Path, out: Path) -> Path | None:
+    """Held-out loss against wall-clock behind a slow link per method and dtype
+    (``convergence.py --rate``); None where no such file has been measured."""
+    if not (folder / "convergence_link.json").exists():
+        return None
+    result = _load(folder, "convergence_link.json")
+    title = (f"{result['settings']['link']}, {result['settings']['flavor']}, "
+             f"seeds {result['settings']['seeds']}; convergence_link.json")  # fmt: skip
+    return _draw_loss(result, title, out / "loss_over_link.png", RUN_NAMES)
 
 
 def draw_bytes_per_sync(folder: Path, out: Path) -> Path:
@@ -254,7 +272,8 @@ def _save(fig: Any, plt: Any, path: Path) -> Path:
     return path
 
 
-DRAWINGS = [draw_link_speed, draw_loss_vs_time, draw_bytes_per_sync, draw_heal]
+DRAWINGS = [draw_link_speed, draw_loss_over_link, draw_loss_vs_time, draw_bytes_per_sync,
+            draw_heal]  # fmt: skip
 
 
 def draw_all(folder: Path = RESULTS, out: Path | None = None) -> list[str]:
@@ -263,7 +282,8 @@ def draw_all(folder: Path = RESULTS, out: Path | None = None) -> list[str]:
         _pyplot()
     except ImportError:
         return ["matplotlib is not installed (pip install -e '.[bench]'): no chart drawn"]
-    return [str(draw(folder, out or folder)) for draw in DRAWINGS]
+    drawn = (draw(folder, out or folder) for draw in DRAWINGS)
+    return [str(path) for path in drawn if path is not None]
 
 
 if __name__ == "__main__":

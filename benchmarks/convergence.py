@@ -84,7 +84,7 @@ from torchtitan.trainer import TRAINING_FINISHED, TRAINING_STARTED, VALIDATION
 
 CONFIGS = ["single_group", "sync_dp", "localsgd", "diloco", "streaming_diloco", "async_eager",
            "async_delayed", "async_eager_share", "async_eager_dn", "async_delayed_dn",
-           "diloco_int8", "diloco_int4_ef"]  # fmt: skip
+           "diloco_int8", "diloco_int4_ef", "async_eager_int8"]  # fmt: skip
 #: The report's default rows: the comparisons the README's targets are about.
 REPORT_CONFIGS = ["single_group", "sync_dp", "localsgd", "diloco", "streaming_diloco",
                   "async_eager", "diloco_int8", "diloco_int4_ef"]  # fmt: skip
@@ -93,9 +93,13 @@ BASE_METHOD = {"sync_dp": "sync_ft", "localsgd": "localsgd", "diloco": "diloco",
                "async_delayed": "async_delayed", "async_eager_share": "async_eager_share",
                "async_eager_dn": "async_eager_dn",
                "async_delayed_dn": "async_delayed_dn", "async_dylu": "async_dylu",
-               "diloco_int8": "diloco_int8", "diloco_int4_ef": "diloco_int4_ef"}  # fmt: skip
+               "diloco_int8": "diloco_int8", "diloco_int4_ef": "diloco_int4_ef",
+               "async_eager_int8": "async_diloco_int8"}  # fmt: skip
 #: With --straggler: blocking DiLoCo against async DiLoCo with DyLU.
 STRAGGLER_CONFIGS = ["diloco", "async_eager", "async_dylu"]
+#: With --rate alone: held-out loss against wall-clock behind a slow link, per method and dtype.
+LINK_CONFIGS = ["diloco", "diloco_int8", "diloco_int4_ef", "streaming_diloco", "async_eager",
+                "async_eager_int8"]  # fmt: skip
 #: The methods whose outer optimizer gets a sweep of its own (``--sweep-method``): blocking
 #: DiLoCo's is used by every DiLoCo row, async DiLoCo's by the ``async_*`` rows.
 OUTER_SWEPT = ("diloco", "async_eager")
@@ -125,7 +129,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--flavor", default="debugmodel_small")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--configs", nargs="+", default=REPORT_CONFIGS, choices=CONFIGS)
+    p.add_argument("--configs", nargs="+", choices=CONFIGS,
+                   help=f"default: {' '.join(REPORT_CONFIGS)}; with --rate alone: "
+                   f"{' '.join(LINK_CONFIGS)}")  # fmt: skip
     p.add_argument("--lr", type=float, default=2e-3,
                    help="AdamW's peak learning rate (every method's inner lr)")  # fmt: skip
     p.add_argument("--outer-lr", type=float, default=0.7,
@@ -168,8 +174,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(training.emulate_slowdown): compare blocking DiLoCo and async "
                    "DiLoCo with DyLU by held-out loss at the same wall-clock time")  # fmt: skip
     p.add_argument("--rate", type=float, default=None,
-                   help="with --straggler: each group behind its own emulated link of this "
-                   "many Mbit/s (benchmarks/netns.py; needs root); default: loopback")  # fmt: skip
+                   help="each group behind its own emulated link of this many Mbit/s "
+                   "(benchmarks/netns.py; needs root); default: loopback. Without "
+                   "--straggler: held-out loss against wall-clock per config "
+                   "(convergence_link.json)")  # fmt: skip
     p.add_argument("--reuse", action="store_true",
                    help="keep the runs in --out (same settings); run the rest")  # fmt: skip
     args = p.parse_args(argv)
@@ -177,10 +185,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.smoke:
         args.seeds, args.sweep_seeds, args.steps, args.sync_steps = [0], [0], 8, 4
         args.eval_batches, args.flavor, args.seq_len, args.batch = 2, "debugmodel_small", 32, 2
+    args.link = args.rate is not None and args.straggler is None
     if args.straggler is not None:
         args.configs = STRAGGLER_CONFIGS
-    elif args.rate is not None:
-        p.error("--rate needs --straggler (the equal-token comparison runs on loopback)")
+    elif args.link:
+        args.configs = args.configs or LINK_CONFIGS
+        if not_semi_sync := [c for c in args.configs if c not in BASE_METHOD or c == "sync_dp"]:
+            p.error(f"--rate: {', '.join(not_semi_sync)} trains no 2-group semi-sync run")
+    args.configs = args.configs or REPORT_CONFIGS
     if args.rate is not None and (why := netns.unavailable()):
         p.error(f"--rate: no emulated links here: {why}")
     outer_sweep = args.sweep_outer_lr or args.sweep_outer_momentum
@@ -189,7 +201,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.sweep_lr and outer_sweep:
         p.error("--sweep-lr and --sweep-outer-*: one sweep per command (DP's lr first)")
     args.sweep_method = args.sweep_method or "diloco"
-    name = "convergence.json" if args.straggler is None else "convergence_straggler.json"
+    name = ("convergence_straggler.json" if args.straggler is not None
+            else "convergence_link.json" if args.link else "convergence.json")  # fmt: skip
     args.out = args.out or provenance.default_output(name, args.smoke)
     args.sweep_out = args.sweep_out or provenance.default_output(
         "convergence_sweep.json", args.smoke
@@ -631,13 +644,13 @@ def _group0_curve(
     many Mbit/s): ``{"steps": steps, "curve": {seconds since group 0's start of training: its
     held-out loss}, "group_steps": [the steps each group trained], "tokens": their tokens}``.
     With DyLU the groups train other step counts than ``steps``."""
-    slowdown = f"--training.emulate_slowdown={args.straggler}"
+    slowdown = [] if args.straggler is None else [f"--training.emulate_slowdown={args.straggler}"]
     with contextlib.ExitStack() as stack:
         job_options: dict = {}
-        group_args: list[list[str]] = [[], [slowdown]]
+        group_args: list[list[str]] = [[], slowdown]
         if args.rate is not None:
             _, job_options = stack.enter_context(wan.emulated_links(2, args.rate))
-            group_args = [[wan.hostname_flag(0)], [wan.hostname_flag(1), slowdown]]
+            group_args = [[wan.hostname_flag(0)], [wan.hostname_flag(1), *slowdown]]
         procs = common.run_method(
             tmp / f"{config}_seed{seed}_{steps}steps",
             BASE_METHOD[config],
@@ -817,6 +830,60 @@ def straggler_main(args: argparse.Namespace, argv: list[str] | None, chosen: dic
     return 0
 
 
+def link_main(args: argparse.Namespace, argv: list[str] | None, chosen: dict) -> int:
+    """Every config for ``--steps`` per seed, each group behind its own ``--rate`` link: group
+    0's held-out loss against wall-clock seconds (the chart of a method and dtype on a slow
+    link: what a sync's wait costs in time to a loss, not in tokens)."""
+    load = common.load_average()
+    runs: dict[str, dict[int, dict]] = {config: {} for config in args.configs}
+    with tempfile.TemporaryDirectory(prefix="convergence_link_") as tmp:
+        eval_folder = held_out_halves(Path(tmp))[args.eval_split]
+        for seed in args.seeds:
+            for config in args.configs:
+                run = _group0_curve(args, Path(tmp), config, seed, args.steps, eval_folder)
+                runs[config][seed] = run
+                end = max(run["curve"])
+                print(f"[convergence] {link_text(args.rate)} {config} seed {seed}: eval loss "
+                      f"{run['curve'][end]:.4f} after {end:.0f} s", flush=True)  # fmt: skip
+    summary = {}
+    for config, by_seed in runs.items():
+        ends = {str(seed): max(run["curve"]) for seed, run in by_seed.items()}
+        summary[config] = {
+            "final_loss_per_seed": {s: by_seed[int(s)]["curve"][end] for s, end in ends.items()},
+            "final_s_per_seed": ends,
+        }
+    title = (f"{args.flavor}, 2 groups x {args.steps} steps, H={args.sync_steps}, "
+             f"{link_text(args.rate)}, seeds {args.seeds}")  # fmt: skip
+    result = {
+        "benchmark": "convergence_link",
+        "settings": {
+            **settings(args),
+            "link": link_text(args.rate),
+            "seeds": args.seeds,
+            "loss": "group 0's held-out loss (K batches), at each of its sync points",
+            "chosen_from_sweep": chosen or None,
+            "load_avg_1min_at_start": round(load, 2),
+        },
+        "parameters": args.parameters,
+        "eval_split": args.eval_split,
+        "summary": summary,
+        "curves": {
+            config: {
+                str(seed): {
+                    **{k: v for k, v in run.items() if k != "curve"},
+                    "curve": {str(t): v for t, v in sorted(run["curve"].items())},
+                }
+                for seed, run in by_seed.items()
+            }
+            for config, by_seed in runs.items()
+        },
+        "png": plot_wall_clock(runs, args.png, title),
+    }
+    path = provenance.write_result(args.out, result, provenance.command_line(__file__, argv))
+    print(f"[convergence] wrote {path} and {result['png']}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     chosen = take_from_sweep(args) if args.from_sweep else {}
@@ -824,6 +891,8 @@ def main(argv: list[str] | None = None) -> int:
         return sweep(args)
     if args.straggler is not None:
         return straggler_main(args, argv, chosen)
+    if args.link:
+        return link_main(args, argv, chosen)
     load = common.load_average()
     curves = load_reusable(args)
     command = provenance.command_line(__file__, argv)

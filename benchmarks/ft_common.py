@@ -98,6 +98,11 @@ METHODS: dict[str, list[str]] = {
         "--fault_tolerance.semi_sync_method=diloco",
         "--fault_tolerance.pseudo_grad_dtype=int8",
     ],
+    "async_diloco_int8": [
+        SEMI_SYNC_MODULE,
+        "--fault_tolerance.semi_sync_method=async_diloco",
+        "--fault_tolerance.pseudo_grad_dtype=int8",
+    ],
     "diloco_int4_ef": [
         SEMI_SYNC_MODULE,
         "--fault_tolerance.semi_sync_method=diloco",

@@ -448,3 +448,25 @@ def test_heal_replay_smoke_replays_fewer_bytes_than_a_full_heal(tmp_path: Path) 
     assert replayed["transfer"] == "replay" and replayed["replayed_syncs"] == 2
     assert replayed["heal_bytes"] < 0.2 * full["heal_bytes"], run
     assert full["digests_agree"] and replayed["digests_agree"]
+
+
+@pytest.mark.usefixtures("warm_benchmark_trainers")
+def test_convergence_over_a_link_records_loss_against_wall_clock_per_config(
+    tmp_path: Path,
+) -> None:
+    """``convergence.py --rate`` without a straggler: each config's held-out loss against
+    wall-clock seconds, both groups behind their own emulated link."""
+    netns = _module("netns")
+    why = netns.unavailable()
+    if why is not None:
+        pytest.skip(f"emulated WAN unavailable: {why}")
+    out = tmp_path / "link.json"
+    argv = ["--smoke", "--rate", "100", "--configs", "diloco", "async_eager_int8",
+            "--out", str(out), "--png", str(tmp_path / "link.png")]  # fmt: skip
+    assert _module("convergence").main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "convergence_link" and "100 Mbit/s" in data["settings"]["link"]
+    for config in ("diloco", "async_eager_int8"):
+        curve = data["curves"][config]["0"]["curve"]
+        assert curve and all(float(t) > 0 for t in curve), config
+        assert data["summary"][config]["final_s_per_seed"]["0"] == max(map(float, curve))
