@@ -3,13 +3,15 @@
     .venv/bin/python scripts/mutation_check.py            # every mutant (a few minutes)
     .venv/bin/python scripts/mutation_check.py -k divide  # the mutants whose name has "divide"
 
-Each mutant below changes one line of ``torchtitan/experiments/fault_tolerance`` the way a
-plausible bug would (a sign, a missing division, a branch taken the wrong way). The script
-copies the repository's tracked files to a scratch folder, applies one mutant there, runs the
-semi-sync unit tests against that copy (``-x``: the first failure kills the mutant) and reports
-which mutants every test let through ("survived"). The working tree is never touched. Not part
-of CI: run it after changing the sync layer or its tests. Exit status 1 when a mutant survives
-that is not listed in ``ACCEPTED`` with the reason it may.
+Each mutant below changes one line of ``torchtitan/experiments/fault_tolerance`` (or of a
+core piece it relies on: fault tolerance, checkpoint checksums) the way a plausible bug would
+(a sign, a missing division, a branch taken the wrong way). The script copies the repository's
+files as they are in the working tree to a scratch folder, applies one mutant there, runs the
+mutant's unit tests against that copy (the semi-sync ones unless it names others; ``-x``: the
+first failure kills the mutant) and reports which mutants every test let through ("survived").
+The working tree is never touched. Not part of CI: run it after changing the sync layer or its
+tests. Exit status 1 when a mutant survives that is not listed in ``ACCEPTED`` with the reason
+it may.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +48,9 @@ TESTS = [
 ]
 #: Failure detection and the replicate group's timeouts live in the core's fault tolerance.
 CORE_FT = "torchtitan/components/ft"
+#: The checksums of every checkpoint (the semi-sync state's included), and their tests.
+CHECKSUMS = "torchtitan/components/checksums.py"
+CHECKPOINT_TESTS = ("tests/unit_tests/test_checkpoint.py",)
 TIMEOUT_S = 600
 
 
@@ -54,6 +60,8 @@ class Mutant:
     file: str
     original: str
     mutated: str
+    #: The unit tests it must fail.
+    tests: tuple[str, ...] = tuple(TESTS)
 
 
 MUTANTS = [
@@ -257,6 +265,43 @@ MUTANTS = [
         "        self.plan.skip_warm_up(self._local_step, self.clock)\n",
         "",
     ),
+    Mutant(
+        "checkpoint: a bytes item (train state, data position) loads without its checksum",
+        CHECKSUMS,
+        "        self.reader.check(read_item)\n        self.planner.load_bytes(read_item, value)",
+        "        self.planner.load_bytes(read_item, value)",
+        tests=CHECKPOINT_TESTS,
+    ),
+    Mutant(
+        "non-finite: only NaN fails a sync, an inf passes",
+        f"{PACKAGE}/compression/collective.py",
+        "return bool(torch.isfinite(torch.linalg.vector_norm(t, ord=math.inf)))",
+        "return not bool(torch.isnan(torch.linalg.vector_norm(t, ord=math.inf)))",
+    ),
+    Mutant(
+        "restart: a loaded residual's offset advances by its own size only (3+ transfers)",
+        f"{PACKAGE}/transport.py",
+        "self._loaded[fragment] = (flat, offset + numel)",
+        "self._loaded[fragment] = (flat, numel)",
+    ),
+    Mutant(
+        "restart: a checkpointed residual's offset advances by its own size only (3+ transfers)",
+        f"{PACKAGE}/transport.py",
+        "            offset += residual.numel()",
+        "            offset = residual.numel()",
+    ),
+    Mutant(
+        "DyLU cap: a corrected period's 2 x period leaves out the steps before it was timed",
+        f"{PACKAGE}/dylu.py",
+        "        self.steps = agree(min(2 * self.period, steps))",
+        "        self.steps = agree(steps)",
+    ),
+    Mutant(
+        "DyLU cap: the probe's plan of the rest leaves out the steps taken before it",
+        f"{PACKAGE}/dylu.py",
+        "min(2 * self.period - taken, steps)",
+        "min(2 * self.period, steps)",
+    ),
 ]
 
 #: Mutants that may survive the unit tests, with the reason (each is caught elsewhere, or is
@@ -265,10 +310,12 @@ ACCEPTED: dict[str, str] = {}
 
 
 def copy_tree(target: Path) -> None:
-    """The tracked files of the repository (as they are in the working tree) into ``target``."""
+    """The files of the repository as they are in the working tree, tracked ones and new ones
+    not ignored (a module not committed yet that a tracked one imports), into ``target``."""
     files = subprocess.run(
-        ["git", "ls-files", "-z"], cwd=REPO, check=True, capture_output=True, text=True
-    ).stdout.split("\0")
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO, check=True, capture_output=True, text=True,
+    ).stdout.split("\0")  # fmt: skip
     for name in filter(None, files):
         source = REPO / name
         if source.is_file():
@@ -276,11 +323,12 @@ def copy_tree(target: Path) -> None:
             shutil.copy2(source, target / name)
 
 
-def run_tests(tree: Path) -> tuple[bool, float, str]:
-    """(whether every test passed, seconds, the last lines of the output) for ``tree``."""
+def run_tests(tree: Path, tests: Sequence[str]) -> tuple[bool, float, str]:
+    """(whether every one of ``tests`` passed, seconds, the last lines of the output) for
+    ``tree``."""
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-               "-p", "no:xdist", *TESTS]  # fmt: skip
+               "-p", "no:xdist", *tests]  # fmt: skip
     start = time.monotonic()
     try:
         done = subprocess.run(
@@ -307,7 +355,9 @@ def main(argv: list[str] | None = None) -> int:
             capture_output=True, text=True, check=True,
         )  # fmt: skip
         assert probe.stdout.strip().startswith(str(tree)), probe.stdout
-        passed, seconds, tail = run_tests(tree)
+        # Every test a chosen mutant must fail passes unmutated (each file once, in order).
+        tests = list(dict.fromkeys(t for m in chosen for t in m.tests)) or TESTS
+        passed, seconds, tail = run_tests(tree, tests)
         if not passed:
             print(f"the unmutated tests fail ({seconds:.0f} s):\n{tail}")
             return 2
@@ -322,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             path.write_text(text.replace(mutant.original, mutant.mutated))
             try:
-                passed, seconds, tail = run_tests(tree)
+                passed, seconds, tail = run_tests(tree, mutant.tests)
             finally:
                 path.write_text(text)
             verdict = "SURVIVED" if passed else "killed"

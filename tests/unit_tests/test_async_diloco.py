@@ -628,6 +628,27 @@ def test_a_period_slower_than_planned_is_shortened_halfway():
         assert group.loop.step_seconds() == pytest.approx(5.0)
 
 
+def test_a_period_much_faster_than_planned_takes_twice_the_period_in_all_at_most():
+    """Planned: 8 inner steps in 8 s. The process's first step takes 1 s (one-time costs, so
+    the period is timed from after it), every later one 0.01 s: at each correction the time
+    left would fit hundreds of steps. The period ends after 16 steps in all (twice the
+    period), the first one counted, not after 16 timed ones."""
+    clock = FakeClock()
+    group = Group(Cluster(), 1, clock=clock.perf_counter)
+    group.loop.period = group.loop.plan.period = 8
+    asked: list[int] = []
+    group.loop.agree_in_group = lambda n: asked.append(n) or n
+    group.loop.plan_period(8, seconds=8.0)
+    with training([group]):
+        for steps in range(1, 4 * 8):
+            clock.now += 1.0 if steps == 1 else 0.01
+            group.step()
+            if group.loop.local_step() == 0:
+                break
+    # Corrected after steps 4, 10, 13, 14 and 15: each time to 16.
+    assert (asked, steps) == ([16] * 5, 16)
+
+
 def test_a_period_that_slows_down_late_is_corrected_again():
     """Planned: 16 inner steps in 16 s. The first 8 take 1 s each (on plan at the halfway
     correction), then each takes 2 s: the correction after step 12 (16 s gone) ends the period

@@ -448,6 +448,42 @@ def test_a_damaged_item_never_reaches_its_state(tmp_path: Path, where: str) -> N
     assert fresh.train_state.step == 0  # nothing but verified tensors was applied
 
 
+@pytest.mark.parametrize(("fqn", "saved"), [("train_state.step", 10), ("dataloader.position", 30)])
+def test_a_damaged_bytes_item_is_rejected_like_a_damaged_tensor(
+    tmp_path: Path, fqn: str, saved: int, warnings_logged: pytest.LogCaptureFixture
+) -> None:
+    """A value that is not a tensor (the train state's step, the data position) is an item of
+    pickled bytes, which DCP reads through a path of its own. A flipped bit in the pickled
+    number still parses, as another number (10 -> 11): only its checksum sees it. The load
+    takes the older checkpoint, warning with the item's byte range; asked for by
+    ``checkpoint.load_step`` the run stops, and the damaged value never reaches its state."""
+    import io
+    import pickle
+
+    config, older, newest = _two_checkpoints(tmp_path)
+    name, offset, length = _item(newest, fqn)
+    data = bytearray((newest / name).read_bytes())
+    # torch.save's pickle (protocol 2) of a small int: b"\x80\x02K" + one byte + b".".
+    at = bytes(data).index(pickle.dumps(saved, protocol=2), offset, offset + length)
+    data[at + 3] ^= 0x01
+    item = bytes(data[offset : offset + length])
+    assert torch.load(io.BytesIO(item), weights_only=False) == saved ^ 0x01  # parses fine
+    (newest / name).write_bytes(bytes(data))
+    where = rf"{name} \(written by rank 0\), bytes \[{offset}, {offset + length}\) fails"
+
+    fresh = Run(config, seed=1)
+    assert fresh.checkpointer.load() == 5
+    _assert_same(fresh.snapshot(), older)
+    warned = [r.getMessage() for r in warnings_logged.records]
+    assert any(f"checkpoint {newest}:" in m and "fails its checksum" in m for m in warned), warned
+
+    config.checkpoint.load_step = 10
+    stopped = Run(config, seed=1)
+    with pytest.raises(CorruptCheckpointError, match=where):
+        stopped.checkpointer.load()
+    assert stopped.train_state.step == 0 and stopped.data.position == 0
+
+
 def test_an_item_damaged_after_the_size_check_is_caught_as_read(tmp_path: Path) -> None:
     """The sizes pass verify(); the flipped byte inside the item is caught by the reader, and
     the run takes the older checkpoint."""

@@ -175,6 +175,23 @@ def test_groups_that_trained_on_while_the_probe_formed_plan_from_when_it_ended(
     assert [(e["after"], e["planned_at"], e["steps"]) for e in probes] == [(2, 5, 20), (2, 3, 11)]
 
 
+def test_the_probe_s_plan_of_the_rest_counts_the_steps_before_it_in_the_cap(
+    events: list[Event],
+) -> None:
+    """Period 20, probe after step 2: this group takes 0.01 s per step, the straggler 1 s. The
+    rest of the period is one straggler step long (1 s), a hundred of this group's steps: it
+    plans 38 more, 40 in all (twice the period), the two taken before the probe counted."""
+    method = _Method(20, 2, 0.01)
+    them = Member(RUNNING, probe=1, step_us=1_000_000)
+    exchange = _exchange(method, 0, {1: them}, most_in_group=None)
+    exchange.clock = lambda: 0.0
+    assert exchange.on_probe() is True
+    exchange.after_probe()
+    assert method.plan.steps == 40
+    probes = [e for e in events if e.name == SPEED_PROBE.name]
+    assert [(e["planned_at"], e["steps"]) for e in probes] == [(2, 40)]
+
+
 @pytest.mark.parametrize(("waited", "steps"), [(1.0, 40), (2.0, 30), (3.5, 20)])
 def test_at_the_end_of_its_period_a_group_takes_what_is_left_of_the_probe_s_plan(
     events: list[Event], waited: float, steps: int

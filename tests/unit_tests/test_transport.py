@@ -18,6 +18,7 @@ from tests.unit_tests.test_compression import _varied
 from torchtitan.components.ft import FaultToleranceError, torchft_adapter
 from torchtitan.experiments.fault_tolerance import events
 from torchtitan.experiments.fault_tolerance.compression import get_codec
+from torchtitan.experiments.fault_tolerance.job_config import PSEUDO_GRAD_DTYPES
 from torchtitan.experiments.fault_tolerance.transport import (
     CollectiveTimeout,
     FragmentResiduals,
@@ -139,25 +140,31 @@ def test_a_residual_changes_only_when_its_sync_commits() -> None:
     assert not torch.equal(theirs[1], theirs[0])  # the other group committed
 
 
-def test_a_non_finite_pseudo_gradient_fails_the_sync_on_every_group(caplog) -> None:
-    """Group 1 sends a NaN in its second sync: both groups drop that sync, both residuals stay
-    as the first sync left them, group 1 is named as the source, and the next sync commits with
-    finite values."""
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("dtype", PSEUDO_GRAD_DTYPES)
+def test_a_non_finite_pseudo_gradient_fails_the_sync_on_every_group(
+    caplog, dtype: str, value: float
+) -> None:
+    """Group 1 sends a NaN, +inf or -inf in its second sync, in every dtype (compressed ones
+    with error feedback): both groups drop that sync, both residuals stay as the first sync
+    left them, group 1 is named as the source, and the next sync commits with finite values."""
+    compressed = dtype != "float32"
 
     def group(rank: int, pg: Any) -> dict[str, Any]:
         manager = LoopbackManager(pg, rank, 2)
-        sync = sync_manager(manager, "int4", error_feedback=True, bucket_numel=300)
+        sync = sync_manager(manager, dtype, error_feedback=compressed, bucket_numel=300)
         feedback = sync.residuals.feedback if sync.residuals else None
-        assert feedback is not None
-        out: dict[str, Any] = {"committed": [], "residuals": []}
+        assert (feedback is not None) == compressed
+        out: dict[str, Any] = {"committed": [], "residuals": [], "results": []}
         try:
             for number in range(3):
                 x = torch.randn(280, generator=torch.Generator().manual_seed(number + 10 * rank))
                 if rank == 1 and number == 1:
-                    x[137] = float("nan")
+                    x[137] = value
                 out["committed"].append(_sync_once(sync, manager, x))
-                out["residuals"].append(feedback.residual("fragment_0/0").clone())
-                out.setdefault("results", []).append(x)
+                if feedback is not None:
+                    out["residuals"].append(feedback.residual("fragment_0/0").clone())
+                out["results"].append(x)
         finally:
             sync.shutdown()
         return out
@@ -166,8 +173,9 @@ def test_a_non_finite_pseudo_gradient_fails_the_sync_on_every_group(caplog) -> N
         first, second = run_groups(2, group)
     for out in (first, second):
         assert out["committed"] == [True, False, True]
-        assert torch.equal(out["residuals"][1], out["residuals"][0])
-        assert all(torch.isfinite(r).all() for r in out["residuals"])
+        if compressed:
+            assert torch.equal(out["residuals"][1], out["residuals"][0])
+            assert all(torch.isfinite(r).all() for r in out["residuals"])
         assert torch.isfinite(out["results"][2]).all()
     seen = [event_of(r) for r in caplog.records]
     found = [e.fields for e in seen if e is not None and e.name == events.NON_FINITE.name]
@@ -286,6 +294,46 @@ def test_a_fragments_residuals_checkpoint_as_one_flat_tensor_and_continue_exactl
         sync(short, seed=4)
     short.reset()
     assert short.flat(0, 500).count_nonzero() == 0  # a heal drops the loaded too
+
+
+def test_a_fragment_sent_in_three_transfers_gets_each_residual_back_at_its_offset() -> None:
+    """int4 with error feedback: a fragment of 700 values travels in three transfers (300, 300
+    and 100: buckets of 300). After its first sync both groups restart from a checkpoint of
+    their residuals (one flat tensor of the fragment's size, as the checkpoint holds it): the
+    next two syncs deliver bit for bit what groups that never stopped deliver, and leave the
+    same residual under each transfer's key."""
+    numel, key = 700, FragmentResiduals.key
+
+    def group(rank: int, pg: Any, restart: bool) -> tuple[list[torch.Tensor], list[Any]]:
+        manager = LoopbackManager(pg, rank, 2)
+        sync = sync_manager(manager, "int4", error_feedback=True, bucket_numel=300)
+        results: list[torch.Tensor] = []
+        try:
+            for number in range(3):
+                if restart and number == 1:
+                    assert sync.residuals is not None
+                    saved = sync.residuals.flat(0, numel)  # the checkpoint's tensor
+                    sync.shutdown()
+                    manager = LoopbackManager(pg, rank, 2)
+                    sync = sync_manager(manager, "int4", error_feedback=True, bucket_numel=300)
+                    assert sync.residuals is not None
+                    sync.residuals.load(0, saved)
+                x = _varied(numel, seed=number + 10 * rank)
+                assert _sync_once(sync, manager, x)
+                assert [w.numel for w in sync.transport.works] == [300, 300, 100]
+                results.append(x)
+            assert sync.residuals is not None
+            return results, [sync.residuals.feedback.residual(key(0, n)) for n in range(3)]
+        finally:
+            sync.shutdown()
+
+    never_stopped = run_groups(2, lambda rank, pg: group(rank, pg, restart=False))
+    restarted = run_groups(2, lambda rank, pg: group(rank, pg, restart=True))
+    for (expected, expected_owed), (got, got_owed) in zip(never_stopped, restarted, strict=True):
+        for number in (1, 2):
+            assert torch.equal(got[number], expected[number]), f"sync {number}"
+        for n, (a, b) in enumerate(zip(got_owed, expected_owed, strict=True)):
+            assert a is not None and b is not None and torch.equal(a, b), f"transfer {n}"
 
 
 def test_a_rank_whose_collectives_no_longer_line_up_stops_at_its_next_sync() -> None:
