@@ -163,11 +163,12 @@ def draw_link_speed(folder: Path, out: Path) -> Path:
         ax.set_xlabel("link per group (Mbit/s)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    good.set_ylim(0, 1.15)
+    good.set_ylim(0, 1.05 * max(s[2] for row in series.values() for s in row["goodput"].values()))
     wait.set_ylim(0, 0.75)
     wait.legend(fontsize=7, loc="upper right")
+    repeats = len({r["repeat"] for r in wan["runs"]})
     fig.suptitle("2 groups, debug model (4.85 M), H=20, median and range of "
-                 f"{wan['settings'].get('repeats', 3)} repeats; wan.json", fontsize=10)  # fmt: skip
+                 f"{repeats} repeats; wan.json", fontsize=10)  # fmt: skip
     return _save(fig, plt, out / "link_speed.png")
 
 

@@ -30,14 +30,17 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.provenance import RESULTS
+from torchtitan.experiments.fault_tolerance.plan import IDLE_TARGET
 
 Result = dict[str, Any]
 HEADER = [
     "| figure | kind | value | range (n) | target | verdict | file |",
     "| --- | --- | --- | --- | --- | --- | --- |",
 ]
-#: The design's bar for a wait that overlap should hide: plan.py's idle target.
-HIDDEN_WAIT = 0.05
+#: Where plan.py says overlap hides the sync, the design expects no wait but the sync point's
+#: host work and the quorum's round trip: a group may spend at most the project's idle bar
+#: (plan.py's IDLE_TARGET, blocking DiLoCo's acceptable idle share) outside compute.
+HIDDEN_WAIT = IDLE_TARGET
 
 
 @dataclass(frozen=True)
@@ -275,278 +278,97 @@ def soak_goodput(r: Result) -> list[float]:
 
 
 PCT = "{:.1%}"
+# fmt: off
 FIGURES = [
     # bytes
-    Figure(
-        "int8 bytes per sync / float32's (DiLoCo, 100 Mbit/s)",
-        "wan_compression_share.json",
-        bytes_vs_float32("int8"),
-        "bytes",
-        ("<=", 0.27),
-    ),
-    Figure(
-        "int4 bytes per sync / float32's",
-        "wan_compression_share.json",
-        bytes_vs_float32("int4"),
-        "bytes",
-        ("<=", 0.14),
-    ),
-    Figure(
-        "heal replay bytes / full heal, int4, 3 missed syncs",
-        "heal_replay.json",
-        heal_case(100.0, "int4", "K=3", "bytes_vs_full"),
-        "bytes",
-        ("<=", 0.10),
-        fmt=PCT,
-    ),
-    Figure(
-        "heal replay bytes / full heal, int4, 10 missed syncs",
-        "heal_replay.json",
-        heal_case(100.0, "int4", "K=10", "bytes_vs_full"),
-        "bytes",
-        ("<=", 0.30),
-        fmt=PCT,
-    ),
-    Figure(
-        "DiLoCo peak RSS - no FT, in parameter bytes (`bench_1024x8`)",
-        "memory.json",
-        memory_over_params("diloco"),
-        "bytes",
-        ("<=", 2.2),
-        fmt="{:.2f}",
-    ),
-    Figure(
-        "async DiLoCo peak RSS - no FT, in parameter bytes",
-        "memory.json",
-        memory_over_params("async_diloco"),
-        "bytes",
-        fmt="{:.2f}",
-    ),
-    # waits where the design says there should be none
-    Figure(
-        "async DiLoCo wait share, 100 Mbit/s (plan: hidden)",
-        "wan_100mbit.json",
-        steady_wait("async_diloco", 100.0),
-        "wait",
-        ("<=", HIDDEN_WAIT),
-        fmt=PCT,
-    ),
-    Figure(
-        "async DiLoCo + DyLU wait share, 100 Mbit/s (plan: hidden)",
-        "wan_100mbit.json",
-        steady_wait("async_dylu", 100.0),
-        "wait",
-        ("<=", HIDDEN_WAIT),
-        fmt=PCT,
-    ),
-    Figure(
-        "Streaming DiLoCo wait share, 100 Mbit/s (plan: hidden)",
-        "wan_100mbit.json",
-        steady_wait("streaming_diloco", 100.0),
-        "wait",
-        ("<=", HIDDEN_WAIT),
-        fmt=PCT,
-    ),
-    Figure(
-        "async DiLoCo int8 wait share, 10 Mbit/s (plan: hidden)",
-        "wan_async_int8_10mbit.json",
-        steady_wait("async_diloco", 10.0, "int8"),
-        "wait",
-        ("<=", HIDDEN_WAIT),
-        fmt=PCT,
-    ),
-    Figure(
-        "async DiLoCo int4+EF wait share, 10 Mbit/s (plan: hidden)",
-        "wan_int4_10mbit.json",
-        steady_wait("async_diloco", 10.0, "int4"),
-        "wait",
-        ("<=", HIDDEN_WAIT),
-        fmt=PCT,
-    ),
-    Figure(
-        "async + DyLU wait share, a 2x straggler, either group",
-        "wan_straggler.json",
-        steady_wait("async_dylu", 100.0),
-        "wait",
-        ("<=", HIDDEN_WAIT),
-        fmt=PCT,
-    ),
-    Figure(
-        "DyLU's first period: fast group's whole-run - steady wait share",
-        "wan_dylu_probe.json",
-        first_period_wait("async_dylu"),
-        "wait",
-        ("<=", HIDDEN_WAIT),
-        fmt=PCT,
-    ),
-    Figure(
-        "survivor's wait at a rejoin / its period (H=300)",
-        "recovery_long_period.json",
-        rejoin_wait_over_period,
-        "wait",
-        ("<=", HIDDEN_WAIT),
-        fmt=PCT,
-    ),
-    Figure(
-        "survivor's kill -> next committed sync, in heartbeat timeouts",
-        "recovery.json",
-        kill_stall_in_heartbeats,
-        "wait",
-        ("<=", 2.0),
-        fmt="{:.2f}",
-    ),
-    Figure(
-        "async survivor's stall after a kill / collective timeout",
-        "recovery_async.json",
-        async_stall_over_collective_timeout,
-        "wait",
-        ("<=", 0.05),
-        fmt=PCT,
-    ),
-    Figure(
-        "survivor's longest pause, replay (K=3) / full heal, 100 Mbit/s",
-        "heal_replay.json",
-        heal_case(100.0, "int4", "K=3", "survivor_longest_step_gap_s"),
-        "wait",
-        ("<=", 1.0),
-        fmt="{:.2f}",
-    ),
+    Figure("int8 bytes per sync / float32's (DiLoCo, 100 Mbit/s)", "wan_compression_share.json",
+           bytes_vs_float32("int8"), "bytes", ("<=", 0.27)),
+    Figure("int4 bytes per sync / float32's", "wan_compression_share.json",
+           bytes_vs_float32("int4"), "bytes", ("<=", 0.14)),
+    Figure("heal replay bytes / full heal, int4, 3 missed syncs", "heal_replay.json",
+           heal_case(100.0, "int4", "K=3", "bytes_vs_full"), "bytes", ("<=", 0.10), fmt=PCT),
+    Figure("heal replay bytes / full heal, int4, 10 missed syncs", "heal_replay.json",
+           heal_case(100.0, "int4", "K=10", "bytes_vs_full"), "bytes", ("<=", 0.30), fmt=PCT),
+    Figure("DiLoCo peak RSS - no FT, in parameter bytes (`bench_1024x8`)", "memory.json",
+           memory_over_params("diloco"), "bytes", ("<=", 2.2), fmt="{:.2f}"),
+    Figure("async DiLoCo peak RSS - no FT, in parameter bytes", "memory.json",
+           memory_over_params("async_diloco"), "bytes", fmt="{:.2f}"),
+    # waits where plan.py says the sync is hidden, and waits against a bound of the design
+    Figure("async DiLoCo wait share, 100 Mbit/s (plan: hidden)", "wan_100mbit.json",
+           steady_wait("async_diloco", 100.0), "wait", ("<=", HIDDEN_WAIT), fmt=PCT),
+    Figure("async DiLoCo + DyLU wait share, 100 Mbit/s (plan: hidden)", "wan_100mbit.json",
+           steady_wait("async_dylu", 100.0), "wait", ("<=", HIDDEN_WAIT), fmt=PCT),
+    Figure("Streaming DiLoCo wait share, 100 Mbit/s (plan: a fragment within its delay)",
+           "wan_100mbit.json", steady_wait("streaming_diloco", 100.0), "wait",
+           ("<=", HIDDEN_WAIT), fmt=PCT),
+    Figure("async DiLoCo int8 wait share, 10 Mbit/s (plan: hidden)", "wan_async_int8_10mbit.json",
+           steady_wait("async_diloco", 10.0, "int8"), "wait", ("<=", HIDDEN_WAIT), fmt=PCT),
+    Figure("async DiLoCo int4+EF wait share, 10 Mbit/s (plan: hidden)", "wan_int4_10mbit.json",
+           steady_wait("async_diloco", 10.0, "int4"), "wait", ("<=", HIDDEN_WAIT), fmt=PCT),
+    Figure("async + DyLU wait share, a 2x straggler, either group", "wan_straggler.json",
+           steady_wait("async_dylu", 100.0), "wait", ("<=", HIDDEN_WAIT), fmt=PCT),
+    Figure("survivor's wait at a rejoin / its period (H=300)", "recovery_long_period.json",
+           rejoin_wait_over_period, "wait", ("<=", HIDDEN_WAIT), fmt=PCT),
+    Figure("survivor's kill -> next committed sync, in heartbeat timeouts", "recovery.json",
+           kill_stall_in_heartbeats, "wait", ("<=", 2.0), fmt="{:.2f}"),
+    Figure("async survivors' stall after a kill / collective timeout (per survivor and kill)",
+           "recovery_async.json", async_stall_over_collective_timeout, "wait", ("<=", 0.05),
+           fmt=PCT),
+    Figure("survivor's longest pause, replay (K=3) / full heal, 100 Mbit/s", "heal_replay.json",
+           heal_case(100.0, "int4", "K=3", "survivor_longest_step_gap_s"), "wait", ("<=", 1.0),
+           fmt="{:.2f}"),
     # host time against a reference timed in the same run
-    Figure(
-        "async sync point's host work, in memcpys (1e8 values)",
-        "outer_step.json",
-        outer_step_memcpys,
-        "host",
-        ("<=", 6.0),
-        fmt="{:.2f}",
-    ),
-    Figure(
-        "MFU against the same run's float32 matmul peak",
-        "peer_throughput.json",
-        mfu,
-        "host",
-        (">=", 0.40),
-        fmt=PCT,
-    ),
+    Figure("async sync point's host work, in memcpys (1e8 values; per sync point)",
+           "outer_step.json", outer_step_memcpys, "host", ("<=", 6.0), fmt="{:.2f}"),
+    Figure("MFU against the same invocation's float32 matmul peak", "peer_throughput.json", mfu,
+           "host", (">=", 0.40), fmt=PCT),
     # held-out loss, every seed
-    Figure(
-        "DiLoCo / synchronous DP held-out loss",
-        "convergence.json",
-        loss_ratio("diloco", "sync_dp"),
-        "loss",
-        ("<=", 1.01),
-        every=True,
-    ),
-    Figure(
-        "int8 / float32 DiLoCo held-out loss",
-        "convergence.json",
-        loss_ratio("diloco_int8", "diloco"),
-        "loss",
-        ("<=", 1.01),
-        every=True,
-    ),
-    Figure(
-        "int4+EF / float32 DiLoCo held-out loss",
-        "convergence.json",
-        loss_ratio("diloco_int4_ef", "diloco"),
-        "loss",
-        ("<=", 1.02),
-        every=True,
-    ),
-    Figure(
-        "async DiLoCo (eager) / DiLoCo held-out loss",
-        "convergence.json",
-        loss_ratio("async_eager", "diloco"),
-        "loss",
-        ("<=", 1.02),
-        every=True,
-    ),
-    Figure(
-        "async + DyLU / blocking DiLoCo loss, 2x straggler, same time",
-        "convergence_straggler.json",
-        straggler_loss_ratio,
-        "loss",
-        ("<", 1.0),
-        every=True,
-    ),
+    Figure("DiLoCo / synchronous DP held-out loss", "convergence.json",
+           loss_ratio("diloco", "sync_dp"), "loss", ("<=", 1.01), every=True),
+    Figure("int8 / float32 DiLoCo held-out loss", "convergence.json",
+           loss_ratio("diloco_int8", "diloco"), "loss", ("<=", 1.01), every=True),
+    Figure("int4+EF / float32 DiLoCo held-out loss", "convergence.json",
+           loss_ratio("diloco_int4_ef", "diloco"), "loss", ("<=", 1.02), every=True),
+    Figure("async DiLoCo (eager) / DiLoCo held-out loss", "convergence.json",
+           loss_ratio("async_eager", "diloco"), "loss", ("<=", 1.02), every=True),
     # counts
-    Figure(
-        "soak (10 min, 19 kills): committed / attempted steps",
-        "recovery_soak.json",
-        soak("committed_over_attempted_steps"),
-        "count",
-        (">=", 0.80),
-    ),
-    Figure(
-        "soak: syncs whose global parameters differ",
-        "recovery_soak.json",
-        soak("mismatched_syncs"),
-        "count",
-        ("==", 0.0),
-        fmt="{:.0f}",
-    ),
-    Figure(
-        "soak: survivor crashes",
-        "recovery_soak.json",
-        soak("crashes"),
-        "count",
-        ("==", 0.0),
-        fmt="{:.0f}",
-    ),
-    # wall-clock ratios between processes: reported, never judged
-    Figure(
-        "job goodput / no FT, DiLoCo, 100 Mbit/s", "wan_100mbit.json", goodput("diloco@100mbit")
-    ),
-    Figure(
-        "job goodput / no FT, Streaming DiLoCo, 100 Mbit/s",
-        "wan_100mbit.json",
-        goodput("streaming_diloco@100mbit"),
-    ),
-    Figure(
-        "job goodput / no FT, async DiLoCo, 100 Mbit/s",
-        "wan_100mbit.json",
-        goodput("async_diloco@100mbit"),
-    ),
-    Figure(
-        "job goodput / no FT, async + DyLU, 100 Mbit/s",
-        "wan_100mbit.json",
-        goodput("async_dylu@100mbit"),
-    ),
-    Figure(
-        "job goodput / no FT, async DiLoCo int8, 10 Mbit/s",
-        "wan_async_int8_10mbit.json",
-        goodput("async_diloco@10mbit_int8"),
-    ),
-    Figure(
-        "job goodput / no FT, async DiLoCo int4+EF, 10 Mbit/s",
-        "wan_int4_10mbit.json",
-        goodput("async_diloco@10mbit_int4_ef"),
-    ),
-    Figure(
-        "job goodput / no FT, async + DyLU, 2x straggler",
-        "wan_straggler.json",
-        goodput("async_dylu@100mbit_straggler2"),
-    ),
+    Figure("soak (10 min, 19 kills): committed / attempted steps", "recovery_soak.json",
+           soak("committed_over_attempted_steps"), "count", (">=", 0.80)),
+    Figure("soak: syncs whose global parameters differ", "recovery_soak.json",
+           soak("mismatched_syncs"), "count", ("==", 0.0), fmt="{:.0f}"),
+    Figure("soak: survivor crashes", "recovery_soak.json", soak("crashes"), "count",
+           ("==", 0.0), fmt="{:.0f}"),
+    # reported, never judged: wall-clock between processes, or a figure the machine moves
+    Figure("job goodput / no FT, DiLoCo, 100 Mbit/s", "wan_100mbit.json",
+           goodput("diloco@100mbit")),
+    Figure("job goodput / no FT, Streaming DiLoCo, 100 Mbit/s", "wan_100mbit.json",
+           goodput("streaming_diloco@100mbit")),
+    Figure("job goodput / no FT, async DiLoCo, 100 Mbit/s", "wan_100mbit.json",
+           goodput("async_diloco@100mbit")),
+    Figure("job goodput / no FT, async + DyLU, 100 Mbit/s", "wan_100mbit.json",
+           goodput("async_dylu@100mbit")),
+    Figure("job goodput / no FT, async DiLoCo int8, 10 Mbit/s", "wan_async_int8_10mbit.json",
+           goodput("async_diloco@10mbit_int8")),
+    Figure("job goodput / no FT, async DiLoCo int4+EF, 10 Mbit/s", "wan_int4_10mbit.json",
+           goodput("async_diloco@10mbit_int4_ef")),
+    Figure("job goodput / no FT, async + DyLU, 2x straggler", "wan_straggler.json",
+           goodput("async_dylu@100mbit_straggler2")),
+    # The whole run includes the closing sync, whose share grows as the machine computes faster.
+    Figure("DyLU's first period: fast group's whole-run - steady wait share",
+           "wan_dylu_probe.json", first_period_wait("async_dylu"), fmt=PCT),
+    # Blocking DiLoCo's schedule is sized from other runs' wall time.
+    Figure("async + DyLU / blocking DiLoCo loss, 2x straggler, about the same wall time",
+           "convergence_straggler.json", straggler_loss_ratio),
     Figure("DiLoCo tokens/s / no FT (loopback)", "ft_overhead.json", ft_overhead_ratio("diloco")),
-    Figure(
-        "ours / upstream torchtitan 0.3.0 tokens/s (same attention)",
-        "peer_throughput.json",
-        peer_ratio,
-    ),
+    Figure("ours / upstream torchtitan 0.3.0 tokens/s (same attention)", "peer_throughput.json",
+           peer_ratio),
     Figure("soak goodput, downtime counted / no FT", "recovery_soak.json", soak_goodput),
-    Figure(
-        "checkpoint save time with checksums / without, - 1",
-        "checkpoint_checksums.json",
-        checksum_overhead("save"),
-        fmt=PCT,
-    ),
-    Figure(
-        "int4 encode + decode / sync time (100 Mbit/s)",
-        "wan_compression_share.json",
-        compression_share("int4"),
-        fmt=PCT,
-    ),
+    Figure("checkpoint save time with checksums / without, - 1", "checkpoint_checksums.json",
+           checksum_overhead("save"), fmt=PCT),
+    Figure("int4 encode + decode / sync time (100 Mbit/s)", "wan_compression_share.json",
+           compression_share("int4"), fmt=PCT),
 ]
+# fmt: on
 
 
 def table(folder: Path = RESULTS) -> str:

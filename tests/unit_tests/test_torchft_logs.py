@@ -68,11 +68,31 @@ def test_torchft_python_loggers_follow_rust_log(monkeypatch: pytest.MonkeyPatch)
 
 @pytest.mark.parametrize(
     "setting, shows",
-    [(None, False), ("warn", False), ("error", False), ("info", True), ("DEBUG", True),
-     ("warn,torchft::manager=trace", True)],
+    [("warn", False), ("error", False), ("WARN", False), ("info", True), ("DEBUG", True),
+     ("trace", True), (None, True), ("", True), ("off", True), ("torchft=warn", True)],
 )  # fmt: skip
-def test_which_rust_log_values_let_info_through(setting: str | None, shows: bool) -> None:
+def test_which_rust_log_values_let_info_through_as_torchft_reads_them(
+    setting: str | None, shows: bool
+) -> None:
+    # torchft 0.2.0 takes one level word; anything else, or nothing, reads as info.
     assert torchft_logs.asks_for_info(setting) is shows
+
+
+def test_the_lighthouse_logs_info_unless_the_user_chose_a_level(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("RUST_LOG", raising=False)
+    monkeypatch.delenv(torchft_logs.DEFAULTED, raising=False)
+    torchft_logs.quiet_by_default()
+    assert os.environ["RUST_LOG"] == "warn"
+    assert torchft_logs.lighthouse_setting() == "info"  # our default is not the user's choice
+    monkeypatch.setenv("RUST_LOG", "error")  # the user's, even beside the marker
+    assert torchft_logs.lighthouse_setting() == "error"
+    torchft_logs.quiet_by_default()
+    assert os.environ["RUST_LOG"] == "error"
+    monkeypatch.delenv(torchft_logs.DEFAULTED)
+    monkeypatch.setenv("RUST_LOG", "warn")
+    assert torchft_logs.lighthouse_setting() == "warn"
 
 
 @pytest.mark.parametrize(
