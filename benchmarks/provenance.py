@@ -89,7 +89,8 @@ def machine() -> dict[str, Any]:
         "torch": torch.__version__,
         "git_commit": _git("rev-parse", "--short", "HEAD"),
         # Tracked files that differ from the commit: the numbers may not be the commit's. The
-        # results folder is left out: a rerun rewrites its own (tracked) result file as it goes.
+        # results folder is left out (a rerun rewrites its own result file as it goes), and so
+        # are docs, which no benchmark runs.
         "git_dirty": bool(
             _git(
                 "status",
@@ -98,6 +99,7 @@ def machine() -> dict[str, Any]:
                 "--",
                 ".",
                 f":(exclude){RESULTS_REL}",
+                ":(exclude)*.md",
             )
         ),
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
