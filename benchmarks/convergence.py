@@ -782,6 +782,21 @@ def plot_wall_clock(runs: dict[str, dict[int, dict]], path: Path, title: str) ->
     return str(path)
 
 
+def wall_clock_json(runs: dict[str, dict[int, dict]]) -> dict[str, dict[str, dict]]:
+    """The wall-clock runs as their result file holds them: seeds and seconds as strings,
+    each curve in time order."""
+    return {
+        config: {
+            str(seed): {
+                **{k: v for k, v in run.items() if k != "curve"},
+                "curve": {str(t): v for t, v in sorted(run["curve"].items())},
+            }
+            for seed, run in by_seed.items()
+        }
+        for config, by_seed in runs.items()
+    }
+
+
 def link_text(rate: float | None) -> str:
     return "loopback" if rate is None else f"{rate:g} Mbit/s per group (tc tbf)"
 
@@ -810,16 +825,7 @@ def straggler_main(args: argparse.Namespace, argv: list[str] | None, chosen: dic
         "summary": straggler_summary(runs, args.parameters),
         "target": "async_dylu's final loss below blocking diloco's, on a schedule of its own "
         "that ends at about the same wall-clock time, for every seed",
-        "curves": {
-            name: {
-                str(seed): {
-                    **{k: v for k, v in run.items() if k != "curve"},
-                    "curve": {str(t): v for t, v in sorted(run["curve"].items())},
-                }
-                for seed, run in by_seed.items()
-            }
-            for name, by_seed in runs.items()
-        },  # fmt: skip
+        "curves": wall_clock_json(runs),
         "png": plot_wall_clock(runs, args.png, title),
     }
     path = provenance.write_result(args.out, result, provenance.command_line(__file__, argv))
@@ -867,16 +873,7 @@ def link_main(args: argparse.Namespace, argv: list[str] | None, chosen: dict) ->
         "parameters": args.parameters,
         "eval_split": args.eval_split,
         "summary": summary,
-        "curves": {
-            config: {
-                str(seed): {
-                    **{k: v for k, v in run.items() if k != "curve"},
-                    "curve": {str(t): v for t, v in sorted(run["curve"].items())},
-                }
-                for seed, run in by_seed.items()
-            }
-            for config, by_seed in runs.items()
-        },
+        "curves": wall_clock_json(runs),
         "png": plot_wall_clock(runs, args.png, title),
     }
     path = provenance.write_result(args.out, result, provenance.command_line(__file__, argv))
