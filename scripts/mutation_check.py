@@ -105,8 +105,8 @@ MUTANTS = [
         "async DiLoCo: the period's start does not move with the global copy",
         f"{PACKAGE}/async_state.py",
         "            self.period_start[name].copy_(self.global_copy[name])\n"
-        "        _wait_for_copies",
-        "            pass\n        _wait_for_copies",
+        "        wait_for_copies(self.model_device)  # the shifts",
+        "            pass\n        wait_for_copies(self.model_device)  # the shifts",
     ),
     Mutant(
         "agreement: a tie counts as a majority",
