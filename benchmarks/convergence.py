@@ -6,6 +6,8 @@ Streaming DiLoCo and async DiLoCo on the embedded corpus; or, with a straggler, 
         --sweep-outer-momentum 0.0 0.9          # DiLoCo's outer optimizer, at DP's best lr
     .venv/bin/python -m benchmarks.convergence --from-sweep --sweep-method async_eager \
         --sweep-outer-lr 0.5 1.0 --sweep-outer-momentum 0.0 0.5    # async DiLoCo's own
+    .venv/bin/python -m benchmarks.convergence --from-sweep --sweep-method diloco_sparse \
+        --sweep-outer-lr 0.5 0.7 1.0                                # sparse's (momentum 0)
     .venv/bin/python -m benchmarks.convergence --from-sweep      # the report (seeds 1 2 3)
     .venv/bin/python -m benchmarks.convergence --from-sweep --straggler 2
     .venv/bin/python -m benchmarks.convergence --smoke     # seconds; checks the plumbing only
@@ -19,7 +21,8 @@ groups).
 How the hyperparameters are chosen, fairly: synchronous DP's learning rate
 (``--sweep-lr``), blocking DiLoCo's outer optimizer and async DiLoCo's
 (``--sweep-outer-lr`` x ``--sweep-outer-momentum``, ``--sweep-method diloco`` or
-``async_eager``, at DP's best learning rate, which is every method's inner learning rate)
+``async_eager``; sparse's outer lr at momentum 0, ``--sweep-method diloco_sparse``, used by
+both sparse rows; at DP's best learning rate, which is every method's inner learning rate)
 each get a sweep of their own, on seeds ``--sweep-seeds`` (default 0) and on the *selection*
 half of the held-out documents. ``--from-sweep`` takes the best of each from the sweep file
 (where the file has no async sweep, async DiLoCo takes ``--async-outer-*``, else blocking
@@ -40,8 +43,10 @@ two halves by size, so that each holds about 57 k tokens (``held_out_halves``).
   the average applied at once, the others' when it arrives);
 * ``async_eager_dn``, ``async_delayed_dn``: the same with Delayed Nesterov
   (``outer_momentum_every=2``, momentum ``--dn-momentum``);
-* ``diloco_int8``, ``diloco_int4_ef``: DiLoCo with compressed pseudo-gradients (int8; int4
-  with error feedback). These and the async rows add ``ratio_to_diloco``.
+* ``diloco_int8``, ``diloco_int4_ef``, ``diloco_sparse``: DiLoCo with compressed
+  pseudo-gradients (int8; int4 with error feedback; sparse at its defaults, with error
+  feedback); ``async_eager_sparse``: async DiLoCo (eager) with sparse. These and the async
+  rows add ``ratio_to_diloco``, and the async compressed rows ``ratio_to_async_eager``.
 
 Every figure says its tokens per parameter; every mean over seeds comes with its range, and
 every ratio with the range of the per-seed ratios.
@@ -84,17 +89,20 @@ from torchtitan.trainer import TRAINING_FINISHED, TRAINING_STARTED, VALIDATION
 
 CONFIGS = ["single_group", "sync_dp", "localsgd", "diloco", "streaming_diloco", "async_eager",
            "async_delayed", "async_eager_share", "async_eager_dn", "async_delayed_dn",
-           "diloco_int8", "diloco_int4_ef", "async_eager_int8"]  # fmt: skip
+           "diloco_int8", "diloco_int4_ef", "async_eager_int8", "diloco_sparse",
+           "async_eager_sparse"]  # fmt: skip
 #: The report's default rows: the comparisons the README's targets are about.
 REPORT_CONFIGS = ["single_group", "sync_dp", "localsgd", "diloco", "streaming_diloco",
-                  "async_eager", "diloco_int8", "diloco_int4_ef"]  # fmt: skip
+                  "async_eager", "diloco_int8", "diloco_int4_ef", "diloco_sparse",
+                  "async_eager_sparse"]  # fmt: skip
 BASE_METHOD = {"sync_dp": "sync_ft", "localsgd": "localsgd", "diloco": "diloco",
                "streaming_diloco": "streaming_diloco", "async_eager": "async_diloco",
                "async_delayed": "async_delayed", "async_eager_share": "async_eager_share",
                "async_eager_dn": "async_eager_dn",
                "async_delayed_dn": "async_delayed_dn", "async_dylu": "async_dylu",
                "diloco_int8": "diloco_int8", "diloco_int4_ef": "diloco_int4_ef",
-               "async_eager_int8": "async_diloco_int8"}  # fmt: skip
+               "async_eager_int8": "async_diloco_int8", "diloco_sparse": "diloco_sparse",
+               "async_eager_sparse": "async_diloco_sparse"}  # fmt: skip
 #: With --straggler: blocking DiLoCo against async DiLoCo with DyLU.
 STRAGGLER_CONFIGS = ["diloco", "async_eager", "async_dylu"]
 #: With --rate alone: held-out loss against wall-clock behind a slow link, per method and dtype.
@@ -102,7 +110,7 @@ LINK_CONFIGS = ["diloco", "diloco_int8", "diloco_int4_ef", "streaming_diloco", "
                 "async_eager_int8"]  # fmt: skip
 #: The methods whose outer optimizer gets a sweep of its own (``--sweep-method``): blocking
 #: DiLoCo's is used by every DiLoCo row, async DiLoCo's by the ``async_*`` rows.
-OUTER_SWEPT = ("diloco", "async_eager")
+OUTER_SWEPT = ("diloco", "async_eager", "diloco_sparse")
 #: The halves of the held-out documents: ``select`` for the sweeps, ``test`` for the report.
 EVAL_SPLITS = ("select", "test")
 TARGETS = {
@@ -110,6 +118,7 @@ TARGETS = {
     "async_eager ratio_to_diloco": "<= 1.02",
     "diloco_int8 ratio_to_diloco": "<= 1.01",
     "diloco_int4_ef ratio_to_diloco": "<= 1.02",
+    "diloco_sparse ratio_to_diloco": "<= 1.02",
 }
 
 Curves = dict[str, dict[int, dict[int, float]]]
@@ -143,6 +152,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--async-outer-momentum", type=float, default=None,
                    help="its Nesterov momentum (the *_dn rows: --dn-momentum); default: "
                    "--outer-momentum")  # fmt: skip
+    p.add_argument("--sparse-outer-lr", type=float, default=None,
+                   help="outer lr of the *_sparse rows, whose outer momentum is 0 (the "
+                   "residual's decay takes its place); default: --outer-lr")  # fmt: skip
     p.add_argument(
         "--dn-momentum",
         type=float,
@@ -210,6 +222,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.png = args.png or args.out.with_suffix(".png")
     args.parameters = None  # the model's, from the first run's train.started
     return args
+
+
+def sparse_outer_lr(args: argparse.Namespace) -> float:
+    """The sparse rows' outer lr (their outer momentum is 0: the residual's decay takes its
+    place): ``--sparse-outer-lr`` where given (or chosen by ``--from-sweep``), else DiLoCo's."""
+    return args.outer_lr if args.sparse_outer_lr is None else args.sparse_outer_lr
 
 
 def async_outer(args: argparse.Namespace) -> tuple[float, float]:
@@ -322,7 +340,9 @@ def semi_sync_args(args: argparse.Namespace, config: str) -> list[str]:
     rows (``*_dn``) take ``--dn-momentum``, which that optimizer needs."""
     if config == "localsgd":  # no outer optimizer: the trainer refuses its fields
         return [f"--fault_tolerance.sync_steps={args.sync_steps}"]
-    if config.startswith("async"):
+    if config.endswith("_sparse"):
+        lr, momentum = sparse_outer_lr(args), 0.0
+    elif config.startswith("async"):
         lr, momentum = async_outer(args)
     else:
         lr, momentum = args.outer_lr, args.outer_momentum
@@ -376,6 +396,10 @@ def summarize(curves: Curves, parameters: int | None = None) -> dict[str, dict]:
         for config, row in table.items():
             if config.startswith("async") or config.startswith("diloco_"):
                 _ratio(row, table["diloco"], "ratio_to_diloco")
+    if "async_eager" in table:
+        for config, row in table.items():
+            if config.startswith("async_eager_"):
+                _ratio(row, table["async_eager"], "ratio_to_async_eager")
     return table
 
 
@@ -446,6 +470,8 @@ def settings(args: argparse.Namespace) -> dict:
         "lr": f"AdamW {args.lr:g}, warmup 20, linear decay to 0",
         "outer_optimizer": f"SGD lr {args.outer_lr}, momentum {args.outer_momentum}, Nesterov",
         "async_outer_optimizer": "SGD lr {}, momentum {}, Nesterov".format(*async_outer(args)),
+        "sparse_outer_optimizer": f"SGD lr {sparse_outer_lr(args)}, momentum 0 (residual decay "
+        "0.9, the field's default)",
         "delayed_nesterov_rows": f"momentum {args.dn_momentum}, applied every 2 outer steps",
         "streaming": "2 fragments, fragment_sync_delay=1",
         "threads": "1 per process; 2-group runs: group i on core i; single group unpinned",
@@ -453,7 +479,8 @@ def settings(args: argparse.Namespace) -> dict:
 
 
 #: Settings that the hyperparameters under comparison may change between runs.
-TUNED = ("lr", "outer_optimizer", "async_outer_optimizer", "delayed_nesterov_rows")
+TUNED = ("lr", "outer_optimizer", "async_outer_optimizer", "sparse_outer_optimizer",
+         "delayed_nesterov_rows")  # fmt: skip
 
 
 def same_run_settings(saved: dict, args: argparse.Namespace) -> bool:
@@ -540,6 +567,11 @@ def take_from_sweep(args: argparse.Namespace) -> dict[str, object]:
     else:  # no sweep of its own: what the command line says, DiLoCo's where it is silent
         chosen.update(async_outer_optimizer="the command line's (--async-outer-*; DiLoCo's "
                       "where not given): the file has no async_eager sweep")  # fmt: skip
+    if "diloco_sparse" in best_outer:
+        args.sparse_outer_lr = best_outer["diloco_sparse"]["outer_lr"]
+        chosen.update(sparse_outer_lr=args.sparse_outer_lr,
+                      sparse_runs_swept=sum(r["config"] == "diloco_sparse" and r["lr"] == args.lr
+                                            for r in saved["rows"]))  # fmt: skip
     chosen.update(sweep_file=str(args.sweep_out), sweep_seeds=saved["seeds"],
                   sweep_eval_split=saved.get("eval_split"))  # fmt: skip
     return chosen
@@ -572,6 +604,7 @@ def sweep(args: argparse.Namespace) -> int:
         # A grid given in one dimension only: the other at the swept method's own setting.
         lr0, momentum0 = (
             async_outer(args) if args.sweep_method == "async_eager"
+            else (sparse_outer_lr(args), 0.0) if args.sweep_method == "diloco_sparse"
             else (args.outer_lr, args.outer_momentum)
         )  # fmt: skip
         points = [
@@ -584,6 +617,7 @@ def sweep(args: argparse.Namespace) -> int:
         if outer_lr is not None:
             args.outer_lr, args.outer_momentum = outer_lr, momentum
             args.async_outer_lr, args.async_outer_momentum = outer_lr, momentum
+            args.sparse_outer_lr = outer_lr
         curves: Curves = {}
         with tempfile.TemporaryDirectory(prefix="convergence_sweep_") as tmp:
             run_all(args, Path(tmp), curves, lambda c: None, "select")

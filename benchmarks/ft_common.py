@@ -109,7 +109,34 @@ METHODS: dict[str, list[str]] = {
         "--fault_tolerance.pseudo_grad_dtype=int4",
         "--fault_tolerance.error_feedback",
     ],
+    "diloco_sparse": [
+        SEMI_SYNC_MODULE,
+        "--fault_tolerance.semi_sync_method=diloco",
+        "--fault_tolerance.pseudo_grad_dtype=sparse",
+        "--fault_tolerance.error_feedback",
+        "--fault_tolerance.outer_momentum=0",
+    ],
+    "async_diloco_sparse": [
+        SEMI_SYNC_MODULE,
+        "--fault_tolerance.semi_sync_method=async_diloco",
+        "--fault_tolerance.pseudo_grad_dtype=sparse",
+        "--fault_tolerance.error_feedback",
+        "--fault_tolerance.outer_momentum=0",
+    ],
 }
+
+
+def dtype_flags(dtype: str, error_feedback: bool = False) -> list[str]:
+    """The trainer flags of ``fault_tolerance.pseudo_grad_dtype=dtype`` (none for float32),
+    with what the dtype needs: sparse always has error feedback and no outer momentum."""
+    if dtype == "float32":
+        return []
+    flags = [f"--fault_tolerance.pseudo_grad_dtype={dtype}"]
+    if error_feedback or dtype == "sparse":
+        flags.append("--fault_tolerance.error_feedback")
+    if dtype == "sparse":
+        flags.append("--fault_tolerance.outer_momentum=0")
+    return flags
 
 
 def stop_cleanly_on_sigterm() -> None:

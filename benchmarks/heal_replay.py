@@ -49,11 +49,13 @@ from torchtitan.experiments.fault_tolerance.events import (
     HEALED,
     SYNC,
 )
+from torchtitan.experiments.fault_tolerance.job_config import PSEUDO_GRAD_DTYPES
 from torchtitan.tools.cluster import LocalJob
 from torchtitan.tools.events import Event, EventKind
 
-#: Targets (the issue's): a replay's bytes against the same job's full heal.
-TARGETS = {"int4, K <= 3": 0.10, "int4, K = 10": 0.30}
+#: Targets (the issues'): a replay's bytes against the same job's full heal, per dtype, for
+#: K <= 3 and K = 10 missed syncs.
+TARGETS = {"int4": {3: 0.10, 10: 0.30}, "sparse": {3: 0.01, 10: 0.03}}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,8 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rates", type=float, nargs="+", default=[100.0, 1000.0],
                    help="link rates, Mbit/s (default 100 1000; 0: no shaping)")  # fmt: skip
     p.add_argument("--dtypes", nargs="+", default=["int8", "int4"],
-                   choices=["float32", "bfloat16", "int8", "int4"],
-                   help="fault_tolerance.pseudo_grad_dtype (default int8 int4)")  # fmt: skip
+                   choices=PSEUDO_GRAD_DTYPES,
+                   help="fault_tolerance.pseudo_grad_dtype (default int8 int4; sparse with "
+                   "its error feedback and outer momentum 0)")  # fmt: skip
     p.add_argument("--missed", type=int, nargs="+", default=[1, 3, 10],
                    help="syncs group 1 misses before it replays (default 1 3 10)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=3)
@@ -210,7 +213,7 @@ def run_job(folder: Path, rate: float, dtype: str, args: argparse.Namespace) -> 
         "--metrics.cpu_peak_flops=-1",
         "--fault_tolerance.semi_sync_method=diloco",
         f"--fault_tolerance.sync_steps={args.sync_steps}",
-        f"--fault_tolerance.pseudo_grad_dtype={dtype}",
+        *common.dtype_flags(dtype),
         f"--fault_tolerance.heal_history_syncs={max(args.missed)}",
         "--fault_tolerance.min_replica_size=1",
     ]
@@ -287,10 +290,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             if r["case"] == "full":
                 continue
             where = f"{link(run['rate_mbit'])} {run['pseudo_grad_dtype']} {r['case']}"
-            if run["pseudo_grad_dtype"] == "int4":
-                target = (
-                    TARGETS["int4, K <= 3"] if r["missed_syncs"] <= 3 else TARGETS["int4, K = 10"]
-                )
+            if run["pseudo_grad_dtype"] in TARGETS:
+                bounds = TARGETS[run["pseudo_grad_dtype"]]
+                target = bounds[3] if r["missed_syncs"] <= 3 else bounds[10]
                 reached.setdefault(f"{where}: bytes <= {target:g} x full", []).append(
                     r["bytes_vs_full"] <= target
                 )
@@ -381,7 +383,11 @@ def main(argv: list[str] | None = None) -> int:
             "survivor_longest_step_gap_s": "group 0's longest time between two inner steps "
             "from its release (group 1 asks for its quorum) until 2 syncs after the heal",
         },
-        "targets": {k: f"bytes <= {v} x the same job's full heal" for k, v in TARGETS.items()},
+        "targets": {
+            f"{dtype}, K {'<=' if k == 3 else '='} {k}": f"bytes <= {v} x the same job's full heal"
+            for dtype, bounds in TARGETS.items()
+            for k, v in bounds.items()
+        },
         "runs": runs,
     }
     plan = [

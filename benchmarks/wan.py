@@ -48,6 +48,7 @@ from benchmarks import ft_common as common
 from benchmarks import netns, provenance
 from benchmarks.timed_trainer import TIMING
 from torchtitan.experiments.fault_tolerance.events import SYNC
+from torchtitan.experiments.fault_tolerance.job_config import PSEUDO_GRAD_DTYPES
 from torchtitan.tools.cluster import Launch, LighthouseSettings, Process, ProcessSpec
 from torchtitan.tools.events import Event
 from torchtitan.trainer import TRAINING_STARTED
@@ -138,11 +139,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="replica groups (group i on core i mod the cores: with more "
                    "groups than cores utilisation means little, bytes still do)")  # fmt: skip
     p.add_argument("--pseudo-grad-dtypes", nargs="+", default=["float32"],
-                   choices=["float32", "bfloat16", "int8", "int4"],
+                   choices=PSEUDO_GRAD_DTYPES,
                    help="fault_tolerance.pseudo_grad_dtype of the semi-sync methods; each "
                    "one is a run of every semi-sync method")  # fmt: skip
     p.add_argument("--error-feedback", action="store_true",
-                   help="fault_tolerance.error_feedback (with a compressed dtype)")  # fmt: skip
+                   help="fault_tolerance.error_feedback (with a compressed dtype; sparse has "
+                   "it always, and outer momentum 0)")  # fmt: skip
     p.add_argument("--sync-ft-steps", type=int, default=20)
     p.add_argument("--sync-ft-warmup", type=int, default=5)
     p.add_argument("--max-load", type=float, default=1.5,
@@ -186,10 +188,7 @@ def method_args(method: str, args: argparse.Namespace) -> tuple[list[str], int, 
         flags.append("--fault_tolerance.dynamic_local_steps")
     if method == "async_dylu_no_probe":
         flags.append("--fault_tolerance.dylu_probe_steps=0")
-    if args.pseudo_grad_dtype != "float32":
-        flags.append(f"--fault_tolerance.pseudo_grad_dtype={args.pseudo_grad_dtype}")
-    if args.error_feedback:
-        flags.append("--fault_tolerance.error_feedback")
+    flags += common.dtype_flags(args.pseudo_grad_dtype, args.error_feedback)
     if method == "streaming_diloco":
         flags += [
             f"--fault_tolerance.num_fragments={args.fragments}",
@@ -410,7 +409,9 @@ def run_one(
         "straggler": args.straggler,
         "groups_in_job": groups,
         "pseudo_grad_dtype": args.pseudo_grad_dtype if flags else None,
-        "error_feedback": args.error_feedback if flags else None,
+        "error_feedback": (args.error_feedback or args.pseudo_grad_dtype == "sparse")
+        if flags
+        else None,
         "steps": steps,
         "measured_steps": f"{warmup + 1}..{last}",
         "compute_utilisation": round(mean, 4),

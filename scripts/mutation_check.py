@@ -52,6 +52,12 @@ CORE_FT = "torchtitan/components/ft"
 CHECKSUMS = "torchtitan/components/checksums.py"
 CHECKPOINT_TESTS = ("tests/unit_tests/test_checkpoint.py",)
 TIMEOUT_S = 600
+#: The sparse codec's own tests, the all-gather's and the averaging property over gloo groups.
+SPARSE_TESTS = (
+    "tests/unit_tests/test_sparse_codec.py",
+    "tests/unit_tests/test_compression.py",
+    "tests/unit_tests/test_sync_averaging.py",
+)
 
 
 @dataclass(frozen=True)
@@ -289,6 +295,55 @@ MUTANTS = [
         f"{PACKAGE}/transport.py",
         "            offset += residual.numel()",
         "            offset = residual.numel()",
+    ),
+    Mutant(
+        "sparse: a decode that adds to a sum overwrites the kept positions instead",
+        f"{PACKAGE}/compression/sparse.py",
+        "decoded = torch.gather(blocks, 1, index).add_(decoded)",
+        "decoded = decoded.clone()",
+        SPARSE_TESTS,
+    ),
+    Mutant(
+        "sparse: a kept value's quantization error is not owed",
+        f"{PACKAGE}/compression/sparse.py",
+        "dropped.scatter_(1, index, kept - decoded)",
+        "dropped.scatter_(1, index, torch.zeros_like(kept))",
+        SPARSE_TESTS,
+    ),
+    Mutant(
+        "sparse: a level is the mean of all kept magnitudes, not of its bin's",
+        f"{PACKAGE}/compression/sparse.py",
+        "means = sums / counts.clamp(min=1)",
+        "means = sums.sum(dim=1, keepdim=True) / self.keep",
+        SPARSE_TESTS,
+    ),
+    Mutant(
+        "sparse: an index gets log2(chunk) bits rounded down",
+        f"{PACKAGE}/compression/sparse.py",
+        "self.index_bits = math.ceil(math.log2(chunk))",
+        "self.index_bits = int(math.log2(chunk))",
+        SPARSE_TESTS,
+    ),
+    Mutant(
+        "sparse all-gather: every encoding is added to what the tensor held",
+        f"{PACKAGE}/compression/collective.py",
+        "codec.decode_into(packed, numel, out, accumulate=i > 0, scratch=scratch)",
+        "codec.decode_into(packed, numel, out, accumulate=True, scratch=scratch)",
+        SPARSE_TESTS,
+    ),
+    Mutant(
+        "sparse all-gather: a rank counts its encoding sent to itself too",
+        f"{PACKAGE}/compression/collective.py",
+        "stats.bytes_sent = (n - 1) * mine.numel()",
+        "stats.bytes_sent = n * mine.numel()",
+        SPARSE_TESTS,
+    ),
+    Mutant(
+        "error feedback: the residual's decay is not applied",
+        f"{PACKAGE}/compression/error_feedback.py",
+        "return x.add_(residual * self.decay)",
+        "return x.add_(residual)",
+        SPARSE_TESTS,
     ),
     Mutant(
         "DyLU cap: a corrected period's 2 x period leaves out the steps before it was timed",

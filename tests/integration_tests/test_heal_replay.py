@@ -105,6 +105,7 @@ def _full_heal(job: FTJob) -> Event:
             ["--fault_tolerance.pseudo_grad_dtype=int4", "--fault_tolerance.error_feedback"],
         ),
         ("async_int4", []),  # int4 with error feedback; its checkpoint holds a sync in flight
+        ("async_sparse", []),  # a history entry holds every group's sparse encoding
     ],
 )
 def test_a_group_restarted_from_its_checkpoint_replays_the_syncs_it_missed(
@@ -117,7 +118,7 @@ def test_a_group_restarted_from_its_checkpoint_replays_the_syncs_it_missed(
     job = ft_job(groups=2, train_args=_paced(method, history, *extra))
     # The syncs committed by step 8: DiLoCo's at steps 4 and 8; Streaming syncs one of its 2
     # fragments every 2 steps; async DiLoCo commits a sync one sync point after its start.
-    checkpoint_sync = {"diloco": 2, "streaming": 4, "async_int4": 1}[method]
+    checkpoint_sync = {"diloco": 2, "streaming": 4, "async_int4": 1, "async_sparse": 1}[method]
     _restart_behind(job, pause, alone_until=checkpoint_sync + 2)
 
     assert [e.step for e in job.events(1, CHECKPOINT_RESUMED)] == [8]
@@ -131,7 +132,8 @@ def test_a_group_restarted_from_its_checkpoint_replays_the_syncs_it_missed(
     # parameter of the synced fragment; int4: about 0.53, scales included, here also for a
     # sync the peer's own checkpoint waited for), and no tensor of the small state. A full heal
     # carries ~20 bytes per parameter.
-    per_param = 4.0 if method == "diloco" else 0.6
+    # sparse: 2 groups' encodings of 120 bytes per 4,096 values, 0.06.
+    per_param = {"diloco": 4.0, "async_sparse": 0.07}.get(method, 0.6)
     synced = PARAMS / (2 if method == "streaming" else 1)
     assert 0 < healed["bytes_received"] <= behind * synced * per_param, healed.fields
     survivor = syncs(job.events(0, SYNC))

@@ -39,6 +39,11 @@ from torchtitan.tools.events import Event
 
 SYNC_STEPS = 4
 
+SPARSE = [
+    "--fault_tolerance.pseudo_grad_dtype=sparse",
+    "--fault_tolerance.error_feedback",
+    "--fault_tolerance.outer_momentum=0",
+]
 METHODS = {
     "localsgd": ["--fault_tolerance.semi_sync_method=localsgd"],
     "diloco": ["--fault_tolerance.semi_sync_method=diloco"],
@@ -63,6 +68,21 @@ METHODS = {
         "--fault_tolerance.semi_sync_method=async_diloco",
         "--fault_tolerance.pseudo_grad_dtype=int4",
         "--fault_tolerance.error_feedback",
+    ],
+    # Sparse pseudo-gradients: error feedback and no outer momentum, as the dtype requires.
+    "diloco_sparse": [
+        "--fault_tolerance.semi_sync_method=diloco",
+        *SPARSE,
+    ],
+    "streaming_sparse": [
+        "--fault_tolerance.semi_sync_method=diloco",
+        "--fault_tolerance.num_fragments=2",
+        "--fault_tolerance.fragment_sync_delay=1",
+        *SPARSE,
+    ],
+    "async_sparse": [
+        "--fault_tolerance.semi_sync_method=async_diloco",
+        *SPARSE,
     ],
 }
 

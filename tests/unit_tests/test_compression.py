@@ -477,6 +477,10 @@ def _collectives_worker(rank: int, world_size: int, store_path: str, out_dir: st
         out["int4.residual_before_commit"] = feedback.residual("frag0")
         feedback.commit()
         out["int4.residual"] = feedback.residual("frag0")
+        tensor = x.clone()
+        compressed_all_reduce(pg, tensor, "sparse", error_feedback=feedback, key="frag1")
+        feedback.commit()
+        out["sparse.residual"] = feedback.residual("frag1")
 
         runner = AsyncCompressedAllReduce()
         errors: list[Exception] = []
@@ -574,6 +578,20 @@ def test_gloo_all_reduce_is_identical_on_every_rank_and_close_to_the_sum(
         error = (result - true_sum).abs()
         if dtype == "float32":
             assert torch.equal(results[0][dtype], results[0]["torch_all_reduce"])
+            continue
+        if dtype == "sparse":
+            # Every rank decodes every rank's encoding and adds them in rank order: exactly.
+            codec = get_codec(dtype)
+            decoded = [codec.decode(codec.encode(x), NUMEL) for x in inputs]
+            expected = decoded[0].clone()
+            for other in decoded[1:]:
+                expected += other
+            assert torch.equal(results[0][dtype], expected)
+            for r in range(world_size):
+                assert results[r][f"{dtype}.bytes_sent"] == (world_size - 1) * codec.wire_bytes(
+                    NUMEL
+                )
+                assert torch.equal(results[r]["sparse.residual"], inputs[r] - decoded[r])
             continue
         if dtype == "bfloat16":
             # Each input cast, then the fp32 sum cast once more: 2^-8 relative each time.

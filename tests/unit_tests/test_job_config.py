@@ -1021,6 +1021,62 @@ def test_local_sgd_is_an_alias(alias: str) -> None:
             ],
             "fault_tolerance.should_quantize",
         ),
+        (  # sparse without error feedback would drop 98 % of every pseudo-gradient for good
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=diloco",
+                "--fault_tolerance.pseudo_grad_dtype=sparse",
+            ],
+            "fault_tolerance.pseudo_grad_dtype",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=localsgd",
+                "--fault_tolerance.pseudo_grad_dtype=sparse",
+            ],
+            "fault_tolerance.pseudo_grad_dtype",
+        ),
+        (
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=diloco",
+                "--fault_tolerance.pseudo_grad_dtype=int4",
+                "--fault_tolerance.sparse_keep=32",
+            ],
+            "fault_tolerance.sparse_keep",
+        ),
+        (  # sparse's residual decay takes the place of outer momentum
+            [
+                *FT_ON,
+                "--fault_tolerance.semi_sync_method=diloco",
+                "--fault_tolerance.pseudo_grad_dtype=sparse",
+                "--fault_tolerance.error_feedback",
+            ],
+            "fault_tolerance.outer_momentum",
+        ),
+        *(
+            (
+                [
+                    *FT_ON,
+                    "--fault_tolerance.semi_sync_method=async_diloco",
+                    "--fault_tolerance.pseudo_grad_dtype=sparse",
+                    "--fault_tolerance.error_feedback",
+                    "--fault_tolerance.outer_momentum=0",
+                    flag,
+                ],
+                f"fault_tolerance.{flag.split('=')[0].removeprefix('--fault_tolerance.')}",
+            )
+            for flag in (
+                "--fault_tolerance.sparse_chunk=1",
+                "--fault_tolerance.sparse_keep=0",
+                "--fault_tolerance.sparse_keep=4097",
+                "--fault_tolerance.sparse_value_bits=0",
+                "--fault_tolerance.sparse_value_bits=5",
+                "--fault_tolerance.sparse_residual_decay=0",
+                "--fault_tolerance.sparse_residual_decay=1.5",
+            )
+        ),
     ],
 )
 def test_semi_sync_bad_value_names_the_field(argv: list[str], field: str) -> None:
@@ -1036,7 +1092,7 @@ def test_semi_sync_bad_value_names_the_field(argv: list[str], field: str) -> Non
         ("semi_sync_method", "sgd", ["localsgd", "local_sgd", "diloco", "async_diloco"]),
         ("async_update", "late", ["eager", "eager_share", "delayed"]),
         ("outer_state_device", "gpu", ["cpu", "device"]),
-        ("pseudo_grad_dtype", "int2", ["float32", "bfloat16", "int8", "int4"]),
+        ("pseudo_grad_dtype", "int2", ["float32", "bfloat16", "int8", "int4", "sparse"]),
     ],
 )
 def test_a_value_outside_a_fields_choices_is_refused_naming_them(
@@ -1152,13 +1208,14 @@ def test_list_fields_take_comma_separated_items() -> None:
 
 
 @pytest.mark.parametrize("method", ["diloco", "async_diloco"])
-@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4", "sparse"])
 def test_compressed_pseudo_gradients_parse_with_error_feedback(method: str, dtype: str) -> None:
     ft = parse_semi_sync(
         *FT_ON,
         f"--fault_tolerance.semi_sync_method={method}",
         f"--fault_tolerance.pseudo_grad_dtype={dtype}",
         "--fault_tolerance.error_feedback",
+        *(["--fault_tolerance.outer_momentum=0"] if dtype == "sparse" else []),
     ).fault_tolerance
     assert (ft.pseudo_grad_dtype, ft.error_feedback) == (dtype, True)  # type: ignore[attr-defined]
 

@@ -7,9 +7,11 @@ LocalSGD the mean of their parameters, for DiLoCo and async DiLoCo the mean of t
 gradients, which for DiLoCo and async ``delayed`` (periods that start from the global copy)
 makes the global parameters the mean of the groups' local ones. Exact up to fp32 rounding for
 float32, within the codec's stated bound otherwise (``compression/codecs.py``: half a quantization
-step, ``absmax / qmax / 2``, per encoding; bfloat16: 2^-8 relative). The bucket is lowered to
-300 values, so the model has tensors larger than a bucket, tensors packed together, and a bucket
-that a tensor does not fit.
+step, ``absmax / qmax / 2``, per encoding; bfloat16: 2^-8 relative). Sparse keeps most of a
+pseudo-gradient back: with its error feedback, what a group sent is its input plus what it owed
+less what it owes after the sync, and the sync moves the globals by the mean of exactly that.
+The bucket is lowered to 300 values, so the model has tensors larger than a bucket, tensors
+packed together, and a bucket that a tensor does not fit.
 """
 
 from __future__ import annotations
@@ -43,16 +45,32 @@ def train_and_record(
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     manager = LoopbackManager(pg, rank, groups)
     loop: Any = None
+    # Sparse keeps what it does not send as a residual: what a group sent is then known
+    # exactly from its residuals before and after the sync.
+    feedback = dtype == "sparse"
     sync = sync_manager(
-        manager, dtype, bucket_numel=BUCKET, fragment_of_sync=lambda: loop.current_fragment()
+        manager,
+        dtype,
+        error_feedback=feedback,
+        bucket_numel=BUCKET,
+        fragment_of_sync=lambda: loop.current_fragment(),
     )
     loop = build(method, sync, model, optimizer)
-    record: dict[str, Any] = {"sent": [], "before": [], "after": [], "local": []}
+    record: dict[str, Any] = {
+        "sent": [], "before": [], "after": [], "local": [], "owed_before": [], "owed_after": []
+    }  # fmt: skip
     sending: list[torch.Tensor] = []
     allreduce = sync.allreduce
 
+    def owed(index: int) -> torch.Tensor:
+        """This group's residuals of fragment ``index``, flat, in parameter order."""
+        assert sync.residuals is not None
+        return sync.residuals.flat(index, flat(fragment_params(index)).numel())
+
     def spy_allreduce(tensor: torch.Tensor, *args: Any, exact: bool = False, **kw: Any) -> Any:
         if not exact:
+            if feedback and not sending:
+                record["owed_before"].append(owed(loop.current_fragment()))
             sending.append(tensor.detach().clone().reshape(-1))
         return allreduce(tensor, *args, exact=exact, **kw)
 
@@ -85,6 +103,8 @@ def train_and_record(
             original_finish(state, sums, total)
             if sums is not None:
                 record["after"].append(flat(state.global_copy.values()))
+                if feedback:
+                    record["owed_after"].append(owed(0))
 
         def spy_both(
             state: FragmentState, sums: Any, total: float, out: torch.Tensor, *args: Any
@@ -121,12 +141,28 @@ def train_and_record(
                 if not method.startswith("async_") and loop.local_step() == 0:
                     # The sync prepared at its quorum is performed (with a delay: a step later).
                     record["after"].append(globals_of(record["fragment"][-1]))
+                    if feedback:
+                        record["owed_after"].append(owed(record["fragment"][-1]))
     finally:
         sync.shutdown()
     record["commits"] = manager.commits
+    if feedback:
+        # What the group really sent (decoded): its input plus what it owed, less what it owes
+        # now; the slack bounds the fp32 rounding of that arithmetic.
+        record["slack"], record["owed_more"] = [], []
+        # The last sync handed in may not have ended (async): it has no "after".
+        owed_pairs = zip(record["owed_before"], record["owed_after"], strict=False)
+        for i, (before, after) in enumerate(owed_pairs):
+            given = record["sent"][i]
+            record["sent"][i] = given.double() + before.double() - after.double()
+            record["owed_more"].append(after.double() - before.double())
+            eps = torch.finfo(torch.float32).eps
+            record["slack"].append(2 * eps * (given.abs() + before.abs() + after.abs()))
     if method.startswith("async_"):
         tokens = PERIOD * 10
         record["sent"] = [s / tokens for s in record["sent"]]
+        record["slack"] = [s / tokens for s in record.get("slack", [])]
+        record["owed_more"] = [s / tokens for s in record.get("owed_more", [])]
     return record
 
 
@@ -137,12 +173,15 @@ def window_absmax(x: torch.Tensor) -> torch.Tensor:
     return F.max_pool1d(x.abs()[None, None], 2 * 127 + 1, stride=1, padding=127)[0, 0]
 
 
-def bound(sent: list[torch.Tensor], dtype: str) -> torch.Tensor:
+def bound(sent: list[torch.Tensor], dtype: str, slack: list[torch.Tensor] | None = None):
     """The most the decoded mean of ``sent`` can differ from their exact mean, per element:
     each group's own encoding, then the re-encoding of the reduced sum, divided by the number
-    of groups."""
+    of groups. Sparse: ``sent`` is already what was decoded, known up to its ``slack``."""
     if dtype == "float32":
         return torch.zeros_like(sent[0])
+    if dtype == "sparse":
+        assert slack is not None
+        return sum(s.double() for s in slack) / len(sent)
     if dtype == "bfloat16":
         u = 2.0**-8
         own = sum(u * s.abs() for s in sent)
@@ -167,6 +206,8 @@ CASES += [
     ("streaming_diloco", "bfloat16", 3),
     ("async_eager", "int8", 3),
     ("async_delayed", "float32", 3),
+    ("diloco", "sparse", 3),
+    ("async_eager", "sparse", 3),
 ]
 
 
@@ -183,6 +224,7 @@ def test_a_sync_moves_every_global_parameter_by_the_mean_of_what_the_groups_sent
     assert largest > BUCKET  # the case torchft 0.2.0's bucketing dropped
     for sync in range(len(first["after"])):
         sent = [r["sent"][sync] for r in records]
+        slack = [r["slack"][sync] for r in records] if dtype == "sparse" else None
         mean = sum(s.double() for s in sent) / groups
         # Every group applied the same bits.
         for other in records[1:]:
@@ -196,14 +238,17 @@ def test_a_sync_moves_every_global_parameter_by_the_mean_of_what_the_groups_sent
         scale = before.abs().max() + mean.abs().max()
         rounding = 8 * torch.finfo(torch.float32).eps * scale
         error = (moved_to - expected).abs()
-        allowed = bound(sent, dtype).double() + rounding
+        allowed = bound(sent, dtype, slack).double() + rounding
         worst = (error - allowed).max().item()
         assert worst <= 0, f"sync {sync}: {worst:.3g} past the bound ({method}, {dtype})"
         assert mean.abs().max() > 10 * rounding  # the groups did send something
         if method in ("diloco", "streaming_diloco", "streaming_diloco_delayed", "async_delayed"):
-            # Periods start from the global copy: the globals become the mean of the locals.
+            # Periods start from the global copy: the globals become the mean of the locals
+            # (sparse: of each local moved by what its group now owes more).
             locals_ = sum(r["local"][sync].double() for r in records) / groups
-            gap = (after - locals_).abs() - bound(sent, dtype).double() - 2 * rounding
+            if dtype == "sparse":
+                locals_ += sum(r["owed_more"][sync] for r in records) / groups
+            gap = (after - locals_).abs() - bound(sent, dtype, slack).double() - 2 * rounding
             assert gap.max().item() <= 0, f"sync {sync}: globals are not the locals' mean"
 
 

@@ -534,12 +534,14 @@ def job_fingerprint_parts(job_config: JobConfig, model: nn.Module) -> list[str]:
     """What two groups' checkpoints must share to be replayed onto each other: the model and
     every setting that changes what an outer step does."""
     ft = semi_sync_config(job_config)
-    settings = (
+    settings: tuple[str, ...] = (
         "semi_sync_method", "sync_steps", "num_fragments", "module_fqns_per_model_fragment",
         "fragment_sync_delay", "fragment_update_alpha", "outer_lr", "outer_momentum",
         "outer_nesterov", "outer_momentum_every", "async_update", "pseudo_grad_dtype",
         "error_feedback",
     )  # fmt: skip
+    if ft.pseudo_grad_dtype == "sparse":  # only then: other jobs keep their fingerprints
+        settings += ("sparse_chunk", "sparse_keep", "sparse_value_bits", "sparse_residual_decay")
     parts = [f"model={job_config.model.name}/{job_config.model.flavor}"]
     parts += [f"{name}={getattr(ft, name)!r}" for name in settings]
     parts += [f"{name}:{tuple(p.shape)}:{p.dtype}" for name, p in model.named_parameters()]

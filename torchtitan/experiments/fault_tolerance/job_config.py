@@ -27,7 +27,7 @@ MODULE = "torchtitan.experiments.fault_tolerance.job_config"
 # take these names (a bad value is refused when the config is parsed, naming the choices).
 SemiSyncMethod = Literal["localsgd", "local_sgd", "diloco", "async_diloco"]
 AsyncUpdate = Literal["eager", "eager_share", "delayed"]
-PseudoGradDtype = Literal["float32", "bfloat16", "int8", "int4"]
+PseudoGradDtype = Literal["float32", "bfloat16", "int8", "int4", "sparse"]
 OuterStateDevice = Literal["cpu", "device"]
 
 #: Each method name, alias included, to the method it runs.
@@ -158,20 +158,45 @@ class FaultTolerance(CoreFaultTolerance):
 
     pseudo_grad_dtype: PseudoGradDtype = "float32"
     """diloco and async_diloco: how pseudo-gradients travel: ``float32``, ``bfloat16`` (half
-    the bytes), ``int8`` / ``int4`` (a quarter / an eighth, one fp32 scale per 128 values).
-    Every group decodes the same bytes, so global parameters stay identical. The CUDA path has
-    not run on a GPU yet."""
+    the bytes), ``int8`` / ``int4`` (a quarter / an eighth, one fp32 scale per 128 values), or
+    ``sparse`` (SparseLoCo, arXiv 2508.15706: per chunk of ``sparse_chunk`` values only the
+    ``sparse_keep`` largest, ``sparse_value_bits`` each; 0.73 % of float32's bytes with 2
+    groups at the defaults, all-gathered, so its bytes grow with the groups: fewer than int4's
+    up to 36 groups; needs ``error_feedback`` and ``outer_momentum=0``). Every group decodes
+    the same bytes, so global parameters stay identical. The CUDA path has not run on a GPU
+    yet."""
 
     error_feedback: bool = False
     """With a compressed ``pseudo_grad_dtype``: what compression dropped is added to the
     fragment's next pseudo-gradient. Residuals are per rank and checkpointed; a healing group
     starts them at zero."""
 
+    sparse_chunk: int = 4096
+    """pseudo_grad_dtype=sparse: values per chunk. Each rank chooses within its own shard,
+    chunk by chunk; an index costs ceil(log2(sparse_chunk)) bits (12 at 4,096)."""
+
+    sparse_keep: int = 64
+    """pseudo_grad_dtype=sparse: values each chunk sends, those of largest magnitude in the
+    pseudo-gradient plus its error-feedback residual (64 of 4,096: SparseLoCo's 1.6 %)."""
+
+    sparse_value_bits: int = 2
+    """pseudo_grad_dtype=sparse: bits per value sent, 1 to 4: its sign and one of
+    2^(bits - 1) magnitude levels of its chunk (each the mean of the kept magnitudes in its
+    bin, sent as fp32)."""
+
+    sparse_residual_decay: float = 0.9
+    """pseudo_grad_dtype=sparse: what of the error-feedback residual is still owed a sync
+    later, in (0, 1]: it is multiplied by this before it is added to the next pseudo-gradient
+    (SparseLoCo's beta, arXiv 2508.15706: it takes the place of outer momentum, which sparse
+    refuses). 1: every value not sent is sent later. 0.9 gave a lower loss than 0.95 and 1 in
+    benchmarks/convergence.py."""
+
     heal_history_syncs: int = 3
     """diloco, async_diloco: syncs whose averages each rank keeps in CPU memory, so that a group
     restarted from its own checkpoint at most this many syncs behind replays them instead of
     receiving the full state (~5x the parameters in fp32). Costs per sync the fragment's bytes
-    as sent: 4 per parameter in float32, ~1 in int8, ~0.5 in int4. 0: always heal in full."""
+    as sent: 4 per parameter in float32, ~1 in int8, ~0.5 in int4, ~0.03 per group in sparse.
+    0: always heal in full."""
 
     should_quantize: bool = False
     """DiLoCo: torchft's own fp8 all-reduce (Triton). Needs CUDA, nccl and triton, refused
@@ -275,7 +300,51 @@ class FaultTolerance(CoreFaultTolerance):
             raise ConfigError(
                 "fault_tolerance.error_feedback",
                 True,
-                "needs a compressed fault_tolerance.pseudo_grad_dtype (bfloat16, int8 or int4)",
+                "needs a compressed fault_tolerance.pseudo_grad_dtype (bfloat16, int8, int4 "
+                "or sparse)",
+            )
+        if self.pseudo_grad_dtype != "sparse":
+            for name in self._changed(SPARSE_FIELDS):
+                raise ConfigError(
+                    f"fault_tolerance.{name}",
+                    getattr(self, name),
+                    "only applies to fault_tolerance.pseudo_grad_dtype=sparse",
+                )
+            return
+        if not self.error_feedback:
+            raise ConfigError(
+                "fault_tolerance.pseudo_grad_dtype",
+                "sparse",
+                "sends a few values per chunk and needs fault_tolerance.error_feedback=true "
+                "to deliver the rest later (without it they are lost for good); add "
+                "--fault_tolerance.error_feedback",
+            )
+        if self.sparse_chunk < 2:
+            raise ConfigError("fault_tolerance.sparse_chunk", self.sparse_chunk, "must be >= 2")
+        if not 1 <= self.sparse_keep <= self.sparse_chunk:
+            raise ConfigError(
+                "fault_tolerance.sparse_keep",
+                self.sparse_keep,
+                f"must be in [1, sparse_chunk={self.sparse_chunk}]",
+            )
+        if not 1 <= self.sparse_value_bits <= 4:
+            raise ConfigError(
+                "fault_tolerance.sparse_value_bits", self.sparse_value_bits, "must be 1, 2, 3 or 4"
+            )
+        if self.outer_momentum != 0:
+            raise ConfigError(
+                "fault_tolerance.outer_momentum",
+                self.outer_momentum,
+                "must be 0 with pseudo_grad_dtype=sparse: the residual's decay "
+                "(sparse_residual_decay) takes the place of outer momentum, as in SparseLoCo "
+                "(with momentum 0.9, benchmarks/convergence.py's loss was 2.97 against 2.31 "
+                "without); add --fault_tolerance.outer_momentum=0",
+            )
+        if not 0 < self.sparse_residual_decay <= 1:
+            raise ConfigError(
+                "fault_tolerance.sparse_residual_decay",
+                self.sparse_residual_decay,
+                "must be in (0, 1] (1: no decay)",
             )
         if compressed and self.should_quantize:
             raise ConfigError(
@@ -436,8 +505,14 @@ OUTER_FIELDS = (
     "should_quantize",
     "pseudo_grad_dtype",
     "error_feedback",
+    "sparse_chunk",
+    "sparse_keep",
+    "sparse_value_bits",
+    "sparse_residual_decay",
     "heal_history_syncs",
 )
+#: Fields that mean something only with pseudo_grad_dtype=sparse.
+SPARSE_FIELDS = ("sparse_chunk", "sparse_keep", "sparse_value_bits", "sparse_residual_decay")
 #: Fields that mean something only with semi_sync_method=async_diloco.
 ASYNC_FIELDS = (
     "async_update",

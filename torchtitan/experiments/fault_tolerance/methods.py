@@ -12,8 +12,9 @@ from torch import nn
 from torchtitan.components.ft import FaultToleranceError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
+from torchtitan.experiments.fault_tolerance.compression.sparse import sparse_name
 from torchtitan.experiments.fault_tolerance.fragments import build_model_fragments
-from torchtitan.experiments.fault_tolerance.job_config import semi_sync_config
+from torchtitan.experiments.fault_tolerance.job_config import FaultTolerance, semi_sync_config
 from torchtitan.experiments.fault_tolerance.outer_loop import (
     GlobalCopyLoop,
     OuterLoop,
@@ -108,6 +109,14 @@ def _torchft_diloco(
     )
 
 
+def wire_dtype(ft: FaultTolerance) -> str:
+    """The name the transport and the codecs know ``pseudo_grad_dtype`` by: itself, or for
+    ``sparse`` with settings other than the defaults, one naming them."""
+    if ft.pseudo_grad_dtype != "sparse":
+        return ft.pseudo_grad_dtype
+    return sparse_name(ft.sparse_chunk, ft.sparse_keep, ft.sparse_value_bits)
+
+
 def describe(job_config: JobConfig, loop: OuterLoop) -> str:
     """One log line: the method and every setting it runs with."""
     ft = semi_sync_config(job_config)
@@ -140,4 +149,9 @@ def describe(job_config: JobConfig, loop: OuterLoop) -> str:
     if ft.pseudo_grad_dtype != "float32":
         feedback = " with error feedback" if ft.error_feedback else ""
         line += f"; pseudo-gradients sent as {ft.pseudo_grad_dtype}{feedback}"
+        if ft.pseudo_grad_dtype == "sparse":
+            line += (
+                f" (top {ft.sparse_keep} of every {ft.sparse_chunk} values, "
+                f"{ft.sparse_value_bits} bits each)"
+            )
     return line + f"; sync quorum timeout {ft.sync_quorum_timeout_s:g}s"

@@ -11,7 +11,8 @@ a full heal; and the timeouts that fit. The arithmetic, per group and sync:
 
 * bytes sent: a ring all-reduce's ``2 (G - 1) / G`` times the encoded pseudo-gradient (the
   codec's own wire size, scales included: ``compression/codecs.py``), over the group's link to
-  the others (``--link-mbit``: what one group sends, all its ranks together);
+  the others (``--link-mbit``: what one group sends, all its ranks together); ``sparse`` at its
+  defaults (``compression/sparse.py``) is all-gathered: ``G - 1`` times its encoding;
 * one bucket's transfer, what ``sync_collective_timeout_s`` bounds: every rank of a group sends
   its own buckets at the same time, so each gets ``1 / --ranks-per-group`` of the link;
 * blocking DiLoCo's idle share: ``sync / (period + sync)``; overlap hides a sync that takes less
@@ -68,6 +69,8 @@ class Plan:
         return self.sync_bytes(dtype) * 8 / (self.link_mbit * 1e6)
 
     def sync_bytes(self, dtype: str) -> float:
+        if get_codec(dtype).gathers:  # sparse: its own encoding to each other group
+            return (self.groups - 1) * self.params * bytes_per_value(dtype)
         ring = 2 * (self.groups - 1) / self.groups
         return ring * self.params * bytes_per_value(dtype)
 

@@ -20,6 +20,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from torchtitan.experiments.fault_tolerance.compression.sparse import (
+    parse_sparse_name,
+    sparse_name,
+)
 from torchtitan.experiments.fault_tolerance.job_config import PSEUDO_GRAD_DTYPES
 from torchtitan.experiments.fault_tolerance.outer_loop import local_tensor
 
@@ -39,7 +43,7 @@ class CollectiveShape:
     shard_values: int
     #: fp32 values in a bucket (``sync_bucket_mb``).
     bucket_values: int
-    #: Index of ``pseudo_grad_dtype`` in ``PSEUDO_GRAD_DTYPES``.
+    #: The wire dtype (:func:`dtype_code`): which codec, with its settings.
     dtype: int
     #: A 64-bit key of every fragment's tensors' local shapes, in order.
     layout: int
@@ -57,7 +61,7 @@ class CollectiveShape:
             fragments=len(fragments),
             shard_values=sum(local_tensor(p).numel() for f in fragments for p in f.parameters()),
             bucket_values=bucket_values,
-            dtype=PSEUDO_GRAD_DTYPES.index(dtype),
+            dtype=dtype_code(dtype),
             layout=int.from_bytes(digest, "little", signed=True),
         )
 
@@ -76,8 +80,25 @@ class CollectiveShape:
         return (
             f"{self.ranks} rank(s), {self.fragments} fragment(s), shards of "
             f"{self.shard_values:,} values, buckets of {self.bucket_values * 4 / 2**20:g} MiB, "
-            f"pseudo-gradients as {PSEUDO_GRAD_DTYPES[self.dtype]}"
+            f"pseudo-gradients as {dtype_name(self.dtype)}"
         )
+
+
+def dtype_code(dtype: str) -> int:
+    """A wire dtype as one int64: its index in ``PSEUDO_GRAD_DTYPES`` in the low 4 bits, and
+    for sparse its value bits, values kept and chunk above (:func:`dtype_name` reads it)."""
+    sparse = parse_sparse_name(dtype)
+    if sparse is None:
+        return PSEUDO_GRAD_DTYPES.index(dtype)
+    chunk, keep, bits = sparse
+    return PSEUDO_GRAD_DTYPES.index("sparse") | bits << 4 | keep << 8 | chunk << 32
+
+
+def dtype_name(code: int) -> str:
+    name = PSEUDO_GRAD_DTYPES[code & 0xF]
+    if name != "sparse":
+        return name
+    return sparse_name(code >> 32, (code >> 8) & 0xFFFFFF, (code >> 4) & 0xF)
 
 
 def mismatch(shapes: Sequence[tuple[str, CollectiveShape]], mine: CollectiveShape) -> str:
@@ -89,7 +110,7 @@ def mismatch(shapes: Sequence[tuple[str, CollectiveShape]], mine: CollectiveShap
         if other.ranks != mine.ranks:
             field = "NGPU (the ranks of each replica group)"
         elif other.dtype != mine.dtype:
-            field = "fault_tolerance.pseudo_grad_dtype"
+            field = "fault_tolerance.pseudo_grad_dtype (and the sparse_* fields)"
         elif other.bucket_values != mine.bucket_values:
             field = "fault_tolerance.sync_bucket_mb"
         elif other.fragments != mine.fragments:

@@ -48,7 +48,7 @@ from torchtitan.experiments.fault_tolerance.heal_transport import (
 from torchtitan.experiments.fault_tolerance.job_config import SEMI_SYNC_METHODS, semi_sync_config
 from torchtitan.experiments.fault_tolerance.lineage import Lineage
 from torchtitan.experiments.fault_tolerance.method_state import SemiSyncState
-from torchtitan.experiments.fault_tolerance.methods import build_method, describe
+from torchtitan.experiments.fault_tolerance.methods import build_method, describe, wire_dtype
 from torchtitan.experiments.fault_tolerance.outer_loop import (
     GlobalCopyLoop,
     OuterLoop,
@@ -94,8 +94,9 @@ class SemiSyncTrainer(Trainer):
         super().__init__(job_config)
         assert self.ft is not None
         transport = SyncTransport(
-            ft.pseudo_grad_dtype,
+            wire_dtype(ft),
             error_feedback=ft.error_feedback,
+            residual_decay=ft.sparse_residual_decay,
             bucket_mb=ft.sync_bucket_mb,
             timeout_s=ft.sync_collective_timeout_s,
             peers=PeerWatch(self.ft.lighthouse),
@@ -132,7 +133,7 @@ class SemiSyncTrainer(Trainer):
             self.algorithm.fragments,
             self.parallel_dims.world_size,
             transport.bucket_numel,
-            ft.pseudo_grad_dtype,
+            wire_dtype(ft),
         )
         self.heal = HealExchange(history, fingerprint, self.algorithm, self.ft, shape)
         if self.heal.replays:

@@ -111,12 +111,12 @@ class FragmentResiduals:
     sync then commits (:meth:`commit`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, decay: float = 1.0) -> None:
         #: Loaded flat residuals not handed out yet: fragment -> (flat, offset taken so far).
         self._loaded: dict[int, tuple[torch.Tensor, int]] = {}
         #: Residuals of an undecided sync, by fragment, as a checkpoint saved them.
         self._staged_loaded: dict[int, torch.Tensor] = {}
-        self.feedback = ErrorFeedback(take_loaded=self._take_loaded)
+        self.feedback = ErrorFeedback(take_loaded=self._take_loaded, decay=decay)
 
     @staticmethod
     def key(fragment: int, index: int) -> str:
@@ -304,15 +304,19 @@ class SyncTransport:
         timeout_s: float,
         keep_delivered: bool = False,
         peers: PeerWatch | None = None,
+        residual_decay: float = 1.0,
     ) -> None:
         """``keep_delivered``: keep each transfer's result as every group received it (CPU
         memory), for :meth:`delivered` (the heal history). ``peers``: asked while a transfer
         is waited for whether a group of the sync's quorum is gone (None: only the timeout
-        ends a transfer)."""
+        ends a transfer). ``residual_decay``: what of an error-feedback residual is still
+        owed a sync later (``ErrorFeedback``)."""
         self.dtype = dtype
         self.keep_delivered = keep_delivered
         #: The error-feedback residuals (None: no error feedback).
-        self.residuals = FragmentResiduals() if error_feedback and dtype != "float32" else None
+        self.residuals = (
+            FragmentResiduals(residual_decay) if error_feedback and dtype != "float32" else None
+        )
         self.bucket_numel = bucket_numel(bucket_mb)
         self.timeout = timedelta(seconds=timeout_s)
         self._runner = AsyncCompressedAllReduce()

@@ -107,6 +107,9 @@ class Codec(ABC):
     """
 
     name: str = ""
+    #: Whether encodings are all-gathered and each rank sums them (``sparse``), rather than
+    #: reduced chunk by chunk and re-encoded (every other codec).
+    gathers: bool = False
 
     @abstractmethod
     def wire_bytes(self, numel: int) -> int:
@@ -433,10 +436,21 @@ _CODECS: dict[str, Codec] = {
 
 
 def get_codec(dtype: str) -> Codec:
-    """The codec of a name in ``PSEUDO_GRAD_DTYPES``."""
-    try:
-        return _CODECS[dtype]
-    except KeyError:
+    """The codec of a name in ``PSEUDO_GRAD_DTYPES``, or of a sparse wire dtype
+    (``sparse.sparse_name``)."""
+    codec = _CODECS.get(dtype)
+    if codec is not None:
+        return codec
+    # Imported here: the sparse codec builds on this module's Codec.
+    from torchtitan.experiments.fault_tolerance.compression.sparse import (
+        SparseCodec,
+        parse_sparse_name,
+    )
+
+    settings = parse_sparse_name(dtype)
+    if settings is None:
         raise ValueError(
             f"unknown pseudo-gradient dtype {dtype!r}; expected one of {PSEUDO_GRAD_DTYPES}"
-        ) from None
+        )
+    codec = _CODECS[dtype] = SparseCodec(*settings)
+    return codec

@@ -7,6 +7,9 @@ padded with zeros) and every chunk is encoded; an all-to-all gives rank ``r`` ev
 and an all-gather hands every rank all ``n`` reduced chunks, which each rank decodes into the
 tensor. A rank sends ``2 * (n - 1)`` encoded chunks in all, as a ring all-reduce would.
 
+The sparse codec's encodings do not add up (each rank keeps other values): its ranks all-gather
+their encodings of the whole tensor and every rank decodes and adds all ``n`` in rank order.
+
 Every rank ends with bit-identical values: each reduced chunk is summed by one rank only, and
 every rank (its owner included) takes the result from the same re-encoded bytes, never from the
 owner's private fp32 sum; decoding is exact (``codecs``). So the outer optimizers of all replica
@@ -222,6 +225,15 @@ def compressed_all_reduce(
         stats.total_s = time.perf_counter() - start
         return stats
 
+    if codec.gathers:
+        _gathered_sum(
+            pg, corrected, residual, codec, stats, scratch, timeout, issuing, keep_delivered
+        )
+        if error_feedback is not None and residual is not None:
+            _stage(error_feedback, key, residual, stats, stage)
+        stats.total_s = time.perf_counter() - start
+        return stats
+
     chunk = chunk_numel(numel, n)
     chunk_bytes = codec.wire_bytes(chunk)
 
@@ -299,6 +311,61 @@ def compressed_all_reduce(
     return stats
 
 
+def _gathered_sum(
+    pg: dist.ProcessGroup,
+    tensor: torch.Tensor,
+    residual: torch.Tensor | None,
+    codec: Codec,
+    stats: CompressionStats,
+    scratch: Scratch,
+    timeout: timedelta | None,
+    issuing: Callable[[], AbstractContextManager[object]],
+    keep_delivered: bool,
+) -> None:
+    """The all-reduce of a codec whose encodings do not add up (``codec.gathers``: sparse):
+    every rank's encoding of the whole tensor is all-gathered, and every rank decodes and adds
+    them in rank order into ``tensor``, so that all hold the same bits. A rank sends its
+    encoding to each of the ``n - 1`` others: the bytes grow with the groups, where the
+    chunked all-reduce's stay near twice one encoding (``sparse``'s docstring says where that
+    stops paying). With ``keep_delivered`` the gathered encodings go to ``stats.delivered``."""
+    n, numel = pg.size(), tensor.numel()
+    t0 = time.perf_counter()
+    mine = scratch.get("send", codec.wire_bytes(numel), torch.uint8)
+    codec.encode_into(tensor, mine, numel, residual=residual, scratch=scratch)
+    _sync(mine)
+    stats.encode_s += time.perf_counter() - t0
+    # New buffers every time, as for the chunked path: a failed gather must not write into
+    # the next one's.
+    gathered = [torch.empty_like(mine) for _ in range(n)]
+    opts = AllgatherOptions()
+    if timeout is not None:
+        opts.timeout = timeout
+    with issuing():
+        work = pg.allgather([gathered], [mine], opts)
+    _wait(work)
+    _sync(mine)
+    t0 = time.perf_counter()
+    _sum_gathered(gathered, codec, numel, tensor, scratch)
+    _sync(tensor)
+    stats.decode_s += time.perf_counter() - t0
+    if keep_delivered:
+        stats.delivered = torch.cat(gathered)
+    stats.bytes_sent = (n - 1) * mine.numel()
+
+
+def _sum_gathered(
+    encodings: list[torch.Tensor],
+    codec: Codec,
+    numel: int,
+    out: torch.Tensor,
+    scratch: Scratch | None,
+) -> None:
+    """``out`` = the sum of the decoded ``encodings``, added in their order: the one decode of
+    a gathered all-reduce's result."""
+    for i, packed in enumerate(encodings):
+        codec.decode_into(packed, numel, out, accumulate=i > 0, scratch=scratch)
+
+
 def _stage(
     feedback: ErrorFeedback, key: str, residual: torch.Tensor, stats: CompressionStats, now: bool
 ) -> None:
@@ -323,6 +390,16 @@ def decode_delivered(
     codec = get_codec(dtype)
     if world_size == 1:
         codec.decode_into(delivered, numel, out, scratch=scratch)
+        return
+    if codec.gathers:
+        size = codec.wire_bytes(numel)
+        if delivered.numel() != world_size * size:
+            raise ValueError(
+                f"delivered bytes of a {dtype} all-gather of {numel} values over {world_size} "
+                f"ranks: expected {world_size * size}, got {delivered.numel()}"
+            )
+        encodings = [delivered[i * size : (i + 1) * size] for i in range(world_size)]
+        _sum_gathered(encodings, codec, numel, out, scratch)
         return
     chunk = chunk_numel(numel, world_size)
     chunk_bytes = codec.wire_bytes(chunk)

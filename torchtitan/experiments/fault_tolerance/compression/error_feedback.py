@@ -37,11 +37,19 @@ class ErrorFeedback:
     ``take_loaded(key, numel)``, when given, is asked for the residual of a key the store does
     not hold yet (e.g. one loaded from a checkpoint and not handed out yet); what it returns is
     owed from then on.
+
+    ``decay`` (SparseLoCo's beta, arXiv 2508.15706): the residual is multiplied by it before it
+    is added back, so that what stays unsent fades (1: nothing fades, classic error feedback).
     """
 
     def __init__(
-        self, take_loaded: Callable[[str, int], torch.Tensor | None] | None = None
+        self,
+        take_loaded: Callable[[str, int], torch.Tensor | None] | None = None,
+        decay: float = 1.0,
     ) -> None:
+        if not 0 < decay <= 1:
+            raise ValueError(f"error feedback decay must be in (0, 1], got {decay}")
+        self.decay = decay
         self._residuals: dict[str, torch.Tensor] = {}
         self._take_loaded = take_loaded
         #: Replaced CPU residuals, to compute the next ones in.
@@ -50,15 +58,20 @@ class ErrorFeedback:
         self._staged: dict[str, torch.Tensor] = {}
 
     def correct(self, key: str, x: torch.Tensor) -> torch.Tensor:
-        """A new tensor ``x + residual[key]`` (a copy of ``x`` if there is no residual yet)."""
-        residual = self._owed(key, x)
-        return x.clone() if residual is None else x + residual
+        """A new tensor ``x + decay * residual[key]`` (a copy of ``x`` if there is no residual
+        yet)."""
+        return self.correct_(key, x.clone())
 
     def correct_(self, key: str, x: torch.Tensor) -> torch.Tensor:
-        """``x += residual[key]`` in place; returns ``x``. The residual stays owed until
+        """``x += decay * residual[key]`` in place; returns ``x``. The residual stays owed until
         :meth:`set_residual` replaces it."""
         residual = self._owed(key, x)
-        return x if residual is None else x.add_(residual)
+        if residual is None:
+            return x
+        if self.decay == 1:
+            return x.add_(residual)
+        # Two roundings (multiply, then add), the same on every device: no fused multiply-add.
+        return x.add_(residual * self.decay)
 
     def _owed(self, key: str, x: torch.Tensor) -> torch.Tensor | None:
         """The residual of ``key`` on ``x``'s device, or None. One from ``take_loaded`` is kept
