@@ -1069,6 +1069,7 @@ def test_local_sgd_is_an_alias(alias: str) -> None:
             )
             for flag in (
                 "--fault_tolerance.sparse_chunk=1",
+                "--fault_tolerance.sparse_chunk=65537",
                 "--fault_tolerance.sparse_keep=0",
                 "--fault_tolerance.sparse_keep=4097",
                 "--fault_tolerance.sparse_value_bits=0",
@@ -1218,6 +1219,41 @@ def test_compressed_pseudo_gradients_parse_with_error_feedback(method: str, dtyp
         *(["--fault_tolerance.outer_momentum=0"] if dtype == "sparse" else []),
     ).fault_tolerance
     assert (ft.pseudo_grad_dtype, ft.error_feedback) == (dtype, True)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4", "sparse"])
+def test_should_quantize_is_refused_with_a_compressed_dtype_on_a_gpu_machine_too(
+    monkeypatch: pytest.MonkeyPatch, dtype: str
+) -> None:
+    """Not only because this machine lacks CUDA: the two compressions do not combine."""
+    from torchtitan.experiments.fault_tolerance import job_config as semi_sync
+
+    monkeypatch.setattr(semi_sync, "_missing_for_quantization", lambda ft, config: "")
+    with pytest.raises(ConfigError) as info:
+        parse_semi_sync(
+            *FT_ON,
+            "--fault_tolerance.semi_sync_method=diloco",
+            f"--fault_tolerance.pseudo_grad_dtype={dtype}",
+            "--fault_tolerance.error_feedback",
+            "--fault_tolerance.outer_momentum=0",
+            "--fault_tolerance.should_quantize",
+        )
+    assert info.value.field == "fault_tolerance.should_quantize"
+
+
+@pytest.mark.parametrize(("dtype", "decay"), [("int8", 1.0), ("int4", 1.0), ("sparse", 0.9)])
+def test_only_sparse_residuals_fade(dtype: str, decay: float) -> None:
+    """sparse_residual_decay (default 0.9) is sparse's: the other dtypes owe every value."""
+    from torchtitan.experiments.fault_tolerance.methods import residual_decay
+
+    ft = parse_semi_sync(
+        *FT_ON,
+        "--fault_tolerance.semi_sync_method=diloco",
+        f"--fault_tolerance.pseudo_grad_dtype={dtype}",
+        "--fault_tolerance.error_feedback",
+        "--fault_tolerance.outer_momentum=0",
+    ).fault_tolerance
+    assert residual_decay(ft) == decay  # type: ignore[arg-type]
 
 
 def test_should_quantize_is_refused_with_async_diloco_on_a_gpu_machine_too(

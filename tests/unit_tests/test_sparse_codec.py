@@ -89,6 +89,26 @@ def test_a_level_is_the_mean_of_its_bin_and_a_zero_chunk_decodes_to_zeros() -> N
     assert torch.equal(decoded, expected)
 
 
+@pytest.mark.parametrize("bits", [2, 3])
+def test_a_chunk_with_few_nonzero_values_sends_its_kept_zeros_as_exact_zeros(bits: int) -> None:
+    """Fewer nonzero values than ``keep``: the zeros kept decode to 0 (no drift where the
+    pseudo-gradient is 0), the nonzero values to levels of their own."""
+    codec = SparseCodec(64, 16, bits)
+    x = torch.zeros(128)
+    x[[3, 9, 40]] = torch.tensor([0.01, -1.0, 0.5])  # chunk 0: 3 nonzero of 16 kept
+    x[64:] = _values(64, seed=5)  # chunk 1: all nonzero
+    residual = torch.empty(128)
+    packed = torch.empty(codec.wire_bytes(128), dtype=torch.uint8)
+    codec.encode_into(x, packed, 128, residual=residual)
+    decoded = codec.decode(packed, 128)
+    zero = x[:64] == 0
+    assert torch.equal(decoded[:64][zero], torch.zeros(int(zero.sum())))
+    assert torch.equal(residual[:64][zero], torch.zeros(int(zero.sum())))
+    assert torch.equal(decoded[:64][~zero].sign(), x[:64][~zero].sign())
+    assert int((decoded[64:] != 0).sum()) == 16
+    assert torch.equal(residual, x - decoded)
+
+
 def test_indices_and_codes_are_packed_low_bits_first() -> None:
     codec = SparseCodec(16, 2, 2)  # 4-bit indices: two per byte; two 2-bit codes in one byte
     x = torch.zeros(16)

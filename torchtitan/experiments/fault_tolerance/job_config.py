@@ -172,8 +172,8 @@ class FaultTolerance(CoreFaultTolerance):
     starts them at zero."""
 
     sparse_chunk: int = 4096
-    """pseudo_grad_dtype=sparse: values per chunk. Each rank chooses within its own shard,
-    chunk by chunk; an index costs ceil(log2(sparse_chunk)) bits (12 at 4,096)."""
+    """pseudo_grad_dtype=sparse: values per chunk, 2 to 65,536. Each rank chooses within its
+    own shard, chunk by chunk; an index costs ceil(log2(sparse_chunk)) bits (12 at 4,096)."""
 
     sparse_keep: int = 64
     """pseudo_grad_dtype=sparse: values each chunk sends, those of largest magnitude in the
@@ -303,6 +303,13 @@ class FaultTolerance(CoreFaultTolerance):
                 "needs a compressed fault_tolerance.pseudo_grad_dtype (bfloat16, int8, int4 "
                 "or sparse)",
             )
+        if compressed and self.should_quantize:
+            raise ConfigError(
+                "fault_tolerance.should_quantize",
+                True,
+                f"pseudo_grad_dtype={self.pseudo_grad_dtype} compresses already; use one of "
+                "the two (should_quantize is torchft's fp8, CUDA and Triton only)",
+            )
         if self.pseudo_grad_dtype != "sparse":
             for name in self._changed(SPARSE_FIELDS):
                 raise ConfigError(
@@ -319,8 +326,12 @@ class FaultTolerance(CoreFaultTolerance):
                 "to deliver the rest later (without it they are lost for good); add "
                 "--fault_tolerance.error_feedback",
             )
-        if self.sparse_chunk < 2:
-            raise ConfigError("fault_tolerance.sparse_chunk", self.sparse_chunk, "must be >= 2")
+        if not 2 <= self.sparse_chunk <= MAX_SPARSE_CHUNK:
+            raise ConfigError(
+                "fault_tolerance.sparse_chunk",
+                self.sparse_chunk,
+                f"must be in [2, {MAX_SPARSE_CHUNK}] (a chunk's temporaries are as large as it)",
+            )
         if not 1 <= self.sparse_keep <= self.sparse_chunk:
             raise ConfigError(
                 "fault_tolerance.sparse_keep",
@@ -345,13 +356,6 @@ class FaultTolerance(CoreFaultTolerance):
                 "fault_tolerance.sparse_residual_decay",
                 self.sparse_residual_decay,
                 "must be in (0, 1] (1: no decay)",
-            )
-        if compressed and self.should_quantize:
-            raise ConfigError(
-                "fault_tolerance.should_quantize",
-                True,
-                f"pseudo_grad_dtype={self.pseudo_grad_dtype} compresses already; use one of "
-                "the two (should_quantize is torchft's fp8, CUDA and Triton only)",
             )
 
     def _validate_async(self, config: CoreJobConfig) -> None:
@@ -511,6 +515,8 @@ OUTER_FIELDS = (
     "sparse_residual_decay",
     "heal_history_syncs",
 )
+#: The largest ``sparse_chunk``: an index then takes 16 bits.
+MAX_SPARSE_CHUNK = 2**16
 #: Fields that mean something only with pseudo_grad_dtype=sparse.
 SPARSE_FIELDS = ("sparse_chunk", "sparse_keep", "sparse_value_bits", "sparse_residual_decay")
 #: Fields that mean something only with semi_sync_method=async_diloco.

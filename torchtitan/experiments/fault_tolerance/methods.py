@@ -117,6 +117,12 @@ def wire_dtype(ft: FaultTolerance) -> str:
     return sparse_name(ft.sparse_chunk, ft.sparse_keep, ft.sparse_value_bits)
 
 
+def residual_decay(ft: FaultTolerance) -> float:
+    """What of an error-feedback residual is still owed a sync later: ``sparse_residual_decay``
+    for sparse, 1 (nothing fades) for every other dtype."""
+    return ft.sparse_residual_decay if ft.pseudo_grad_dtype == "sparse" else 1.0
+
+
 def describe(job_config: JobConfig, loop: OuterLoop) -> str:
     """One log line: the method and every setting it runs with."""
     ft = semi_sync_config(job_config)

@@ -48,7 +48,12 @@ from torchtitan.experiments.fault_tolerance.heal_transport import (
 from torchtitan.experiments.fault_tolerance.job_config import SEMI_SYNC_METHODS, semi_sync_config
 from torchtitan.experiments.fault_tolerance.lineage import Lineage
 from torchtitan.experiments.fault_tolerance.method_state import SemiSyncState
-from torchtitan.experiments.fault_tolerance.methods import build_method, describe, wire_dtype
+from torchtitan.experiments.fault_tolerance.methods import (
+    build_method,
+    describe,
+    residual_decay,
+    wire_dtype,
+)
 from torchtitan.experiments.fault_tolerance.outer_loop import (
     GlobalCopyLoop,
     OuterLoop,
@@ -96,7 +101,7 @@ class SemiSyncTrainer(Trainer):
         transport = SyncTransport(
             wire_dtype(ft),
             error_feedback=ft.error_feedback,
-            residual_decay=ft.sparse_residual_decay,
+            residual_decay=residual_decay(ft),
             bucket_mb=ft.sync_bucket_mb,
             timeout_s=ft.sync_collective_timeout_s,
             peers=PeerWatch(self.ft.lighthouse),

@@ -27,7 +27,10 @@ decodes ``n`` encodings per sync, and a heal history entry holds all ``n``.
 
 Levels: the kept magnitudes of a chunk, between their smallest ``lo`` and largest ``hi``, fall
 into ``2 ** (bits - 1)`` equal bins; a bin's level is the mean of its magnitudes (the centre of
-the bin when it is empty), so that a kept value moves by at most half the spread of its bin.
+the bin when it is empty), so that a kept value moves by at most half the spread of its bin. A
+chunk with fewer nonzero values than ``keep`` keeps zeros too: with 2 bits or more they take
+level 0, exactly 0 (nothing drifts where the pseudo-gradient is 0), and the nonzero magnitudes
+share the other bins.
 Decoding only selects a level and a sign: the same bytes decode to the same values on every rank
 and device. Inputs must be finite: an inf or NaN makes its chunk's levels NaN.
 """
@@ -43,8 +46,11 @@ from torchtitan.experiments.fault_tolerance.compression.codecs import Codec, Scr
 #: The wire name of the defaults; other settings are named ``sparse-c{chunk}-k{keep}-b{bits}``.
 SPARSE = "sparse"
 DEFAULT_CHUNK, DEFAULT_KEEP, DEFAULT_BITS = 4096, 64, 2
-#: Values a codec handles at a time, at least one chunk: every temporary is a piece long.
+#: Values a codec handles at a time, at least one chunk: every temporary is a piece long. On a
+#: GPU a piece is one bucket's worth (``sync_bucket_mb``'s default, 32 MiB of fp32): each
+#: piece costs some 80 kernel launches, which at 1e9 values per shard must not number thousands.
 PIECE_VALUES = 4096 * 128
+CUDA_PIECE_VALUES = 2**23
 
 
 def sparse_name(chunk: int, keep: int, bits: int) -> str:
@@ -73,20 +79,22 @@ def _pack_bits(values: torch.Tensor, bits: int, out: torch.Tensor) -> None:
     """``values`` ([rows, count] non-negative ints below ``2 ** bits``) into ``out`` ([rows,
     nbytes] uint8), each row's bits least significant first, the last byte's high bits 0."""
     rows, nbytes = out.shape
-    shifts = torch.arange(bits, device=values.device)
-    spread = torch.bitwise_and(values.unsqueeze(-1) >> shifts, 1).view(rows, -1)
+    shifts = torch.arange(bits, dtype=torch.int32, device=values.device)
+    spread = torch.bitwise_and(values.int().unsqueeze(-1) >> shifts, 1).view(rows, -1)
     padded = torch.nn.functional.pad(spread, (0, nbytes * 8 - spread.shape[1]))
-    weights = torch.arange(8, device=values.device)
-    out.copy_((padded.view(rows, nbytes, 8) << weights).sum(-1))
+    weights = torch.arange(8, dtype=torch.int32, device=values.device)
+    out.copy_((padded.view(rows, nbytes, 8) << weights).sum(-1, dtype=torch.int32))
 
 
 def _unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """The ``count`` values per row that :func:`_pack_bits` wrote into ``packed``, as int64."""
+    """The ``count`` values per row that :func:`_pack_bits` wrote into ``packed``, as int64
+    (what gather and scatter take)."""
     rows = packed.shape[0]
-    weights = torch.arange(8, device=packed.device)
-    spread = torch.bitwise_and(packed.long().unsqueeze(-1) >> weights, 1).view(rows, -1)
-    shifts = torch.arange(bits, device=packed.device)
-    return (spread[:, : count * bits].view(rows, count, bits) << shifts).sum(-1)
+    weights = torch.arange(8, dtype=torch.int32, device=packed.device)
+    spread = torch.bitwise_and(packed.int().unsqueeze(-1) >> weights, 1).view(rows, -1)
+    shifts = torch.arange(bits, dtype=torch.int32, device=packed.device)
+    values = spread[:, : count * bits].view(rows, count, bits) << shifts
+    return values.sum(-1, dtype=torch.int64)
 
 
 class SparseCodec(Codec):
@@ -114,7 +122,9 @@ class SparseCodec(Codec):
         self.index_bits = math.ceil(math.log2(chunk))
         self.code_bytes = math.ceil(keep * bits / 8)
         self.index_bytes = math.ceil(keep * self.index_bits / 8)
+        #: Chunks per piece on the CPU and on a GPU.
         self.piece_chunks = max(1, PIECE_VALUES // chunk)
+        self.cuda_piece_chunks = max(1, CUDA_PIECE_VALUES // chunk)
 
     def chunk_bytes(self) -> int:
         """Bytes of one chunk's record: its levels, codes and indices."""
@@ -132,8 +142,8 @@ class SparseCodec(Codec):
         code_end = level_end + self.code_bytes * n
         return packed[:level_end], packed[level_end:code_end], packed[code_end:]
 
-    def _pieces(self, numel: int) -> range:
-        return range(0, math.ceil(numel / self.chunk), self.piece_chunks)
+    def _per_piece(self, device: torch.device) -> int:
+        return self.cuda_piece_chunks if device.type == "cuda" else self.piece_chunks
 
     def _encode(
         self,
@@ -146,8 +156,9 @@ class SparseCodec(Codec):
         level_bytes, codes, indices = self._split(out, numel)
         levels = level_bytes.view(torch.float32)
         chunks = math.ceil(numel / self.chunk)
-        for first in self._pieces(numel):
-            last = min(chunks, first + self.piece_chunks)
+        per_piece = self._per_piece(out.device)
+        for first in range(0, chunks, per_piece):
+            last = min(chunks, first + per_piece)
             start, end = first * self.chunk, min(x.numel(), last * self.chunk)
             rows = last - first
             self._encode_piece(
@@ -203,24 +214,33 @@ class SparseCodec(Codec):
     def _levels(self, top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each kept magnitude's level number ([rows, keep] int64) and each chunk's levels
         ([rows, levels] fp32): bins of equal width between the chunk's smallest and largest
-        kept magnitude, each level its bin's mean (its centre when empty)."""
+        kept magnitude, each level its bin's mean (its centre when empty); with 2 bits or more
+        a chunk that keeps zeros gives them level 0, exactly 0, and the other bins to the rest."""
         lo = top.amin(dim=1, keepdim=True)
         hi = top.amax(dim=1, keepdim=True)
         if self.levels == 1:
             return torch.zeros_like(top, dtype=torch.long), top.mean(dim=1, keepdim=True)
-        width = hi - lo
-        position = (top - lo) / torch.where(width > 0, width, 1.0) * self.levels
-        # NaN (a non-finite input) and a chunk of equal magnitudes go to level 0.
+        keeps_zeros = lo == 0
+        nonzero = top > 0
+        # Where zeros are kept, the bins span the nonzero magnitudes and start at level 1.
+        base = torch.where(keeps_zeros, torch.where(nonzero, top, hi).amin(dim=1, keepdim=True), lo)
+        first = keeps_zeros.long()
+        bins = self.levels - first
+        width = hi - base
+        position = (top - base) / torch.where(width > 0, width, 1.0) * bins
+        # NaN (a non-finite input) and a chunk of equal magnitudes go to the first bin.
         position = torch.where(torch.isfinite(position), position, 0.0)
-        level_of = position.floor().clamp(0, self.levels - 1).long()
+        level_of = torch.minimum(position.floor().clamp(min=0).long(), bins - 1) + first
+        level_of = torch.where(keeps_zeros & ~nonzero, 0, level_of)
         # A one-hot sum, not scatter_add_: deterministic on every device.
         numbers = torch.arange(self.levels, device=top.device)
         member = (level_of.unsqueeze(-1) == numbers).to(top.dtype)
         sums = (top.unsqueeze(-1) * member).sum(dim=1)
         counts = member.sum(dim=1)
-        centres = lo + width * ((numbers + 0.5) / self.levels)
+        centres = base + width * ((numbers - first + 0.5) / bins)
         means = sums / counts.clamp(min=1)
-        return level_of, torch.where(counts > 0, means, centres)
+        levels = torch.where(counts > 0, means, centres)
+        return level_of, torch.where(keeps_zeros & (numbers == 0), 0.0, levels)
 
     def _decode(
         self,
@@ -236,8 +256,9 @@ class SparseCodec(Codec):
         if levels.storage_offset() % 4 != 0:
             levels = levels.clone()
         levels = levels.view(torch.float32)
-        for first in self._pieces(out.numel()):
-            last = min(math.ceil(out.numel() / chunk), first + self.piece_chunks)
+        chunks, per_piece = math.ceil(out.numel() / chunk), self._per_piece(out.device)
+        for first in range(0, chunks, per_piece):
+            last = min(chunks, first + per_piece)
             rows = last - first
             start, end = first * chunk, min(out.numel(), last * chunk)
             level_of = _unpack_bits(
