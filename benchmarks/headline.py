@@ -115,6 +115,16 @@ def first_period_wait(method: str) -> Callable[[Result], list[float]]:
     ]
 
 
+def fast_group_utilisation(method: str, rate: float, dtype: str) -> Callable[[Result], list[float]]:
+    """Per repeat: the fast group's compute seconds over its wall seconds from its start of
+    training to its last step (``wan.py``'s ``whole_run_utilisation``; the highest of the
+    groups')."""
+    return lambda r: [
+        max(g["whole_run_utilisation"] for g in run["groups"])
+        for run in _runs(r, method, rate, dtype)
+    ]
+
+
 def goodput(key: str) -> Callable[[Result], list[float]]:
     """Per repeat: the job's whole-run goodput against the no-FT baseline of the same repeat."""
     return lambda r: r["summary"][key]["goodput"]["job_whole_run_repeats"]
@@ -289,6 +299,14 @@ FIGURES = [
            heal_case(100.0, "int4", "K=3", "bytes_vs_full"), "bytes", ("<=", 0.10), fmt=PCT),
     Figure("heal replay bytes / full heal, int4, 10 missed syncs", "heal_replay.json",
            heal_case(100.0, "int4", "K=10", "bytes_vs_full"), "bytes", ("<=", 0.30), fmt=PCT),
+    Figure("sparse bytes per sync / float32's, 2 groups (DiLoCo)", "wan_sparse_bytes.json",
+           bytes_vs_float32("sparse"), "bytes", ("<=", 0.01), fmt="{:.4f}"),
+    Figure("sparse bytes per sync / float32's, 4 groups", "wan_sparse_bytes_4groups.json",
+           bytes_vs_float32("sparse"), "bytes", fmt="{:.4f}"),
+    Figure("heal replay bytes / full heal, sparse, 3 missed syncs", "heal_replay_sparse.json",
+           heal_case(100.0, "sparse", "K=3", "bytes_vs_full"), "bytes", ("<=", 0.01), fmt=PCT),
+    Figure("heal replay bytes / full heal, sparse, 10 missed syncs", "heal_replay_sparse.json",
+           heal_case(100.0, "sparse", "K=10", "bytes_vs_full"), "bytes", ("<=", 0.03), fmt=PCT),
     Figure("DiLoCo peak RSS - no FT, in parameter bytes (`bench_1024x8`)", "memory.json",
            memory_over_params("diloco"), "bytes", ("<=", 2.2), fmt="{:.2f}"),
     Figure("async DiLoCo peak RSS - no FT, in parameter bytes", "memory.json",
@@ -305,6 +323,9 @@ FIGURES = [
            steady_wait("async_diloco", 10.0, "int8"), "wait", ("<=", HIDDEN_WAIT), fmt=PCT),
     Figure("async DiLoCo int4+EF wait share, 10 Mbit/s (plan: hidden)", "wan_int4_10mbit.json",
            steady_wait("async_diloco", 10.0, "int4"), "wait", ("<=", HIDDEN_WAIT), fmt=PCT),
+    Figure("async DiLoCo sparse, fast group's whole-run utilisation, 10 Mbit/s (plan: hidden)",
+           "wan_sparse_10mbit.json", fast_group_utilisation("async_diloco", 10.0, "sparse"),
+           "wait", (">=", 0.97), fmt=PCT),
     Figure("async + DyLU wait share, a 2x straggler, either group", "wan_straggler.json",
            steady_wait("async_dylu", 100.0), "wait", ("<=", HIDDEN_WAIT), fmt=PCT),
     Figure("survivor's wait at a rejoin / its period (H=300)", "recovery_long_period.json",
@@ -331,6 +352,8 @@ FIGURES = [
            loss_ratio("diloco_int4_ef", "diloco"), "loss", ("<=", 1.02), every=True),
     Figure("async DiLoCo (eager) / DiLoCo held-out loss", "convergence.json",
            loss_ratio("async_eager", "diloco"), "loss", ("<=", 1.02), every=True),
+    Figure("sparse / float32 DiLoCo held-out loss (H=20: 30 syncs)", "convergence_sparse.json",
+           loss_ratio("diloco_sparse", "diloco"), "loss", ("<=", 1.02), every=True),
     # counts
     Figure("soak (10 min, 19 kills): committed / attempted steps", "recovery_soak.json",
            soak("committed_over_attempted_steps"), "count", (">=", 0.80)),
@@ -351,6 +374,18 @@ FIGURES = [
            goodput("async_diloco@10mbit_int8")),
     Figure("job goodput / no FT, async DiLoCo int4+EF, 10 Mbit/s", "wan_int4_10mbit.json",
            goodput("async_diloco@10mbit_int4_ef")),
+    Figure("async DiLoCo int4+EF, fast group's whole-run utilisation, 10 Mbit/s (same run)",
+           "wan_sparse_10mbit.json", fast_group_utilisation("async_diloco", 10.0, "int4"),
+           fmt=PCT),
+    Figure("job goodput / no FT, async DiLoCo sparse, 10 Mbit/s", "wan_sparse_10mbit.json",
+           goodput("async_diloco@10mbit_sparse_ef")),
+    Figure("job goodput / no FT, async DiLoCo int4+EF, 10 Mbit/s (the sparse run)",
+           "wan_sparse_10mbit.json", goodput("async_diloco@10mbit_int4_ef")),
+    # One seed set per row; H=5 runs 120 syncs where the suite's H=20 runs 30.
+    Figure("async sparse / async DiLoCo (eager) held-out loss (H=20)", "convergence_sparse.json",
+           loss_ratio("async_eager_sparse", "async_eager")),
+    Figure("sparse / float32 DiLoCo held-out loss, H=5 (120 syncs)", "convergence_sparse_h5.json",
+           loss_ratio("diloco_sparse", "diloco")),
     Figure("job goodput / no FT, async + DyLU, 2x straggler", "wan_straggler.json",
            goodput("async_dylu@100mbit_straggler2")),
     # The whole run includes the closing sync, whose share grows as the machine computes faster.
