@@ -45,6 +45,7 @@ TESTS = [
     "tests/unit_tests/test_outer_passes.py",
     "tests/unit_tests/test_exact_division.py",
     "tests/unit_tests/test_step_clock.py",
+    "tests/unit_tests/test_torchft_oracle.py",
 ]
 #: Failure detection and the replicate group's timeouts live in the core's fault tolerance.
 CORE_FT = "torchtitan/components/ft"
