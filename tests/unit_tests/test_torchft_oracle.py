@@ -16,7 +16,8 @@ of 300 differ in the last bit at about 300 places), so per-tensor all-reduces an
 agree to rounding only; there the bound is a few ulps. An engine that must equal torchft bit
 for bit at 3 groups must cut its transfers as torchft does. The cases: LocalSGD; DiLoCo with 1
 and 2 fragments; ``fragment_sync_delay`` 0 and 1; ``fragment_update_alpha`` 0, 0.5 and 1;
-outer momentum 0 and Nesterov 0.9.
+outer momentum 0 and Nesterov 0.9; a sync that every group fails to commit (dropped: the
+global parameters stay, the local ones go back to them).
 """
 
 from __future__ import annotations
@@ -39,15 +40,22 @@ SYNCS = 4
 
 class TorchftAllreduce(LoopbackManager):
     """The loopback Manager with torchft's own ``allreduce`` (and the error handling it
-    relies on), unchanged: what torchft's algorithms get from a real Manager."""
+    relies on), unchanged: what torchft's algorithms get from a real Manager. ``fail_sync``:
+    the sync (0-based) whose commit every group refuses, as after an error in any group."""
 
     allreduce = Manager.allreduce
     wrap_future = Manager.wrap_future
 
-    def __init__(self, pg: Any, rank: int, size: int) -> None:
+    def __init__(self, pg: Any, rank: int, size: int, fail_sync: int | None = None) -> None:
         super().__init__(pg, rank, size)
         self._timeout = timedelta(seconds=60)
         self._logger = logging.getLogger("torchft-oracle")
+        self._fail_sync = fail_sync
+
+    def should_commit(self, timeout: Any = None) -> bool:
+        if len(self.commits) == self._fail_sync:
+            self.report_error(RuntimeError("a peer failed this sync (injected)"))
+        return super().should_commit(timeout)
 
 
 def outer_optimizers(fragments: list[torch.nn.Module], momentum: float) -> list[Any]:
@@ -67,7 +75,7 @@ def run(rank: int, pg: Any, groups: int, case: dict[str, Any], oracle: bool) -> 
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     method, count = case["method"], case.get("fragments", 1)
     delay, alpha = case.get("delay", 0), case.get("alpha", 0.0)
-    manager = TorchftAllreduce(pg, rank, groups)
+    manager = TorchftAllreduce(pg, rank, groups, case.get("fail_sync"))
     sync = None if oracle else sync_manager(manager, bucket_numel=BUCKET)
     fragments = fragments_of(model, count)
     if method == "localsgd":
@@ -94,7 +102,7 @@ def run(rank: int, pg: Any, groups: int, case: dict[str, Any], oracle: bool) -> 
                 inner_step(model, optimizer, data, lambda x: torch.sin(x[:, :1] * (rank + 1)))
                 if len(manager.commits) > committed:
                     committed = len(manager.commits)
-                    assert manager.commits[-1], "a sync of the oracle comparison failed"
+                    assert manager.commits[-1] == (len(records) != case.get("fail_sync"))
                     globals_ = (
                         snapshot(model.parameters())
                         if method == "localsgd"
@@ -113,8 +121,11 @@ def run(rank: int, pg: Any, groups: int, case: dict[str, Any], oracle: bool) -> 
 
 CASES = [
     {"method": "localsgd"},
+    {"method": "localsgd", "fail_sync": 1},
     {"method": "diloco"},
     {"method": "diloco", "momentum": 0.9},
+    {"method": "diloco", "momentum": 0.9, "fail_sync": 1},
+    {"method": "diloco", "fragments": 2, "delay": 1, "alpha": 0.5, "fail_sync": 2},
     *(
         {"method": "diloco", "fragments": 2, "delay": delay, "alpha": alpha, "momentum": 0.9}
         for delay in (0, 1)
@@ -141,6 +152,9 @@ def test_every_sync_equals_torchft_bit_for_bit(case: dict[str, Any], groups: int
                     assert torch.equal(mine, theirs), where
                 else:  # 3 groups: the sum's order follows the transfers (module docstring)
                     torch.testing.assert_close(mine, theirs, rtol=8e-7, atol=1e-7, msg=where)
-    # Every sync moved the global parameters: equal runs that synced nothing would pass above.
+    # Every committed sync moved DiLoCo's global parameters (equal runs that synced nothing
+    # would pass above); a failed one left them as they were. (LocalSGD's "global" parameters
+    # are the model's, which the inner steps move either way.)
     for sync in range(1, SYNCS):
-        assert not torch.equal(oracle[0][sync][1], oracle[0][sync - 1][1]), sync
+        moved = not torch.equal(oracle[0][sync][1], oracle[0][sync - 1][1])
+        assert moved == (case["method"] == "localsgd" or sync != case.get("fail_sync")), sync
