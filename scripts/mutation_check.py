@@ -347,6 +347,12 @@ MUTANTS = [
         SPARSE_TESTS,
     ),
     Mutant(
+        "sync Manager: a method's state is not registered for heals",
+        f"{PACKAGE}/sync_quorum.py",
+        "        self.ft.register_state_dict_fn(key, load, save)\n",
+        "        pass\n",
+    ),
+    Mutant(
         "DyLU cap: a corrected period's 2 x period leaves out the steps before it was timed",
         f"{PACKAGE}/dylu.py",
         "        self.steps = agree(min(2 * self.period, steps))",
