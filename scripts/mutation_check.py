@@ -73,6 +73,55 @@ class Mutant:
 
 MUTANTS = [
     Mutant(
+        "engine: DiLoCo's pseudo-gradient has the wrong sign",
+        f"{PACKAGE}/periodic.py",
+        "torch.sub(state.global_copy[name], local, out=out)",
+        "torch.sub(local, state.global_copy[name], out=out)",
+    ),
+    Mutant(
+        "engine: DiLoCo's outer step is taken after a failed sync too",
+        f"{PACKAGE}/periodic.py",
+        "        if self._committed:\n            state.outer_step(state.grads)",
+        "        if True:\n            state.outer_step(state.grads)",
+    ),
+    Mutant(
+        "engine: fragment_update_alpha mixes in the global copy's share",
+        f"{PACKAGE}/periodic.py",
+        "local.lerp_(own[name], self.alpha)",
+        "local.lerp_(own[name], 1 - self.alpha)",
+    ),
+    Mutant(
+        "engine: Streaming DiLoCo syncs the first fragment at every sync point",
+        f"{PACKAGE}/periodic.py",
+        "return self.manager.current_step() % len(self.fragments)",
+        "return 0",
+    ),
+    Mutant(
+        "engine: fragment_sync_delay is ignored (the all-reduce starts at the sync point)",
+        f"{PACKAGE}/periodic.py",
+        "if self._local_step == self.period - self.delay:",
+        "if self._local_step == self.period:",
+    ),
+    Mutant(
+        "engine: LocalSGD's average replaces the model after a failed sync too",
+        f"{PACKAGE}/periodic.py",
+        "        if self._committed:\n            with torch.no_grad():",
+        "        if True:\n            with torch.no_grad():",
+    ),
+    Mutant(
+        "engine: a replayed average is read from the start for every tensor",
+        f"{PACKAGE}/periodic.py",
+        "views[name] = average[offset : offset + t.numel()].view_as(t)",
+        "views[name] = average[: t.numel()].view_as(t)",
+        tests=(*TESTS, "tests/unit_tests/test_heal_history.py"),
+    ),
+    Mutant(
+        "engine: a healing peer's outer momentum is not taken",
+        f"{PACKAGE}/periodic.py",
+        '        self.outer.load_state_dict(saved["outer_optimizer"])',
+        "        pass",
+    ),
+    Mutant(
         "transport: an average is not divided by the number of groups",
         f"{PACKAGE}/transport.py",
         "divide_by = manager.num_participants() if average else 1",

@@ -4,6 +4,7 @@ checkpoint carries, healing positions, the digest exchange and the pseudo-gradie
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import astuple
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,13 +16,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from torchtitan.components.ft import FaultToleranceError
-from torchtitan.components.ft.torchft_adapter import ManagerStandIn
 from torchtitan.config import ConfigManager
 from torchtitan.experiments.fault_tolerance.events import HEALED
 from torchtitan.experiments.fault_tolerance.fragments import build_model_fragments
 from torchtitan.experiments.fault_tolerance.lineage import Lineage
 from torchtitan.experiments.fault_tolerance.method_state import SemiSyncState
-from torchtitan.experiments.fault_tolerance.outer_loop import TorchftDiLoCo, TorchftLocalSGD
+from torchtitan.experiments.fault_tolerance.periodic import DiLoCo, LocalSGD
 from torchtitan.experiments.fault_tolerance.quorum_protocol import QuorumFindings, QuorumProtocol
 from torchtitan.experiments.fault_tolerance.reporting import SyncReporter
 from torchtitan.experiments.fault_tolerance.sync_quorum import (
@@ -107,8 +107,8 @@ def test_fragments_by_fqn_put_unlisted_parameters_in_the_last() -> None:
 # ---- checkpointed state ----------------------------------------------------------------------
 
 
-class FakeManager(ManagerStandIn):
-    """What torchft's DiLoCo needs from a Manager when no sync runs."""
+class FakeManager:
+    """What DiLoCo needs from a Manager when no sync runs."""
 
     def __init__(self) -> None:
         self.fns: dict[str, tuple[Any, Any]] = {}
@@ -120,22 +120,18 @@ class FakeManager(ManagerStandIn):
         return 0
 
 
-def diloco(model: nn.Module, fragments: int, delay: int = 0) -> tuple[Any, FakeManager]:
-    from torchft.local_sgd import DiLoCo
-
+def diloco(model: nn.Module, fragments: int, delay: int = 0) -> tuple[DiLoCo, FakeManager]:
     job = config(f"--fault_tolerance.num_fragments={fragments}")
     parts = build_model_fragments(model, job)
     manager = FakeManager()
-    outer = [torch.optim.SGD(p.parameters(), lr=0.7, momentum=0.9, nesterov=True) for p in parts]
+    outer = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
     inner = torch.optim.AdamW(model.parameters())
-    algo = DiLoCo(manager, parts, inner, outer, sync_every=4, fragment_sync_delay=delay)
-    return algo, manager
+    loop = DiLoCo(cast(Any, manager), parts, inner, outer, period=4 // fragments, delay=delay)
+    return loop, manager
 
 
-def as_trainer(algo: Any) -> Any:
-    """What SemiSyncState sees of the trainer: its outer loop around ``algo``."""
-    parts = [f._model_fragment for f in algo._fragments]
-    loop = TorchftDiLoCo(algo, parts, algo._sync_every, algo._fragment_sync_delay)
+def as_trainer(loop: DiLoCo) -> Any:
+    """What SemiSyncState sees of the trainer: its outer loop."""
     return SimpleNamespace(
         algorithm=loop,
         sync=SimpleNamespace(residuals=None, wait_for_transfers=lambda: None),
@@ -143,44 +139,40 @@ def as_trainer(algo: Any) -> Any:
     )
 
 
-def _outer_step(algo: Any) -> None:
+def _outer_step(loop: DiLoCo) -> None:
     """One outer step of every fragment on a made-up pseudo-gradient."""
-    for fragment in algo._fragments:
-        for p in fragment._model_fragment.parameters():
-            p.grad = torch.full_like(p, 0.01)
-        fragment._outer_optimizer.step()
-        fragment._outer_optimizer.zero_grad()
-        fragment.save_parameters()
+    for i in range(len(loop.fragments)):
+        numel = sum(t.numel() for t in loop.global_parameters(i).values())
+        loop.replay_outer_step(i, torch.full((numel,), 0.01))
+        loop.restore_global_copies(i)
 
 
 def test_semi_sync_state_round_trips_through_dcp_into_a_fresh_process(tmp_path: Path) -> None:
     model = small_model()
-    algo, _ = diloco(model, fragments=2)
-    _outer_step(algo)
-    algo._local_step = 1
-    saved_globals = [
-        {k: v.clone() for k, v in f.original_parameters.items()} for f in algo._fragments
-    ]
+    loop, _ = diloco(model, fragments=2)
+    _outer_step(loop)
+    loop.set_local_step(1)
+    saved_globals = [{k: v.clone() for k, v in loop.global_parameters(i).items()} for i in range(2)]
     momentum = [
         [
-            f._outer_optimizer.state[p]["momentum_buffer"].clone()
-            for p in f._model_fragment.parameters()
+            loop.outer_optimizer(i).state[t]["momentum_buffer"].clone()
+            for t in loop.outer_parameters(i).values()
         ]
-        for f in algo._fragments
+        for i in range(2)
     ]
-    dcp.save({"semi_sync": SemiSyncState(as_trainer(algo))}, checkpoint_id=tmp_path)
+    dcp.save({"semi_sync": SemiSyncState(as_trainer(loop))}, checkpoint_id=tmp_path)
 
     # A new process: same model init, an outer optimizer that never stepped (no momentum).
     fresh, _ = diloco(small_model(), fragments=2)
-    assert not fresh._fragments[0]._outer_optimizer.state
+    assert not fresh.outer_optimizer(0).state
     dcp.load({"semi_sync": SemiSyncState(as_trainer(fresh))}, checkpoint_id=tmp_path)
-    assert fresh._local_step == 1
-    for i, fragment in enumerate(fresh._fragments):
-        for name, value in fragment.original_parameters.items():
+    assert fresh.local_step() == 1
+    for i in range(2):
+        for name, value in fresh.global_parameters(i).items():
             assert torch.equal(value, saved_globals[i][name])
-        params = list(fragment._model_fragment.parameters())
-        for p, expected in zip(params, momentum[i], strict=True):
-            assert torch.equal(fragment._outer_optimizer.state[p]["momentum_buffer"], expected)
+        stepped = fresh.outer_parameters(i).values()
+        for t, expected in zip(stepped, momentum[i], strict=True):
+            assert torch.equal(fresh.outer_optimizer(i).state[t]["momentum_buffer"], expected)
 
 
 def test_error_feedback_residuals_come_back_with_a_restart(tmp_path: Path) -> None:
@@ -188,13 +180,13 @@ def test_error_feedback_residuals_come_back_with_a_restart(tmp_path: Path) -> No
     restart, per fragment, committed and staged alike."""
     from torchtitan.experiments.fault_tolerance.transport import FragmentResiduals
 
-    algo, _ = diloco(small_model(), fragments=2)
-    numels = [sum(p.numel() for p in f._model_fragment.parameters()) for f in algo._fragments]
+    loop, _ = diloco(small_model(), fragments=2)
+    numels = [sum(p.numel() for p in f.parameters()) for f in loop.fragments]
     owed = FragmentResiduals()
     for i, numel in enumerate(numels):
         owed.load(i, torch.arange(numel, dtype=torch.float32) + 100 * i)
     owed.load(1, torch.full((numels[1],), 0.5), staged=True)
-    trainer = as_trainer(algo)
+    trainer = as_trainer(loop)
     trainer.sync.residuals = owed
     dcp.save({"semi_sync": SemiSyncState(trainer)}, checkpoint_id=tmp_path)
 
@@ -211,11 +203,11 @@ def test_error_feedback_residuals_come_back_with_a_restart(tmp_path: Path) -> No
 
 
 def test_checkpoint_without_outer_momentum_loads_none(tmp_path: Path) -> None:
-    algo, _ = diloco(small_model(), fragments=1)
-    dcp.save({"s": SemiSyncState(as_trainer(algo))}, checkpoint_id=tmp_path)
+    loop, _ = diloco(small_model(), fragments=1)
+    dcp.save({"s": SemiSyncState(as_trainer(loop))}, checkpoint_id=tmp_path)
     fresh, _ = diloco(small_model(), fragments=1)
     dcp.load({"s": SemiSyncState(as_trainer(fresh))}, checkpoint_id=tmp_path)
-    assert not fresh._fragments[0]._outer_optimizer.state
+    assert not fresh.outer_optimizer(0).state
 
 
 def test_checkpoint_taken_with_a_sync_in_flight_drops_that_sync() -> None:
@@ -223,38 +215,37 @@ def test_checkpoint_taken_with_a_sync_in_flight_drops_that_sync() -> None:
     cannot hold the in-flight all-reduce. Loading it puts that fragment back to its global
     parameters and restarts the period, as torchft does after a failed sync."""
     model = small_model()
-    algo, _ = diloco(model, fragments=2, delay=1)
+    loop, _ = diloco(model, fragments=2, delay=1)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)  # inner steps moved the model away from the global copies
-    algo._local_step = 1
-    algo._fragments[1]._allreduce_work = ["in flight"]  # what prepare_sync leaves behind
-    state = SemiSyncState(as_trainer(algo))
+    loop.set_local_step(1)
+    loop._states[1].works = ["in flight"]  # what a started all-reduce leaves behind
+    state = SemiSyncState(as_trainer(loop))
     saved = state.state_dict()
     assert saved["in_flight_fragment"] == 1
 
-    algo._fragments[1]._allreduce_work = []
+    loop._states[1].works = []
     state.load_state_dict(saved)
-    assert algo._local_step == 0
-    restored = algo._fragments[1]
-    for name, p in restored._model_fragment.named_parameters():
-        assert torch.equal(p, restored.original_parameters[name])
-    untouched = algo._fragments[0]
-    for name, p in untouched._model_fragment.named_parameters():
-        assert torch.equal(p, untouched.original_parameters[name] + 1.0)
+    assert loop.local_step() == 0
+    for name, p in loop.fragment_parameters(1).items():
+        assert torch.equal(p, loop.global_parameters(1)[name])
+    for name, p in loop.fragment_parameters(0).items():
+        assert torch.equal(p, loop.global_parameters(0)[name] + 1.0)
 
 
 def test_healing_state_is_read_when_sent_not_at_start_up() -> None:
-    """torchft's own DiLoCo healing state (global copies, outer optimizer) is produced when a
-    peer asks, so a joiner gets the state of that moment."""
-    algo, manager = diloco(small_model(), fragments=1)
+    """DiLoCo's healing state (global copies, outer optimizer) is produced when a peer asks,
+    so a joiner gets the state of that moment."""
+    loop, manager = diloco(small_model(), fragments=1)
     _, save = manager.fns["StreamingDiLoCoFragment_0"]
-    before = save()["original_parameters"]
-    _outer_step(algo)
+    before = {k: v.clone() for k, v in save()["original_parameters"].items()}
+    _outer_step(loop)
     after = save()["original_parameters"]
-    live = algo._fragments[0].original_parameters
+    live = loop.global_parameters(0)
     assert all(torch.equal(after[k], live[k]) for k in live)
     assert not all(torch.equal(before[k], after[k]) for k in live)
+    assert save()["outer_optimizer"]["state"]  # the momentum of that step
 
 
 # ---- healing positions, digests and the exchange ----------------------------------------------
@@ -509,7 +500,7 @@ def test_localsgd_knows_its_global_digest_only_at_a_period_start_and_forgets_it_
     taken then (and when the group joins at a period's start), and is unknown after a heal
     until the next commit."""
     model = small_model()
-    loop = TorchftLocalSGD(FakeManager(), model, torch.optim.SGD(model.parameters()), 4)
+    loop = LocalSGD(FakeManager(), model, torch.optim.SGD(model.parameters()), 4)
     assert loop.agreement_digest() is None
     loop.note_joined()  # inner step 0: the model is the last average
     at_start = loop.agreement_digest()
@@ -552,10 +543,10 @@ def test_every_method_implements_its_whole_interface() -> None:
     from torchtitan.experiments.fault_tolerance.outer_loop import GlobalCopyLoop, OuterLoop
 
     assert inspect.isabstract(OuterLoop) and inspect.isabstract(GlobalCopyLoop)
-    for cls in (TorchftLocalSGD, TorchftDiLoCo, AsyncDiLoCo):
+    for cls in (LocalSGD, DiLoCo, AsyncDiLoCo):
         assert not inspect.isabstract(cls), (cls, cls.__abstractmethods__)
-    assert issubclass(TorchftDiLoCo, GlobalCopyLoop) and issubclass(AsyncDiLoCo, GlobalCopyLoop)
-    assert not issubclass(TorchftLocalSGD, GlobalCopyLoop)
+    assert issubclass(DiLoCo, GlobalCopyLoop) and issubclass(AsyncDiLoCo, GlobalCopyLoop)
+    assert not issubclass(LocalSGD, GlobalCopyLoop)
 
 
 def test_a_mismatch_of_the_collectives_shapes_names_both_groups_and_the_field() -> None:

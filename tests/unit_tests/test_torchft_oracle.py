@@ -36,7 +36,8 @@ from torchft.manager import Manager
 
 from tests.unit_tests.gloo_groups import LoopbackManager, run_groups, sync_manager
 from tests.unit_tests.toy_task import BUCKET, PERIOD, fragments_of, inner_step, make_model
-from torchtitan.experiments.fault_tolerance.outer_loop import TorchftDiLoCo, TorchftLocalSGD
+from torchtitan.experiments.fault_tolerance.periodic import DiLoCo as OurDiLoCo
+from torchtitan.experiments.fault_tolerance.periodic import LocalSGD as OurLocalSGD
 
 SYNCS = 4
 
@@ -61,11 +62,25 @@ class TorchftAllreduce(LoopbackManager):
         return super().should_commit(timeout)
 
 
-def outer_optimizers(fragments: list[torch.nn.Module], momentum: float) -> list[Any]:
-    return [
-        torch.optim.SGD(f.parameters(), lr=0.7, momentum=momentum, nesterov=momentum > 0)
-        for f in fragments
-    ]
+def outer_optimizer(params: Any, momentum: float) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.7, momentum=momentum, nesterov=momentum > 0)
+
+
+def global_copies(loop: Any) -> list[torch.Tensor]:
+    """The global parameters a DiLoCo holds, by fragment: torchft's own state (the oracle), or
+    ours."""
+    if isinstance(loop, DiLoCo):
+        return [t for f in loop._fragments for t in f.original_parameters.values()]
+    return [t for i in range(len(loop.fragments)) for t in loop.global_parameters(i).values()]
+
+
+def outer_momenta(loop: Any) -> list[torch.Tensor]:
+    """The momentum buffers of a DiLoCo's outer optimizers (torchft's or ours)."""
+    if isinstance(loop, DiLoCo):
+        outer = [f._outer_optimizer for f in loop._fragments]
+    else:
+        outer = [loop.outer_optimizer(i) for i in range(len(loop.fragments))]
+    return [s["momentum_buffer"] for o in outer for s in o.state.values() if s]
 
 
 def snapshot(tensors: Any) -> torch.Tensor:
@@ -76,15 +91,15 @@ class Heal:
     """The last group heals from group 0 after a sync: it takes group 0's model, inner
     optimizer and every state the method registered with its Manager (torchft's DiLoCo: each
     fragment's global copy and outer optimizer), as a restarted group receives them. Before,
-    its model and global copies are moved away (as a restarted group's would be stale), so that
-    a state the heal does not carry shows in every later sync."""
+    its model, global copies and outer momentum are moved away (as a restarted group's would be
+    stale), so that a state the heal does not carry shows in every later sync."""
 
     def __init__(self, groups: int) -> None:
         self.barrier = threading.Barrier(groups)
         self.state: dict[str, Any] = {}
 
     def exchange(
-        self, rank: int, groups: int, model: Any, optimizer: Any, manager: Any, algorithm: Any
+        self, rank: int, groups: int, model: Any, optimizer: Any, manager: Any, loop: Any
     ) -> None:
         if rank == 0:
             self.state = copy.deepcopy(
@@ -100,11 +115,9 @@ class Heal:
             mine, theirs = optimizer.state_dict()["state"], self.state["optimizer"]["state"]
             assert not torch.equal(mine[0]["exp_avg"], theirs[0]["exp_avg"])
             with torch.no_grad():
-                stale = [*model.parameters()] + [
-                    t
-                    for f in getattr(algorithm, "_fragments", [])
-                    for t in f.original_parameters.values()
-                ]
+                stale = [*model.parameters()]
+                if not isinstance(loop, (LocalSGD, OurLocalSGD)):
+                    stale += global_copies(loop) + outer_momenta(loop)
                 for t in stale:
                     t.add_(1.0)
             model.load_state_dict(self.state["model"])
@@ -125,21 +138,34 @@ def run(
     manager = TorchftAllreduce(pg, rank, groups, case.get("fail_sync"))
     sync = None if oracle else sync_manager(manager, bucket_numel=BUCKET)
     fragments = fragments_of(model, count)
+    momentum = case.get("momentum", 0.0)
     if method == "localsgd":
-        algorithm: Any = LocalSGD(manager if oracle else sync, model, optimizer, PERIOD)
-        loop: Any = algorithm if oracle else TorchftLocalSGD(sync, model, optimizer, PERIOD)
-    else:
-        algorithm = DiLoCo(
-            manager if oracle else sync,
+        loop: Any = (
+            LocalSGD(manager, model, optimizer, PERIOD)
+            if oracle
+            else OurLocalSGD(sync, model, optimizer, PERIOD)
+        )
+    elif oracle:
+        loop = DiLoCo(
+            manager,
             fragments,
             optimizer,
-            outer_optimizers(fragments, case.get("momentum", 0.0)),
+            [outer_optimizer(f.parameters(), momentum) for f in fragments],
             sync_every=PERIOD * count,
             use_bucketization=False,
             fragment_sync_delay=delay,
             fragment_update_alpha=alpha,
         )
-        loop = algorithm if oracle else TorchftDiLoCo(algorithm, fragments, PERIOD, delay)
+    else:
+        loop = OurDiLoCo(
+            sync,
+            fragments,
+            optimizer,
+            lambda tensors: outer_optimizer(tensors, momentum),
+            period=PERIOD,
+            delay=delay,
+            alpha=alpha,
+        )
     records: list[Any] = []
     data = torch.Generator().manual_seed(100 + rank)
     committed = 0
@@ -150,18 +176,12 @@ def run(
                 if len(manager.commits) > committed:
                     committed = len(manager.commits)
                     assert manager.commits[-1] == (len(records) != case.get("fail_sync"))
-                    globals_ = (
-                        snapshot(model.parameters())
-                        if method == "localsgd"
-                        else snapshot(
-                            t
-                            for f in algorithm._fragments  # torchft's own state: the oracle
-                            for t in f.original_parameters.values()
-                        )
+                    globals_ = snapshot(
+                        model.parameters() if method == "localsgd" else global_copies(loop)
                     )
                     records.append((snapshot(model.parameters()), globals_))
                     if heal is not None and len(records) - 1 == case.get("heal_after"):
-                        heal.exchange(rank, groups, model, optimizer, manager, algorithm)
+                        heal.exchange(rank, groups, model, optimizer, manager, loop)
     finally:
         if sync is not None:
             sync.shutdown()

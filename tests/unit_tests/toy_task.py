@@ -4,6 +4,7 @@ the others), its fragments, and one inner step."""
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -14,7 +15,7 @@ from torch import nn
 
 from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
 from torchtitan.experiments.fault_tolerance.fragments import ModelFragment
-from torchtitan.experiments.fault_tolerance.outer_loop import TorchftDiLoCo, TorchftLocalSGD
+from torchtitan.experiments.fault_tolerance.periodic import DiLoCo, LocalSGD
 
 BUCKET = 300
 PERIOD = 3
@@ -72,7 +73,7 @@ def build_method(
     ``async_<update>``; the outer optimizer is SGD, Nesterov when it has momentum."""
     nesterov = outer_momentum > 0
     if method == "localsgd":
-        return TorchftLocalSGD(sync, model, optimizer, PERIOD)
+        return LocalSGD(sync, model, optimizer, PERIOD)
     if method.startswith("async_"):
         return AsyncDiLoCo(
             sync,
@@ -87,22 +88,9 @@ def build_method(
             state_device=torch.device("cpu"),
             tokens_per_step=10,
         )
-    from torchft.local_sgd import DiLoCo
-
     count = 2 if method.startswith("streaming_diloco") else 1
     delay = 1 if method == "streaming_diloco_delayed" else 0
-    fragments = fragments_of(model, count)
-    outer = [
-        torch.optim.SGD(f.parameters(), lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
-        for f in fragments
-    ]
-    algorithm = DiLoCo(
-        sync,
-        fragments,
-        optimizer,
-        outer,
-        sync_every=PERIOD * count,
-        use_bucketization=False,
-        fragment_sync_delay=delay,
+    outer = functools.partial(
+        torch.optim.SGD, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov
     )
-    return TorchftDiLoCo(algorithm, fragments, PERIOD, delay)
+    return DiLoCo(sync, fragments_of(model, count), optimizer, outer, period=PERIOD, delay=delay)

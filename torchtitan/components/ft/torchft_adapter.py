@@ -2,19 +2,16 @@
 
 Everything torchtitan needs from torchft that is not public API is read, driven or patched
 here, for torchft 0.2.0 (the version ``pyproject.toml`` pins; lighthouse and groups must run the
-same one). torchft's ``Manager``, ``LocalSGD`` and ``DiLoCo`` are otherwise used through their
-public constructors, verbs and context managers. What torchft 0.2.0 does not offer:
+same one). torchft's ``Manager`` is otherwise used through its public constructor and verbs
+(its ``LocalSGD`` and ``DiLoCo`` are what the tests hold ours to). What torchft 0.2.0 does not
+offer:
 
 * a bind address for the Manager's server (it listens on every interface):
   :func:`manager_server_bound_to`;
-* a way to build DiLoCo on a stand-in for its Manager without the Manager's private
-  ``_use_async_quorum``: :class:`ManagerStandIn`;
 * a switch for messages it emits on every heal or quorum that tell a user nothing, and for
   the tracebacks it logs with errors it handles itself: :func:`quiet_known_noise`;
-* the inner-step position in the sync period, DiLoCo's per-fragment global copies, outer
-  optimizer and in-flight all-reduce, and the two steps of a fragment sync (so that a group
-  that joins at a peer's sync point can take part in that sync);
-* the Manager's quorum id and commit failure count, and the id the lighthouse knows its group by;
+* the Manager's quorum id, the healing state it would send, its replica process group, and the
+  id the lighthouse knows its group by;
 * the lighthouse's view of the groups: who heartbeats, who it dropped, who waits for a quorum
   (read from its status page: 0.2.0 has no other way to ask).
 
@@ -42,7 +39,6 @@ from torchtitan.components.ft.errors import FaultToleranceError
 from torchtitan.components.ft.network import host_port
 
 if TYPE_CHECKING:  # torchft ships no type information: these name what each accessor takes
-    from torchft.local_sgd import DiLoCo, LocalSGD, _StreamingDiLoCoFragment
     from torchft.manager import Manager
 
 #: The torchft release these accessors were written against.
@@ -139,122 +135,7 @@ def quiet_known_noise() -> None:
             manager_logger.addFilter(kind())
 
 
-class ManagerStandIn:
-    """Base of an object handed to torchft's ``LocalSGD``/``DiLoCo`` in place of the Manager.
-
-    DiLoCo 0.2.0 refuses an asynchronous quorum by reading the Manager's private
-    ``_use_async_quorum`` when it is built; a stand-in that runs synchronous quorums answers it
-    here.
-    """
-
-    _use_async_quorum = False
-
-
-# ---- the inner-step position ---------------------------------------------------------------
-
-
-def local_step(algorithm: LocalSGD | DiLoCo) -> int:
-    """Inner steps since the last sync (LocalSGD), or since the last fragment sync (DiLoCo)."""
-    return int(algorithm._local_step)
-
-
-def set_local_step(algorithm: LocalSGD | DiLoCo, step: int) -> None:
-    algorithm._local_step = step
-
-
-# ---- DiLoCo's fragment syncs ---------------------------------------------------------------
-# A *fragment* is a part of the model synced together (``fragments.ModelFragment``); torchft
-# keeps one ``_StreamingDiLoCoFragment`` per fragment, called its *fragment sync* here: the
-# fragment's global copy, outer optimizer and in-flight all-reduce.
-
-
-def fragment_syncs(algorithm: DiLoCo) -> list[_StreamingDiLoCoFragment]:
-    """DiLoCo's fragment syncs, by fragment index."""
-    return list(getattr(algorithm, "_fragments", []))
-
-
-def current_fragment(algorithm: DiLoCo) -> int:
-    """The fragment DiLoCo syncs next (chosen from the Manager's step, alike in every group)."""
-    return int(algorithm._current_fragment())
-
-
-def is_fragment_sync_state(key: str) -> bool:
-    """Whether ``key`` is the healing state DiLoCo registers for a fragment sync (its global
-    copy and outer optimizer)."""
-    return key.startswith("StreamingDiLoCoFragment_")
-
-
-def fragment_parameters(sync: _StreamingDiLoCoFragment) -> dict[str, torch.nn.Parameter]:
-    """The model parameters of a fragment (the model's own objects), by fragment name."""
-    return dict(sync._model_fragment.named_parameters())
-
-
-def global_parameters(sync: _StreamingDiLoCoFragment) -> dict[str, torch.Tensor]:
-    """A fragment's global copy: the parameters every group held after its last sync."""
-    return sync.original_parameters
-
-
-def outer_optimizer(sync: _StreamingDiLoCoFragment) -> torch.optim.Optimizer:
-    return sync._outer_optimizer
-
-
-def in_flight(sync: _StreamingDiLoCoFragment) -> bool:
-    """Whether the fragment's pseudo-gradient all-reduce has been started and not applied."""
-    return bool(sync._allreduce_work)
-
-
-def wait_in_flight(sync: _StreamingDiLoCoFragment) -> None:
-    """Let a started all-reduce finish (every group started it) and drop its result."""
-    for work in sync._allreduce_work:
-        work.wait()
-    sync._allreduce_work = []
-    sync._grads.clear()
-
-
-def prepare_sync(sync: _StreamingDiLoCoFragment) -> None:
-    """First half of a fragment sync: compute the pseudo-gradients and start their
-    all-reduce (what DiLoCo's hook does ``fragment_sync_delay`` steps before the sync)."""
-    sync.prepare_sync()
-
-
-def perform_sync(sync: _StreamingDiLoCoFragment) -> bool:
-    """Second half: wait for the all-reduce, ask ``should_commit``, apply the outer step (or
-    restore the global copy when not committed). Returns the verdict."""
-    return bool(sync.perform_sync())
-
-
-def take_global_copies(algorithm: DiLoCo) -> None:
-    """Make the model's current parameters every fragment's global copy (as DiLoCo does when
-    it is built), e.g. after weights were loaded into the model."""
-    algorithm._save_parameters()
-
-
-def save_global_copy(sync: _StreamingDiLoCoFragment) -> None:
-    """Make the model's current parameters of a fragment its global copy (what a committed
-    sync does after the outer step)."""
-    sync.save_parameters()
-
-
-def restore_global_copies(sync: _StreamingDiLoCoFragment) -> None:
-    """Put a fragment's global copy back into the model."""
-    sync.restore_parameters()
-
-
-# ---- LocalSGD ------------------------------------------------------------------------------
-
-
-def localsgd_average(algorithm: LocalSGD) -> None:
-    """LocalSGD's sync after its quorum: all-reduce the parameters and apply the average if
-    committed."""
-    algorithm._perform_sync()
-
-
 # ---- the Manager ---------------------------------------------------------------------------
-
-
-def commit_failures(manager: Manager) -> int:
-    """Consecutive failed ``should_commit`` calls (0 right after a commit)."""
-    return int(manager._commit_failures)
 
 
 def quorum_id(manager: Manager) -> int:

@@ -3,24 +3,19 @@ is. The only place that branches on ``fault_tolerance.semi_sync_method``."""
 
 from __future__ import annotations
 
-import os
+import functools
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from torchtitan.components.ft import FaultToleranceError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
 from torchtitan.experiments.fault_tolerance.compression.sparse import sparse_name
 from torchtitan.experiments.fault_tolerance.fragments import build_model_fragments
 from torchtitan.experiments.fault_tolerance.job_config import FaultTolerance, semi_sync_config
-from torchtitan.experiments.fault_tolerance.outer_loop import (
-    GlobalCopyLoop,
-    OuterLoop,
-    TorchftDiLoCo,
-    TorchftLocalSGD,
-)
+from torchtitan.experiments.fault_tolerance.outer_loop import GlobalCopyLoop, OuterLoop
+from torchtitan.experiments.fault_tolerance.periodic import DiLoCo, LocalSGD
 
 if TYPE_CHECKING:
     from torchtitan.experiments.fault_tolerance.sync_quorum import SyncManager
@@ -40,7 +35,7 @@ def build_method(
     tokens of the whole group)."""
     ft = semi_sync_config(job_config)
     if ft.method == "localsgd":
-        return TorchftLocalSGD(sync, model, optimizer, ft.sync_steps)
+        return LocalSGD(sync, model, optimizer, ft.sync_steps)
     fragments = build_model_fragments(model, job_config)
     if ft.method == "async_diloco":
         training = job_config.training
@@ -58,54 +53,21 @@ def build_method(
             tokens_per_step=training.local_batch_size * training.seq_len * group_ranks,
             host_threads=ft.outer_step_threads,
         )
-    return _torchft_diloco(job_config, sync, fragments, optimizer, device)
-
-
-def _torchft_diloco(
-    job_config: JobConfig,
-    sync: SyncManager,
-    fragments: list[nn.Module],
-    optimizer: torch.optim.Optimizer,
-    device: torch.device,
-) -> OuterLoop:
-    from torchft.local_sgd import USE_BUCKETIZATION_ENV, DiLoCo
-
-    if os.environ.get(USE_BUCKETIZATION_ENV) == "True":
-        raise FaultToleranceError(
-            f"{USE_BUCKETIZATION_ENV}=True turns on torchft 0.2.0's own bucketing, which sends "
-            "zeros for a tensor larger than a bucket and for every tensor after it: unset it "
-            "(the sync transport buckets instead: fault_tolerance.sync_bucket_mb)"
-        )
-    ft = semi_sync_config(job_config)
-    outer = [
-        torch.optim.SGD(
-            fragment.parameters(),
+    return DiLoCo(
+        sync,
+        fragments,
+        optimizer,
+        functools.partial(
+            torch.optim.SGD,
             lr=ft.outer_lr,
             momentum=ft.outer_momentum,
             # torch refuses Nesterov without momentum; with 0 it is plain SGD anyway.
             nesterov=ft.outer_nesterov and ft.outer_momentum > 0,
-        )
-        for fragment in fragments
-    ]
-    # torchft registers each fragment's global parameters and outer optimizer for healing
-    # itself (under fixed keys: build it once per Manager).
-    algorithm = DiLoCo(
-        sync,
-        fragments,
-        optimizer,
-        outer,
-        sync_every=ft.sync_steps,
-        backup_device=device,
+        ),
+        period=ft.sync_steps // len(fragments),
+        delay=ft.fragment_sync_delay,
+        alpha=ft.fragment_update_alpha,
         should_quantize=ft.should_quantize,
-        fragment_sync_delay=ft.fragment_sync_delay,
-        fragment_update_alpha=ft.fragment_update_alpha,
-        # One all-reduce call per pseudo-gradient: the sync Manager's transport packs them
-        # into buckets of its own (fault_tolerance.sync_bucket_mb). torchft 0.2.0's
-        # bucketing sends zeros for any tensor larger than a bucket and all after it.
-        use_bucketization=False,
-    )
-    return TorchftDiLoCo(
-        algorithm, fragments, ft.sync_steps // len(fragments), ft.fragment_sync_delay
     )
 
 

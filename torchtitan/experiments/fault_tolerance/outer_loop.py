@@ -3,9 +3,8 @@
 A method syncs the replica groups from optimizer hooks (entered with ``hooks()``), every
 ``period`` inner steps, over the model's ``fragments``. The trainer needs a few more verbs from
 it around start-up, healing, checkpoints and the end of training; :class:`OuterLoop` names them,
-so that the trainer never depends on how a method keeps its state. Two of them are torchft's
-own algorithms, driven through the adapter (:class:`TorchftLocalSGD`, :class:`TorchftDiLoCo`);
-``async_diloco.AsyncDiLoCo`` is ours.
+so that the trainer never depends on how a method keeps its state: ``periodic.LocalSGD`` and
+``periodic.DiLoCo`` (Streaming DiLoCo too), and ``async_diloco.AsyncDiLoCo``.
 """
 
 from __future__ import annotations
@@ -21,12 +20,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from torchtitan.components.ft import torchft_adapter as tft
-from torchtitan.tools.digest import chunk_hashes, device_digest, fold_digest
+from torchtitan.tools.digest import chunk_hashes, fold_digest
 
 if TYPE_CHECKING:
-    from torchft.local_sgd import DiLoCo, LocalSGD
-
     from torchtitan.experiments.fault_tolerance.compression import Delivered
     from torchtitan.experiments.fault_tolerance.sync_quorum import SyncManager
 
@@ -173,23 +169,10 @@ class OuterLoop(ABC):
     def forget_global(self) -> None:  # noqa: B027 (a no-op unless a method needs it)
         """This group healed from a peer: what it knew of the global parameters is void."""
 
+    @abstractmethod
     def last_outcome(self, manager: SyncManager) -> SyncOutcome | None:
         """The sync the last sync point decided, right after it (None: it decided none);
         ``manager``: the sync Manager, whose transport carried it."""
-        # The failure count is reset to 0 by a commit and raised by a failed one, so right
-        # after should_commit it is the verdict of this sync.
-        committed = manager.commit_failures() == 0
-        number = manager.current_step() + (0 if committed else 1)
-        fragment = (number - 1) % len(self.fragments)
-        sent, compression_s = manager.sync_stats()
-        return SyncOutcome(
-            number,
-            fragment,
-            committed,
-            sent,
-            manager.num_participants(),
-            compression_s=compression_s,
-        )
 
 
 class GlobalCopyLoop(OuterLoop):
@@ -272,178 +255,3 @@ class ReplaysOuterSteps(ABC):
         method may skip work between consecutive steps, never change their results)."""
         for index, average in steps:
             self.replay_outer_step(index, average)
-
-
-class _TorchftLoop(OuterLoop):
-    """One of torchft's algorithms (``algorithm``): a context manager that hooks the inner
-    optimizer, and keeps the inner-step position itself."""
-
-    algorithm: LocalSGD | DiLoCo
-
-    def hooks(self) -> contextlib.AbstractContextManager:
-        return self.algorithm
-
-    def local_step(self) -> int:
-        return tft.local_step(self.algorithm)
-
-    def set_local_step(self, step: int) -> None:
-        tft.set_local_step(self.algorithm, step)
-
-
-class TorchftLocalSGD(_TorchftLoop):
-    """torchft's LocalSGD: every ``sync_every`` steps the groups average their parameters."""
-
-    method = "localsgd"
-
-    def __init__(
-        self,
-        manager: SyncManager,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        sync_every: int,
-    ) -> None:
-        from torchft.local_sgd import LocalSGD
-
-        self.algorithm = LocalSGD(manager, model, optimizer, sync_every)
-        self.fragments = [model]
-        self.period = sync_every
-        #: The model's digest right after the last committed sync (None: not known).
-        self._global_digest: int | None = None
-
-    def agreement_digest(self) -> int | None:
-        return self._global_digest
-
-    def note_committed(self) -> None:
-        self._global_digest = device_digest(self.fragments[0].parameters())
-
-    def note_joined(self) -> None:
-        if self.local_step() == 0:  # at a period's start the model is the last average
-            self.note_committed()
-
-    def forget_global(self) -> None:
-        self._global_digest = None
-
-    def join_sync(self) -> bool:
-        tft.localsgd_average(self.algorithm)
-        self.set_local_step(0)
-        return True
-
-    def finish(self) -> Ending:
-        steps_since = self.local_step()
-        if steps_since:
-            self.algorithm.sync()
-        return Ending(bool(steps_since), steps_since, None)
-
-
-class TorchftDiLoCo(_TorchftLoop, GlobalCopyLoop, ReplaysOuterSteps):
-    """torchft's DiLoCo (Streaming DiLoCo with more than one fragment)."""
-
-    method = "diloco"
-
-    def __init__(
-        self, algorithm: DiLoCo, fragments: list[nn.Module], period: int, delay: int
-    ) -> None:
-        """``algorithm``: a built ``torchft.local_sgd.DiLoCo`` over ``fragments``, syncing one
-        fragment every ``period`` steps with ``fragment_sync_delay=delay``."""
-        self.algorithm = algorithm
-        self.fragments = fragments
-        self._syncs = tft.fragment_syncs(algorithm)
-        self.period = period
-        self.delay = delay
-
-    def current_fragment(self) -> int:
-        return tft.current_fragment(self.algorithm)
-
-    def global_parameters(self, index: int) -> dict[str, torch.Tensor]:
-        return tft.global_parameters(self._syncs[index])
-
-    def fragment_parameters(self, index: int) -> dict[str, nn.Parameter]:
-        return tft.fragment_parameters(self._syncs[index])
-
-    def outer_optimizer(self, index: int) -> torch.optim.Optimizer:
-        return tft.outer_optimizer(self._syncs[index])
-
-    def in_flight(self, index: int) -> bool:
-        return tft.in_flight(self._syncs[index])
-
-    def drop_in_flight(self, index: int) -> None:
-        tft.wait_in_flight(self._syncs[index])
-
-    def restore_global_copies(self, index: int) -> None:
-        tft.restore_global_copies(self._syncs[index])
-
-    def take_global_copies(self) -> None:
-        tft.take_global_copies(self.algorithm)
-        for index in range(len(self.fragments)):
-            self.outer_optimizer(index).state.clear()
-
-    def replayed_state(self, key: str) -> bool:
-        return tft.is_fragment_sync_state(key)
-
-    def replay_device(self, index: int) -> torch.device:
-        # The all-reduced pseudo-gradients live where torchft computes them: the global copy's
-        # device (backup_device).
-        return next(iter(self.global_parameters(index).values())).device
-
-    def replay_outer_step(self, index: int, average: torch.Tensor) -> None:
-        self.replay_outer_steps([(index, average)])
-
-    def replay_outer_steps(self, steps: Iterable[tuple[int, torch.Tensor]]) -> None:
-        # What torchft's fragment sync does once a sync commits: the model's fragment back to
-        # the global copy, the average as its gradient, the outer step, the new global copy.
-        # The outer step changes the model's parameters in place and nothing else reads them
-        # here, so each fragment's copies in and out happen once per replay, not once per sync.
-        in_model: list[int] = []
-        for index, average in steps:
-            if index not in in_model:
-                tft.restore_global_copies(self._syncs[index])
-                in_model.append(index)
-            self._replayed_outer_step(index, average)
-        for index in in_model:
-            tft.save_global_copy(self._syncs[index])
-
-    def _replayed_outer_step(self, index: int, average: torch.Tensor) -> None:
-        params = self.fragment_parameters(index)
-        grads: dict[str, torch.Tensor] = {}
-        offset = 0
-        for name, p in params.items():
-            local = local_tensor(p)
-            # Views of the average (the outer step may change a gradient in place: the average
-            # is the replay's own, decoded for this step).
-            grads[name] = average[offset : offset + local.numel()].view_as(local)
-            offset += local.numel()
-        if offset != average.numel():
-            raise ValueError(
-                f"a replayed average of fragment {index} has {average.numel()} values, its "
-                f"parameters {offset}"
-            )
-        with torch.no_grad():
-            for name, p in params.items():
-                grad = grads[name]
-                p.grad = (
-                    DTensor.from_local(
-                        grad, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
-                    )
-                    if isinstance(p, DTensor)
-                    else grad
-                )
-        outer = self.outer_optimizer(index)
-        outer.step()
-        outer.zero_grad()
-
-    def join_sync(self) -> bool:
-        state = self._syncs[self.current_fragment()]
-        tft.prepare_sync(state)
-        if self.delay:
-            return False
-        tft.perform_sync(state)
-        self.set_local_step(0)
-        return True
-
-    def finish(self) -> Ending:
-        steps_since = self.local_step()
-        for index in range(len(self.fragments)):
-            if self.in_flight(index):
-                self.drop_in_flight(index)
-            self.restore_global_copies(index)
-        return Ending(False, 0, steps_since if steps_since or self.delay else None)

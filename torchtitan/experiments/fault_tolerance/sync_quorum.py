@@ -27,7 +27,6 @@ from torch.distributed import ReduceOp
 
 from torchtitan.components.ft import FaultToleranceError, FTManager, QuorumPurpose
 from torchtitan.components.ft import torchft_adapter as tft
-from torchtitan.components.ft.torchft_adapter import ManagerStandIn
 from torchtitan.experiments.fault_tolerance import events
 from torchtitan.experiments.fault_tolerance.compression import Delivered
 from torchtitan.experiments.fault_tolerance.peer_watch import heartbeat_key
@@ -191,14 +190,14 @@ def _no_exchange_yet() -> bool:
     )
 
 
-class SyncManager(ManagerStandIn):
+class SyncManager:
     """torchft's Manager as LocalSGD/DiLoCo (and async DiLoCo) see it: ``start_quorum`` is the
     gated sync quorum (always synchronous), ``allreduce`` goes through the sync's
     :class:`~.transport.SyncTransport` (buckets of its own, ``pseudo_grad_dtype`` on the wire,
     finite checks, a timeout sized for periods), ``should_commit`` counts in the core's failure
     accounting and fails a sync that carried a non-finite value; the rest the methods ask
     (``current_step``, ``num_participants``, ``errored``, ``report_error``, the state-read
-    gates, ``commit_failures``) is forwarded to torchft's Manager, typed.
+    gates) is forwarded to torchft's Manager, typed.
 
     ``on_quorum`` runs in every member of a quorum that has enough groups (it may exchange a
     few numbers) and returns whether the quorum is used; all members must decide alike (the
@@ -451,7 +450,3 @@ class SyncManager(ManagerStandIn):
 
     def disallow_state_dict_read(self) -> None:
         self.ft.manager.disallow_state_dict_read()
-
-    def commit_failures(self) -> int:
-        """Failed ``should_commit`` calls in a row (0 right after a commit)."""
-        return tft.commit_failures(self.ft.manager)

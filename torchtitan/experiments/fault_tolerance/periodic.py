@@ -1,0 +1,396 @@
+"""LocalSGD and (Streaming) DiLoCo: the methods whose sync point blocks until its average is in.
+
+Both run from the inner optimizer's hooks on the sync Manager (torchft's quorum, commit vote
+and state transfer; the sync transport's all-reduce). Every ``period`` inner steps:
+
+* **LocalSGD** (arXiv 1805.09767): the sync quorum, then the mean of the groups' parameters;
+  committed, it replaces the model's, else the group keeps its own.
+* **DiLoCo** (arXiv 2311.08105), and Streaming DiLoCo (arXiv 2501.18512) with more than one
+  fragment, one fragment per sync point in turn (``manager.current_step() mod F``, alike in
+  every group). ``delay`` steps before the sync point (0: at it): the sync quorum, then the
+  pseudo-gradient ``global copy - model`` of the fragment, all-reduced to its mean while the
+  group takes those ``delay`` steps. At the sync point: the model goes back to the global
+  copy; committed, the outer optimizer steps the global copy with the mean as its gradient,
+  the model takes the new global copy, and ``alpha`` (``fragment_update_alpha``) of the way
+  back to where this group's own inner steps had taken it.
+
+A failed sync (any group's error, a peer gone, a value not finite) is dropped alike in every
+group: LocalSGD keeps each group's parameters, DiLoCo puts the fragment back to its global copy
+and drops the period's inner steps, as torchft's algorithms do. Every operation on a value is
+the one torchft 0.2.0's ``LocalSGD`` / ``DiLoCo`` make, in the same order, so the groups end
+each sync with the same bits as torchft's (``tests/unit_tests/test_torchft_oracle.py``).
+
+Where this differs from torchft, for memory and speed, never for values: the outer optimizer
+steps the global copy itself (torchft restores it into the model and steps that); with neither
+delay nor ``alpha`` the pseudo-gradient is computed and all-reduced in the model's own storage,
+which the global copy then overwrites; the local parameters are copied only when ``alpha`` > 0.
+DiLoCo's extra memory is then the global copy and the outer momentum (``benchmarks/memory.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import abstractmethod
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from torchtitan.experiments.fault_tolerance.outer_loop import (
+    Ending,
+    GlobalCopyLoop,
+    OuterLoop,
+    ReplaysOuterSteps,
+    SyncOutcome,
+    local_tensor,
+)
+from torchtitan.tools.digest import device_digest
+
+if TYPE_CHECKING:
+    from torchtitan.experiments.fault_tolerance.sync_quorum import SyncManager
+
+#: Builds a fragment's outer optimizer over the tensors it steps (its global copy).
+MakeOuter = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+#: The healing state of fragment ``i`` (its global copy and outer optimizer), under the key and
+#: in the layout torchft's DiLoCo registers it.
+FRAGMENT_STATE_KEY = "StreamingDiLoCoFragment_{}"
+
+
+class _PeriodicLoop(OuterLoop):
+    """The hooks and inner-step count both methods share: a sync every ``period`` steps."""
+
+    def __init__(
+        self, manager: SyncManager, inner_optimizer: torch.optim.Optimizer, period: int
+    ) -> None:
+        self.manager = manager
+        self.inner_optimizer = inner_optimizer
+        self.period = period
+        self._local_step = 0
+        #: The verdict of the last sync point's sync (None: it decided none).
+        self._committed: bool | None = None
+
+    @contextlib.contextmanager
+    def _installed(self) -> Iterator[OuterLoop]:
+        handles = [
+            self.inner_optimizer.register_step_pre_hook(self._before_step),
+            self.inner_optimizer.register_step_post_hook(self._after_step),
+        ]
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def hooks(self) -> contextlib.AbstractContextManager:
+        return self._installed()
+
+    def _before_step(self, *_: Any) -> None:
+        # Parameters change in the step: a peer must not read them for a heal meanwhile.
+        self.manager.disallow_state_dict_read()
+
+    def _after_step(self, *_: Any) -> None:
+        self.manager.allow_state_dict_read()
+        self._local_step += 1
+        self.at_step()
+
+    @abstractmethod
+    def at_step(self) -> None:
+        """After each inner step (``local_step()`` counts it): sync when it is time."""
+
+    def local_step(self) -> int:
+        return self._local_step
+
+    def set_local_step(self, step: int) -> None:
+        self._local_step = step
+
+    def last_outcome(self, manager: SyncManager) -> SyncOutcome | None:
+        if self._committed is None:
+            return None
+        number = manager.current_step() + (0 if self._committed else 1)
+        sent, compression_s = manager.sync_stats()
+        return SyncOutcome(
+            number,
+            (number - 1) % len(self.fragments),
+            self._committed,
+            sent,
+            manager.num_participants(),
+            compression_s=compression_s,
+        )
+
+
+class LocalSGD(_PeriodicLoop):
+    """Every ``period`` steps the groups average their parameters."""
+
+    method = "localsgd"
+
+    def __init__(
+        self,
+        manager: SyncManager,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        period: int,
+    ) -> None:
+        super().__init__(manager, inner_optimizer, period)
+        self.fragments = [model]
+        #: The model's digest right after the last committed sync (None: not known).
+        self._global_digest: int | None = None
+
+    def at_step(self) -> None:
+        if self._local_step >= self.period:
+            self.manager.start_quorum()
+            self._average()
+
+    def _average(self) -> None:
+        """All-reduce copies of the parameters to their mean; the model takes it if the sync
+        commits. The next period starts either way."""
+        params = list(self.fragments[0].parameters())
+        means = [local_tensor(p.data).clone() for p in params]
+        works = [self.manager.allreduce(mean) for mean in means]
+        for work in works:
+            work.wait()
+        self._committed = bool(self.manager.should_commit())
+        if self._committed:
+            with torch.no_grad():
+                for p, mean in zip(params, means, strict=True):
+                    local_tensor(p.data).copy_(mean)
+        self._local_step = 0
+
+    def agreement_digest(self) -> int | None:
+        return self._global_digest
+
+    def note_committed(self) -> None:
+        self._global_digest = device_digest(self.fragments[0].parameters())
+
+    def note_joined(self) -> None:
+        if self._local_step == 0:  # at a period's start the model is the last average
+            self.note_committed()
+
+    def forget_global(self) -> None:
+        self._global_digest = None
+
+    def join_sync(self) -> bool:
+        self._average()
+        return True
+
+    def finish(self) -> Ending:
+        steps_since = self._local_step
+        if steps_since:
+            self.manager.start_quorum()
+            self._average()
+        return Ending(bool(steps_since), steps_since, None)
+
+
+class _Fragment:
+    """One fragment's sync state: its parameters (the model's), its global copy (this rank's
+    shards, on the parameters' device), the outer optimizer that steps the copy, and the
+    pseudo-gradient whose all-reduce is in flight."""
+
+    def __init__(self, module: nn.Module, make_outer: MakeOuter) -> None:
+        self.params: dict[str, nn.Parameter] = dict(module.named_parameters())
+        self.global_copy = {
+            name: torch.empty_like(local_tensor(p.data)) for name, p in self.params.items()
+        }
+        self.outer: torch.optim.Optimizer = make_outer(list(self.global_copy.values()))
+        #: The all-reduced pseudo-gradients (once the works are done) and their works.
+        self.grads: dict[str, torch.Tensor] = {}
+        self.works: list[Any] = []
+
+    def locals(self) -> dict[str, torch.Tensor]:
+        return {name: local_tensor(p.data) for name, p in self.params.items()}
+
+    @torch.no_grad()
+    def take_model(self) -> None:
+        for name, local in self.locals().items():
+            self.global_copy[name].copy_(local)
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for name, local in self.locals().items():
+            local.copy_(self.global_copy[name])
+
+    @torch.no_grad()
+    def outer_step(self, averages: dict[str, torch.Tensor]) -> None:
+        """The outer optimizer's step on the global copy with ``averages`` (by name, views
+        the step may change) as its gradient."""
+        for name, t in self.global_copy.items():
+            t.grad = averages[name]
+        self.outer.step()
+        self.outer.zero_grad()
+
+    def heal_state(self) -> dict[str, Any]:
+        """What a peer healing from this group takes, as torchft's DiLoCo lays it out."""
+        return {"outer_optimizer": self.outer.state_dict(), "original_parameters": self.global_copy}
+
+    @torch.no_grad()
+    def load_heal_state(self, saved: dict[str, Any]) -> None:
+        for name, value in saved["original_parameters"].items():
+            self.global_copy[name].copy_(local_tensor(value))
+        self.outer.load_state_dict(saved["outer_optimizer"])
+
+
+class DiLoCo(_PeriodicLoop, GlobalCopyLoop, ReplaysOuterSteps):
+    """DiLoCo over ``fragments`` (Streaming DiLoCo with more than one), one fragment synced
+    every ``period`` inner steps (see the module docstring)."""
+
+    method = "diloco"
+
+    def __init__(
+        self,
+        manager: SyncManager,
+        fragments: list[nn.Module],
+        inner_optimizer: torch.optim.Optimizer,
+        make_outer: MakeOuter,
+        *,
+        period: int,
+        delay: int = 0,
+        alpha: float = 0.0,
+        should_quantize: bool = False,
+    ) -> None:
+        """``make_outer``: builds a fragment's outer optimizer over the tensors it is given (its
+        global copy); ``period``: inner steps between two sync points (one fragment each);
+        ``delay``: steps between a fragment's all-reduce and its outer step (below ``period``);
+        ``alpha``: ``fragment_update_alpha``; ``should_quantize``: torchft's own fp8 all-reduce
+        (CUDA and Triton only) carries the pseudo-gradients."""
+        if not 0 <= delay < period:
+            raise ValueError(f"delay must be in [0, period={period}), not {delay}")
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], not {alpha}")
+        super().__init__(manager, inner_optimizer, period)
+        self.fragments = fragments
+        self.delay = delay
+        self.alpha = alpha
+        self.should_quantize = should_quantize
+        #: The pseudo-gradient is written over the model: nothing reads the model between
+        #: the all-reduce and the outer step (no delay) and its local values are not kept.
+        self._in_place = delay == 0 and alpha == 0
+        self._states = [_Fragment(f, make_outer) for f in fragments]
+        for index, state in enumerate(self._states):
+            state.take_model()
+            key = FRAGMENT_STATE_KEY.format(index)
+            manager.register_state_dict_fn(key, state.load_heal_state, state.heal_state)
+
+    # ---- the sync ----------------------------------------------------------------------------
+
+    def at_step(self) -> None:
+        if self._local_step == self.period - self.delay:
+            self.manager.start_quorum()
+            self._prepare(self.current_fragment())
+        if self._local_step == self.period:
+            self._perform(self.current_fragment())
+            self._local_step = 0
+
+    def current_fragment(self) -> int:
+        return self.manager.current_step() % len(self.fragments)
+
+    @torch.no_grad()
+    def _prepare(self, index: int) -> None:
+        """This group's pseudo-gradient of fragment ``index`` (global copy - model), its
+        all-reduce to the mean started. Without a delay or ``alpha`` it is written over the
+        model itself, which the global copy replaces at once (:meth:`_perform`); a peer reads
+        no state until then."""
+        state = self._states[index]
+        if self._in_place:
+            self.manager.disallow_state_dict_read()
+        for name, local in state.locals().items():
+            out = local if self._in_place else torch.empty_like(local)
+            state.grads[name] = torch.sub(state.global_copy[name], local, out=out)
+        state.works = [
+            self.manager.allreduce(grad, should_quantize=self.should_quantize)
+            for grad in state.grads.values()
+        ]
+
+    @torch.no_grad()
+    def _perform(self, index: int) -> None:
+        """Wait for fragment ``index``'s all-reduce; committed, the outer step, and the model
+        takes the new global copy (and ``alpha`` of its own); else the old global copy."""
+        state = self._states[index]
+        for work in state.works:
+            work.wait()
+        state.works = []
+        own = {n: t.clone() for n, t in state.locals().items()} if self.alpha > 0 else None
+        self._committed = bool(self.manager.should_commit())
+        if self._committed:
+            state.outer_step(state.grads)
+        state.grads = {}
+        state.restore()
+        if self._in_place:
+            self.manager.allow_state_dict_read()
+        if self._committed and own is not None:
+            for name, local in state.locals().items():
+                local.lerp_(own[name], self.alpha)
+
+    def join_sync(self) -> bool:
+        index = self.current_fragment()
+        self._prepare(index)
+        if self.delay:
+            return False
+        self._perform(index)
+        self._local_step = 0
+        return True
+
+    def finish(self) -> Ending:
+        steps_since = self._local_step
+        for index in range(len(self.fragments)):
+            if self.in_flight(index):
+                self.drop_in_flight(index)
+            self.restore_global_copies(index)
+        return Ending(False, 0, steps_since if steps_since or self.delay else None)
+
+    # ---- what the trainer reads and sets -----------------------------------------------------
+
+    def global_parameters(self, index: int) -> dict[str, torch.Tensor]:
+        return self._states[index].global_copy
+
+    def fragment_parameters(self, index: int) -> dict[str, nn.Parameter]:
+        return self._states[index].params
+
+    def outer_optimizer(self, index: int) -> torch.optim.Optimizer:
+        return self._states[index].outer
+
+    def outer_parameters(self, index: int) -> dict[str, torch.Tensor]:
+        return self._states[index].global_copy
+
+    def in_flight(self, index: int) -> bool:
+        return bool(self._states[index].works)
+
+    def drop_in_flight(self, index: int) -> None:
+        state = self._states[index]
+        for work in state.works:
+            work.wait()
+        state.works = []
+        state.grads = {}
+        if self._in_place:  # the pseudo-gradient was written over the model
+            state.restore()
+            self.manager.allow_state_dict_read()
+
+    def restore_global_copies(self, index: int) -> None:
+        self._states[index].restore()
+
+    def take_global_copies(self) -> None:
+        for state in self._states:
+            state.take_model()
+            state.outer.state.clear()
+
+    # ---- heal replays ------------------------------------------------------------------------
+
+    def replayed_state(self, key: str) -> bool:
+        return key.startswith(FRAGMENT_STATE_KEY.format(""))
+
+    def replay_device(self, index: int) -> torch.device:
+        return next(iter(self._states[index].global_copy.values())).device
+
+    def replay_outer_step(self, index: int, average: torch.Tensor) -> None:
+        state = self._states[index]
+        views: dict[str, torch.Tensor] = {}
+        offset = 0
+        for name, t in state.global_copy.items():
+            views[name] = average[offset : offset + t.numel()].view_as(t)
+            offset += t.numel()
+        if offset != average.numel():
+            raise ValueError(
+                f"a replayed average of fragment {index} has {average.numel()} values, its "
+                f"parameters {offset}"
+            )
+        state.outer_step(views)
