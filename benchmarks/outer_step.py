@@ -90,6 +90,10 @@ class OneGroup:
         #: The result's sum of squares, as the transport takes it on its thread.
         self.squares: float | None = None
 
+    @staticmethod
+    def agree_in_group(value: int) -> int:
+        return value  # a group of one rank decides alone
+
     def register_state_dict_fn(self, key: str, load: Any, save: Any) -> None:
         self.fns[key] = (load, save)
 

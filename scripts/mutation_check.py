@@ -75,8 +75,14 @@ MUTANTS = [
     Mutant(
         "engine: DiLoCo's pseudo-gradient has the wrong sign",
         f"{PACKAGE}/periodic.py",
-        "torch.sub(state.global_copy[name], local, out=out)",
-        "torch.sub(local, state.global_copy[name], out=out)",
+        "torch.sub(state.global_copy[name], local)",
+        "torch.sub(local, state.global_copy[name])",
+    ),
+    Mutant(
+        "engine: DiLoCo's pseudo-gradient is all-reduced in the model's own storage",
+        f"{PACKAGE}/periodic.py",
+        "torch.sub(state.global_copy[name], local)",
+        "torch.sub(state.global_copy[name], local, out=local)",
     ),
     Mutant(
         "engine: DiLoCo's outer step is taken after a failed sync too",

@@ -119,7 +119,7 @@ def sync_manager(
     error_feedback: bool = False,
     bucket_numel: int = 300,
     timeout_s: float = 30.0,
-    fragment_of_sync: Callable[[], int] = lambda: 0,
+    fragments: int = 1,
     peers: PeerWatch | None = None,
 ) -> SyncManager:
     """The trainer's sync Manager over ``manager``, with buckets of ``bucket_numel`` values;
@@ -133,9 +133,7 @@ def sync_manager(
     )
     ft: Any = OneGroupFT(manager)
     # No exchange in these quorums: every group is in each one, and none is starting.
-    return SyncManager(
-        ft, 1, 60.0, lambda: True, transport=transport, fragment_of_sync=fragment_of_sync
-    )
+    return SyncManager(ft, 1, 60.0, lambda: True, transport=transport, fragments=fragments)
 
 
 def run_groups(

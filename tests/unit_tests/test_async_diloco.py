@@ -88,6 +88,10 @@ class FakeManager:
         self.feedback_resets = 0
         self._quorum_size: int | None = None
 
+    @staticmethod
+    def agree_in_group(value: int) -> int:
+        return value  # one rank per group
+
     def register_state_dict_fn(self, key: str, load: Any, save: Any) -> None:
         self.fns[key] = (load, save)
 

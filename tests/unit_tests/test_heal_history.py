@@ -17,7 +17,13 @@ import pytest
 import torch
 
 from tests.unit_tests.gloo_groups import LoopbackManager, run_groups, sync_manager
-from tests.unit_tests.toy_task import BUCKET, build_method, inner_step, make_model
+from tests.unit_tests.toy_task import (
+    BUCKET,
+    build_method,
+    fragment_count,
+    inner_step,
+    make_model,
+)
 from torchtitan.experiments.fault_tolerance.compression import (
     PSEUDO_GRAD_DTYPES,
     Delivered,
@@ -68,9 +74,7 @@ def train_with_history(rank: int, pg: Any, method: str, dtype: str, groups: int)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     manager = LoopbackManager(pg, rank, groups)
     loop: Any = None
-    sync = sync_manager(
-        manager, dtype, bucket_numel=BUCKET, fragment_of_sync=lambda: loop.current_fragment()
-    )
+    sync = sync_manager(manager, dtype, bucket_numel=BUCKET, fragments=fragment_count(method))
     sync.transport.keep_delivered = True
     loop = build_loop(method, sync, model, optimizer)
     history = HealHistory(SYNCS)
@@ -159,7 +163,7 @@ def test_a_replay_of_the_missed_syncs_gives_the_peers_outer_state_bit_for_bit(
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     manager = LoopbackManager(None, 0, groups)  # type: ignore[arg-type]  # no collective here
     loop: Any = None
-    sync = sync_manager(manager, dtype, fragment_of_sync=lambda: loop.current_fragment())
+    sync = sync_manager(manager, dtype, fragments=fragment_count(method))
     loop = build_loop(method, sync, model, optimizer)
     try:
         for i, saved in enumerate(peer["snapshot"]):
@@ -340,8 +344,7 @@ def _diloco_loop() -> tuple[Any, Any]:
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     manager = LoopbackManager(None, 0, 2)  # type: ignore[arg-type]  # no collective here
-    loop: Any = None
-    sync = sync_manager(manager, fragment_of_sync=lambda: loop.current_fragment())
+    sync = sync_manager(manager)
     loop = build_loop("diloco", sync, model, optimizer)
     return loop, sync
 

@@ -156,7 +156,7 @@ def test_semi_sync_state_round_trips_through_dcp_into_a_fresh_process(tmp_path: 
     momentum = [
         [
             loop.outer_optimizer(i).state[t]["momentum_buffer"].clone()
-            for t in loop.outer_parameters(i).values()
+            for t in loop.global_parameters(i).values()
         ]
         for i in range(2)
     ]
@@ -170,7 +170,7 @@ def test_semi_sync_state_round_trips_through_dcp_into_a_fresh_process(tmp_path: 
     for i in range(2):
         for name, value in fresh.global_parameters(i).items():
             assert torch.equal(value, saved_globals[i][name])
-        stepped = fresh.outer_parameters(i).values()
+        stepped = fresh.global_parameters(i).values()
         for t, expected in zip(stepped, momentum[i], strict=True):
             assert torch.equal(fresh.outer_optimizer(i).state[t]["momentum_buffer"], expected)
 
@@ -571,3 +571,51 @@ def test_a_mismatch_of_the_collectives_shapes_names_both_groups_and_the_field() 
         assert field in found, (field, found)
         assert other.describe() in found and mine.describe() in found
         assert CollectiveShape.from_text(other.to_text()) == other
+
+
+class RecordingManager(FakeManager):
+    """A Manager whose all-reduces keep what they were handed, arrive at once and never
+    commit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[torch.Tensor] = []
+
+    def start_quorum(self) -> None:
+        pass
+
+    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False) -> Any:
+        self.sent.append(tensor)
+        return SimpleNamespace(wait=lambda: None)
+
+    def should_commit(self) -> bool:
+        return False
+
+    def allow_state_dict_read(self) -> None:
+        pass
+
+    def disallow_state_dict_read(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_diloco_hands_the_transport_its_own_tensors_never_the_models(delay: int) -> None:
+    """A transfer abandoned with a failed sync may still write into what it carried: the
+    pseudo-gradients DiLoCo all-reduces never share storage with the model, and a failed sync
+    leaves the model at the global copy."""
+    model = small_model()
+    manager = RecordingManager()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = functools.partial(torch.optim.SGD, lr=0.7)
+    loop = DiLoCo(cast(Any, manager), [model], inner, outer, period=2, delay=delay)
+    start = [p.detach().clone() for p in model.parameters()]
+    with loop.hooks():
+        for _ in range(2):
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+            inner.step()
+    owned = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert len(manager.sent) == len(start)
+    assert not {t.untyped_storage().data_ptr() for t in manager.sent} & owned
+    for p, before in zip(model.parameters(), start, strict=True):
+        assert torch.equal(p, before)  # the failed sync dropped the period

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.unit_tests.gloo_groups import LoopbackManager, run_groups, sync_manager
-from tests.unit_tests.toy_task import BUCKET, PERIOD, inner_step, make_model
+from tests.unit_tests.toy_task import BUCKET, PERIOD, fragment_count, inner_step, make_model
 from tests.unit_tests.toy_task import build_method as build
 from torchtitan.experiments.fault_tolerance.async_state import FragmentState
 from torchtitan.experiments.fault_tolerance.compression import PSEUDO_GRAD_DTYPES, get_codec
@@ -53,7 +53,7 @@ def train_and_record(
         dtype,
         error_feedback=feedback,
         bucket_numel=BUCKET,
-        fragment_of_sync=lambda: loop.current_fragment(),
+        fragments=fragment_count(method),
     )
     loop = build(method, sync, model, optimizer)
     record: dict[str, Any] = {

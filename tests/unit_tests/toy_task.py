@@ -57,6 +57,11 @@ def inner_step(
     optimizer.step()
 
 
+def fragment_count(method: str) -> int:
+    """The fragments :func:`build_method` cuts the model into for ``method``."""
+    return 2 if method.startswith("streaming_diloco") else 1
+
+
 def build_method(
     method: str,
     sync: Any,
@@ -88,7 +93,7 @@ def build_method(
             state_device=torch.device("cpu"),
             tokens_per_step=10,
         )
-    count = 2 if method.startswith("streaming_diloco") else 1
+    count = fragment_count(method)
     delay = 1 if method == "streaming_diloco_delayed" else 0
     outer = functools.partial(
         torch.optim.SGD, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov

@@ -143,9 +143,9 @@ class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
         self.clock = clock
         #: The current period's inner steps (``period`` unless DyLU planned others).
         self.plan = PeriodPlan(self.period)
-        #: The most of this group's ranks' numbers (the trainer sets a MAX all-reduce when the
-        #: group has more than one rank).
-        self.agree_in_group: Callable[[int], int] = lambda n: n
+        #: The most of this group's ranks' numbers: the sync Manager's (one MAX all-reduce
+        #: in a group of several ranks).
+        self.agree_in_group: Callable[[int], int] = manager.agree_in_group
         self.sync_points = 0
         #: By fragment: told each average's sum of squares that the passes step with.
         self._observers: dict[int, list[Callable[[float], None]]] = {}
@@ -441,9 +441,6 @@ class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
 
     def outer_optimizer(self, index: int) -> torch.optim.Optimizer:
         return self._states[index].outer
-
-    def outer_parameters(self, index: int) -> dict[str, torch.Tensor]:
-        return self._states[index].global_copy
 
     def in_flight(self, index: int) -> bool:
         flight = self._in_flight

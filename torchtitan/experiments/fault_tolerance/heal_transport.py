@@ -294,8 +294,8 @@ class HealExchange:
                 why = f"this group keeps no heal history ({self._why_no_history()})"
             receipt = HealReceipt("full", why, nbytes)
         if torch.cuda.is_available():
-            # The replay and the own state taken above (copies, for torchft's DiLoCo) ran on
-            # this thread's stream; the main thread loads and reads them on its own.
+            # The replay and the own state taken above ran on this thread's stream; the main
+            # thread loads and reads them on its own.
             torch.cuda.current_stream().synchronize()
         seconds = 0.0 if started is None else time.perf_counter() - started
         self.receipt = HealReceipt(

@@ -79,7 +79,7 @@ class SemiSyncState:
         for i, method in self._global_fragments():
             outer = method.outer_optimizer(i)
             params = method.fragment_parameters(i)
-            stepped = method.outer_parameters(i)
+            stepped = method.global_parameters(i)  # the tensors the outer optimizer steps
             momentum = {
                 name: outer.state.get(t, {}).get("momentum_buffer") for name, t in stepped.items()
             }
@@ -116,7 +116,7 @@ class SemiSyncState:
             outer = method.outer_optimizer(i)
             outer.state.clear()
             if saved["has_momentum"]:
-                stepped = method.outer_parameters(i)
+                stepped = method.global_parameters(i)
                 for name, value in saved["outer_momentum"].items():
                     target = stepped[name]
                     outer.state[target]["momentum_buffer"] = (

@@ -196,11 +196,6 @@ class GlobalCopyLoop(OuterLoop):
         """Make the model's current parameters every fragment's global copy (fresh outer
         state), e.g. after weights were loaded into the model."""
 
-    def outer_parameters(self, index: int) -> dict[str, torch.Tensor]:
-        """The tensors the outer optimizer steps (its momentum is keyed by them), by the same
-        names: the model's parameters in torchft's DiLoCo."""
-        return dict(self.fragment_parameters(index))
-
     def drop_in_flight(self, index: int) -> None:  # noqa: B027 (a no-op: nothing in flight)
         """Let a started all-reduce finish (every group started it) and drop its result."""
 

@@ -20,11 +20,11 @@ and drops the period's inner steps, as torchft's algorithms do. Every operation 
 the one torchft 0.2.0's ``LocalSGD`` / ``DiLoCo`` make, in the same order, so the groups end
 each sync with the same bits as torchft's (``tests/unit_tests/test_torchft_oracle.py``).
 
-Where this differs from torchft, for memory and speed, never for values: the outer optimizer
-steps the global copy itself (torchft restores it into the model and steps that); with neither
-delay nor ``alpha`` the pseudo-gradient is computed and all-reduced in the model's own storage,
-which the global copy then overwrites; the local parameters are copied only when ``alpha`` > 0.
-DiLoCo's extra memory is then the global copy and the outer momentum (``benchmarks/memory.py``).
+Where this differs from torchft, never in values: the outer optimizer steps the global copy
+itself (torchft restores the copy into the model and steps that), so a heal's replay takes the
+same outer step; the local parameters are copied only when ``alpha`` > 0 (torchft copies them
+at every sync). DiLoCo's extra memory is then the global copy and the outer momentum, plus the
+pseudo-gradient while a sync runs (``benchmarks/memory.py``).
 """
 
 from __future__ import annotations
@@ -262,9 +262,6 @@ class DiLoCo(_PeriodicLoop, GlobalCopyLoop, ReplaysOuterSteps):
         self.delay = delay
         self.alpha = alpha
         self.should_quantize = should_quantize
-        #: The pseudo-gradient is written over the model: nothing reads the model between
-        #: the all-reduce and the outer step (no delay) and its local values are not kept.
-        self._in_place = delay == 0 and alpha == 0
         self._states = [_Fragment(f, make_outer) for f in fragments]
         for index, state in enumerate(self._states):
             state.take_model()
@@ -287,15 +284,12 @@ class DiLoCo(_PeriodicLoop, GlobalCopyLoop, ReplaysOuterSteps):
     @torch.no_grad()
     def _prepare(self, index: int) -> None:
         """This group's pseudo-gradient of fragment ``index`` (global copy - model), its
-        all-reduce to the mean started. Without a delay or ``alpha`` it is written over the
-        model itself, which the global copy replaces at once (:meth:`_perform`); a peer reads
-        no state until then."""
+        all-reduce to the mean started. Into tensors of this sync's own: a transfer abandoned
+        with a failed sync may still write into what it carried (``transport``)."""
         state = self._states[index]
-        if self._in_place:
-            self.manager.disallow_state_dict_read()
+        assert not state.works, f"fragment {index}'s last all-reduce was never waited for"
         for name, local in state.locals().items():
-            out = local if self._in_place else torch.empty_like(local)
-            state.grads[name] = torch.sub(state.global_copy[name], local, out=out)
+            state.grads[name] = torch.sub(state.global_copy[name], local)
         state.works = [
             self.manager.allreduce(grad, should_quantize=self.should_quantize)
             for grad in state.grads.values()
@@ -315,8 +309,6 @@ class DiLoCo(_PeriodicLoop, GlobalCopyLoop, ReplaysOuterSteps):
             state.outer_step(state.grads)
         state.grads = {}
         state.restore()
-        if self._in_place:
-            self.manager.allow_state_dict_read()
         if self._committed and own is not None:
             for name, local in state.locals().items():
                 local.lerp_(own[name], self.alpha)
@@ -361,9 +353,6 @@ class DiLoCo(_PeriodicLoop, GlobalCopyLoop, ReplaysOuterSteps):
             work.wait()
         state.works = []
         state.grads = {}
-        if self._in_place:  # the pseudo-gradient was written over the model
-            state.restore()
-            self.manager.allow_state_dict_read()
 
     def restore_global_copies(self, index: int) -> None:
         self._states[index].restore()

@@ -203,8 +203,10 @@ class SyncManager:
     few numbers) and returns whether the quorum is used; all members must decide alike (the
     trainer sets its ``QuorumProtocol.on_quorum`` once that is built; until then a quorum is
     refused loudly, so that no sync can skip the exchange).
-    ``fragment_of_sync`` names the fragment the sync whose quorum just formed is for (asked
-    after the quorum: a heal in it moves this group to its peer's sync).
+    ``fragments``: the method's fragment count; a sync is for fragment ``step mod fragments``
+    (the Manager's step after its quorum: a heal in it moves this group to its peer's sync).
+    ``agree_in_group``: the most of this group's ranks' numbers (a MAX all-reduce in a group
+    of several ranks), so that they decide alike whether a sync timed out.
     """
 
     def __init__(
@@ -215,7 +217,8 @@ class SyncManager:
         on_quorum: Callable[[], bool] | None = None,
         *,
         transport: SyncTransport,
-        fragment_of_sync: Callable[[], int] = lambda: 0,
+        fragments: int = 1,
+        agree_in_group: Callable[[int], int] = lambda n: n,
     ) -> None:
         self.ft = ft
         self.min_groups = min_groups
@@ -227,7 +230,7 @@ class SyncManager:
         self.on_probe: Callable[[], bool] = _no_exchange_yet
         self.after_probe: Callable[[], None] = lambda: None
         self.transport = transport
-        self._fragment_of_sync = fragment_of_sync
+        self.fragments = fragments
         #: True while this group is inside a sync quorum (a peer healing from it then gets
         #: the state of a sync point).
         self.in_quorum = False
@@ -239,9 +242,7 @@ class SyncManager:
         #: Called after every committed sync with its number, fragment and what its transfers
         #: delivered (the heal history; the trainer sets it when the method keeps one).
         self.on_committed: Callable[[int, int, list[Delivered]], None] | None = None
-        #: The most of this group's ranks' numbers (the trainer sets a MAX all-reduce when the
-        #: group has more than one rank): they decide alike whether a sync timed out.
-        self.agree_in_group: Callable[[int], int] = lambda n: n
+        self.agree_in_group = agree_in_group
         #: The heartbeat keys of the last quorum's members (:meth:`set_members`).
         self._members: tuple[int, ...] = ()
         self._heartbeat: int | None = None
@@ -366,7 +367,7 @@ class SyncManager:
         members = self._members
         self.transport.begin_sync(
             self.ft.manager,
-            self._fragment_of_sync(),
+            self.current_step() % self.fragments,
             members,
             self.heartbeat if members else 0,
         )

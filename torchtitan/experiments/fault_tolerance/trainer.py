@@ -34,9 +34,6 @@ from torchtitan.components.ft import torchft_adapter as tft
 from torchtitan.components.lr_scheduler import move_schedule_to
 from torchtitan.config.job_config import ConfigError, JobConfig
 from torchtitan.experiments.fault_tolerance import events
-from torchtitan.experiments.fault_tolerance.async_diloco import (
-    AsyncDiLoCo,
-)
 from torchtitan.experiments.fault_tolerance.fragments import ModelFragment
 from torchtitan.experiments.fault_tolerance.heal_history import HealHistory, job_fingerprint
 from torchtitan.experiments.fault_tolerance.heal_transport import (
@@ -111,7 +108,14 @@ class SemiSyncTrainer(Trainer):
             ft.min_replica_size,
             ft.sync_quorum_timeout_s,
             transport=transport,
-            fragment_of_sync=lambda: self.algorithm.current_fragment(),
+            fragments=ft.fragment_count() if method != "localsgd" else 1,
+            # The ranks of this group decide alike (one MAX all-reduce in the group; a group
+            # of one rank decides alone).
+            agree_in_group=(
+                functools.partial(most_of_one_in_group, device=self.device)
+                if self.parallel_dims.world_size > 1
+                else lambda n: n
+            ),
         )
         self.algorithm: OuterLoop = build_method(
             job_config,
@@ -121,12 +125,6 @@ class SemiSyncTrainer(Trainer):
             self.device,
             group_ranks=self.parallel_dims.world_size,
         )
-        if self.parallel_dims.world_size > 1:
-            # The ranks of this group decide alike (one MAX all-reduce in the group).
-            agree = functools.partial(most_of_one_in_group, device=self.device)
-            self.sync.agree_in_group = agree
-            if isinstance(self.algorithm, AsyncDiLoCo):
-                self.algorithm.agree_in_group = agree
         # The last committed averages, for a group restarted from its own checkpoint to
         # replay instead of receiving the full state (heal_history; not LocalSGD).
         # torchft's own fp8 all-reduce (should_quantize) bypasses the transport that keeps

@@ -43,8 +43,8 @@ pseudo-gradient), async DiLoCo one flat tensor per fragment plus its token count
   that nothing stays queued on the device. The old process group is dropped at the next
   quorum, whose id the failed commit changes. A transfer ended so may still write into the
   tensor it carried after the sync failed: every tensor handed to :meth:`SyncTransport.allreduce`
-  must belong to its sync alone (torchft's DiLoCo and LocalSGD, and async DiLoCo, hand in
-  fresh ones).
+  must belong to its sync alone (LocalSGD, DiLoCo and async DiLoCo hand in fresh ones, never
+  the model's own storage).
 
 Failure semantics are torchft's: a failed collective is reported to the Manager
 (``report_error``), the sync is not committed, nothing is applied, and ``wait`` never raises.
