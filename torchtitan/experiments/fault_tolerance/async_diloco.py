@@ -66,6 +66,7 @@ from torchtitan.experiments.fault_tolerance.outer_loop import (
     ReplaysOuterSteps,
     SyncOutcome,
     local_tensor,
+    optimizer_hooks,
 )
 from torchtitan.experiments.fault_tolerance.step_clock import StepClock
 
@@ -171,15 +172,8 @@ class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
     @contextlib.contextmanager
     def _installed(self) -> Iterator[AsyncDiLoCo]:
         self.plan.begin(self.clock())
-        handles = [
-            self.inner_optimizer.register_step_pre_hook(self._before_step),
-            self.inner_optimizer.register_step_post_hook(self._after_step),
-        ]
-        try:
+        with optimizer_hooks(self.inner_optimizer, self._before_step, self._after_step):
             yield self
-        finally:
-            for handle in handles:
-                handle.remove()
 
     def hooks(self) -> contextlib.AbstractContextManager:
         return self._installed()

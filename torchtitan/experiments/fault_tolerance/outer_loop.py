@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +54,19 @@ def as_param_layout(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(
         local, mesh, param.placements, shape=param.shape, stride=param.stride()
     )
+
+
+@contextlib.contextmanager
+def optimizer_hooks(
+    optimizer: torch.optim.Optimizer, before: Callable[..., None], after: Callable[..., None]
+) -> Iterator[None]:
+    """``before`` and ``after`` as ``optimizer``'s step pre- and post-hooks meanwhile."""
+    handles = [optimizer.register_step_pre_hook(before), optimizer.register_step_post_hook(after)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @dataclass

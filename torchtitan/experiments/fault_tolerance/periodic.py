@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,6 +44,7 @@ from torchtitan.experiments.fault_tolerance.outer_loop import (
     ReplaysOuterSteps,
     SyncOutcome,
     local_tensor,
+    optimizer_hooks,
 )
 from torchtitan.tools.digest import device_digest
 
@@ -71,20 +72,8 @@ class _PeriodicLoop(OuterLoop):
         #: The verdict of the last sync point's sync (None: it decided none).
         self._committed: bool | None = None
 
-    @contextlib.contextmanager
-    def _installed(self) -> Iterator[OuterLoop]:
-        handles = [
-            self.inner_optimizer.register_step_pre_hook(self._before_step),
-            self.inner_optimizer.register_step_post_hook(self._after_step),
-        ]
-        try:
-            yield self
-        finally:
-            for handle in handles:
-                handle.remove()
-
     def hooks(self) -> contextlib.AbstractContextManager:
-        return self._installed()
+        return optimizer_hooks(self.inner_optimizer, self._before_step, self._after_step)
 
     def _before_step(self, *_: Any) -> None:
         # Parameters change in the step: a peer must not read them for a heal meanwhile.
