@@ -87,8 +87,8 @@ MUTANTS = [
     Mutant(
         "engine: DiLoCo's outer step is taken after a failed sync too",
         f"{PACKAGE}/periodic.py",
-        "        if self._committed:\n            state.outer_step(state.grads)",
-        "        if True:\n            state.outer_step(state.grads)",
+        "        if self._committed:\n            state.outer_step(grads)",
+        "        if True:\n            state.outer_step(grads)",
     ),
     Mutant(
         "engine: fragment_update_alpha mixes in the global copy's share",

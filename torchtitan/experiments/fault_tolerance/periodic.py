@@ -186,6 +186,13 @@ class _Fragment:
         self.grads: dict[str, torch.Tensor] = {}
         self.works: list[Any] = []
 
+    def settle(self) -> dict[str, torch.Tensor]:
+        """Wait for the all-reduce in flight; its averaged pseudo-gradients, no longer kept."""
+        for work in self.works:
+            work.wait()
+        grads, self.grads, self.works = self.grads, {}, []
+        return grads
+
     def locals(self) -> dict[str, torch.Tensor]:
         return {name: local_tensor(p.data) for name, p in self.params.items()}
 
@@ -289,14 +296,11 @@ class DiLoCo(_PeriodicLoop, GlobalCopyLoop, ReplaysOuterSteps):
         """Wait for fragment ``index``'s all-reduce; committed, the outer step, and the model
         takes the new global copy (and ``alpha`` of its own); else the old global copy."""
         state = self._states[index]
-        for work in state.works:
-            work.wait()
-        state.works = []
+        grads = state.settle()
         own = {n: t.clone() for n, t in state.locals().items()} if self.alpha > 0 else None
         self._committed = bool(self.manager.should_commit())
         if self._committed:
-            state.outer_step(state.grads)
-        state.grads = {}
+            state.outer_step(grads)
         state.restore()
         if self._committed and own is not None:
             for name, local in state.locals().items():
@@ -330,18 +334,11 @@ class DiLoCo(_PeriodicLoop, GlobalCopyLoop, ReplaysOuterSteps):
     def outer_optimizer(self, index: int) -> torch.optim.Optimizer:
         return self._states[index].outer
 
-    def outer_parameters(self, index: int) -> dict[str, torch.Tensor]:
-        return self._states[index].global_copy
-
     def in_flight(self, index: int) -> bool:
         return bool(self._states[index].works)
 
     def drop_in_flight(self, index: int) -> None:
-        state = self._states[index]
-        for work in state.works:
-            work.wait()
-        state.works = []
-        state.grads = {}
+        self._states[index].settle()
 
     def restore_global_copies(self, index: int) -> None:
         self._states[index].restore()
