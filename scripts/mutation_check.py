@@ -293,8 +293,8 @@ MUTANTS = [
     Mutant(
         "async state: the tokens' total divides as a Python number",
         f"{PACKAGE}/async_state.py",
-        "self.apply_average(divide_(sums, total))",
-        "self.apply_average(sums.div_(total))",
+        "self.outer_step(self.views(divide_(sums, total)))",
+        "self.outer_step(self.views(sums.div_(total)))",
     ),
     Mutant(
         "passes: the local start is not moved to the global copy after the outer step",

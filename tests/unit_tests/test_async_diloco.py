@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed import ReduceOp
 
 from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
-from torchtitan.experiments.fault_tolerance.async_state import FragmentState
+from torchtitan.experiments.fault_tolerance.async_state import FragmentState, async_outer
 from torchtitan.experiments.fault_tolerance.dylu import (
     dylu_inner_steps,
     dylu_next_correction,
@@ -949,7 +949,7 @@ def test_follow_global_moves_the_local_copy_by_the_global_change_and_restarts_th
 
     torch.manual_seed(0)
     module = nn.Linear(3, 2)
-    fragment = FragmentState(module, torch.device("cpu"), 0.7, 0.0, False, 1)
+    fragment = FragmentState(module, torch.device("cpu"), async_outer(0.7, 0.0, False, 1))
     fragment.non_blocking = False
     start = {n: p.detach().clone() for n, p in module.named_parameters()}
     progress = {n: torch.randn_like(p) for n, p in start.items()}  # inner steps since start

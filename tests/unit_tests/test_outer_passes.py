@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from torchtitan.experiments.fault_tolerance import outer_passes
-from torchtitan.experiments.fault_tolerance.async_state import FragmentState
+from torchtitan.experiments.fault_tolerance.async_state import FragmentState, async_outer
 from torchtitan.experiments.fault_tolerance.outer_passes import PIECE, SyncPointPasses
 from torchtitan.tools import pinned
 from torchtitan.tools.digest import chunk_hashes, device_digest, fold_digest
@@ -32,8 +32,8 @@ def _model() -> nn.Module:
 
 def _state(passes: bool, momentum: float, nesterov: bool) -> tuple[nn.Module, FragmentState]:
     model = _model()
-    state = FragmentState(model, torch.device("cpu"), 0.7, momentum, nesterov, 1)
-    state.model_to_global()
+    state = FragmentState(model, torch.device("cpu"), async_outer(0.7, momentum, nesterov, 1))
+    state.take_model()
     if not passes:
         state.passes.usable = lambda: False  # type: ignore[method-assign]
     return model, state
@@ -179,7 +179,7 @@ def test_the_outer_state_is_pinned_at_its_exact_size(monkeypatch) -> None:
     )
     before = pinned.registered_bytes
     model = _model()
-    state = FragmentState(model, torch.device("cpu"), 0.7, 0.9, True, 1)
+    state = FragmentState(model, torch.device("cpu"), async_outer(0.7, 0.9, True, 1))
     sizes = sorted(size for _, size in registered)
     expected = sorted(2 * [4 * p.numel() for p in model.parameters()])
     assert sizes == expected
@@ -189,19 +189,21 @@ def test_the_outer_state_is_pinned_at_its_exact_size(monkeypatch) -> None:
 
 def test_passes_apply_only_to_plain_sgd_with_the_state_on_the_host() -> None:
     model = _model()
-    delayed = FragmentState(model, torch.device("cpu"), 0.7, 0.9, True, 2)  # Delayed Nesterov
+    delayed = FragmentState(
+        model, torch.device("cpu"), async_outer(0.7, 0.9, True, 2)
+    )  # Delayed Nesterov
     assert not delayed.passes.usable()
-    assert FragmentState(model, torch.device("cpu"), 0.7, 0.9, True, 1).passes.usable()
+    assert FragmentState(model, torch.device("cpu"), async_outer(0.7, 0.9, True, 1)).passes.usable()
     assert isinstance(delayed.passes, SyncPointPasses)
 
 
 def test_an_outer_step_the_passes_did_not_take_voids_the_digest_kept() -> None:
-    """A replayed outer step (``apply_average``: the fused optimizer's own ``step``, which
+    """A replayed outer step (``outer_step``: the fused optimizer's own ``step``, which
     moves no tensor version) after a digest was kept: the next digest is the new copy's."""
     model, state = _state(True, 0.9, True)
     state.finish_and_start(torch.randn(state.numel()), 3.0, torch.empty(state.numel()), 1.0)
     before = state.global_chunk_hashes()
-    state.apply_average(torch.randn(state.numel()))  # a heal's replay
+    state.outer_step(state.views(torch.randn(state.numel())))  # a heal's replay
     fresh = [h for t in state.global_copy.values() for h in chunk_hashes(t)]
     assert fresh != before and state.global_chunk_hashes() == fresh
 
@@ -221,8 +223,8 @@ def test_empty_shards_and_a_bf16_model_give_the_bits_of_the_whole_fragment_opera
     runs = []
     for passes in (True, False):
         model = _odd_model(dtype)
-        state = FragmentState(model, torch.device("cpu"), 0.7, 0.9, True, 1)
-        state.model_to_global()
+        state = FragmentState(model, torch.device("cpu"), async_outer(0.7, 0.9, True, 1))
+        state.take_model()
         if not passes:
             state.passes.usable = lambda: False  # type: ignore[method-assign]
         out = torch.empty(state.numel())

@@ -44,8 +44,7 @@ accelerator; pinned when a GPU is present).
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -54,6 +53,7 @@ from torch import nn
 from torchtitan.experiments.fault_tolerance.async_state import (
     FragmentState,
     InFlightSync,
+    async_outer,
     checkpoint_arrived,
     load_arrived,
 )
@@ -62,12 +62,9 @@ from torchtitan.experiments.fault_tolerance.dylu import PeriodPlan
 from torchtitan.experiments.fault_tolerance.job_config import ASYNC_UPDATES
 from torchtitan.experiments.fault_tolerance.outer_loop import (
     Ending,
-    GlobalCopyLoop,
-    ReplaysOuterSteps,
     SyncOutcome,
-    local_tensor,
-    optimizer_hooks,
 )
+from torchtitan.experiments.fault_tolerance.periodic import GlobalCopyMethod
 from torchtitan.experiments.fault_tolerance.step_clock import StepClock
 
 if TYPE_CHECKING:
@@ -84,14 +81,11 @@ class Decided(NamedTuple):
     buffer: torch.Tensor
 
 
-#: The healing state of fragment ``i``'s outer state (global copy, outer optimizer).
-FRAGMENT_STATE_KEY = "async_diloco_fragment_{}"
-
-
-class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
+class AsyncDiLoCo(GlobalCopyMethod[FragmentState]):
     """DiLoCo whose outer step is applied one sync point later, overlapped with compute."""
 
     method = "async_diloco"
+    heal_key = "async_diloco_fragment_{}"
 
     def __init__(
         self,
@@ -119,27 +113,13 @@ class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
         host's cores, ``outer_passes.cores_per_rank``)."""
         if update not in ASYNC_UPDATES:
             raise ValueError(f"update must be one of {ASYNC_UPDATES}, not {update!r}")
-        self.manager = manager
-        self.fragments = fragments
-        self.period = sync_steps // len(fragments)
+        make_outer = async_outer(outer_lr, outer_momentum, outer_nesterov, outer_momentum_every)
+        states = [FragmentState(f, state_device, make_outer, host_threads) for f in fragments]
+        super().__init__(manager, inner_optimizer, sync_steps // len(fragments), fragments, states)
         self.update = update
         self.tokens_per_step = tokens_per_step
-        self.inner_optimizer = inner_optimizer
-        self._states = [
-            FragmentState(
-                f,
-                state_device,
-                outer_lr,
-                outer_momentum,
-                outer_nesterov,
-                outer_momentum_every,
-                host_threads,
-            )  # fmt: skip
-            for f in fragments
-        ]
-        self._local_step = 0
         if clock is None:
-            clock = StepClock(local_tensor(next(fragments[0].parameters())).device).now
+            clock = StepClock(states[0].model_device).now
         #: Seconds on the model's device, for DyLU (each reading waits for the device).
         self.clock = clock
         #: The current period's inner steps (``period`` unless DyLU planned others).
@@ -154,38 +134,19 @@ class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
         #: The sync being decided (within ``_finish_in_flight``).
         self._finishing: InFlightSync | None = None
         self._outcome: SyncOutcome | None = None
-        #: Set when torchft loaded a peer's state into this group in the last quorum.
-        self._healed = False
         #: DyLU's speed probe while its quorum forms (None: none under way).
         self._probe: ProbeInFlight | None = None
-        self.take_global_copies()
-        for index, state in enumerate(self._states):
-            manager.register_state_dict_fn(
-                FRAGMENT_STATE_KEY.format(index),
-                functools.partial(self._load_from_heal, state),
-                state.state_for_heal,
-            )
         manager.register_state_dict_fn("async_diloco_progress", self._load_progress, self._progress)
 
     # ---- the loop ----------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _installed(self) -> Iterator[AsyncDiLoCo]:
-        self.plan.begin(self.clock())
-        with optimizer_hooks(self.inner_optimizer, self._before_step, self._after_step):
-            yield self
-
     def hooks(self) -> contextlib.AbstractContextManager:
-        return self._installed()
+        self.plan.begin(self.clock())  # the first period's clock starts with the hooks
+        return super().hooks()
 
-    def _before_step(self, *_: Any) -> None:
-        # Parameters change in the step: a peer must not read them for a heal meanwhile.
-        self.manager.disallow_state_dict_read()
-
-    def _after_step(self, *_: Any) -> None:
+    def at_step(self) -> None:
         for state in self._states:
             state.steps += 1
-        self._local_step += 1
         # Only DyLU's decisions read the clock (each reading waits for the device).
         self.plan.skip_warm_up(self._local_step, self.clock)
         if self.plan.probe_due(self._local_step, self.clock):
@@ -215,7 +176,7 @@ class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
     def sync_point(self) -> None:
         """Finish the sync in flight, start this fragment's (see the module docstring)."""
         self.plan.end(self._local_step, self.clock())
-        self._finish_probe()  # none is under way here (_after_step finished it)
+        self._finish_probe()  # none is under way here (at_step finished it)
         self.sync_points += 1
         # At the quorum every group is at inner step 0 of its next period, whatever the length
         # of the one it ended (DyLU): a group healing from it continues from there.
@@ -258,7 +219,7 @@ class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
         """A buffer for ``state``'s sync on the model's device: ``reuse`` if it is of its size
         and there (the sums it holds are read, piece by piece, before the pseudo-gradient
         overwrites them), else a new one."""
-        device = local_tensor(next(iter(state.params.values()))).device
+        device = state.model_device
         if reuse is not None and reuse.numel() == state.numel() + 1 and reuse.device == device:
             return reuse
         return torch.empty(state.numel() + 1, dtype=torch.float32, device=device)
@@ -363,10 +324,6 @@ class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
         arrived = saved.get("arrived")
         self._in_flight = None if arrived is None else InFlightSync.from_heal(arrived)
 
-    def _load_from_heal(self, state: FragmentState, saved: dict[str, Any]) -> None:
-        state.load_from_heal(saved)
-        self._healed = True
-
     def _after_heal(self) -> None:
         """The global copies are the peer's: every fragment's local period starts there, and
         nothing this group did before counts (nor what its compression still owed)."""
@@ -389,9 +346,6 @@ class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
 
     # ---- replaying missed syncs (heal_history) ---------------------------------------------
 
-    def replayed_state(self, key: str) -> bool:
-        return any(key == FRAGMENT_STATE_KEY.format(i) for i in range(len(self.fragments)))
-
     def kept_average(self, index: int, delivered: list[Delivered]) -> tuple[list[Delivered], float]:
         # Called in the verdict of the sync being finished: its buffer holds the sums.
         flight = self._finishing
@@ -404,26 +358,7 @@ class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
             return [Delivered("float32", sums.numel(), 1, 1, sums)], total
         return delivered, total
 
-    def replay_device(self, index: int) -> torch.device:
-        # The sync's buffer is on the model's device (``_buffer``).
-        return local_tensor(next(iter(self._states[index].params.values()))).device
-
-    def replay_outer_step(self, index: int, average: torch.Tensor) -> None:
-        self._states[index].apply_average(average)
-
     # ---- what the trainer asks -----------------------------------------------------------------
-
-    def local_step(self) -> int:
-        return self._local_step
-
-    def set_local_step(self, step: int) -> None:
-        self._local_step = step
-
-    def current_fragment(self) -> int:
-        return self.manager.current_step() % len(self.fragments)
-
-    def global_parameters(self, index: int) -> dict[str, torch.Tensor]:
-        return self._states[index].global_copy
 
     def observe_averages(self, index: int, observe: Callable[[float], None]) -> None:
         # The sync point's passes step the outer state without ``optimizer.step()``.
@@ -432,9 +367,6 @@ class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
     def global_chunk_hashes(self, index: int) -> list[int]:
         # Taken in the sync point's pass over the fragment (``outer_passes``), once per change.
         return self._states[index].global_chunk_hashes()
-
-    def outer_optimizer(self, index: int) -> torch.optim.Optimizer:
-        return self._states[index].outer
 
     def in_flight(self, index: int) -> bool:
         flight = self._in_flight
@@ -471,11 +403,6 @@ class AsyncDiLoCo(GlobalCopyLoop, ReplaysOuterSteps):
 
     def restore_global_copies(self, index: int) -> None:
         self._states[index].start_period(None)
-
-    def take_global_copies(self) -> None:
-        for state in self._states:
-            state.model_to_global()
-            state.outer.state.clear()
 
     def last_outcome(self, manager: SyncManager) -> SyncOutcome | None:
         return self._outcome

@@ -35,69 +35,53 @@ from torchtitan.experiments.fault_tolerance.outer_loop import (
 )
 from torchtitan.experiments.fault_tolerance.outer_optimizer import DelayedNesterov
 from torchtitan.experiments.fault_tolerance.outer_passes import SyncPointPasses, wait_for_copies
+from torchtitan.experiments.fault_tolerance.periodic import Fragment, MakeOuter, state_tensor
 from torchtitan.tools.digest import chunk_hashes
 from torchtitan.tools.exact_division import divide_
-from torchtitan.tools.pinned import host_tensor
 
 if TYPE_CHECKING:
     from torchtitan.experiments.fault_tolerance.sync_quorum import SyncManager
 
 
-def _state_tensor(like: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """An fp32 tensor of ``like``'s shape for the outer state on ``device``: in host memory,
-    pinned at its exact size when a GPU is present (``tools.pinned``)."""
-    if device.type == "cpu":
-        return host_tensor(like.shape, pinned=True)
-    return torch.empty(like.shape, dtype=torch.float32, device=device)
+def async_outer(lr: float, momentum: float, nesterov: bool, momentum_every: int) -> MakeOuter:
+    """Async DiLoCo's outer optimizer over a fragment's global copy: Delayed Nesterov with the
+    momentum updated every ``momentum_every`` > 1 outer steps, else torch's SGD, fused on the
+    host (the kernel a sync point's passes call on each piece of it, ``outer_passes``, so both
+    give the same bits)."""
+
+    def make(tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
+        if momentum_every > 1:
+            return DelayedNesterov(tensors, lr=lr, momentum=momentum, delay=momentum_every)
+        return torch.optim.SGD(
+            tensors,
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov and momentum > 0,
+            fused=True if tensors[0].device.type == "cpu" else None,
+        )
+
+    return make
 
 
-class FragmentState:
-    """One fragment's outer state: its global copy, where this group's local period started,
-    and the outer optimizer over the global copy."""
-
-    #: Copies between the model and the outer state are queued without blocking the host
-    #: (waited for where the host needs them: ``outer_passes.wait_for_copies``). False: each copy
-    #: blocks, the reference the CUDA tests compare with.
-    non_blocking = True
+class FragmentState(Fragment):
+    """One fragment's outer state (:class:`~.periodic.Fragment`) and where this group's local
+    period started."""
 
     def __init__(
         self,
         module: nn.Module,
         device: torch.device,
-        lr: float,
-        momentum: float,
-        nesterov: bool,
-        momentum_every: int,
+        make_outer: MakeOuter,
         host_threads: int = 0,
     ) -> None:
-        """``host_threads``: threads for a sync point's host work (0: this rank's share of the
-        host's cores)."""
-        self.params = dict(module.named_parameters())
-        self.global_copy = {
-            n: _state_tensor(local_tensor(p), device) for n, p in self.params.items()
-        }
+        """``device``: where the outer state lives; ``host_threads``: threads for a sync
+        point's host work (0: this rank's share of the host's cores)."""
+        super().__init__(module, make_outer, device)
         self.period_start = {
-            n: _state_tensor(local_tensor(p), device) for n, p in self.params.items()
+            n: state_tensor(local_tensor(p), device) for n, p in self.params.items()
         }
-        self.outer: torch.optim.Optimizer
-        if momentum_every > 1:
-            self.outer = DelayedNesterov(
-                list(self.global_copy.values()), lr=lr, momentum=momentum, delay=momentum_every
-            )
-        else:
-            self.outer = torch.optim.SGD(
-                list(self.global_copy.values()),
-                lr=lr,
-                momentum=momentum,
-                nesterov=nesterov and momentum > 0,
-                # On the host: one kernel per parameter, the one the sync point's passes call
-                # on each piece of it (``outer_passes``), so both give the same bits.
-                fused=True if device.type == "cpu" else None,
-            )
         #: Inner steps this group took since the fragment's last sync point.
         self.steps = 0
-        #: Where the model's shards live (copies to and from it are queued on its stream).
-        self.model_device = local_tensor(next(iter(self.params.values()))).device
         #: A sync point's host work in one or two passes (plain SGD, outer state on the host).
         self.passes = SyncPointPasses(
             self.params, self.global_copy, self.period_start, self.outer, self.model_device,
@@ -113,7 +97,7 @@ class FragmentState:
             self.passes.finish(sums, total)
             return
         if sums is not None:
-            self.apply_average(divide_(sums, total))
+            self.outer_step(self.views(divide_(sums, total)))
         self.follow_global()
 
     def start(self, out: torch.Tensor, share: float | None, tokens: float = 1.0) -> None:
@@ -151,15 +135,10 @@ class FragmentState:
 
     # ---- the whole-fragment operations (other outer optimizers, replays, heals) ----------------
 
-    def numel(self) -> int:
-        return sum(t.numel() for t in self.global_copy.values())
-
     @torch.no_grad()
-    def model_to_global(self) -> None:
+    def take_model(self) -> None:
         """The model's current values become the global copy and the local start."""
-        for name, p in self.params.items():
-            self.global_copy[name].copy_(local_tensor(p.data), non_blocking=self.non_blocking)
-        wait_for_copies(self.model_device)
+        super().take_model()
         for name in self.params:
             self.period_start[name].copy_(self.global_copy[name])
 
@@ -176,24 +155,6 @@ class FragmentState:
             view.sub_(local)
             offset += n
         wait_for_copies(self.model_device)  # the host rewrites ``start`` next
-
-    @torch.no_grad()
-    def apply_average(self, flat: torch.Tensor) -> None:
-        """One outer step on the global copy with the averaged pseudo-gradient ``flat``."""
-        offset = 0
-        for t in self.global_copy.values():
-            n = t.numel()
-            t.grad = (
-                flat[offset : offset + n].view_as(t).to(t.device, non_blocking=self.non_blocking)
-            )
-            offset += n
-        wait_for_copies(flat.device)  # the outer step reads them on the host
-        self.outer.step()
-        self.outer.zero_grad(set_to_none=True)
-        # A fused step leaves the tensors' versions as they were: moved here, so that what
-        # keys a digest to them (``outer_passes``' cache) sees the write.
-        for t in self.global_copy.values():
-            torch.autograd.graph.increment_version(t)
 
     @torch.no_grad()
     def follow_global(self) -> None:
@@ -290,25 +251,19 @@ class FragmentState:
                     target.device, copy=True
                 )
 
-    def state_for_heal(self) -> dict[str, Any]:
-        return {
-            "global": dict(self.global_copy),
-            "start": dict(self.period_start),
-            "outer": self.outer.state_dict(),
-            "steps": self.steps,
-        }
+    def heal_state(self) -> dict[str, Any]:
+        return super().heal_state() | {"period_start": self.period_start, "steps": self.steps}
 
     @torch.no_grad()
-    def load_from_heal(self, state: dict[str, Any]) -> None:
+    def load_heal_state(self, saved: dict[str, Any]) -> None:
         """The peer's global copy, outer state and local start (which goes with the model the
         peer sends alongside): this group goes on exactly as the peer."""
-        for name, value in state["global"].items():
-            self.global_copy[name].copy_(value)
-            self.period_start[name].copy_(state["start"][name])
-        self.outer.load_state_dict(state["outer"])
+        super().load_heal_state(saved)
+        for name, value in saved["period_start"].items():
+            self.period_start[name].copy_(local_tensor(value))
         # The peer's inner steps since the fragment's last sync point go with its model (a
         # group that was behind in a sync quorum then drops them: ``AsyncDiLoCo._after_heal``).
-        self.steps = int(state.get("steps", 0))
+        self.steps = int(saved["steps"])
 
 
 class _AllTransfers:

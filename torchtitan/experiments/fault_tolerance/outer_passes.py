@@ -524,7 +524,7 @@ class SyncPointPasses:
 
     def _keep_hashes(self, hashes: dict[str, list[int]]) -> None:
         """Keep the hashes a pass took, keyed by the copy's versions, moved first: the fused
-        kernel writes without moving them (``apply_average`` moves them after its step)."""
+        kernel writes without moving them (``Fragment.outer_step`` moves them after its step)."""
         for t in self.global_copy.values():
             torch.autograd.graph.increment_version(t)
         self._hashes = (self._versions(), [h for name in self.numel for h in hashes[name]])

@@ -30,9 +30,10 @@ pseudo-gradient while a sync runs (``benchmarks/memory.py``).
 from __future__ import annotations
 
 import contextlib
+import functools
 from abc import abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 from torch import nn
@@ -46,7 +47,9 @@ from torchtitan.experiments.fault_tolerance.outer_loop import (
     local_tensor,
     optimizer_hooks,
 )
+from torchtitan.experiments.fault_tolerance.outer_passes import wait_for_copies
 from torchtitan.tools.digest import device_digest
+from torchtitan.tools.pinned import host_tensor
 
 if TYPE_CHECKING:
     from torchtitan.experiments.fault_tolerance.sync_quorum import SyncManager
@@ -80,13 +83,13 @@ class _PeriodicLoop(OuterLoop):
         self.manager.disallow_state_dict_read()
 
     def _after_step(self, *_: Any) -> None:
-        self.manager.allow_state_dict_read()
         self._local_step += 1
         self.at_step()
 
     @abstractmethod
     def at_step(self) -> None:
-        """After each inner step (``local_step()`` counts it): sync when it is time."""
+        """After each inner step (``local_step()`` counts it): let peers read the state for a
+        heal again (``allow_state_dict_read``) and sync when it is time."""
 
     def local_step(self) -> int:
         return self._local_step
@@ -127,6 +130,7 @@ class LocalSGD(_PeriodicLoop):
         self._global_digest: int | None = None
 
     def at_step(self) -> None:
+        self.manager.allow_state_dict_read()
         if self._local_step >= self.period:
             self.manager.start_quorum()
             self._average()
@@ -171,17 +175,37 @@ class LocalSGD(_PeriodicLoop):
         return Ending(bool(steps_since), steps_since, None)
 
 
-class _Fragment:
-    """One fragment's sync state: its parameters (the model's), its global copy (this rank's
-    shards, on the parameters' device), the outer optimizer that steps the copy, and the
-    pseudo-gradient whose all-reduce is in flight."""
+def state_tensor(like: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """A tensor for a fragment's outer state, ``like``'s shape: beside ``like`` (``device``
+    None), else fp32 on ``device``, in host memory pinned at its exact size when a GPU is
+    present (``tools.pinned``)."""
+    if device is None:
+        return torch.empty_like(like)
+    if device.type == "cpu":
+        return host_tensor(like.shape, pinned=True)
+    return torch.empty(like.shape, dtype=torch.float32, device=device)
 
-    def __init__(self, module: nn.Module, make_outer: MakeOuter) -> None:
+
+class Fragment:
+    """One fragment's outer state: its parameters (the model's), its global copy (this rank's
+    shards; on the parameters' device, or on ``device``), the outer optimizer that steps the
+    copy, and the pseudo-gradient whose all-reduce is in flight (blocking DiLoCo's)."""
+
+    #: Copies between the model and a global copy on another device are queued without
+    #: blocking the host and waited for where the host needs them (``wait_for_copies``).
+    #: False: each copy blocks, the reference the CUDA tests compare with.
+    non_blocking = True
+
+    def __init__(
+        self, module: nn.Module, make_outer: MakeOuter, device: torch.device | None = None
+    ) -> None:
         self.params: dict[str, nn.Parameter] = dict(module.named_parameters())
         self.global_copy = {
-            name: torch.empty_like(local_tensor(p.data)) for name, p in self.params.items()
+            name: state_tensor(local_tensor(p.data), device) for name, p in self.params.items()
         }
         self.outer: torch.optim.Optimizer = make_outer(list(self.global_copy.values()))
+        #: Where the model's shards live (a sync's buffers and averages are there too).
+        self.model_device = local_tensor(next(iter(self.params.values()))).device
         #: The all-reduced pseudo-gradients (once the works are done) and their works.
         self.grads: dict[str, torch.Tensor] = {}
         self.works: list[Any] = []
@@ -196,24 +220,52 @@ class _Fragment:
     def locals(self) -> dict[str, torch.Tensor]:
         return {name: local_tensor(p.data) for name, p in self.params.items()}
 
+    def numel(self) -> int:
+        return sum(t.numel() for t in self.global_copy.values())
+
     @torch.no_grad()
     def take_model(self) -> None:
+        """The model's current values become the global copy."""
         for name, local in self.locals().items():
-            self.global_copy[name].copy_(local)
+            self.global_copy[name].copy_(local, non_blocking=self.non_blocking)
+        self._wait_if_crossed(self.model_device)
 
     @torch.no_grad()
     def restore(self) -> None:
         for name, local in self.locals().items():
             local.copy_(self.global_copy[name])
 
+    def _wait_if_crossed(self, source: torch.device) -> None:
+        """Wait for the copies from ``source`` queued without blocking, if the outer state is
+        elsewhere (on one device, the stream orders them: no wait)."""
+        if source != next(iter(self.global_copy.values())).device:
+            wait_for_copies(source)
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``flat`` (the fragment's values, in parameter order) cut into each parameter's."""
+        views: dict[str, torch.Tensor] = {}
+        offset = 0
+        for name, t in self.global_copy.items():
+            views[name] = flat[offset : offset + t.numel()].view_as(t)
+            offset += t.numel()
+        if offset != flat.numel():
+            raise ValueError(f"{flat.numel()} values for a fragment of {offset} parameters")
+        return views
+
     @torch.no_grad()
     def outer_step(self, averages: dict[str, torch.Tensor]) -> None:
-        """The outer optimizer's step on the global copy with ``averages`` (by name, views
-        the step may change) as its gradient."""
+        """The outer optimizer's step on the global copy with ``averages`` (by name, on any
+        device; views the step may change) as its gradient: every method's outer step,
+        training's and a heal's replay alike."""
         for name, t in self.global_copy.items():
-            t.grad = averages[name]
+            t.grad = averages[name].to(t.device, non_blocking=self.non_blocking)
+        self._wait_if_crossed(next(iter(averages.values())).device)  # the step reads them
         self.outer.step()
         self.outer.zero_grad()
+        # A fused step leaves the tensors' versions as they were: moved here, so that what
+        # keys a digest to them (``outer_passes``' cache) sees the write.
+        for t in self.global_copy.values():
+            torch.autograd.graph.increment_version(t)
 
     def heal_state(self) -> dict[str, Any]:
         """What a peer healing from this group takes, as torchft's DiLoCo lays it out."""
@@ -226,11 +278,75 @@ class _Fragment:
         self.outer.load_state_dict(saved["outer_optimizer"])
 
 
-class DiLoCo(_PeriodicLoop, GlobalCopyLoop, ReplaysOuterSteps):
+F = TypeVar("F", bound=Fragment)
+
+
+class GlobalCopyMethod(_PeriodicLoop, GlobalCopyLoop, ReplaysOuterSteps, Generic[F]):
+    """What DiLoCo and async DiLoCo share: a :class:`Fragment` per fragment, its healing state
+    registered under :attr:`heal_key`, and the outer step a heal replays."""
+
+    #: The key of fragment ``i``'s healing state.
+    heal_key: str
+
+    def __init__(
+        self,
+        manager: SyncManager,
+        inner_optimizer: torch.optim.Optimizer,
+        period: int,
+        fragments: list[nn.Module],
+        states: list[F],
+    ) -> None:
+        super().__init__(manager, inner_optimizer, period)
+        self.fragments = fragments
+        self._states = states
+        #: Set when torchft loaded a peer's state into this group (cleared by the method).
+        self._healed = False
+        for index, state in enumerate(states):
+            state.take_model()
+            manager.register_state_dict_fn(
+                self.heal_key.format(index),
+                functools.partial(self._load_heal_state, index),
+                state.heal_state,
+            )
+
+    def _load_heal_state(self, index: int, saved: dict[str, Any]) -> None:
+        self._states[index].load_heal_state(saved)
+        self._healed = True
+
+    def current_fragment(self) -> int:
+        return self.manager.current_step() % len(self.fragments)
+
+    def global_parameters(self, index: int) -> dict[str, torch.Tensor]:
+        return self._states[index].global_copy
+
+    def fragment_parameters(self, index: int) -> dict[str, nn.Parameter]:
+        return self._states[index].params
+
+    def outer_optimizer(self, index: int) -> torch.optim.Optimizer:
+        return self._states[index].outer
+
+    def take_global_copies(self) -> None:
+        for state in self._states:
+            state.take_model()
+            state.outer.state.clear()
+
+    def replayed_state(self, key: str) -> bool:
+        return any(key == self.heal_key.format(i) for i in range(len(self.fragments)))
+
+    def replay_device(self, index: int) -> torch.device:
+        return self._states[index].model_device
+
+    def replay_outer_step(self, index: int, average: torch.Tensor) -> None:
+        state = self._states[index]
+        state.outer_step(state.views(average))
+
+
+class DiLoCo(GlobalCopyMethod[Fragment]):
     """DiLoCo over ``fragments`` (Streaming DiLoCo with more than one), one fragment synced
     every ``period`` inner steps (see the module docstring)."""
 
     method = "diloco"
+    heal_key = FRAGMENT_STATE_KEY
 
     def __init__(
         self,
@@ -253,29 +369,22 @@ class DiLoCo(_PeriodicLoop, GlobalCopyLoop, ReplaysOuterSteps):
             raise ValueError(f"delay must be in [0, period={period}), not {delay}")
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], not {alpha}")
-        super().__init__(manager, inner_optimizer, period)
-        self.fragments = fragments
+        states = [Fragment(f, make_outer) for f in fragments]
+        super().__init__(manager, inner_optimizer, period, fragments, states)
         self.delay = delay
         self.alpha = alpha
         self.should_quantize = should_quantize
-        self._states = [_Fragment(f, make_outer) for f in fragments]
-        for index, state in enumerate(self._states):
-            state.take_model()
-            key = FRAGMENT_STATE_KEY.format(index)
-            manager.register_state_dict_fn(key, state.load_heal_state, state.heal_state)
 
     # ---- the sync ----------------------------------------------------------------------------
 
     def at_step(self) -> None:
+        self.manager.allow_state_dict_read()
         if self._local_step == self.period - self.delay:
             self.manager.start_quorum()
             self._prepare(self.current_fragment())
         if self._local_step == self.period:
             self._perform(self.current_fragment())
             self._local_step = 0
-
-    def current_fragment(self) -> int:
-        return self.manager.current_step() % len(self.fragments)
 
     @torch.no_grad()
     def _prepare(self, index: int) -> None:
@@ -325,15 +434,6 @@ class DiLoCo(_PeriodicLoop, GlobalCopyLoop, ReplaysOuterSteps):
 
     # ---- what the trainer reads and sets -----------------------------------------------------
 
-    def global_parameters(self, index: int) -> dict[str, torch.Tensor]:
-        return self._states[index].global_copy
-
-    def fragment_parameters(self, index: int) -> dict[str, nn.Parameter]:
-        return self._states[index].params
-
-    def outer_optimizer(self, index: int) -> torch.optim.Optimizer:
-        return self._states[index].outer
-
     def in_flight(self, index: int) -> bool:
         return bool(self._states[index].works)
 
@@ -342,30 +442,3 @@ class DiLoCo(_PeriodicLoop, GlobalCopyLoop, ReplaysOuterSteps):
 
     def restore_global_copies(self, index: int) -> None:
         self._states[index].restore()
-
-    def take_global_copies(self) -> None:
-        for state in self._states:
-            state.take_model()
-            state.outer.state.clear()
-
-    # ---- heal replays ------------------------------------------------------------------------
-
-    def replayed_state(self, key: str) -> bool:
-        return key.startswith(FRAGMENT_STATE_KEY.format(""))
-
-    def replay_device(self, index: int) -> torch.device:
-        return next(iter(self._states[index].global_copy.values())).device
-
-    def replay_outer_step(self, index: int, average: torch.Tensor) -> None:
-        state = self._states[index]
-        views: dict[str, torch.Tensor] = {}
-        offset = 0
-        for name, t in state.global_copy.items():
-            views[name] = average[offset : offset + t.numel()].view_as(t)
-            offset += t.numel()
-        if offset != average.numel():
-            raise ValueError(
-                f"a replayed average of fragment {index} has {average.numel()} values, its "
-                f"parameters {offset}"
-            )
-        state.outer_step(views)
