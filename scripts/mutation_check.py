@@ -87,8 +87,8 @@ MUTANTS = [
     Mutant(
         "engine: DiLoCo's outer step is taken after a failed sync too",
         f"{PACKAGE}/periodic.py",
-        "        if self._committed:\n            state.outer_step(grads)",
-        "        if True:\n            state.outer_step(grads)",
+        "        if self._committed:\n            self._keep(index)\n",
+        "        if True:\n            self._keep(index)\n",
     ),
     Mutant(
         "engine: fragment_update_alpha mixes in the global copy's share",
@@ -117,8 +117,8 @@ MUTANTS = [
     Mutant(
         "engine: a replayed average is read from the start for every tensor",
         f"{PACKAGE}/periodic.py",
-        "views[name] = average[offset : offset + t.numel()].view_as(t)",
-        "views[name] = average[: t.numel()].view_as(t)",
+        "views[name] = flat[offset : offset + t.numel()].view_as(t)",
+        "views[name] = flat[: t.numel()].view_as(t)",
         tests=(*TESTS, "tests/unit_tests/test_heal_history.py"),
     ),
     Mutant(

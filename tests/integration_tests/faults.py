@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from torchtitan.config.job_config import JobConfig as CoreJobConfig
+from torchtitan.experiments.fault_tolerance.heal_history import HistoryEntry
 from torchtitan.experiments.fault_tolerance.heal_transport import HealAnswer
 from torchtitan.experiments.fault_tolerance.job_config import JobConfig as SemiSyncJobConfig
 from torchtitan.experiments.fault_tolerance.trainer import SemiSyncTrainer
@@ -251,17 +252,17 @@ class StallingTrainer(StepFaults, SemiSyncTrainer):
             self._corrupt_after_report()
 
         self.reporter.report = report_with_faults  # type: ignore[method-assign]
-        record = self.sync.on_committed
-        if record is not None:
+        history = self.heal.history
+        record = history.record
 
-            def record_with_faults(sync: int, *args: Any) -> None:
-                record(sync, *args)
-                if sync == self.faults.corrupt_heal_history_sync:
-                    (entry,) = self.heal.history.after(sync - 1)
-                    entry.transfers[0].payload.view(torch.uint8)[0] ^= 0xFF
-                    HISTORY_CORRUPTED.emit(sync=sync)
+        def record_with_faults(entry: HistoryEntry) -> None:
+            record(entry)
+            if entry.sync == self.faults.corrupt_heal_history_sync:
+                (kept,) = history.after(entry.sync - 1)
+                kept.transfers[0].payload.view(torch.uint8)[0] ^= 0xFF
+                HISTORY_CORRUPTED.emit(sync=entry.sync)
 
-            self.sync.on_committed = record_with_faults
+        history.record = record_with_faults  # type: ignore[method-assign]
         if self.faults.damage_replay_payload or self.faults.exit_serving_replay_after:
             answer = self.heal.answer
 

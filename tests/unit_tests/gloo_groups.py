@@ -121,15 +121,18 @@ def sync_manager(
     timeout_s: float = 30.0,
     fragments: int = 1,
     peers: PeerWatch | None = None,
+    keep_delivered: bool = False,
 ) -> SyncManager:
     """The trainer's sync Manager over ``manager``, with buckets of ``bucket_numel`` values;
-    ``peers``: what it asks whether a group of the quorum is gone."""
+    ``peers``: what it asks whether a group of the quorum is gone; ``keep_delivered``: the
+    transport keeps what each sync delivered (for a heal history)."""
     transport = SyncTransport(
         dtype,
         error_feedback=error_feedback,
         bucket_mb=bucket_numel * 4 / 2**20,
         timeout_s=timeout_s,
         peers=peers,
+        keep_delivered=keep_delivered,
     )
     ft: Any = OneGroupFT(manager)
     # No exchange in these quorums: every group is in each one, and none is starting.

@@ -47,13 +47,18 @@ CHECKPOINT_SYNC = 1
 
 
 def build_loop(
-    method: str, sync: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    method: str,
+    sync: Any,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    history: HealHistory | None = None,
 ) -> Any:
     """The method with a Nesterov outer optimizer (its momentum is part of what a replay must
     reproduce); ``async_delayed_nesterov``: Delayed Nesterov, momentum every 2 outer steps."""
     every = 2 if method.endswith("_nesterov") else 1
     return build_method(method.removesuffix("_nesterov"), sync, model, optimizer, outer_lr=0.7,
-                        outer_momentum=0.9, outer_momentum_every=every)  # fmt: skip
+                        outer_momentum=0.9, outer_momentum_every=every,
+                        history=history)  # fmt: skip
 
 
 def outer_state(loop: Any) -> list[dict[str, Any]]:
@@ -74,17 +79,11 @@ def train_with_history(rank: int, pg: Any, method: str, dtype: str, groups: int)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     manager = LoopbackManager(pg, rank, groups)
     loop: Any = None
-    sync = sync_manager(manager, dtype, bucket_numel=BUCKET, fragments=fragment_count(method))
-    sync.transport.keep_delivered = True
-    loop = build_loop(method, sync, model, optimizer)
+    sync = sync_manager(
+        manager, dtype, bucket_numel=BUCKET, fragments=fragment_count(method), keep_delivered=True
+    )
     history = HealHistory(SYNCS)
-
-    def record(number: int, fragment: int, delivered: list[Delivered]) -> None:
-        basis = device_digest(loop.global_parameters(fragment).values())
-        kept, scale = loop.kept_average(fragment, delivered)
-        history.record(HistoryEntry.of(number, fragment, kept, basis, scale))
-
-    sync.on_committed = record
+    loop = build_loop(method, sync, model, optimizer, history=history)
     data = torch.Generator().manual_seed(100 + rank)
     snapshot: list[dict[str, Any]] | None = None
     try:
@@ -364,7 +363,8 @@ def test_a_peer_sends_only_the_missed_averages_and_the_joiner_replays_them() -> 
         peer_side = _exchange_of(peer, HealHistory(3), {})
         for number, average in enumerate(averages, start=1):
             delivered = [Delivered("float32", numel, 2, 1, average.clone())]
-            peer_side.record(number, 0, delivered)
+            basis = peer.global_digest(0)
+            peer_side.history.record(HistoryEntry.of(number, 0, delivered, basis, 1.0))
             peer.replay_outer_step(0, average.clone())
         joiner.replay_outer_step(0, averages[0].clone())  # its checkpoint: after sync 1
         own_fragment = {"outer_optimizer": {}, "original_parameters": {}}

@@ -15,6 +15,7 @@ from torch import nn
 
 from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
 from torchtitan.experiments.fault_tolerance.fragments import ModelFragment
+from torchtitan.experiments.fault_tolerance.heal_history import HealHistory
 from torchtitan.experiments.fault_tolerance.periodic import DiLoCo, LocalSGD
 
 BUCKET = 300
@@ -71,11 +72,13 @@ def build_method(
     outer_lr: float = 1.0,
     outer_momentum: float = 0.0,
     outer_momentum_every: int = 1,
+    history: HealHistory | None = None,
 ) -> Any:
     """The method as the trainer builds it, syncing every ``PERIOD`` steps: ``localsgd``,
     ``diloco``, ``streaming_diloco`` (2 fragments), ``streaming_diloco_delayed`` (and
     ``fragment_sync_delay`` 1: a sync is prepared one step and performed the next), or
-    ``async_<update>``; the outer optimizer is SGD, Nesterov when it has momentum."""
+    ``async_<update>``; the outer optimizer is SGD, Nesterov when it has momentum;
+    ``history``: the heal history a method that replays keeps its committed syncs in."""
     nesterov = outer_momentum > 0
     if method == "localsgd":
         return LocalSGD(sync, model, optimizer, PERIOD)
@@ -92,10 +95,19 @@ def build_method(
             outer_momentum_every=outer_momentum_every,
             state_device=torch.device("cpu"),
             tokens_per_step=10,
+            history=history,
         )
     count = fragment_count(method)
     delay = 1 if method == "streaming_diloco_delayed" else 0
     outer = functools.partial(
         torch.optim.SGD, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov
     )
-    return DiLoCo(sync, fragments_of(model, count), optimizer, outer, period=PERIOD, delay=delay)
+    return DiLoCo(
+        sync,
+        fragments_of(model, count),
+        optimizer,
+        outer,
+        period=PERIOD,
+        delay=delay,
+        history=history,
+    )

@@ -57,8 +57,8 @@ from torchtitan.experiments.fault_tolerance.async_state import (
     checkpoint_arrived,
     load_arrived,
 )
-from torchtitan.experiments.fault_tolerance.compression import Delivered
 from torchtitan.experiments.fault_tolerance.dylu import PeriodPlan
+from torchtitan.experiments.fault_tolerance.heal_history import HealHistory
 from torchtitan.experiments.fault_tolerance.job_config import ASYNC_UPDATES
 from torchtitan.experiments.fault_tolerance.outer_loop import (
     Ending,
@@ -103,6 +103,7 @@ class AsyncDiLoCo(GlobalCopyMethod[FragmentState]):
         tokens_per_step: int,
         clock: Callable[[], float] | None = None,
         host_threads: int = 0,
+        history: HealHistory | None = None,
     ) -> None:
         """``manager``: the sync Manager (quorum, all-reduce, should_commit, state for
         healing); ``sync_steps``: inner steps between two syncs of one fragment; ``update``:
@@ -110,12 +111,15 @@ class AsyncDiLoCo(GlobalCopyMethod[FragmentState]):
         step (the weight of its pseudo-gradients); ``clock``: seconds on the model's device,
         for DyLU (a :class:`~.step_clock.StepClock` of the fragments' device by default);
         ``host_threads``: threads for a sync point's host work (0: this rank's share of the
-        host's cores, ``outer_passes.cores_per_rank``)."""
+        host's cores, ``outer_passes.cores_per_rank``); ``history``: the heal history
+        (``GlobalCopyMethod``)."""
         if update not in ASYNC_UPDATES:
             raise ValueError(f"update must be one of {ASYNC_UPDATES}, not {update!r}")
         make_outer = async_outer(outer_lr, outer_momentum, outer_nesterov, outer_momentum_every)
         states = [FragmentState(f, state_device, make_outer, host_threads) for f in fragments]
-        super().__init__(manager, inner_optimizer, sync_steps // len(fragments), fragments, states)
+        super().__init__(
+            manager, inner_optimizer, sync_steps // len(fragments), fragments, states, history
+        )
         self.update = update
         self.tokens_per_step = tokens_per_step
         if clock is None:
@@ -131,8 +135,6 @@ class AsyncDiLoCo(GlobalCopyMethod[FragmentState]):
         #: By fragment: told each average's sum of squares that the passes step with.
         self._observers: dict[int, list[Callable[[float], None]]] = {}
         self._in_flight: InFlightSync | None = None
-        #: The sync being decided (within ``_finish_in_flight``).
-        self._finishing: InFlightSync | None = None
         self._outcome: SyncOutcome | None = None
         #: DyLU's speed probe while its quorum forms (None: none under way).
         self._probe: ProbeInFlight | None = None
@@ -234,17 +236,16 @@ class AsyncDiLoCo(GlobalCopyMethod[FragmentState]):
         self._in_flight = InFlightSync.start(self.manager, index, buffer, steps, tokens, scaled)
 
     def _decide_in_flight(self) -> Decided | None:
-        """Decide the sync in flight, if any (:meth:`InFlightSync.decide`); the outcome is
-        kept."""
+        """Decide the sync in flight, if any (:meth:`InFlightSync.decide`; committed, what it
+        delivered goes into the heal history); the outcome is kept."""
         flight, self._in_flight = self._in_flight, None
         if flight is None:
             self._outcome = None
             return None
-        self._finishing = flight
-        try:
-            self._outcome, sums, total = flight.decide(self.manager)
-        finally:
-            self._finishing = None
+        self._outcome, sums, total = flight.decide(self.manager)
+        if self._outcome.committed:
+            total_tokens = float(flight.buffer[-1])
+            self._keep(flight.fragment, flight.buffer[:-1] if flight.loaded else None, total_tokens)
         self._tell_observers(flight)
         return Decided(flight.fragment, sums, total, flight.buffer)
 
@@ -254,21 +255,6 @@ class AsyncDiLoCo(GlobalCopyMethod[FragmentState]):
         if flight.average_squares is not None and self._states[flight.fragment].passes.usable():
             for observe in self._observers.get(flight.fragment, []):
                 observe(flight.average_squares)
-
-    def _finish_in_flight(self) -> SyncOutcome | None:
-        """Decide the sync in flight, if any (:meth:`InFlightSync.decide`), and apply it or
-        not (``FragmentState.finish``)."""
-        flight, self._in_flight = self._in_flight, None
-        if flight is None:
-            return None
-        self._finishing = flight
-        try:
-            outcome, sums, total = flight.decide(self.manager)
-        finally:
-            self._finishing = None
-        self._tell_observers(flight)
-        self._states[flight.fragment].finish(sums, total)
-        return outcome
 
     # ---- DyLU ---------------------------------------------------------------------------------
 
@@ -344,20 +330,6 @@ class AsyncDiLoCo(GlobalCopyMethod[FragmentState]):
         self.plan.begin(self.clock())
         return False
 
-    # ---- replaying missed syncs (heal_history) ---------------------------------------------
-
-    def kept_average(self, index: int, delivered: list[Delivered]) -> tuple[list[Delivered], float]:
-        # Called in the verdict of the sync being finished: its buffer holds the sums.
-        flight = self._finishing
-        assert flight is not None and flight.fragment == index
-        total = float(flight.buffer[-1])
-        if flight.loaded:
-            # From a checkpoint or a peer: no transfer of this process carried it. Keep its
-            # sums as they are, in fp32.
-            sums = flight.buffer[:-1].detach().to("cpu", copy=True)
-            return [Delivered("float32", sums.numel(), 1, 1, sums)], total
-        return delivered, total
-
     # ---- what the trainer asks -----------------------------------------------------------------
 
     def observe_averages(self, index: int, observe: Callable[[float], None]) -> None:
@@ -411,7 +383,9 @@ class AsyncDiLoCo(GlobalCopyMethod[FragmentState]):
         """Finish the sync in flight (the job's last average counts), then every fragment's
         global copy goes into the model."""
         self._finish_probe()
-        self._outcome = self._finish_in_flight()
+        decided = self._decide_in_flight()
+        if decided is not None:
+            self._states[decided.fragment].finish(decided.sums, decided.total)
         for index in range(len(self.fragments)):
             self.restore_global_copies(index)
         return Ending(self._outcome is not None, 0, self._local_step or None)

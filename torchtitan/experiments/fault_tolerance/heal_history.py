@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from torchtitan.experiments.fault_tolerance import events
 from torchtitan.experiments.fault_tolerance.compression import Delivered
 from torchtitan.tools.digest import chunk_hashes, fold_digest
 from torchtitan.tools.exact_division import divide_
@@ -169,6 +170,7 @@ class HealHistory:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._entries: deque[HistoryEntry] = deque(maxlen=max(capacity, 1))
+        self._full_said = False
 
     def __len__(self) -> int:
         return len(self._entries) if self.capacity > 0 else 0
@@ -187,6 +189,9 @@ class HealHistory:
         if self._entries and entry.sync != self._entries[-1].sync + 1:
             self._entries.clear()
         self._entries.append(entry)
+        if not self._full_said and len(self) == self.capacity:
+            self._full_said = True
+            events.HEAL_HISTORY_KEPT.emit(syncs=len(self), mib=self.nbytes / 2**20)
 
     def clear(self) -> None:
         """This group's state no longer follows from its history (it healed in full)."""

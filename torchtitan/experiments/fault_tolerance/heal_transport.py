@@ -29,8 +29,6 @@ from torchtitan.components.ft import FTManager
 from torchtitan.components.ft import torchft_adapter as tft
 from torchtitan.components.ft.healing import KEEP_OWN
 from torchtitan.config.job_config import JobConfig
-from torchtitan.experiments.fault_tolerance import events
-from torchtitan.experiments.fault_tolerance.compression import Delivered
 from torchtitan.experiments.fault_tolerance.heal_history import (
     BASIS_SLOTS,
     HealHistory,
@@ -148,7 +146,6 @@ class HealExchange:
         #: failed after it began changed the global copies, the outer optimizer or the model.
         #: Only a full heal makes it whole again (the group must not go on alone).
         self.own_state_lost = ""
-        self._full_said = False
         self._heal_kind: str | None = None
         self._why_no_basis = ""
 
@@ -157,17 +154,6 @@ class HealExchange:
         loop = self.loop
         assert isinstance(loop, GlobalCopyLoop)
         return [loop.global_digest(i) for i in range(len(loop.fragments))]
-
-    def record(self, sync: int, fragment: int, delivered: list[Delivered]) -> None:
-        """A sync committed (before its outer step): keep what it delivered."""
-        loop = self.loop
-        assert isinstance(loop, GlobalCopyLoop) and isinstance(loop, ReplaysOuterSteps)
-        basis = loop.global_digest(fragment)
-        kept, scale = loop.kept_average(fragment, delivered)
-        self.history.record(HistoryEntry.of(sync, fragment, kept, basis, scale))
-        if not self._full_said and len(self.history) == self.history.capacity:
-            self._full_said = True
-            events.HEAL_HISTORY_KEPT.emit(syncs=len(self.history), mib=self.history.nbytes / 2**20)
 
     def _why_no_history(self) -> str:
         if not isinstance(self.loop, ReplaysOuterSteps):

@@ -13,6 +13,7 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
 from torchtitan.experiments.fault_tolerance.compression.sparse import sparse_name
 from torchtitan.experiments.fault_tolerance.fragments import build_model_fragments
+from torchtitan.experiments.fault_tolerance.heal_history import HealHistory
 from torchtitan.experiments.fault_tolerance.job_config import FaultTolerance, semi_sync_config
 from torchtitan.experiments.fault_tolerance.outer_loop import GlobalCopyLoop, OuterLoop
 from torchtitan.experiments.fault_tolerance.periodic import DiLoCo, LocalSGD
@@ -29,10 +30,12 @@ def build_method(
     device: torch.device,
     *,
     group_ranks: int,
+    history: HealHistory | None = None,
 ) -> OuterLoop:
     """The method around ``optimizer`` (the inner one), syncing through ``sync`` (the trainer's
     ``SyncManager``); ``group_ranks``: ranks of this replica group (async DiLoCo counts the
-    tokens of the whole group)."""
+    tokens of the whole group); ``history``: where a method that can replay keeps what its
+    committed syncs delivered."""
     ft = semi_sync_config(job_config)
     if ft.method == "localsgd":
         return LocalSGD(sync, model, optimizer, ft.sync_steps)
@@ -52,6 +55,7 @@ def build_method(
             state_device=torch.device("cpu") if ft.outer_state_device == "cpu" else device,
             tokens_per_step=training.local_batch_size * training.seq_len * group_ranks,
             host_threads=ft.outer_step_threads,
+            history=history,
         )
     return DiLoCo(
         sync,
@@ -68,6 +72,7 @@ def build_method(
         delay=ft.fragment_sync_delay,
         alpha=ft.fragment_update_alpha,
         should_quantize=ft.should_quantize,
+        history=history,
     )
 
 

@@ -23,7 +23,6 @@ from torch.distributed.tensor import DTensor
 from torchtitan.tools.digest import chunk_hashes, fold_digest
 
 if TYPE_CHECKING:
-    from torchtitan.experiments.fault_tolerance.compression import Delivered
     from torchtitan.experiments.fault_tolerance.sync_quorum import SyncManager
 
 
@@ -240,11 +239,6 @@ class ReplaysOuterSteps(ABC):
     def replayed_state(self, key: str) -> bool:
         """Whether ``key`` is healing state of this method that a replay reproduces (each
         fragment's global copy and outer optimizer): the peer leaves it out."""
-
-    def kept_average(self, index: int, delivered: list[Delivered]) -> tuple[list[Delivered], float]:
-        """For the history, right after fragment ``index``'s sync committed (before its outer
-        step): what its transfers ``delivered`` and what the outer step divides it by."""
-        return delivered, 1.0
 
     @abstractmethod
     def replay_device(self, index: int) -> torch.device:

@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import torch
 from torch import nn
 
+from torchtitan.experiments.fault_tolerance.compression import Delivered
+from torchtitan.experiments.fault_tolerance.heal_history import HealHistory, HistoryEntry
 from torchtitan.experiments.fault_tolerance.outer_loop import (
     Ending,
     GlobalCopyLoop,
@@ -295,10 +297,14 @@ class GlobalCopyMethod(_PeriodicLoop, GlobalCopyLoop, ReplaysOuterSteps, Generic
         period: int,
         fragments: list[nn.Module],
         states: list[F],
+        history: HealHistory | None,
     ) -> None:
+        """``history``: keeps what each committed sync delivered, for a joiner to replay
+        (None: none kept)."""
         super().__init__(manager, inner_optimizer, period)
         self.fragments = fragments
         self._states = states
+        self.history = history if history is not None else HealHistory(0)
         #: Set when torchft loaded a peer's state into this group (cleared by the method).
         self._healed = False
         for index, state in enumerate(states):
@@ -312,6 +318,22 @@ class GlobalCopyMethod(_PeriodicLoop, GlobalCopyLoop, ReplaysOuterSteps, Generic
     def _load_heal_state(self, index: int, saved: dict[str, Any]) -> None:
         self._states[index].load_heal_state(saved)
         self._healed = True
+
+    def _keep(self, index: int, loaded: torch.Tensor | None = None, divisor: float = 1.0) -> None:
+        """Fragment ``index``'s sync committed (its outer step not yet taken): keep what its
+        transfers delivered in the history, or ``loaded``, its sums when no transfer of this
+        process carried them (fp32, from a checkpoint or a peer); ``divisor``: what the outer
+        step divides the sums by."""
+        if self.history.capacity <= 0:
+            return
+        if loaded is None:
+            kept = self.manager.delivered()
+        else:
+            sums = loaded.detach().to("cpu", copy=True)
+            kept = [Delivered("float32", sums.numel(), 1, 1, sums)]
+        number = self.manager.current_step()
+        basis = self.global_digest(index)
+        self.history.record(HistoryEntry.of(number, index, kept, basis, divisor))
 
     def current_fragment(self) -> int:
         return self.manager.current_step() % len(self.fragments)
@@ -359,18 +381,20 @@ class DiLoCo(GlobalCopyMethod[Fragment]):
         delay: int = 0,
         alpha: float = 0.0,
         should_quantize: bool = False,
+        history: HealHistory | None = None,
     ) -> None:
         """``make_outer``: builds a fragment's outer optimizer over the tensors it is given (its
         global copy); ``period``: inner steps between two sync points (one fragment each);
         ``delay``: steps between a fragment's all-reduce and its outer step (below ``period``);
         ``alpha``: ``fragment_update_alpha``; ``should_quantize``: torchft's own fp8 all-reduce
-        (CUDA and Triton only) carries the pseudo-gradients."""
+        (CUDA and Triton only) carries the pseudo-gradients; ``history``: the heal history
+        (``GlobalCopyMethod``)."""
         if not 0 <= delay < period:
             raise ValueError(f"delay must be in [0, period={period}), not {delay}")
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], not {alpha}")
         states = [Fragment(f, make_outer) for f in fragments]
-        super().__init__(manager, inner_optimizer, period, fragments, states)
+        super().__init__(manager, inner_optimizer, period, fragments, states, history)
         self.delay = delay
         self.alpha = alpha
         self.should_quantize = should_quantize
@@ -409,6 +433,7 @@ class DiLoCo(GlobalCopyMethod[Fragment]):
         own = {n: t.clone() for n, t in state.locals().items()} if self.alpha > 0 else None
         self._committed = bool(self.manager.should_commit())
         if self._committed:
+            self._keep(index)
             state.outer_step(grads)
         state.restore()
         if self._committed and own is not None:

@@ -239,9 +239,6 @@ class SyncManager:
         #: Syncs in a row that failed on a collective timeout, and the quorum size then.
         self._timeouts_in_a_row = 0
         self._timeout_groups = 0
-        #: Called after every committed sync with its number, fragment and what its transfers
-        #: delivered (the heal history; the trainer sets it when the method keeps one).
-        self.on_committed: Callable[[int, int, list[Delivered]], None] | None = None
         self.agree_in_group = agree_in_group
         #: The heartbeat keys of the last quorum's members (:meth:`set_members`).
         self._members: tuple[int, ...] = ()
@@ -295,6 +292,11 @@ class SyncManager:
         """Bytes this group sent in the last sync and, compressed, seconds spent compressing
         and decompressing (waiting for its transfers)."""
         return self.transport.stats()
+
+    def delivered(self) -> list[Delivered]:
+        """After a committed sync: what its transfers delivered, as every group received it
+        (the heal history keeps it; ``SyncTransport.delivered``)."""
+        return self.transport.delivered()
 
     def sync_squares(self) -> float | None:
         """The sum of squares of this sync's result, this rank's (``SyncTransport.squares``)."""
@@ -402,9 +404,6 @@ class SyncManager:
             committed = self.ft.should_commit(unit="sync")
         finally:
             self.transport.end_sync(committed)
-        if committed and self.on_committed is not None:
-            fragment = self.transport.fragment
-            self.on_committed(manager.current_step(), fragment, self.transport.delivered())
         timed_out = self.transport.timed_out
         if not self.agree_in_group(int(timed_out is not None)):
             self._timeouts_in_a_row = 0

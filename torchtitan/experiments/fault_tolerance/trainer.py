@@ -95,6 +95,12 @@ class SemiSyncTrainer(Trainer):
         self.method: str = method
         super().__init__(job_config)
         assert self.ft is not None
+        # The last committed averages, for a group restarted from its own checkpoint to
+        # replay instead of receiving the full state (heal_history; not LocalSGD).
+        # torchft's own fp8 all-reduce (should_quantize) bypasses the transport that keeps
+        # what a sync delivered: no history then.
+        keeps = method != "localsgd" and not ft.should_quantize
+        history = HealHistory(ft.heal_history_syncs if keeps else 0)
         transport = SyncTransport(
             wire_dtype(ft),
             error_feedback=ft.error_feedback,
@@ -102,6 +108,7 @@ class SemiSyncTrainer(Trainer):
             bucket_mb=ft.sync_bucket_mb,
             timeout_s=ft.sync_collective_timeout_s,
             peers=PeerWatch(self.ft.lighthouse),
+            keep_delivered=history.capacity > 0,
         )
         self.sync = SyncManager(
             self.ft,
@@ -124,13 +131,8 @@ class SemiSyncTrainer(Trainer):
             self.optimizer,
             self.device,
             group_ranks=self.parallel_dims.world_size,
+            history=history,
         )
-        # The last committed averages, for a group restarted from its own checkpoint to
-        # replay instead of receiving the full state (heal_history; not LocalSGD).
-        # torchft's own fp8 all-reduce (should_quantize) bypasses the transport that keeps
-        # what a sync delivered: no history then.
-        keeps = method != "localsgd" and not ft.should_quantize
-        history = HealHistory(ft.heal_history_syncs if keeps else 0)
         fingerprint = job_fingerprint(job_fingerprint_parts(job_config, self.model))
         shape = CollectiveShape.of(
             self.algorithm.fragments,
@@ -139,9 +141,6 @@ class SemiSyncTrainer(Trainer):
             wire_dtype(ft),
         )
         self.heal = HealExchange(history, fingerprint, self.algorithm, self.ft, shape)
-        if self.heal.replays:
-            transport.keep_delivered = True
-            self.sync.on_committed = self.heal.record
         self.fragments = self.algorithm.fragments
         self.period = self.algorithm.period
         # DyLU: groups take different numbers of inner steps, so training ends after a number
