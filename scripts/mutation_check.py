@@ -98,7 +98,7 @@ MUTANTS = [
     ),
     Mutant(
         "engine: Streaming DiLoCo syncs the first fragment at every sync point",
-        f"{PACKAGE}/periodic.py",
+        f"{PACKAGE}/global_copy.py",
         "return self.manager.current_step() % len(self.fragments)",
         "return 0",
     ),
@@ -116,14 +116,14 @@ MUTANTS = [
     ),
     Mutant(
         "engine: a replayed average is read from the start for every tensor",
-        f"{PACKAGE}/periodic.py",
+        f"{PACKAGE}/global_copy.py",
         "views[name] = flat[offset : offset + t.numel()].view_as(t)",
         "views[name] = flat[: t.numel()].view_as(t)",
         tests=(*TESTS, "tests/unit_tests/test_heal_history.py"),
     ),
     Mutant(
         "engine: a healing peer's outer momentum is not taken",
-        f"{PACKAGE}/periodic.py",
+        f"{PACKAGE}/global_copy.py",
         '        self.outer.load_state_dict(saved["outer_optimizer"])',
         "        pass",
     ),

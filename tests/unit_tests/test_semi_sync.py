@@ -535,18 +535,19 @@ def test_quorum_findings_travel_as_ints_and_come_back_named() -> None:
 
 
 def test_every_method_implements_its_whole_interface() -> None:
-    """OuterLoop and GlobalCopyLoop are abstract; each method is concrete (no stub left to
-    raise at run time), and only the methods with global copies are GlobalCopyLoops."""
+    """OuterLoop and GlobalCopyMethod are abstract; each method is concrete (no stub left to
+    raise at run time), and only the methods with global copies are GlobalCopyMethods."""
     import inspect
 
     from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
-    from torchtitan.experiments.fault_tolerance.outer_loop import GlobalCopyLoop, OuterLoop
+    from torchtitan.experiments.fault_tolerance.global_copy import GlobalCopyMethod
+    from torchtitan.experiments.fault_tolerance.outer_loop import OuterLoop
 
-    assert inspect.isabstract(OuterLoop) and inspect.isabstract(GlobalCopyLoop)
+    assert inspect.isabstract(OuterLoop) and inspect.isabstract(GlobalCopyMethod)
     for cls in (LocalSGD, DiLoCo, AsyncDiLoCo):
         assert not inspect.isabstract(cls), (cls, cls.__abstractmethods__)
-    assert issubclass(DiLoCo, GlobalCopyLoop) and issubclass(AsyncDiLoCo, GlobalCopyLoop)
-    assert not issubclass(LocalSGD, GlobalCopyLoop)
+    assert issubclass(DiLoCo, GlobalCopyMethod) and issubclass(AsyncDiLoCo, GlobalCopyMethod)
+    assert not issubclass(LocalSGD, GlobalCopyMethod)
 
 
 def test_a_mismatch_of_the_collectives_shapes_names_both_groups_and_the_field() -> None:

@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed import ReduceOp
 from torch.optim.sgd import sgd as sgd_step
 
+from torchtitan.experiments.fault_tolerance.global_copy import Fragment, MakeOuter, state_tensor
 from torchtitan.experiments.fault_tolerance.outer_loop import (
     SyncOutcome,
     as_param_layout,
@@ -35,7 +36,6 @@ from torchtitan.experiments.fault_tolerance.outer_loop import (
 )
 from torchtitan.experiments.fault_tolerance.outer_optimizer import DelayedNesterov
 from torchtitan.experiments.fault_tolerance.outer_passes import SyncPointPasses, wait_for_copies
-from torchtitan.experiments.fault_tolerance.periodic import Fragment, MakeOuter, state_tensor
 from torchtitan.tools.digest import chunk_hashes
 from torchtitan.tools.exact_division import divide_
 
@@ -64,7 +64,7 @@ def async_outer(lr: float, momentum: float, nesterov: bool, momentum_every: int)
 
 
 class FragmentState(Fragment):
-    """One fragment's outer state (:class:`~.periodic.Fragment`) and where this group's local
+    """One fragment's outer state (:class:`~.global_copy.Fragment`) and where this group's local
     period started."""
 
     def __init__(

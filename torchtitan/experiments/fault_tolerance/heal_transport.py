@@ -29,6 +29,7 @@ from torchtitan.components.ft import FTManager
 from torchtitan.components.ft import torchft_adapter as tft
 from torchtitan.components.ft.healing import KEEP_OWN
 from torchtitan.config.job_config import JobConfig
+from torchtitan.experiments.fault_tolerance.global_copy import GlobalCopyMethod
 from torchtitan.experiments.fault_tolerance.heal_history import (
     BASIS_SLOTS,
     HealHistory,
@@ -40,11 +41,7 @@ from torchtitan.experiments.fault_tolerance.heal_history import (
 )
 from torchtitan.experiments.fault_tolerance.heal_pieces import PiecewiseGroup
 from torchtitan.experiments.fault_tolerance.job_config import semi_sync_config
-from torchtitan.experiments.fault_tolerance.outer_loop import (
-    GlobalCopyLoop,
-    OuterLoop,
-    ReplaysOuterSteps,
-)
+from torchtitan.experiments.fault_tolerance.outer_loop import OuterLoop
 from torchtitan.experiments.fault_tolerance.shapes import CollectiveShape, mismatch
 
 #: The key of the heal history's entry in torchft's healing state.
@@ -135,7 +132,7 @@ class HealExchange:
         self.fingerprint = fingerprint
         self.loop = loop
         self.ft = ft
-        self.replays = isinstance(loop, ReplaysOuterSteps) and history.capacity > 0
+        self.replays = isinstance(loop, GlobalCopyMethod) and history.capacity > 0
         self.basis = ReplayBasis.none()
         #: The last heal of this group (None: none yet).
         self.receipt: HealReceipt | None = None
@@ -152,11 +149,11 @@ class HealExchange:
     def digests(self) -> list[int]:
         """This rank's digest of each fragment's global copy."""
         loop = self.loop
-        assert isinstance(loop, GlobalCopyLoop)
+        assert isinstance(loop, GlobalCopyMethod)
         return [loop.global_digest(i) for i in range(len(loop.fragments))]
 
     def _why_no_history(self) -> str:
-        if not isinstance(self.loop, ReplaysOuterSteps):
+        if not isinstance(self.loop, GlobalCopyMethod):
             return f"{self.loop.method} cannot replay"
         if self.history.capacity <= 0:
             return "fault_tolerance.heal_history_syncs=0, or should_quantize"
@@ -201,7 +198,7 @@ class HealExchange:
         outer optimizers (replayed)."""
         loop = self.loop
         return key in self.CORE_KEPT or (
-            isinstance(loop, ReplaysOuterSteps) and loop.replayed_state(key)
+            isinstance(loop, GlobalCopyMethod) and loop.replayed_state(key)
         )
 
     # ---- the peer ----------------------------------------------------------------------------
@@ -312,7 +309,7 @@ class HealExchange:
                 yield entry
 
         loop = self.loop
-        assert isinstance(loop, ReplaysOuterSteps)
+        assert isinstance(loop, GlobalCopyMethod)
         why = ""
         try:
             replay(arriving(), loop.replay_outer_steps, loop.replay_device)
@@ -378,7 +375,7 @@ class HealExchange:
         """Put the replayed global copies into the model and check them against the peer's
         ``digests``. Returns why they differ ("": they do not)."""
         loop = self.loop
-        assert isinstance(loop, GlobalCopyLoop)
+        assert isinstance(loop, GlobalCopyMethod)
         for index in range(len(loop.fragments)):
             loop.restore_global_copies(index)
         mine = self.digests()

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from torchtitan.experiments.fault_tolerance import events
+from torchtitan.experiments.fault_tolerance.global_copy import GlobalCopyMethod
 from torchtitan.experiments.fault_tolerance.outer_loop import (
-    GlobalCopyLoop,
     OuterLoop,
     as_param_layout,
     local_tensor,
@@ -43,10 +43,10 @@ class SemiSyncState:
         self.trainer = trainer
         self.loaded = False
 
-    def _global_fragments(self) -> list[tuple[int, GlobalCopyLoop]]:
+    def _global_fragments(self) -> list[tuple[int, GlobalCopyMethod]]:
         """Each fragment with the method, when the method keeps global copies (else none)."""
         loop = self.trainer.algorithm
-        if not isinstance(loop, GlobalCopyLoop):
+        if not isinstance(loop, GlobalCopyMethod):
             return []
         return [(i, loop) for i in range(len(loop.fragments))]
 
@@ -138,7 +138,7 @@ class SemiSyncState:
             # Saved while a fragment's all-reduce was in flight (fragment_sync_delay > 0): its
             # result is lost. Do what torchft does for a failed sync: put the fragment back to
             # its global parameters and start the period again; the fragment is retried.
-            assert isinstance(loop, GlobalCopyLoop)  # only a global copy is ever in flight
+            assert isinstance(loop, GlobalCopyMethod)  # only a global copy is ever in flight
             loop.restore_global_copies(in_flight)
             loop.set_local_step(0)
             events.IN_FLIGHT_SYNC_DROPPED.emit(fragment=in_flight)

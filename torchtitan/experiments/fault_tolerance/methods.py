@@ -13,9 +13,10 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
 from torchtitan.experiments.fault_tolerance.compression.sparse import sparse_name
 from torchtitan.experiments.fault_tolerance.fragments import build_model_fragments
+from torchtitan.experiments.fault_tolerance.global_copy import GlobalCopyMethod
 from torchtitan.experiments.fault_tolerance.heal_history import HealHistory
 from torchtitan.experiments.fault_tolerance.job_config import FaultTolerance, semi_sync_config
-from torchtitan.experiments.fault_tolerance.outer_loop import GlobalCopyLoop, OuterLoop
+from torchtitan.experiments.fault_tolerance.outer_loop import OuterLoop
 from torchtitan.experiments.fault_tolerance.periodic import DiLoCo, LocalSGD
 
 if TYPE_CHECKING:
@@ -94,7 +95,7 @@ def describe(job_config: JobConfig, loop: OuterLoop) -> str:
     """One log line: the method and every setting it runs with."""
     ft = semi_sync_config(job_config)
     parts = [f"sync every {ft.sync_steps} inner steps", f"{len(loop.fragments)} fragment(s)"]
-    if isinstance(loop, GlobalCopyLoop):
+    if isinstance(loop, GlobalCopyMethod):
         if ft.outer_momentum_every > 1:
             parts.append(
                 f"outer Delayed Nesterov lr {ft.outer_lr} momentum {ft.outer_momentum} "

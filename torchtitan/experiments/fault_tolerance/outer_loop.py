@@ -4,14 +4,15 @@ A method syncs the replica groups from optimizer hooks (entered with ``hooks()``
 ``period`` inner steps, over the model's ``fragments``. The trainer needs a few more verbs from
 it around start-up, healing, checkpoints and the end of training; :class:`OuterLoop` names them,
 so that the trainer never depends on how a method keeps its state: ``periodic.LocalSGD`` and
-``periodic.DiLoCo`` (Streaming DiLoCo too), and ``async_diloco.AsyncDiLoCo``.
+``periodic.DiLoCo`` (Streaming DiLoCo too), and ``async_diloco.AsyncDiLoCo``, the last two
+through ``global_copy.GlobalCopyMethod``.
 """
 
 from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -19,8 +20,6 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-
-from torchtitan.tools.digest import chunk_hashes, fold_digest
 
 if TYPE_CHECKING:
     from torchtitan.experiments.fault_tolerance.sync_quorum import SyncManager
@@ -105,29 +104,52 @@ class Ending:
 
 class OuterLoop(ABC):
     """A semi-sync method: the model's ``fragments`` (one: the model itself) sync in turn,
-    one every ``period`` inner steps; a fragment's sync is started ``delay`` steps before it
-    is applied (0: at once). What every method does; :class:`GlobalCopyLoop` adds what a
-    method with global copies and an outer optimizer (DiLoCo) does."""
+    one every ``period`` inner steps, from the inner optimizer's hooks on the sync Manager; a
+    fragment's sync is started ``delay`` steps before it is applied (0: at once). What every
+    method does; ``global_copy.GlobalCopyMethod`` adds what a method with global copies and an
+    outer optimizer (DiLoCo, async DiLoCo) does."""
 
     method: str
     fragments: list[nn.Module]
-    period: int
     delay: int = 0
     #: Sync points passed in this job (kept by methods that support DyLU, alike in every
     #: group: they pass sync points together).
     sync_points: int = 0
 
-    @abstractmethod
+    def __init__(
+        self, manager: SyncManager, inner_optimizer: torch.optim.Optimizer, period: int
+    ) -> None:
+        self.manager = manager
+        self.inner_optimizer = inner_optimizer
+        self.period = period
+        self._local_step = 0
+        #: The verdict of the last sync point's sync (None: it decided none).
+        self._committed: bool | None = None
+
     def hooks(self) -> contextlib.AbstractContextManager:
         """Installs the optimizer hooks that sync (entered around the training loop)."""
+        return optimizer_hooks(self.inner_optimizer, self._before_step, self._after_step)
+
+    def _before_step(self, *_: Any) -> None:
+        # Parameters change in the step: a peer must not read them for a heal meanwhile.
+        self.manager.disallow_state_dict_read()
+
+    def _after_step(self, *_: Any) -> None:
+        self._local_step += 1
+        self.at_step()
 
     @abstractmethod
+    def at_step(self) -> None:
+        """After each inner step (``local_step()`` counts it): let peers read the state for a
+        heal again (``allow_state_dict_read``) and sync when it is time."""
+
     def local_step(self) -> int:
         """Inner steps since the last sync point."""
+        return self._local_step
 
-    @abstractmethod
     def set_local_step(self, step: int) -> None:
         """Move to inner step ``step`` of the period (a restart or a heal)."""
+        self._local_step = step
 
     @abstractmethod
     def join_sync(self) -> bool:
@@ -181,79 +203,18 @@ class OuterLoop(ABC):
     def forget_global(self) -> None:  # noqa: B027 (a no-op unless a method needs it)
         """This group healed from a peer: what it knew of the global parameters is void."""
 
-    @abstractmethod
     def last_outcome(self, manager: SyncManager) -> SyncOutcome | None:
         """The sync the last sync point decided, right after it (None: it decided none);
         ``manager``: the sync Manager, whose transport carried it."""
-
-
-class GlobalCopyLoop(OuterLoop):
-    """A method with a global copy of each fragment's parameters and an outer optimizer that
-    steps it with the averaged pseudo-gradient (DiLoCo, Streaming and async DiLoCo)."""
-
-    @abstractmethod
-    def global_parameters(self, index: int) -> dict[str, torch.Tensor]:
-        """A fragment's global copy (this rank's shards), by fragment parameter name."""
-
-    @abstractmethod
-    def outer_optimizer(self, index: int) -> torch.optim.Optimizer:
-        """The outer optimizer of a fragment."""
-
-    @abstractmethod
-    def restore_global_copies(self, index: int) -> None:
-        """Put a fragment's global copy back into the model."""
-
-    @abstractmethod
-    def take_global_copies(self) -> None:
-        """Make the model's current parameters every fragment's global copy (fresh outer
-        state), e.g. after weights were loaded into the model."""
-
-    def drop_in_flight(self, index: int) -> None:  # noqa: B027 (a no-op: nothing in flight)
-        """Let a started all-reduce finish (every group started it) and drop its result."""
-
-    def observe_averages(self, index: int, observe: Callable[[float], None]) -> None:  # noqa: B027
-        """Have ``observe`` called with the sum of squares of each average fragment ``index``'s
-        outer step takes without ``optimizer.step()`` (whose pre-hooks see the others): none
-        here."""
-
-    def global_chunk_hashes(self, index: int) -> list[int]:
-        """The chunk hashes (``tools.digest``) of fragment ``index``'s global copy (this rank's
-        shards)."""
-        return [h for t in self.global_parameters(index).values() for h in chunk_hashes(t)]
-
-    def global_digest(self, index: int) -> int:
-        """A digest of fragment ``index``'s global copy (this rank's shards)."""
-        return fold_digest(self.global_chunk_hashes(index))
-
-    def agreement_digest(self) -> int | None:
-        return fold_digest(
-            h for i in range(len(self.fragments)) for h in self.global_chunk_hashes(i)
+        if self._committed is None:
+            return None
+        number = manager.current_step() + (0 if self._committed else 1)
+        sent, compression_s = manager.sync_stats()
+        return SyncOutcome(
+            number,
+            (number - 1) % len(self.fragments),
+            self._committed,
+            sent,
+            manager.num_participants(),
+            compression_s=compression_s,
         )
-
-
-class ReplaysOuterSteps(ABC):
-    """A method whose global copies a joiner can bring up to date from the averages it missed
-    (``heal_history``), instead of receiving them."""
-
-    @abstractmethod
-    def replayed_state(self, key: str) -> bool:
-        """Whether ``key`` is healing state of this method that a replay reproduces (each
-        fragment's global copy and outer optimizer): the peer leaves it out."""
-
-    @abstractmethod
-    def replay_device(self, index: int) -> torch.device:
-        """Where the groups' outer step of fragment ``index`` takes its average (a replay
-        decodes and divides it there, the same operations on the same device)."""
-
-    @abstractmethod
-    def replay_outer_step(self, index: int, average: torch.Tensor) -> None:
-        """Apply a committed sync of fragment ``index`` to its global copy and outer optimizer
-        exactly as the groups that took part did: ``average`` is its averaged pseudo-gradient,
-        flat, as delivered (this call may overwrite it). The model's parameters are left
-        undefined (the caller puts the global copies back)."""
-
-    def replay_outer_steps(self, steps: Iterable[tuple[int, torch.Tensor]]) -> None:
-        """:meth:`replay_outer_step` for each ``(index, average)`` in order, as one replay (a
-        method may skip work between consecutive steps, never change their results)."""
-        for index, average in steps:
-            self.replay_outer_step(index, average)

@@ -35,6 +35,7 @@ from torchtitan.components.lr_scheduler import move_schedule_to
 from torchtitan.config.job_config import ConfigError, JobConfig
 from torchtitan.experiments.fault_tolerance import events
 from torchtitan.experiments.fault_tolerance.fragments import ModelFragment
+from torchtitan.experiments.fault_tolerance.global_copy import GlobalCopyMethod
 from torchtitan.experiments.fault_tolerance.heal_history import HealHistory, job_fingerprint
 from torchtitan.experiments.fault_tolerance.heal_transport import (
     HEAL_KEY,
@@ -51,10 +52,7 @@ from torchtitan.experiments.fault_tolerance.methods import (
     residual_decay,
     wire_dtype,
 )
-from torchtitan.experiments.fault_tolerance.outer_loop import (
-    GlobalCopyLoop,
-    OuterLoop,
-)
+from torchtitan.experiments.fault_tolerance.outer_loop import OuterLoop
 from torchtitan.experiments.fault_tolerance.peer_watch import PeerWatch
 from torchtitan.experiments.fault_tolerance.quorum_protocol import JoinAtSync, QuorumProtocol
 from torchtitan.experiments.fault_tolerance.reporting import SyncReporter
@@ -236,7 +234,7 @@ class SemiSyncTrainer(Trainer):
     def join_replica_groups(self) -> None:
         """After the checkpoint is loaded: make sure DiLoCo's global parameters are the
         loaded ones, start the Manager and join the job (``QuorumProtocol.start``)."""
-        if not self.state.loaded and isinstance(self.algorithm, GlobalCopyLoop):
+        if not self.state.loaded and isinstance(self.algorithm, GlobalCopyMethod):
             # DiLoCo copied the global parameters when it was built, before any checkpoint was
             # loaded: take them again from the model as loaded, with fresh outer momentum.
             self.algorithm.take_global_copies()

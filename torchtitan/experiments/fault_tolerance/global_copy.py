@@ -1,0 +1,267 @@
+"""What the methods with global copies share (DiLoCo, Streaming DiLoCo, async DiLoCo).
+
+* :class:`Fragment`: one fragment's parameters (the model's), its global copy (this rank's
+  shards), the outer optimizer that steps the copy, and the one outer step every method takes,
+  in training and in a heal's replay alike (``outer_step``).
+* :class:`GlobalCopyMethod`: an :class:`~.outer_loop.OuterLoop` over such fragments: their
+  healing state registered with the sync Manager, the heal history of committed syncs, the
+  digests the groups compare, and the replay of missed syncs.
+"""
+
+from __future__ import annotations
+
+import functools
+from abc import abstractmethod
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import torch
+from torch import nn
+
+from torchtitan.experiments.fault_tolerance.compression import Delivered
+from torchtitan.experiments.fault_tolerance.heal_history import HealHistory, HistoryEntry
+from torchtitan.experiments.fault_tolerance.outer_loop import OuterLoop, local_tensor
+from torchtitan.experiments.fault_tolerance.outer_passes import wait_for_copies
+from torchtitan.tools.digest import chunk_hashes, fold_digest
+from torchtitan.tools.pinned import host_tensor
+
+if TYPE_CHECKING:
+    from torchtitan.experiments.fault_tolerance.sync_quorum import SyncManager
+
+#: Builds a fragment's outer optimizer over the tensors it steps (its global copy).
+MakeOuter = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+
+def state_tensor(like: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """A tensor for a fragment's outer state, ``like``'s shape: beside ``like`` (``device``
+    None), else fp32 on ``device``, in host memory pinned at its exact size when a GPU is
+    present (``tools.pinned``)."""
+    if device is None:
+        return torch.empty_like(like)
+    if device.type == "cpu":
+        return host_tensor(like.shape, pinned=True)
+    return torch.empty(like.shape, dtype=torch.float32, device=device)
+
+
+class Fragment:
+    """One fragment's outer state: its parameters (the model's), its global copy (this rank's
+    shards; on the parameters' device, or on ``device``), the outer optimizer that steps the
+    copy, and the pseudo-gradient whose all-reduce is in flight (blocking DiLoCo's)."""
+
+    #: Copies between the model and a global copy on another device are queued without
+    #: blocking the host and waited for where the host needs them (``wait_for_copies``).
+    #: False: each copy blocks, the reference the CUDA tests compare with.
+    non_blocking = True
+
+    def __init__(
+        self, module: nn.Module, make_outer: MakeOuter, device: torch.device | None = None
+    ) -> None:
+        self.params: dict[str, nn.Parameter] = dict(module.named_parameters())
+        self.global_copy = {
+            name: state_tensor(local_tensor(p.data), device) for name, p in self.params.items()
+        }
+        self.outer: torch.optim.Optimizer = make_outer(list(self.global_copy.values()))
+        #: Where the model's shards live (a sync's buffers and averages are there too).
+        self.model_device = local_tensor(next(iter(self.params.values()))).device
+        #: The all-reduced pseudo-gradients (once the works are done) and their works.
+        self.grads: dict[str, torch.Tensor] = {}
+        self.works: list[Any] = []
+
+    def settle(self) -> dict[str, torch.Tensor]:
+        """Wait for the all-reduce in flight; its averaged pseudo-gradients, no longer kept."""
+        for work in self.works:
+            work.wait()
+        grads, self.grads, self.works = self.grads, {}, []
+        return grads
+
+    def locals(self) -> dict[str, torch.Tensor]:
+        return {name: local_tensor(p.data) for name, p in self.params.items()}
+
+    def numel(self) -> int:
+        return sum(t.numel() for t in self.global_copy.values())
+
+    @torch.no_grad()
+    def take_model(self) -> None:
+        """The model's current values become the global copy."""
+        for name, local in self.locals().items():
+            self.global_copy[name].copy_(local, non_blocking=self.non_blocking)
+        self._wait_if_crossed(self.model_device)
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for name, local in self.locals().items():
+            local.copy_(self.global_copy[name])
+
+    def _wait_if_crossed(self, source: torch.device) -> None:
+        """Wait for the copies from ``source`` queued without blocking, if the outer state is
+        elsewhere (on one device, the stream orders them: no wait)."""
+        if source != next(iter(self.global_copy.values())).device:
+            wait_for_copies(source)
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``flat`` (the fragment's values, in parameter order) cut into each parameter's."""
+        views: dict[str, torch.Tensor] = {}
+        offset = 0
+        for name, t in self.global_copy.items():
+            views[name] = flat[offset : offset + t.numel()].view_as(t)
+            offset += t.numel()
+        if offset != flat.numel():
+            raise ValueError(f"{flat.numel()} values for a fragment of {offset} parameters")
+        return views
+
+    @torch.no_grad()
+    def outer_step(self, averages: dict[str, torch.Tensor]) -> None:
+        """The outer optimizer's step on the global copy with ``averages`` (by name, on any
+        device; views the step may change) as its gradient: every method's outer step,
+        training's and a heal's replay alike."""
+        for name, t in self.global_copy.items():
+            t.grad = averages[name].to(t.device, non_blocking=self.non_blocking)
+        self._wait_if_crossed(next(iter(averages.values())).device)  # the step reads them
+        self.outer.step()
+        self.outer.zero_grad()
+        # A fused step leaves the tensors' versions as they were: moved here, so that what
+        # keys a digest to them (``outer_passes``' cache) sees the write.
+        for t in self.global_copy.values():
+            torch.autograd.graph.increment_version(t)
+
+    def heal_state(self) -> dict[str, Any]:
+        """What a peer healing from this group takes, as torchft's DiLoCo lays it out."""
+        return {"outer_optimizer": self.outer.state_dict(), "original_parameters": self.global_copy}
+
+    @torch.no_grad()
+    def load_heal_state(self, saved: dict[str, Any]) -> None:
+        for name, value in saved["original_parameters"].items():
+            self.global_copy[name].copy_(local_tensor(value))
+        self.outer.load_state_dict(saved["outer_optimizer"])
+
+
+F = TypeVar("F", bound=Fragment)
+
+
+class GlobalCopyMethod(OuterLoop, Generic[F]):
+    """A method with a global copy of each fragment's parameters and an outer optimizer that
+    steps it with the averaged pseudo-gradient (DiLoCo, Streaming and async DiLoCo): a
+    :class:`Fragment` per fragment, its healing state registered under :attr:`heal_key`, the
+    heal history of its committed syncs, and the replay of those syncs: a joiner brings its
+    global copies up to date from the averages it missed (``heal_history``) instead of
+    receiving them, with the outer step training takes."""
+
+    #: The key of fragment ``i``'s healing state.
+    heal_key: str
+
+    def __init__(
+        self,
+        manager: SyncManager,
+        inner_optimizer: torch.optim.Optimizer,
+        period: int,
+        fragments: list[nn.Module],
+        states: list[F],
+        history: HealHistory | None,
+    ) -> None:
+        """``history``: keeps what each committed sync delivered, for a joiner to replay
+        (None: none kept)."""
+        super().__init__(manager, inner_optimizer, period)
+        self.fragments = fragments
+        self._states = states
+        self.history = history if history is not None else HealHistory(0)
+        #: Set when torchft loaded a peer's state into this group (cleared by the method).
+        self._healed = False
+        for index, state in enumerate(states):
+            state.take_model()
+            manager.register_state_dict_fn(
+                self.heal_key.format(index),
+                functools.partial(self._load_heal_state, index),
+                state.heal_state,
+            )
+
+    def _load_heal_state(self, index: int, saved: dict[str, Any]) -> None:
+        self._states[index].load_heal_state(saved)
+        self._healed = True
+
+    def _keep(self, index: int, loaded: torch.Tensor | None = None, divisor: float = 1.0) -> None:
+        """Fragment ``index``'s sync committed (its outer step not yet taken): keep what its
+        transfers delivered in the history, or ``loaded``, its sums when no transfer of this
+        process carried them (fp32, from a checkpoint or a peer); ``divisor``: what the outer
+        step divides the sums by."""
+        if self.history.capacity <= 0:
+            return
+        if loaded is None:
+            kept = self.manager.delivered()
+        else:
+            sums = loaded.detach().to("cpu", copy=True)
+            kept = [Delivered("float32", sums.numel(), 1, 1, sums)]
+        number = self.manager.current_step()
+        basis = self.global_digest(index)
+        self.history.record(HistoryEntry.of(number, index, kept, basis, divisor))
+
+    def current_fragment(self) -> int:
+        return self.manager.current_step() % len(self.fragments)
+
+    def global_parameters(self, index: int) -> dict[str, torch.Tensor]:
+        """A fragment's global copy (this rank's shards), by fragment parameter name."""
+        return self._states[index].global_copy
+
+    def fragment_parameters(self, index: int) -> dict[str, nn.Parameter]:
+        return self._states[index].params
+
+    def outer_optimizer(self, index: int) -> torch.optim.Optimizer:
+        """The outer optimizer of a fragment."""
+        return self._states[index].outer
+
+    def take_global_copies(self) -> None:
+        """Make the model's current parameters every fragment's global copy (fresh outer
+        state), e.g. after weights were loaded into the model."""
+        for state in self._states:
+            state.take_model()
+            state.outer.state.clear()
+
+    def replayed_state(self, key: str) -> bool:
+        """Whether ``key`` is healing state that a replay reproduces (a fragment's global copy
+        and outer optimizer): the peer leaves it out."""
+        return any(key == self.heal_key.format(i) for i in range(len(self.fragments)))
+
+    def replay_device(self, index: int) -> torch.device:
+        """Where the groups' outer step of fragment ``index`` takes its average (a replay
+        decodes and divides it there, the same operations on the same device)."""
+        return self._states[index].model_device
+
+    def replay_outer_step(self, index: int, average: torch.Tensor) -> None:
+        """Apply a committed sync of fragment ``index`` to its global copy and outer optimizer
+        exactly as the groups that took part did: ``average`` is its averaged pseudo-gradient,
+        flat, as delivered (this call may overwrite it). The model's parameters are left
+        undefined (the caller puts the global copies back)."""
+        state = self._states[index]
+        state.outer_step(state.views(average))
+
+    @abstractmethod
+    def restore_global_copies(self, index: int) -> None:
+        """Put a fragment's global copy back into the model."""
+
+    @abstractmethod
+    def drop_in_flight(self, index: int) -> None:
+        """Let a started all-reduce finish (every group started it) and drop its result."""
+
+    def observe_averages(self, index: int, observe: Callable[[float], None]) -> None:  # noqa: B027
+        """Have ``observe`` called with the sum of squares of each average fragment ``index``'s
+        outer step takes without ``optimizer.step()`` (whose pre-hooks see the others): none
+        here."""
+
+    def global_chunk_hashes(self, index: int) -> list[int]:
+        """The chunk hashes (``tools.digest``) of fragment ``index``'s global copy (this rank's
+        shards)."""
+        return [h for t in self.global_parameters(index).values() for h in chunk_hashes(t)]
+
+    def global_digest(self, index: int) -> int:
+        """A digest of fragment ``index``'s global copy (this rank's shards)."""
+        return fold_digest(self.global_chunk_hashes(index))
+
+    def agreement_digest(self) -> int | None:
+        return fold_digest(
+            h for i in range(len(self.fragments)) for h in self.global_chunk_hashes(i)
+        )
+
+    def replay_outer_steps(self, steps: Iterable[tuple[int, torch.Tensor]]) -> None:
+        """:meth:`replay_outer_step` for each ``(index, average)`` in order, as one replay (a
+        method may skip work between consecutive steps, never change their results)."""
+        for index, average in steps:
+            self.replay_outer_step(index, average)
