@@ -11,10 +11,14 @@ the figure per method is the median over groups and repeats of each process's pe
 set (``wait4``'s ``ru_maxrss``).
 
 DiLoCo keeps a global copy of the parameters and the outer optimizer's momentum: 2 x parameter
-bytes is its floor. ``extra / param_bytes`` is reported against ``no_ft`` (the target) and
-against ``sync_ft`` (which removes torchft's fixed cost: manager, process group, threads). A
-smaller model (``bench_512x8``, 25.4M parameters) is run for no-FT and DiLoCo as well: the
-slope of the extra between the two sizes separates the per-parameter cost from fixed costs.
+bytes is its floor. Each semi-sync method also says what it held beside the model, by kind
+(the ``semi_sync.outer_state`` event: global copy, async DiLoCo's period start, momentum, and
+the buffers a sync holds while it runs), reported over the parameter bytes as
+``outer_state_over_param_bytes``. ``extra / param_bytes`` is reported against ``no_ft`` (the
+target) and against ``sync_ft`` (which removes torchft's fixed cost: manager, process group,
+threads). A smaller model (``bench_512x8``, 25.4M parameters) is run for no-FT and DiLoCo as
+well: the slope of the extra between the two sizes separates the per-parameter cost from fixed
+costs.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pathlib import Path
 from benchmarks import ft_common as common
 from benchmarks import provenance
 from benchmarks.train_entry import BENCH_FLAVORS
+from torchtitan.experiments.fault_tolerance.events import OUTER_STATE, OUTER_STATE_KINDS
 
 # method name -> (base method of ft_common.METHODS, extra semi-sync flags)
 VARIANTS: dict[str, tuple[str, list[str]]] = {
@@ -143,15 +148,24 @@ def measure(
                 tmp / flavor / f"r{repeat}" / name, base, train_args, semi_sync_args=semi
             )
             rss = [p.max_rss_mib for p in procs]
-            runs.append(
-                {
-                    "flavor": flavor,
-                    "variant": name,
-                    "repeat": repeat,
-                    "load_avg_1min_before": round(load, 2),
-                    "max_rss_mib_per_group": rss,
-                }
-            )
+            run = {
+                "flavor": flavor,
+                "variant": name,
+                "repeat": repeat,
+                "load_avg_1min_before": round(load, 2),
+                "max_rss_mib_per_group": rss,
+            }
+            held = [common.trainer_events(p, OUTER_STATE) for p in procs]
+            if all(held):  # a semi-sync method: what it says it held, by kind (rank 0)
+                run["outer_state_mib_per_group"] = [
+                    {
+                        k: e[-1][f"{k}_mib"]
+                        for k in OUTER_STATE_KINDS
+                        if e[-1][f"{k}_mib"] is not None
+                    }
+                    for e in held
+                ]
+            runs.append(run)
             print(f"[memory] {flavor} {name:30s} peak RSS MiB {rss}", flush=True)
     medians = {
         name: common.median(
@@ -185,6 +199,17 @@ def main(argv: list[str] | None = None) -> int:
             table[name]["extra_vs_sync_ft_over_param_bytes"] = round(
                 (rss - medians["sync_ft"]) / param_mib, 3
             )
+    for name, row in table.items():  # what each method says it held, by kind (big model)
+        held = [
+            group
+            for r in runs
+            if r["variant"] == name and r["flavor"] == args.flavor
+            for group in r.get("outer_state_mib_per_group", [])
+        ]
+        if held:
+            row["outer_state_over_param_bytes"] = {
+                k: round(common.median([g[k] for g in held]) / param_mib, 3) for k in held[0]
+            }
     slope = None
     if small is not None:
         small_mib = small["params"] * 4 / 2**20
@@ -215,9 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     path = provenance.write_result(args.out, result, provenance.command_line(__file__, argv))
     for name, row in table.items():
+        kinds = row.get("outer_state_over_param_bytes", {})
+        held = "  held: " + ", ".join(f"{k} {v:.2f}" for k, v in kinds.items()) if kinds else ""
         print(
             f"[memory] {name:30s} peak {row['median_max_rss_mib']:8.1f} MiB  extra/params "
-            f"{row['extra_vs_no_ft_over_param_bytes']:.3f}"
+            f"{row['extra_vs_no_ft_over_param_bytes']:.3f}{held}"
         )
     if slope is not None:
         print(f"[memory] DiLoCo extra per parameter byte (slope over two sizes): {slope:.3f}")

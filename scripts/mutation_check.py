@@ -128,6 +128,27 @@ MUTANTS = [
         "        pass",
     ),
     Mutant(
+        "engine: the heal history's basis is the global copy after the outer step",
+        f"{PACKAGE}/periodic.py",
+        "            self._keep(index)\n            state.outer_step(grads)",
+        "            state.outer_step(grads)\n            self._keep(index)",
+        tests=(*TESTS, "tests/unit_tests/test_heal_history.py"),
+    ),
+    Mutant(
+        "engine: the heal history keeps every sync under fragment 0",
+        f"{PACKAGE}/global_copy.py",
+        "HistoryEntry.of(number, index, kept, basis, divisor)",
+        "HistoryEntry.of(number, 0, kept, basis, divisor)",
+        tests=(*TESTS, "tests/unit_tests/test_heal_history.py"),
+    ),
+    Mutant(
+        "engine: a sync loaded as arrived is kept as what this process's transfers delivered",
+        f"{PACKAGE}/async_diloco.py",
+        "flight.buffer[:-1] if flight.loaded else None",
+        "None",
+        tests=(*TESTS, "tests/unit_tests/test_heal_history.py"),
+    ),
+    Mutant(
         "transport: an average is not divided by the number of groups",
         f"{PACKAGE}/transport.py",
         "divide_by = manager.num_participants() if average else 1",

@@ -28,6 +28,7 @@ from torchtitan.experiments.fault_tolerance.events import (
     GLOBAL_DIGEST,
     HEALED,
     INNER_STEPS_PLANNED,
+    OUTER_STATE,
     SPEED_PROBE,
     SYNC,
 )
@@ -72,6 +73,12 @@ def test_clean_run_syncs_identical_global_params(
     final = [[e["digest"] for e in job.events(r, FINAL_DIGEST)] for r in range(2)]
     assert len(final[0]) == 1 and final[0] == final[1], final
     assert job.events(0, FINAL_MODEL)[0]["dropped_inner_steps"] is None
+    # Beside the model: a global copy, a period start and a momentum of the parameters' size,
+    # and the all-reduce buffer of the largest fragment.
+    held = job.events(0, OUTER_STATE)[0].fields
+    params = held["params_mib"]
+    assert held["global_copy_mib"] == held["period_start_mib"] == held["momentum_mib"] == params
+    assert params / fragments <= held["buffers_mib"] <= params + 1e-3, held
     print(
         f"{method}: {expected} syncs, each applied one sync point later, identical digests; "
         f"loss {first:.3f} -> {last:.3f}; both groups end with {final[0][0]}"

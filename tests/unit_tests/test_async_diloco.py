@@ -530,6 +530,36 @@ def test_a_restart_from_checkpoints_taken_mid_period_continues_bit_for_bit(
         assert all(torch.equal(x, y) for x, y in zip(before_, after, strict=True))
 
 
+def test_a_sync_loaded_as_arrived_goes_into_the_heal_history_as_its_fp32_sums(tmp_path):
+    """A sync a checkpoint held as arrived reached no transfer of the restarted process: when it
+    commits at the next sync point, the heal history keeps its summed values in fp32 (what a
+    replay decodes), divided by its tokens (the outer step's divisor), before its outer step
+    (the basis digest)."""
+    from torchtitan.experiments.fault_tolerance.heal_history import HealHistory
+    from torchtitan.tools.digest import device_digest
+
+    cluster = Cluster()
+    groups = [Group(cluster, seed) for seed in (1, 2)]
+    run(groups, 6)  # sync 1 started at step 4, in flight
+    saved = [_save(g, tmp_path / f"group{i}") for i, g in enumerate(groups)]
+    flight = groups[0].loop._in_flight
+    assert flight is not None and flight.arrived
+    sums, tokens = flight.buffer[:-1].clone(), float(flight.buffer[-1])
+    fresh_cluster = Cluster()
+    history = HealHistory(3)
+    fresh = [Group(fresh_cluster, 1, history=history), Group(fresh_cluster, 2)]
+    for i, g in enumerate(fresh):
+        _load(g, tmp_path / f"group{i}", saved[i])
+        g.loop.set_local_step(2)
+    basis = device_digest(fresh[0].loop.global_parameters(0).values())
+    run(fresh, 2)  # the next sync point decides sync 1
+    (entry,) = history.after(0)
+    assert (entry.sync, entry.fragment, entry.scale) == (1, 0, tokens) and tokens == 80
+    (kept,) = entry.transfers
+    assert kept.dtype == "float32" and torch.equal(kept.payload, sums)
+    assert entry.basis_digest == basis
+
+
 def test_delayed_nesterov_groups_agree_and_eager_starts_where_its_next_step_goes():
     """outer_momentum_every=2: the groups' global copies stay identical, and the eager start
     of a period is the global copy moved by the step Delayed Nesterov would take on this

@@ -361,6 +361,12 @@ def test_memory_smoke_reports_extra_over_parameter_bytes(tmp_path: Path) -> None
     param_mib = llama3_configs[data["settings"]["flavor"]].num_params() * 4 / 2**20
     extra = (median["diloco"] - median["no_ft"]) / param_mib
     assert summary["diloco"]["extra_vs_no_ft_over_param_bytes"] == round(extra, 3)
+    # What DiLoCo says it held, by kind: a global copy and a momentum of the parameters' size,
+    # and the pseudo-gradient of a sync (the debug model's parameters are all fp32).
+    assert summary["diloco"]["outer_state_over_param_bytes"] == pytest.approx(
+        {"global_copy": 1.0, "momentum": 1.0, "buffers": 1.0}, abs=1e-3
+    )
+    assert "outer_state_over_param_bytes" not in summary["no_ft"]
 
 
 @pytest.mark.usefixtures("warm_benchmark_trainers")

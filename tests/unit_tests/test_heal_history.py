@@ -128,6 +128,7 @@ CASES += [
     ("async_delayed", "int8", 2),
     ("async_eager_share", "float32", 3),
     ("async_delayed_nesterov", "int4", 2),
+    ("async_eager_streaming", "int4", 2),
 ]
 
 

@@ -60,7 +60,7 @@ def inner_step(
 
 def fragment_count(method: str) -> int:
     """The fragments :func:`build_method` cuts the model into for ``method``."""
-    return 2 if method.startswith("streaming_diloco") else 1
+    return 2 if "streaming" in method else 1
 
 
 def build_method(
@@ -77,18 +77,20 @@ def build_method(
     """The method as the trainer builds it, syncing every ``PERIOD`` steps: ``localsgd``,
     ``diloco``, ``streaming_diloco`` (2 fragments), ``streaming_diloco_delayed`` (and
     ``fragment_sync_delay`` 1: a sync is prepared one step and performed the next), or
-    ``async_<update>``; the outer optimizer is SGD, Nesterov when it has momentum;
-    ``history``: the heal history a method that replays keeps its committed syncs in."""
+    ``async_<update>`` (``async_<update>_streaming``: 2 fragments); the outer optimizer is
+    SGD, Nesterov when it has momentum; ``history``: the heal history a method that replays
+    keeps its committed syncs in."""
     nesterov = outer_momentum > 0
     if method == "localsgd":
         return LocalSGD(sync, model, optimizer, PERIOD)
     if method.startswith("async_"):
         return AsyncDiLoCo(
             sync,
-            fragments_of(model, 1),
+            fragments_of(model, fragment_count(method)),
             optimizer,
-            sync_steps=PERIOD,
-            update=method.removeprefix("async_"),
+            # One sync point per fragment in PERIOD * fragments steps: every PERIOD steps.
+            sync_steps=PERIOD * fragment_count(method),
+            update=method.removeprefix("async_").removesuffix("_streaming"),
             outer_lr=outer_lr,
             outer_momentum=outer_momentum,
             outer_nesterov=nesterov,

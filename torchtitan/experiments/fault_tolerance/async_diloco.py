@@ -243,9 +243,8 @@ class AsyncDiLoCo(GlobalCopyMethod[FragmentState]):
             self._outcome = None
             return None
         self._outcome, sums, total = flight.decide(self.manager)
-        if self._outcome.committed:
-            total_tokens = float(flight.buffer[-1])
-            self._keep(flight.fragment, flight.buffer[:-1] if flight.loaded else None, total_tokens)
+        if self._outcome.committed:  # ``total``: the buffer's token count, read once
+            self._keep(flight.fragment, flight.buffer[:-1] if flight.loaded else None, total)
         self._tell_observers(flight)
         return Decided(flight.fragment, sums, total, flight.buffer)
 
@@ -343,6 +342,17 @@ class AsyncDiLoCo(GlobalCopyMethod[FragmentState]):
     def in_flight(self, index: int) -> bool:
         flight = self._in_flight
         return flight is not None and flight.fragment == index and not flight.arrived
+
+    def state_bytes(self) -> dict[str, int]:
+        held = super().state_bytes()
+        starts = sum(t.nbytes for s in self._states for t in s.period_start.values())
+        return {**held, "period_start": starts}
+
+    def sync_buffer_bytes(self) -> int:
+        # The all-reduce buffer in flight ([tokens x pseudo-gradient, tokens], fp32, of the
+        # largest fragment) and the passes' pinned staging (model on an accelerator).
+        largest = max(s.numel() + 1 for s in self._states) * 4
+        return largest + sum(s.passes.staging_bytes() for s in self._states)
 
     def extra_state(self) -> dict[str, Any]:
         """Per fragment the start of the local period and its inner-step count, and the sync

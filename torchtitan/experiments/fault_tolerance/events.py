@@ -78,6 +78,30 @@ def _final_model_line(v: dict[str, Any], _: bool) -> str:
 #: ``digest``: of the final model (this rank's shards).
 FINAL_MODEL = EventKind("semi_sync.final_model", _final_model_line)
 
+#: The kinds of :data:`OUTER_STATE`'s figures, in the order its line names them.
+OUTER_STATE_KINDS = ("global_copy", "period_start", "momentum", "buffers")
+
+
+def _outer_state_line(v: dict[str, Any], _: bool) -> str:
+    held = [
+        f"{kind.replace('_', ' ')} {v[kind + '_mib']:.1f} MiB"
+        for kind in OUTER_STATE_KINDS
+        if v.get(kind + "_mib") is not None
+    ]
+    return (
+        f"[semi-sync] {v['method']} memory of this rank beside the model: {', '.join(held)} "
+        f"({v['over_params']:.2f} x the parameters' {v['params_mib']:.1f} MiB)"
+    )
+
+
+#: After the last step: what the method held on this rank besides the model and the inner
+#: optimizer, in MiB by kind (None: a kind the method has not): its global copies, async
+#: DiLoCo's local-period start, the outer optimizer's state (``momentum``; Delayed Nesterov's
+#: window sum too) and ``buffers``, the most a sync holds while it runs (the pseudo-gradient;
+#: async DiLoCo's all-reduce buffer and staging). ``over_params``: their sum over the
+#: parameters' bytes (``params_mib``, this rank's shards).
+OUTER_STATE = EventKind("semi_sync.outer_state", _outer_state_line)
+
 #: The group finished after committing syncs alone since its last shared one: its final model
 #: is a lineage of its own (the launcher names the job's model).
 FINISHED_ALONE = EventKind(

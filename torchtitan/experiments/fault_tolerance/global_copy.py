@@ -93,10 +93,13 @@ class Fragment:
             local.copy_(self.global_copy[name])
 
     def _wait_if_crossed(self, source: torch.device) -> None:
-        """Wait for the copies from ``source`` queued without blocking, if the outer state is
-        elsewhere (on one device, the stream orders them: no wait)."""
-        if source != next(iter(self.global_copy.values())).device:
+        """Wait for the copies between ``source`` and the outer state queued without blocking,
+        if they cross devices: on the stream of whichever side is an accelerator (on one
+        device, the stream orders them: no wait)."""
+        state = next(iter(self.global_copy.values())).device
+        if source != state:
             wait_for_copies(source)
+            wait_for_copies(state)
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """``flat`` (the fragment's values, in parameter order) cut into each parameter's."""
@@ -159,7 +162,8 @@ class GlobalCopyMethod(OuterLoop, Generic[F]):
         history: HealHistory | None,
     ) -> None:
         """``history``: keeps what each committed sync delivered, for a joiner to replay
-        (None: none kept)."""
+        (None: none kept); with one of capacity > 0 the sync Manager's transport must keep
+        what it delivers (``SyncTransport(keep_delivered=True)``)."""
         super().__init__(manager, inner_optimizer, period)
         self.fragments = fragments
         self._states = states
@@ -232,6 +236,25 @@ class GlobalCopyMethod(OuterLoop, Generic[F]):
         undefined (the caller puts the global copies back)."""
         state = self._states[index]
         state.outer_step(state.views(average))
+
+    def state_bytes(self) -> dict[str, int]:
+        """The global copies, the outer optimizers' state and the pseudo-gradient of the largest
+        fragment (held while its sync runs)."""
+        return {
+            "global_copy": sum(t.nbytes for s in self._states for t in s.global_copy.values()),
+            "momentum": sum(
+                value.nbytes
+                for s in self._states
+                for state in s.outer.state.values()
+                for value in state.values()
+                if isinstance(value, torch.Tensor)
+            ),
+            "buffers": self.sync_buffer_bytes(),
+        }
+
+    def sync_buffer_bytes(self) -> int:
+        """The most a sync holds while it runs: the largest fragment's pseudo-gradient."""
+        return max(self.fragment_bytes(i) for i in range(len(self.fragments)))
 
     @abstractmethod
     def restore_global_copies(self, index: int) -> None:

@@ -184,6 +184,16 @@ class OuterLoop(ABC):
         (a checkpoint taken now cannot hold that sync). A method that syncs at once: never."""
         return False
 
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for the method besides the model and the inner optimizer, by
+        kind (``events.OUTER_STATE_KINDS``; a kind the method has not is left out). Here the
+        most a sync holds while it runs: a copy of the largest fragment (LocalSGD's mean)."""
+        return {"buffers": max(self.fragment_bytes(i) for i in range(len(self.fragments)))}
+
+    def fragment_bytes(self, index: int) -> int:
+        """Bytes of fragment ``index``'s parameters on this rank (its shards)."""
+        return sum(local_tensor(p.data).nbytes for p in self.fragments[index].parameters())
+
     def extra_state(self) -> dict[str, Any]:
         """What else a checkpoint must hold to resume exactly (checkpointed with the global
         copies, outer momentum and position; tensors laid out like the parameters). The same

@@ -512,6 +512,10 @@ class SyncPointPasses:
         wait_for_copies(flat.device)
         return staging
 
+    def staging_bytes(self) -> int:
+        """Bytes of the pinned staging buffer (0: none allocated)."""
+        return 0 if self._staging is None else self._staging.nbytes
+
     def _staging_buffer(self) -> torch.Tensor:
         if self._staging is None:
             self._staging = host_tensor((sum(self.numel.values()),), pinned=True)

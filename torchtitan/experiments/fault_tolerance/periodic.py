@@ -212,5 +212,9 @@ class DiLoCo(GlobalCopyMethod[Fragment]):
     def drop_in_flight(self, index: int) -> None:
         self._states[index].settle()
 
+    def sync_buffer_bytes(self) -> int:
+        # The pseudo-gradient, and with alpha > 0 the copy of the local parameters.
+        return super().sync_buffer_bytes() * (2 if self.alpha > 0 else 1)
+
     def restore_global_copies(self, index: int) -> None:
         self._states[index].restore()
