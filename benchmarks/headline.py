@@ -182,6 +182,21 @@ def memory_over_params(variant: str) -> Callable[[Result], list[float]]:
     return per_repeat
 
 
+def held_over_params(variant: str, kind: str) -> Callable[[Result], list[float]]:
+    """Per group and repeat: what the variant's method said it held of ``kind`` beside the model
+    (``semi_sync.outer_state``), in parameter bytes (float32)."""
+
+    def per_group(r: Result) -> list[float]:
+        flavor, param_mib = r["settings"]["flavor"], r["settings"]["params"] * 4 / 2**20
+        return [
+            group[kind] / param_mib
+            for run in r["runs"] if run["variant"] == variant and run["flavor"] == flavor
+            for group in run["outer_state_mib_per_group"]
+        ]  # fmt: skip
+
+    return per_group
+
+
 def loss_ratio(config: str, reference: str) -> Callable[[Result], list[float]]:
     """Per seed: final held-out loss of ``config`` over ``reference``'s (``convergence.py``)."""
 
@@ -311,6 +326,11 @@ FIGURES = [
            memory_over_params("diloco"), "bytes", ("<=", 2.1), fmt="{:.2f}"),
     Figure("async DiLoCo peak RSS - no FT, in parameter bytes", "memory.json",
            memory_over_params("async_diloco"), "bytes", fmt="{:.2f}"),
+    *(
+        Figure(f"async DiLoCo holds: {kind.replace('_', ' ')}, in parameter bytes",
+               "memory.json", held_over_params("async_diloco", kind), "bytes", fmt="{:.2f}")
+        for kind in ("global_copy", "period_start", "momentum", "buffers")
+    ),
     # waits where plan.py says the sync is hidden, and waits against a bound of the design
     Figure("async DiLoCo wait share, 100 Mbit/s (plan: hidden)", "wan_100mbit.json",
            steady_wait("async_diloco", 100.0), "wait", ("<=", HIDDEN_WAIT), fmt=PCT),

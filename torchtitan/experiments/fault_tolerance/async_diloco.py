@@ -61,10 +61,7 @@ from torchtitan.experiments.fault_tolerance.dylu import PeriodPlan
 from torchtitan.experiments.fault_tolerance.global_copy import GlobalCopyMethod
 from torchtitan.experiments.fault_tolerance.heal_history import HealHistory
 from torchtitan.experiments.fault_tolerance.job_config import ASYNC_UPDATES
-from torchtitan.experiments.fault_tolerance.outer_loop import (
-    Ending,
-    SyncOutcome,
-)
+from torchtitan.experiments.fault_tolerance.outer_loop import Ending, SyncOutcome
 from torchtitan.experiments.fault_tolerance.step_clock import StepClock
 
 if TYPE_CHECKING:
