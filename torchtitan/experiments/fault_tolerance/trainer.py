@@ -63,6 +63,7 @@ from torchtitan.experiments.fault_tolerance.sync_quorum import (
     most_of_one_in_group,
 )
 from torchtitan.experiments.fault_tolerance.transport import SyncTransport
+from torchtitan.tools import host_memory
 from torchtitan.tools.digest import tensor_digest
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import StepResult, Trainer
@@ -259,9 +260,7 @@ class SemiSyncTrainer(Trainer):
         # sync, ours after it reports the result.
         stack.callback(self.optimizer.register_step_post_hook(self._before_torchft).remove)
         stack.enter_context(self.algorithm.hooks())
-        after = self.optimizer.register_step_post_hook(
-            lambda *_: self.reporter.after_inner_step(self.train_state.step + 1)
-        )
+        after = self.optimizer.register_step_post_hook(self._after_method)
         stack.callback(after.remove)
         return stack
 
@@ -388,13 +387,19 @@ class SemiSyncTrainer(Trainer):
         if self.job_config.metrics.log_param_digest:
             events.FINAL_DIGEST.emit(step=step, digest=digest)
 
-    # ---- the optimizer hook before the method's -----------------------------------------------
+    # ---- the optimizer hooks around the method's -----------------------------------------------
 
     def _before_torchft(self, *_: Any) -> None:
         # After every inner step, whether the method syncs in it or not (DyLU decides that
         # inside the method's own hook, from the time the period took): the inner step is done
         # and the next one starts from zero_grad, so free the inner gradients now, and the
         # pseudo-gradients and the local copy a sync makes take their place instead of adding
-        # to them. The sync's clock starts here too.
+        # to them. The sync's temporaries are mapped on their own, not left in the host heap
+        # (``tools.host_memory``). The sync's clock starts here too.
         self.optimizer.zero_grad(set_to_none=True)
+        host_memory.map_large()
         self.reporter.start_clock()
+
+    def _after_method(self, *_: Any) -> None:
+        host_memory.heap_large()  # the next inner step's gradients reuse the heap
+        self.reporter.after_inner_step(self.train_state.step + 1)
