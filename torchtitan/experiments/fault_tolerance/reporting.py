@@ -195,6 +195,23 @@ class SyncReporter:
                 events.GLOBAL_DIGEST.emit(step=step, sync=number, digest=self.global_digest())
         self._check_period_length()
 
+    def report_outer_state(self, step: int) -> None:
+        """What the method held beside the model, by kind (``events.OUTER_STATE``)."""
+        loop = self.loop
+        held = loop.state_bytes()
+        params = sum(loop.fragment_bytes(i) for i in range(len(loop.fragments)))
+        mib: dict[str, Any] = {
+            f"{kind}_mib": held[kind] / 2**20 if kind in held else None
+            for kind in events.OUTER_STATE_KINDS
+        }
+        events.OUTER_STATE.emit(
+            step=step,
+            method=loop.method,
+            params_mib=params / 2**20,
+            over_params=sum(held.values()) / max(params, 1),
+            **mib,
+        )
+
     def _check_period_length(self) -> None:
         """Warn once when a period comes close to the sync quorum timeout: a restarted group
         waits up to one period for the running groups' next sync."""

@@ -352,19 +352,7 @@ class SemiSyncTrainer(Trainer):
         if ending.synced:
             self.reporter.report(self.train_state.step + 1)
         step = self.train_state.step + 1
-        held = self.algorithm.state_bytes()
-        params = sum(self.algorithm.fragment_bytes(i) for i in range(len(self.fragments)))
-        mib: dict[str, Any] = {
-            f"{kind}_mib": held[kind] / 2**20 if kind in held else None
-            for kind in events.OUTER_STATE_KINDS
-        }
-        events.OUTER_STATE.emit(
-            step=step,
-            method=self.method,
-            params_mib=params / 2**20,
-            over_params=sum(held.values()) / max(params, 1),
-            **mib,
-        )
+        self.reporter.report_outer_state(step)
         digest = tensor_digest(self.model.parameters())
         lineage = self.lineage
         shared = lineage.last_shared_sync if lineage.last_shared_sync >= 0 else None
