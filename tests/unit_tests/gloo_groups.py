@@ -88,6 +88,25 @@ class LoopbackManager:
         pass
 
 
+def accept_all() -> bool:
+    """The exchange of a quorum that needs none: every group is in it, and none is starting."""
+    return True
+
+
+class OpenQuorums:
+    """``outer_loop.Quorums`` over a sync Manager (or a test's stand-in for one), with no
+    exchange in them (:func:`accept_all`); a probe plans nothing."""
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
+
+    def sync_quorum(self) -> None:
+        self.manager.start_quorum(accept_all)
+
+    def start_probe(self) -> Any:
+        return self.manager.start_probe(accept_all, lambda: None)
+
+
 class OneGroupFT:
     """The core ``FTManager`` as the sync Manager uses it: a quorum of every group, at once."""
 
@@ -135,8 +154,7 @@ def sync_manager(
         keep_delivered=keep_delivered,
     )
     ft: Any = OneGroupFT(manager)
-    # No exchange in these quorums: every group is in each one, and none is starting.
-    return SyncManager(ft, 1, 60.0, lambda: True, transport=transport, fragments=fragments)
+    return SyncManager(ft, 1, 60.0, transport=transport, fragments=fragments)
 
 
 def run_groups(

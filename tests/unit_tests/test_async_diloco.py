@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.distributed import ReduceOp
 
+from tests.unit_tests.gloo_groups import OpenQuorums
 from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
 from torchtitan.experiments.fault_tolerance.async_state import FragmentState, async_outer
 from torchtitan.experiments.fault_tolerance.dylu import (
@@ -95,7 +96,7 @@ class FakeManager:
     def register_state_dict_fn(self, key: str, load: Any, save: Any) -> None:
         self.fns[key] = (load, save)
 
-    def start_quorum(self) -> None:
+    def start_quorum(self, accept: Any) -> None:
         self.error = None
         self._quorum_size = len(self.cluster.members)
         if self.heal_from is not None:
@@ -196,7 +197,7 @@ def training(groups: list[Group]) -> Iterator[None]:
     """Every group's outer-loop hooks installed, with gradients on."""
     with torch.enable_grad(), contextlib.ExitStack() as stack:
         for g in groups:
-            stack.enter_context(g.loop.hooks())
+            stack.enter_context(g.loop.hooks(OpenQuorums(g.manager)))
         yield
 
 
@@ -224,7 +225,7 @@ def test_groups_hold_identical_global_parameters_after_every_sync(update, fragme
     first, last = seen[0][0], seen[0][-1]
     assert not all(torch.equal(x, y) for x, y in zip(first, last, strict=True))  # they did train
     for g in groups:
-        g.loop.finish()
+        g.loop.finish(OpenQuorums(g.manager))
     final = [torch.cat([p.detach().flatten() for p in g.model.parameters()]) for g in groups]
     assert torch.equal(final[0], final[1]) and torch.equal(final[0], final[2])
 
@@ -234,9 +235,9 @@ def models_at_sync_points(group: Group) -> list[list[torch.Tensor]]:
     seen: list[list[torch.Tensor]] = []
     sync_point = group.loop.sync_point
 
-    def recording() -> None:
+    def recording(quorums: Any) -> None:
         seen.append([p.detach().clone() for p in group.model.parameters()])
-        sync_point()
+        sync_point(quorums)
 
     group.loop.sync_point = recording  # type: ignore[method-assign]  # a spy on the method
     return seen
@@ -256,7 +257,7 @@ def test_delayed_parameter_averaging_is_local_sgd_one_period_late():
     for g in groups:
         assert all(torch.equal(p, s) for p, s in zip(g.model.parameters(), start, strict=True))
         assert g.loop.in_flight(0)
-    assert all(g.loop.finish().synced for g in groups)
+    assert all(g.loop.finish(OpenQuorums(g.manager)).synced for g in groups)
     for g in groups:
         for p, a, b in zip(g.model.parameters(), ends[0][0], ends[1][0], strict=True):
             torch.testing.assert_close(p.detach(), (a + b) / 2, rtol=0, atol=1e-6)
@@ -273,7 +274,7 @@ def test_pseudo_gradients_are_weighted_by_tokens():
     ends = [models_at_sync_points(g) for g in groups]
     run(groups, 4)
     for g in groups:
-        g.loop.finish()
+        g.loop.finish(OpenQuorums(g.manager))
         for p, a, b in zip(g.model.parameters(), ends[0][0], ends[1][0], strict=True):
             torch.testing.assert_close(p.detach(), 0.75 * a + 0.25 * b, rtol=0, atol=1e-6)
 
@@ -906,10 +907,10 @@ def test_a_period_dylu_ends_early_reports_the_sync_s_own_time_with_gradients_fre
     grads_at_sync: list[bool] = []
     start_quorum = group.manager.start_quorum
 
-    def slow_quorum() -> None:
+    def slow_quorum(accept: Any) -> None:
         grads_at_sync.append(any(p.grad is not None for p in group.model.parameters()))
         clock.now += 0.5
-        start_quorum()
+        start_quorum(accept)
 
     group.manager.start_quorum = slow_quorum  # type: ignore[method-assign]
     reported: list[float] = []
@@ -1023,7 +1024,7 @@ class _ProbingManager(FakeManager):
         self.probes: list[_Probe] = []
         self.after_probe: Any = lambda: None
 
-    def start_probe(self) -> _Probe:
+    def start_probe(self, accept: Any, after: Any) -> _Probe:  # a test's own ``after_probe``
         self.probes.append(_Probe(lambda: self.after_probe()))
         return self.probes[-1]
 

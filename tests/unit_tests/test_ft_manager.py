@@ -434,14 +434,13 @@ def test_a_heal_reads_the_state_only_after_the_compute_that_writes_it(
     if path == "step":
         ft.start_step()
     elif path in ("sync", "probe"):
-        sync = SyncManager(ft, 1, 60.0, lambda: True, transport=None)  # type: ignore[arg-type]
-        sync.on_probe = lambda: True
+        sync = SyncManager(ft, 1, 60.0, transport=None)  # type: ignore[arg-type]
         sync.begin_sync = lambda: None  # type: ignore[method-assign]  # no transfers here
-        sync.start_quorum() if path == "sync" else sync.probe_quorum()
+        sync.start_quorum(lambda: True) if path == "sync" else sync.probe_quorum(lambda: True)
     else:
         # Async DiLoCo while DyLU's probe quorum waits for its state: once the training thread
         # lets peers read it (``_finish_probe``), the quorum thread sends it.
-        sync = SyncManager(ft, 1, 60.0, lambda: True, transport=None)  # type: ignore[arg-type]
+        sync = SyncManager(ft, 1, 60.0, transport=None)  # type: ignore[arg-type]
 
         def send_once_allowed() -> None:
             with _on_stream(None, "recovery"):

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.unit_tests.gloo_groups import LoopbackManager, run_groups, sync_manager
+from tests.unit_tests.gloo_groups import LoopbackManager, OpenQuorums, run_groups, sync_manager
 from tests.unit_tests.toy_task import (
     BUCKET,
     build_method,
@@ -87,7 +87,7 @@ def train_with_history(rank: int, pg: Any, method: str, dtype: str, groups: int)
     data = torch.Generator().manual_seed(100 + rank)
     snapshot: list[dict[str, Any]] | None = None
     try:
-        with loop.hooks():
+        with loop.hooks(OpenQuorums(sync)):
             while manager.current_step() < SYNCS:
                 inner_step(model, optimizer, data, lambda x: torch.sin(x[:, :1] * (rank + 1)))
                 if manager.current_step() == CHECKPOINT_SYNC and snapshot is None:

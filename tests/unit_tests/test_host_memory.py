@@ -70,7 +70,8 @@ def test_the_trainer_maps_large_allocations_for_the_method_s_hook_only(monkeypat
     optimizer = torch.optim.SGD([weight], lr=0.1)
 
     class Method:
-        def hooks(self) -> Any:
+        def hooks(self, quorums: Any) -> Any:
+            assert quorums is trainer.protocol
             handle = optimizer.register_step_post_hook(lambda *_: calls.append("method"))
             return _Removing(handle)
 
@@ -78,6 +79,7 @@ def test_the_trainer_maps_large_allocations_for_the_method_s_hook_only(monkeypat
     trainer = SimpleNamespace(
         optimizer=optimizer,
         algorithm=Method(),
+        protocol=object(),
         reporter=reporter,
         train_state=SimpleNamespace(step=0),
     )

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.unit_tests.gloo_groups import LoopbackManager, run_groups, sync_manager
+from tests.unit_tests.gloo_groups import LoopbackManager, OpenQuorums, run_groups, sync_manager
 from tests.unit_tests.toy_task import (
     PERIOD,
     build_method,
@@ -35,7 +35,7 @@ def _trained(method: str) -> Any:
         loop = build_method(method, sync, model, optimizer, outer_momentum=0.9)
         data = torch.Generator().manual_seed(rank)
         try:
-            with loop.hooks():
+            with loop.hooks(OpenQuorums(sync)):
                 for _ in range(3 * PERIOD):
                     inner_step(model, optimizer, data, lambda x: x[:, :1])
         finally:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from tests.unit_tests.gloo_groups import OpenQuorums
 from torchtitan.components.ft import FaultToleranceError
 from torchtitan.config import ConfigManager
 from torchtitan.experiments.fault_tolerance.events import HEALED
@@ -582,7 +583,7 @@ class RecordingManager(FakeManager):
         super().__init__()
         self.sent: list[torch.Tensor] = []
 
-    def start_quorum(self) -> None:
+    def start_quorum(self, accept: Any) -> None:
         pass
 
     def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False) -> Any:
@@ -610,7 +611,7 @@ def test_diloco_hands_the_transport_its_own_tensors_never_the_models(delay: int)
     outer = functools.partial(torch.optim.SGD, lr=0.7)
     loop = DiLoCo(cast(Any, manager), [model], inner, outer, period=2, delay=delay)
     start = [p.detach().clone() for p in model.parameters()]
-    with loop.hooks():
+    with loop.hooks(OpenQuorums(manager)):
         for _ in range(2):
             for p in model.parameters():
                 p.grad = torch.ones_like(p)

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.unit_tests.gloo_groups import LoopbackManager, run_groups, sync_manager
+from tests.unit_tests.gloo_groups import LoopbackManager, OpenQuorums, run_groups, sync_manager
 from tests.unit_tests.toy_task import BUCKET, PERIOD, fragment_count, inner_step, make_model
 from tests.unit_tests.toy_task import build_method as build
 from torchtitan.experiments.fault_tolerance.async_state import FragmentState
@@ -132,7 +132,7 @@ def train_and_record(
     syncs = 4 if method.startswith("async_") else 3
     steps = syncs * PERIOD * (2 if method.startswith("streaming_diloco") else 1)
     try:
-        with loop.hooks():
+        with loop.hooks(OpenQuorums(sync)):
             for _ in range(steps):
                 inner_step(model, optimizer, data, lambda x: torch.sin(x[:, :1] * (rank + 1)))
                 if sending:
@@ -266,7 +266,7 @@ def test_error_feedback_keeps_a_residual_per_transfer_renewed_by_every_committed
         owed: list[dict[str, torch.Tensor]] = []
         data = torch.Generator().manual_seed(100 + rank)
         try:
-            with loop.hooks():
+            with loop.hooks(OpenQuorums(sync)):
                 for _ in range(3 * PERIOD):
                     inner_step(model, optimizer, data, lambda x: x[:, :1])
                     if loop.local_step() == 0:

@@ -34,7 +34,7 @@ import torch
 from torchft.local_sgd import DiLoCo, LocalSGD
 from torchft.manager import Manager
 
-from tests.unit_tests.gloo_groups import LoopbackManager, run_groups, sync_manager
+from tests.unit_tests.gloo_groups import LoopbackManager, OpenQuorums, run_groups, sync_manager
 from tests.unit_tests.toy_task import BUCKET, PERIOD, fragments_of, inner_step, make_model
 from torchtitan.experiments.fault_tolerance.periodic import DiLoCo as OurDiLoCo
 from torchtitan.experiments.fault_tolerance.periodic import LocalSGD as OurLocalSGD
@@ -170,7 +170,7 @@ def run(
     data = torch.Generator().manual_seed(100 + rank)
     committed = 0
     try:
-        with loop if oracle else loop.hooks():
+        with loop if oracle else loop.hooks(OpenQuorums(sync)):
             while len(records) < SYNCS:
                 inner_step(model, optimizer, data, lambda x: torch.sin(x[:, :1] * (rank + 1)))
                 if len(manager.commits) > committed:

@@ -61,7 +61,7 @@ from torchtitan.experiments.fault_tolerance.dylu import PeriodPlan
 from torchtitan.experiments.fault_tolerance.global_copy import GlobalCopyMethod
 from torchtitan.experiments.fault_tolerance.heal_history import HealHistory
 from torchtitan.experiments.fault_tolerance.job_config import ASYNC_UPDATES
-from torchtitan.experiments.fault_tolerance.outer_loop import Ending, SyncOutcome
+from torchtitan.experiments.fault_tolerance.outer_loop import Ending, Quorums, SyncOutcome
 from torchtitan.experiments.fault_tolerance.step_clock import StepClock
 
 if TYPE_CHECKING:
@@ -139,11 +139,11 @@ class AsyncDiLoCo(GlobalCopyMethod[FragmentState]):
 
     # ---- the loop ----------------------------------------------------------------------------
 
-    def hooks(self) -> contextlib.AbstractContextManager:
+    def hooks(self, quorums: Quorums) -> contextlib.AbstractContextManager:
         self.plan.begin(self.clock())  # the first period's clock starts with the hooks
-        return super().hooks()
+        return super().hooks(quorums)
 
-    def at_step(self) -> None:
+    def at_step(self, quorums: Quorums) -> None:
         for state in self._states:
             state.steps += 1
         # Only DyLU's decisions read the clock (each reading waits for the device).
@@ -152,7 +152,7 @@ class AsyncDiLoCo(GlobalCopyMethod[FragmentState]):
             # DyLU's first period: the groups exchange speeds and plan the rest of it, in a
             # quorum that forms while this group takes its next steps (the fast groups would
             # otherwise wait there for the slow ones' first steps).
-            self._probe = self.manager.start_probe()
+            self._probe = quorums.start_probe()
         elif self._probe is not None:
             # Every rank of the group takes the plan at the same inner step: once all are
             # done, or at the end of the period as it stands (the plan may lengthen it).
@@ -170,9 +170,9 @@ class AsyncDiLoCo(GlobalCopyMethod[FragmentState]):
             # (it would read it from that quorum's thread while the model runs).
             self.manager.allow_state_dict_read()
         if self._local_step >= self.plan.steps:
-            self.sync_point()
+            self.sync_point(quorums)
 
-    def sync_point(self) -> None:
+    def sync_point(self, quorums: Quorums) -> None:
         """Finish the sync in flight, start this fragment's (see the module docstring)."""
         self.plan.end(self._local_step, self.clock())
         self._finish_probe()  # none is under way here (at_step finished it)
@@ -203,7 +203,7 @@ class AsyncDiLoCo(GlobalCopyMethod[FragmentState]):
                 self._states[decided.fragment].finish(decided.sums, decided.total)
             state.start(buffer[:-1], share, tokens)
         self._healed = False
-        self.manager.start_quorum()
+        quorums.sync_quorum()
         if self._healed:  # this group's progress was replaced by a peer's state
             self._after_heal()
             # The peer may be a sync ahead (its Manager step is now this group's): take part
@@ -386,7 +386,7 @@ class AsyncDiLoCo(GlobalCopyMethod[FragmentState]):
     def last_outcome(self, manager: SyncManager) -> SyncOutcome | None:
         return self._outcome
 
-    def finish(self) -> Ending:
+    def finish(self, quorums: Quorums) -> Ending:
         """Finish the sync in flight (the job's last average counts), then every fragment's
         global copy goes into the model."""
         self._finish_probe()

@@ -17,10 +17,15 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from torchtitan.experiments.fault_tolerance.compression import Delivered
 from torchtitan.experiments.fault_tolerance.heal_history import HealHistory, HistoryEntry
-from torchtitan.experiments.fault_tolerance.outer_loop import OuterLoop, local_tensor
+from torchtitan.experiments.fault_tolerance.outer_loop import (
+    OuterLoop,
+    as_param_layout,
+    local_tensor,
+)
 from torchtitan.experiments.fault_tolerance.outer_passes import wait_for_copies
 from torchtitan.tools.digest import chunk_hashes, fold_digest
 from torchtitan.tools.pinned import host_tensor
@@ -212,12 +217,64 @@ class GlobalCopyMethod(OuterLoop, Generic[F]):
         """The outer optimizer of a fragment."""
         return self._states[index].outer
 
-    def take_global_copies(self) -> None:
-        """Make the model's current parameters every fragment's global copy (fresh outer
-        state), e.g. after weights were loaded into the model."""
+    def take_global_copies(self) -> bool:
         for state in self._states:
             state.take_model()
             state.outer.state.clear()
+        return True
+
+    def replayer(self) -> GlobalCopyMethod:
+        return self
+
+    def fragment_state(self, index: int) -> dict[str, Any]:
+        """The global copy and the outer momentum, laid out like the parameters; zeros where
+        the outer optimizer has not stepped yet, so that a fresh process offers DCP a tensor
+        to load the saved momentum into (on the device of the outer state, like the momentum
+        itself)."""
+        params = self.fragment_parameters(index)
+        global_copy = self.global_parameters(index)  # also the tensors the outer optimizer steps
+        outer = self.outer_optimizer(index)
+        momentum = {
+            name: outer.state.get(t, {}).get("momentum_buffer") for name, t in global_copy.items()
+        }
+        return {
+            "global_parameters": {
+                name: as_param_layout(p, global_copy[name]) for name, p in params.items()
+            },
+            "has_momentum": all(m is not None for m in momentum.values()),
+            "outer_momentum": {
+                name: (
+                    m
+                    if isinstance(m, DTensor)
+                    else as_param_layout(
+                        params[name], torch.zeros_like(global_copy[name]) if m is None else m
+                    )
+                )
+                for name, m in momentum.items()
+            },
+        }
+
+    def load_fragment_state(self, index: int, saved: dict[str, Any]) -> None:
+        global_copy = self.global_parameters(index)
+        for name, value in saved["global_parameters"].items():
+            global_copy[name].copy_(local_tensor(value))
+        outer = self.outer_optimizer(index)
+        outer.state.clear()
+        if saved["has_momentum"]:
+            for name, value in saved["outer_momentum"].items():
+                target = global_copy[name]
+                outer.state[target]["momentum_buffer"] = (
+                    value.detach().clone()
+                    if isinstance(target, DTensor)
+                    else local_tensor(value).detach().to(target.device, copy=True)
+                )
+
+    def observe_outer_steps(
+        self, before: Callable[..., None], average: Callable[[float], None]
+    ) -> None:
+        for index in range(len(self.fragments)):
+            self.outer_optimizer(index).register_step_pre_hook(before)
+            self.observe_averages(index, average)
 
     def replayed_state(self, key: str) -> bool:
         """Whether ``key`` is healing state that a replay reproduces (a fragment's global copy

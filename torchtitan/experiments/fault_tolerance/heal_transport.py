@@ -131,8 +131,10 @@ class HealExchange:
         self.shape_refused = ""
         self.fingerprint = fingerprint
         self.loop = loop
+        #: What a replay goes through (None: the method cannot replay).
+        self.replayer = loop.replayer()
         self.ft = ft
-        self.replays = isinstance(loop, GlobalCopyMethod) and history.capacity > 0
+        self.replays = self.replayer is not None and history.capacity > 0
         self.basis = ReplayBasis.none()
         #: The last heal of this group (None: none yet).
         self.receipt: HealReceipt | None = None
@@ -148,12 +150,15 @@ class HealExchange:
 
     def digests(self) -> list[int]:
         """This rank's digest of each fragment's global copy."""
-        loop = self.loop
-        assert isinstance(loop, GlobalCopyMethod)
+        loop = self._replay_method()
         return [loop.global_digest(i) for i in range(len(loop.fragments))]
 
+    def _replay_method(self) -> GlobalCopyMethod:
+        assert self.replayer is not None, f"{self.loop.method} cannot replay"
+        return self.replayer
+
     def _why_no_history(self) -> str:
-        if not isinstance(self.loop, GlobalCopyMethod):
+        if self.replayer is None:
             return f"{self.loop.method} cannot replay"
         if self.history.capacity <= 0:
             return "fault_tolerance.heal_history_syncs=0, or should_quantize"
@@ -196,9 +201,8 @@ class HealExchange:
         """The healing state a replay leaves out: the model (the global copies replace it),
         the inner optimizer (the joiner keeps its own) and the fragments' global copies and
         outer optimizers (replayed)."""
-        loop = self.loop
         return key in self.CORE_KEPT or (
-            isinstance(loop, GlobalCopyMethod) and loop.replayed_state(key)
+            self.replayer is not None and self.replayer.replayed_state(key)
         )
 
     # ---- the peer ----------------------------------------------------------------------------
@@ -308,8 +312,7 @@ class HealExchange:
                 self.own_state_lost = "its replay of the syncs it missed stopped part-way"
                 yield entry
 
-        loop = self.loop
-        assert isinstance(loop, GlobalCopyMethod)
+        loop = self._replay_method()
         why = ""
         try:
             replay(arriving(), loop.replay_outer_steps, loop.replay_device)
@@ -374,8 +377,7 @@ class HealExchange:
     def _check(self, digests: list[int]) -> str:
         """Put the replayed global copies into the model and check them against the peer's
         ``digests``. Returns why they differ ("": they do not)."""
-        loop = self.loop
-        assert isinstance(loop, GlobalCopyMethod)
+        loop = self._replay_method()
         for index in range(len(loop.fragments)):
             loop.restore_global_copies(index)
         mine = self.digests()

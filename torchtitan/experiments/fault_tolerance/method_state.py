@@ -11,15 +11,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from torchtitan.experiments.fault_tolerance import events
-from torchtitan.experiments.fault_tolerance.global_copy import GlobalCopyMethod
 from torchtitan.experiments.fault_tolerance.outer_loop import (
     OuterLoop,
-    as_param_layout,
     local_tensor,
 )
 
@@ -43,19 +39,12 @@ class SemiSyncState:
         self.trainer = trainer
         self.loaded = False
 
-    def _global_fragments(self) -> list[tuple[int, GlobalCopyMethod]]:
-        """Each fragment with the method, when the method keeps global copies (else none)."""
-        loop = self.trainer.algorithm
-        if not isinstance(loop, GlobalCopyMethod):
-            return []
-        return [(i, loop) for i in range(len(loop.fragments))]
-
     def state_dict(self) -> dict[str, Any]:
         loop: OuterLoop = self.trainer.algorithm
         extra = loop.extra_state()  # first: it may take in a sync's result
         # A sync's transfers stage residuals on the background thread: let them finish first.
         self.trainer.sync.wait_for_transfers()
-        in_flight = [i for i, _ in self._global_fragments() if loop.in_flight(i)]
+        in_flight = [i for i in range(len(loop.fragments)) if loop.in_flight(i)]
         state: dict[str, Any] = {
             "local_step": loop.local_step(),
             "in_flight_fragment": in_flight[0] if in_flight else -1,
@@ -76,54 +65,19 @@ class SemiSyncState:
                 mine[f"staged_{i}"] = residuals.flat(i, numel, staged=True)
                 mine[f"has_staged_{i}"] = staged
             state["error_feedback"] = {f"rank_{_group_rank()}": mine}
-        for i, method in self._global_fragments():
-            outer = method.outer_optimizer(i)
-            params = method.fragment_parameters(i)
-            stepped = method.global_parameters(i)  # the tensors the outer optimizer steps
-            momentum = {
-                name: outer.state.get(t, {}).get("momentum_buffer") for name, t in stepped.items()
-            }
-            global_copy = method.global_parameters(i)
-            state[f"fragment_{i}"] = {
-                "global_parameters": {
-                    name: as_param_layout(p, global_copy[name]) for name, p in params.items()
-                },
-                "has_momentum": all(m is not None for m in momentum.values()),
-                # Placeholders where the outer optimizer has not stepped yet, so that a fresh
-                # process offers DCP a tensor to load the saved momentum into; on the device
-                # of the outer state, like the momentum itself.
-                "outer_momentum": {
-                    name: (
-                        m
-                        if isinstance(m, DTensor)
-                        else as_param_layout(
-                            params[name], torch.zeros_like(global_copy[name]) if m is None else m
-                        )
-                    )
-                    for name, m in momentum.items()
-                },
-            }
+        for i in range(len(loop.fragments)):
+            fragment = loop.fragment_state(i)
+            if fragment:
+                state[f"fragment_{i}"] = fragment
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         loop: OuterLoop = self.trainer.algorithm
         loop.set_local_step(int(state["local_step"]))
         self.trainer.lineage.load_state_dict(state["lineage"])
-        for i, method in self._global_fragments():
-            saved = state[f"fragment_{i}"]
-            for name, value in saved["global_parameters"].items():
-                method.global_parameters(i)[name].copy_(local_tensor(value))
-            outer = method.outer_optimizer(i)
-            outer.state.clear()
-            if saved["has_momentum"]:
-                stepped = method.global_parameters(i)
-                for name, value in saved["outer_momentum"].items():
-                    target = stepped[name]
-                    outer.state[target]["momentum_buffer"] = (
-                        value.detach().clone()
-                        if isinstance(target, DTensor)
-                        else local_tensor(value).detach().to(target.device, copy=True)
-                    )
+        for i in range(len(loop.fragments)):
+            if f"fragment_{i}" in state:
+                loop.load_fragment_state(i, state[f"fragment_{i}"])
         if "extra" in state:  # after the outer state above, which it may add to
             loop.load_extra_state(state["extra"])
         residuals = self.trainer.sync.residuals
@@ -138,7 +92,6 @@ class SemiSyncState:
             # Saved while a fragment's all-reduce was in flight (fragment_sync_delay > 0): its
             # result is lost. Do what torchft does for a failed sync: put the fragment back to
             # its global parameters and start the period again; the fragment is retried.
-            assert isinstance(loop, GlobalCopyMethod)  # only a global copy is ever in flight
             loop.restore_global_copies(in_flight)
             loop.set_local_step(0)
             events.IN_FLIGHT_SYNC_DROPPED.emit(fragment=in_flight)

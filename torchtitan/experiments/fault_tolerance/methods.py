@@ -4,6 +4,7 @@ is. The only place that branches on ``fault_tolerance.semi_sync_method``."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,14 +14,16 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
 from torchtitan.experiments.fault_tolerance.compression.sparse import sparse_name
 from torchtitan.experiments.fault_tolerance.fragments import build_model_fragments
-from torchtitan.experiments.fault_tolerance.global_copy import GlobalCopyMethod
 from torchtitan.experiments.fault_tolerance.heal_history import HealHistory
 from torchtitan.experiments.fault_tolerance.job_config import FaultTolerance, semi_sync_config
 from torchtitan.experiments.fault_tolerance.outer_loop import OuterLoop
 from torchtitan.experiments.fault_tolerance.periodic import DiLoCo, LocalSGD
+from torchtitan.experiments.fault_tolerance.speed_exchange import SpeedExchange
 
 if TYPE_CHECKING:
+    from torchtitan.components.ft import FTManager
     from torchtitan.experiments.fault_tolerance.sync_quorum import SyncManager
+    from torchtitan.trainer import TrainState
 
 
 def build_method(
@@ -77,6 +80,34 @@ def build_method(
     )
 
 
+def heal_history(ft: FaultTolerance) -> HealHistory:
+    """Where the method keeps its last committed syncs, for a group restarted from its own
+    checkpoint to replay instead of receiving the full state: none for LocalSGD (it cannot
+    replay) or with torchft's own fp8 all-reduce (``should_quantize`` bypasses the transport
+    that keeps what a sync delivered)."""
+    keeps = ft.method != "localsgd" and not ft.should_quantize
+    return HealHistory(ft.heal_history_syncs if keeps else 0)
+
+
+def build_speed_exchange(
+    job_config: JobConfig,
+    loop: OuterLoop,
+    ft_manager: FTManager,
+    train_state: TrainState,
+    device: torch.device,
+    group_ranks: int,
+    most_in_group: Callable[[list[int]], list[int]],
+) -> SpeedExchange | None:
+    """DyLU's plans, made in the quorums of async DiLoCo (None: no DyLU)."""
+    ft = semi_sync_config(job_config)
+    if not ft.dynamic_local_steps:
+        return None
+    assert isinstance(loop, AsyncDiLoCo), "the config allows DyLU with async DiLoCo only"
+    return SpeedExchange(
+        loop, ft.dylu_probe_steps, ft_manager, train_state, device, group_ranks, most_in_group
+    )
+
+
 def wire_dtype(ft: FaultTolerance) -> str:
     """The name the transport and the codecs know ``pseudo_grad_dtype`` by: itself, or for
     ``sparse`` with settings other than the defaults, one naming them."""
@@ -95,7 +126,7 @@ def describe(job_config: JobConfig, loop: OuterLoop) -> str:
     """One log line: the method and every setting it runs with."""
     ft = semi_sync_config(job_config)
     parts = [f"sync every {ft.sync_steps} inner steps", f"{len(loop.fragments)} fragment(s)"]
-    if isinstance(loop, GlobalCopyMethod):
+    if ft.method != "localsgd":
         if ft.outer_momentum_every > 1:
             parts.append(
                 f"outer Delayed Nesterov lr {ft.outer_lr} momentum {ft.outer_momentum} "

@@ -14,7 +14,7 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -22,7 +22,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
-    from torchtitan.experiments.fault_tolerance.sync_quorum import SyncManager
+    from torchtitan.experiments.fault_tolerance.global_copy import GlobalCopyMethod
+    from torchtitan.experiments.fault_tolerance.sync_quorum import ProbeInFlight, SyncManager
+
+
+class Quorums(Protocol):
+    """The quorums a method asks for, each with the exchange its members run: given to the
+    method by whoever drives it (``QuorumProtocol`` in a job), for the time it trains."""
+
+    def sync_quorum(self) -> None:
+        """A sync's quorum (``SyncManager.start_quorum``)."""
+
+    def start_probe(self) -> ProbeInFlight:
+        """DyLU's speed probe (``SyncManager.start_probe``)."""
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -126,20 +138,23 @@ class OuterLoop(ABC):
         #: The verdict of the last sync point's sync (None: it decided none).
         self._committed: bool | None = None
 
-    def hooks(self) -> contextlib.AbstractContextManager:
-        """Installs the optimizer hooks that sync (entered around the training loop)."""
-        return optimizer_hooks(self.inner_optimizer, self._before_step, self._after_step)
+    def hooks(self, quorums: Quorums) -> contextlib.AbstractContextManager:
+        """Installs the optimizer hooks that sync, in the ``quorums`` (entered around the
+        training loop)."""
+        return optimizer_hooks(
+            self.inner_optimizer, self._before_step, lambda *_: self._after_step(quorums)
+        )
 
     def _before_step(self, *_: Any) -> None:
         # Parameters change in the step: a peer must not read them for a heal meanwhile.
         self.manager.disallow_state_dict_read()
 
-    def _after_step(self, *_: Any) -> None:
+    def _after_step(self, quorums: Quorums) -> None:
         self._local_step += 1
-        self.at_step()
+        self.at_step(quorums)
 
     @abstractmethod
-    def at_step(self) -> None:
+    def at_step(self, quorums: Quorums) -> None:
         """After each inner step (``local_step()`` counts it): let peers read the state for a
         heal again (``allow_state_dict_read``) and sync when it is time."""
 
@@ -157,7 +172,7 @@ class OuterLoop(ABC):
         now. Returns whether the sync was applied (False: started, applied later)."""
 
     @abstractmethod
-    def finish(self) -> Ending:
+    def finish(self, quorums: Quorums) -> Ending:
         """After the last inner step: leave the model with the global parameters."""
 
     @abstractmethod
@@ -178,6 +193,38 @@ class OuterLoop(ABC):
     def fragment_parameters(self, index: int) -> dict[str, nn.Parameter]:
         """The model parameters of a fragment (the model's own objects), by parameter name."""
         return dict(self.fragments[index].named_parameters())
+
+    def global_parameters(self, index: int) -> dict[str, torch.Tensor]:
+        """A fragment's global parameters after the last sync, this rank's shards by name. A
+        method without global copies: the model's (after a sync, they are the average)."""
+        return {name: local_tensor(p.data) for name, p in self.fragment_parameters(index).items()}
+
+    def take_global_copies(self) -> bool:
+        """Make the model's current parameters the global ones (fresh outer state), e.g. after
+        weights were loaded into the model. Returns whether the method keeps copies of them
+        (False: the model is the global state)."""
+        return False
+
+    def restore_global_copies(self, index: int) -> None:  # noqa: B027 (no copies: nothing)
+        """Put fragment ``index``'s global copy into the model (a sync dropped)."""
+
+    def replayer(self) -> GlobalCopyMethod | None:
+        """What a heal replays missed syncs through (None: this method cannot replay)."""
+        return None
+
+    def fragment_state(self, index: int) -> dict[str, Any]:
+        """What a checkpoint holds of fragment ``index`` besides the model (its global copy and
+        outer momentum; nothing for a method without them)."""
+        return {}
+
+    def load_fragment_state(self, index: int, saved: dict[str, Any]) -> None:  # noqa: B027
+        """Take back what :meth:`fragment_state` gave, as loaded."""
+
+    def observe_outer_steps(  # noqa: B027 (no outer steps: nothing to observe)
+        self, before: Callable[..., None], average: Callable[[float], None]
+    ) -> None:
+        """``before`` runs before each fragment's outer optimizer step (a pre-hook) and
+        ``average`` is told the sum of squares of each average stepped without it."""
 
     def in_flight(self, index: int) -> bool:
         """Whether a fragment's sync has been started and its result is not in this process

@@ -36,7 +36,12 @@ from torch import nn
 
 from torchtitan.experiments.fault_tolerance.global_copy import Fragment, GlobalCopyMethod, MakeOuter
 from torchtitan.experiments.fault_tolerance.heal_history import HealHistory
-from torchtitan.experiments.fault_tolerance.outer_loop import Ending, OuterLoop, local_tensor
+from torchtitan.experiments.fault_tolerance.outer_loop import (
+    Ending,
+    OuterLoop,
+    Quorums,
+    local_tensor,
+)
 from torchtitan.tools.digest import device_digest
 
 if TYPE_CHECKING:
@@ -64,10 +69,10 @@ class LocalSGD(OuterLoop):
         #: The model's digest right after the last committed sync (None: not known).
         self._global_digest: int | None = None
 
-    def at_step(self) -> None:
+    def at_step(self, quorums: Quorums) -> None:
         self.manager.allow_state_dict_read()
         if self._local_step >= self.period:
-            self.manager.start_quorum()
+            quorums.sync_quorum()
             self._average()
 
     def _average(self) -> None:
@@ -102,10 +107,10 @@ class LocalSGD(OuterLoop):
         self._average()
         return True
 
-    def finish(self) -> Ending:
+    def finish(self, quorums: Quorums) -> Ending:
         steps_since = self._local_step
         if steps_since:
-            self.manager.start_quorum()
+            quorums.sync_quorum()
             self._average()
         return Ending(bool(steps_since), steps_since, None)
 
@@ -148,10 +153,10 @@ class DiLoCo(GlobalCopyMethod[Fragment]):
 
     # ---- the sync ----------------------------------------------------------------------------
 
-    def at_step(self) -> None:
+    def at_step(self, quorums: Quorums) -> None:
         self.manager.allow_state_dict_read()
         if self._local_step == self.period - self.delay:
-            self.manager.start_quorum()
+            quorums.sync_quorum()
             self._prepare(self.current_fragment())
         if self._local_step == self.period:
             self._perform(self.current_fragment())
@@ -196,7 +201,7 @@ class DiLoCo(GlobalCopyMethod[Fragment]):
         self._local_step = 0
         return True
 
-    def finish(self) -> Ending:
+    def finish(self, quorums: Quorums) -> Ending:
         steps_since = self._local_step
         for index in range(len(self.fragments)):
             if self.in_flight(index):

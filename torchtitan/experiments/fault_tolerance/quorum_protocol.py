@@ -31,7 +31,6 @@ from torchtitan.components.ft import FaultToleranceError, FTManager, QuorumPurpo
 from torchtitan.components.ft import torchft_adapter as tft
 from torchtitan.config.job_config import JobConfig
 from torchtitan.experiments.fault_tolerance import events
-from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
 from torchtitan.experiments.fault_tolerance.heal_transport import HealExchange
 from torchtitan.experiments.fault_tolerance.job_config import semi_sync_config
 from torchtitan.experiments.fault_tolerance.lineage import Lineage
@@ -44,6 +43,7 @@ from torchtitan.experiments.fault_tolerance.sync_quorum import (
     RESUMED,
     RUNNING,
     Member,
+    ProbeInFlight,
     SyncManager,
     compare_digests,
     exchange,
@@ -117,9 +117,10 @@ class QuorumProtocol:
         most_in_group: Callable[[list[int]], list[int]],
         heal: HealExchange,
         shape: CollectiveShape,
+        speeds: SpeedExchange | None,
     ) -> None:
         """``shape``: what fixes the shapes of this rank's sync collectives, compared with
-        every member's before the quorum is used."""
+        every member's before the quorum is used; ``speeds``: DyLU's plans (None: no DyLU)."""
         self.job_config = job_config
         self.ft = ft
         self.sync = sync
@@ -135,15 +136,7 @@ class QuorumProtocol:
         self.heal = heal
         self.shape = shape
         self.period = algorithm.period
-        ft_config = semi_sync_config(job_config)
-        #: DyLU's plans (None: no DyLU; the config allows it with async DiLoCo only).
-        self.speeds: SpeedExchange | None = None
-        if ft_config.dynamic_local_steps:
-            assert isinstance(algorithm, AsyncDiLoCo), algorithm.method
-            probe = ft_config.dylu_probe_steps
-            self.speeds = SpeedExchange(
-                algorithm, probe, ft, train_state, device, group_ranks, most_in_group
-            )
+        self.speeds = speeds
         #: Whether this group is asking for its first quorum.
         self.starting = False
         #: Why this group starts without a checkpoint of its own although it had some (all
@@ -262,6 +255,17 @@ class QuorumProtocol:
     def announce(self, step: int) -> None:
         manager = self.ft.manager
         manager.load_state_dict({"step": step, "batches_committed": manager.batches_committed()})
+
+    # ---- the quorums a method asks for -------------------------------------------------------
+
+    def sync_quorum(self) -> None:
+        """A sync's quorum, with :meth:`on_quorum` in it (``outer_loop.Quorums``)."""
+        self.sync.start_quorum(self.on_quorum)
+
+    def start_probe(self) -> ProbeInFlight:
+        """DyLU's speed probe, with the speed exchange in it (``outer_loop.Quorums``)."""
+        assert self.speeds is not None, "a speed probe without DyLU"
+        return self.sync.start_probe(self.speeds.on_probe, self.speeds.after_probe)
 
     # ---- the exchange at every quorum --------------------------------------------------------
 

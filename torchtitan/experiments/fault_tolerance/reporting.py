@@ -21,7 +21,6 @@ from torchtitan.components.ft import FTManager
 from torchtitan.components.ft import torchft_adapter as tft
 from torchtitan.config.job_config import JobConfig
 from torchtitan.experiments.fault_tolerance import events
-from torchtitan.experiments.fault_tolerance.global_copy import GlobalCopyMethod
 from torchtitan.experiments.fault_tolerance.job_config import semi_sync_config
 from torchtitan.experiments.fault_tolerance.lineage import Lineage
 from torchtitan.experiments.fault_tolerance.outer_loop import OuterLoop, local_tensor
@@ -67,10 +66,7 @@ class SyncReporter:
         self._clock = 0.0
         self._period_start: float | None = None
         self._warned_period = False
-        if isinstance(loop, GlobalCopyMethod):
-            for index in range(len(loop.fragments)):
-                loop.outer_optimizer(index).register_step_pre_hook(self.measure_pseudo_gradient)
-                loop.observe_averages(index, self.note_pseudo_gradient)
+        loop.observe_outer_steps(self.measure_pseudo_gradient, self.note_pseudo_gradient)
 
     def new_sync(self) -> None:
         """The next sync's time and norm start from nothing."""
@@ -232,8 +228,6 @@ class SyncReporter:
         """Digest of the global parameters every group holds after a sync: DiLoCo's global
         copies of all fragments, or LocalSGD's averaged model parameters (this rank's shards)."""
         loop = self.loop
-        if isinstance(loop, GlobalCopyMethod):
-            return tensor_digest(
-                t for i in range(len(loop.fragments)) for t in loop.global_parameters(i).values()
-            )
-        return tensor_digest(loop.fragments[0].parameters())
+        return tensor_digest(
+            t for i in range(len(loop.fragments)) for t in loop.global_parameters(i).values()
+        )

@@ -1,14 +1,13 @@
-"""The sync quorum of semi-synchronous training: what torchft's LocalSGD and DiLoCo are given as
-their Manager, and the few numbers the groups of a quorum exchange before they sync.
+"""The sync quorum of semi-synchronous training: the Manager the methods sync through, and the
+few numbers the groups of a quorum exchange before they sync.
 
-torchft's algorithms call ``manager.start_quorum()`` at each sync point and then all-reduce.
-:class:`SyncManager` stands in for the Manager there (with typed forwarders to torchft's Manager
-for the rest the methods ask) and turns that call into the core's bounded quorum wait
-(``FTManager.join_quorum``): at least ``min_replica_size`` groups (a survivor left with fewer
-waits, and says so, instead of training alone and discarding every period), a timeout of its own
-(``fault_tolerance.sync_quorum_timeout_s``, sized for periods of minutes) that ends in one error
-line naming the field, and an ``accept`` check that every member of the quorum makes alike
-after :func:`exchange`.
+A method asks for a sync's quorum at each sync point and then all-reduces. :class:`SyncManager`
+is its Manager (with typed forwarders to torchft's Manager for the rest the methods ask) and
+makes the quorum the core's bounded quorum wait (``FTManager.join_quorum``): at least
+``min_replica_size`` groups (a survivor left with fewer waits, and says so, instead of training
+alone and discarding every period), a timeout of its own (``fault_tolerance.sync_quorum_timeout_s``,
+sized for periods of minutes) that ends in one error line naming the field, and an ``accept``
+check that every member of the quorum makes alike after :func:`exchange`.
 """
 
 from __future__ import annotations
@@ -184,12 +183,6 @@ def most_of_one_in_group(value: int, device: torch.device) -> int:
     return most_in_group([value], device)[0]
 
 
-def _no_exchange_yet() -> bool:
-    raise RuntimeError(
-        "SyncManager.on_quorum or on_probe was never set: no quorum may skip its exchange"
-    )
-
-
 class SyncManager:
     """torchft's Manager as LocalSGD/DiLoCo (and async DiLoCo) see it: ``start_quorum`` is the
     gated sync quorum (always synchronous), ``allreduce`` goes through the sync's
@@ -199,10 +192,9 @@ class SyncManager:
     (``current_step``, ``num_participants``, ``errored``, ``report_error``, the state-read
     gates) is forwarded to torchft's Manager, typed.
 
-    ``on_quorum`` runs in every member of a quorum that has enough groups (it may exchange a
-    few numbers) and returns whether the quorum is used; all members must decide alike (the
-    trainer sets its ``QuorumProtocol.on_quorum`` once that is built; until then a quorum is
-    refused loudly, so that no sync can skip the exchange).
+    Each quorum is given its exchange (``accept``): it runs in every member of a quorum that
+    has enough groups (it may exchange a few numbers) and returns whether the quorum is used;
+    all members decide alike (``QuorumProtocol.on_quorum``).
     ``fragments``: the method's fragment count; a sync is for fragment ``step mod fragments``
     (the Manager's step after its quorum: a heal in it moves this group to its peer's sync).
     ``agree_in_group``: the most of this group's ranks' numbers (a MAX all-reduce in a group
@@ -214,7 +206,6 @@ class SyncManager:
         ft: FTManager,
         min_groups: int,
         timeout_s: float,
-        on_quorum: Callable[[], bool] | None = None,
         *,
         transport: SyncTransport,
         fragments: int = 1,
@@ -223,12 +214,6 @@ class SyncManager:
         self.ft = ft
         self.min_groups = min_groups
         self.timeout_s = timeout_s
-        self.on_quorum: Callable[[], bool] = on_quorum or _no_exchange_yet
-        #: The exchange of DyLU's speed probe, in the probe's quorum (its own thread), and
-        #: what the training thread does once that quorum is done (the trainer sets the
-        #: quorum protocol's speed exchange's).
-        self.on_probe: Callable[[], bool] = _no_exchange_yet
-        self.after_probe: Callable[[], None] = lambda: None
         self.transport = transport
         self.fragments = fragments
         #: True while this group is inside a sync quorum (a peer healing from it then gets
@@ -324,11 +309,9 @@ class SyncManager:
     def shutdown(self) -> None:
         self.transport.shutdown()
 
-    def start_quorum(self) -> None:
-        """The sync's quorum (torchft's ``Manager.start_quorum``, called without arguments by
-        its LocalSGD and DiLoCo and by async DiLoCo): the lighthouse's, through
-        ``FTManager.join_quorum``, with ``sync_quorum_timeout_s`` and the quorum protocol's
-        exchange."""
+    def start_quorum(self, accept: Callable[[], bool]) -> None:
+        """The sync's quorum: the lighthouse's, through ``FTManager.join_quorum``, with
+        ``sync_quorum_timeout_s`` and ``accept``, the exchange its members run."""
         sync = self.ft.manager.current_step() + 1
         self.in_quorum = True
         start = time.perf_counter()
@@ -337,7 +320,7 @@ class SyncManager:
                 needed=self.min_groups,
                 timeout_s=self.timeout_s,
                 timeout_field="fault_tolerance.sync_quorum_timeout_s",
-                accept=self.on_quorum,
+                accept=accept,
                 purpose=QuorumPurpose(f"sync #{sync}", sync=sync),
             )
         finally:
@@ -345,21 +328,21 @@ class SyncManager:
             self.in_quorum = False
         self.begin_sync()
 
-    def start_probe(self) -> ProbeInFlight:
+    def start_probe(self, accept: Callable[[], bool], after: Callable[[], None]) -> ProbeInFlight:
         """DyLU's speed probe (:meth:`probe_quorum`) in a thread of its own: the group takes
         its next inner steps while the probe's quorum forms. ``ProbeInFlight.finish``, in the
-        training thread, then runs ``after_probe`` (which plans the rest of the period)."""
-        return ProbeInFlight(self.probe_quorum, self.after_probe)
+        training thread, then runs ``after`` (which plans the rest of the period)."""
+        return ProbeInFlight(lambda: self.probe_quorum(accept), after)
 
-    def probe_quorum(self) -> None:
+    def probe_quorum(self, accept: Callable[[], bool]) -> None:
         """DyLU's speed probe in the job's first period: a quorum that is no sync, in which
-        ``on_probe`` exchanges the groups' speeds (nothing else is sent; nothing is committed:
+        ``accept`` exchanges the groups' speeds (nothing else is sent; nothing is committed:
         the Manager's step stays). Bounded by ``sync_quorum_timeout_s``, like a sync's."""
         self.ft.join_quorum(
             needed=self.min_groups,
             timeout_s=self.timeout_s,
             timeout_field="fault_tolerance.sync_quorum_timeout_s",
-            accept=self.on_probe,
+            accept=accept,
             purpose=QuorumPurpose("DyLU's speed probe"),
         )
 

@@ -1,12 +1,13 @@
-"""Semi-synchronous training across replica groups: torchft's LocalSGD and (Streaming) DiLoCo.
+"""Semi-synchronous training across replica groups: LocalSGD, (Streaming) DiLoCo, async DiLoCo.
 
 ``SemiSyncTrainer`` is the core ``Trainer`` for runs with ``fault_tolerance.semi_sync_method``
 (``job_config.trainer_for`` picks it). What differs, through the core's extension points:
 
 * ``train_step`` is a plain local step: the sync runs inside ``optimizer.step()``, from the
-  optimizer hooks of torchft's ``LocalSGD``/``DiLoCo``, entered in ``train_context``. Their
-  Manager is a :class:`~.sync_quorum.SyncManager`: a sync's quorum needs ``min_replica_size``
-  groups and has its own timeout (``sync_quorum_timeout_s``).
+  method's optimizer hooks (``outer_loop.OuterLoop``), entered in ``train_context`` with the
+  quorum protocol's quorums. The method's Manager is a :class:`~.sync_quorum.SyncManager`: a
+  sync's quorum needs ``min_replica_size`` groups and has its own timeout
+  (``sync_quorum_timeout_s``).
 * ``join_replica_groups``: a group starts its torchft Manager (and so becomes visible to the
   lighthouse) only when it is ready to train, and asks for its first quorum at once.
 * Every quorum starts with a small exchange among its members (roles, and every
@@ -35,8 +36,7 @@ from torchtitan.components.lr_scheduler import move_schedule_to
 from torchtitan.config.job_config import ConfigError, JobConfig
 from torchtitan.experiments.fault_tolerance import events
 from torchtitan.experiments.fault_tolerance.fragments import ModelFragment
-from torchtitan.experiments.fault_tolerance.global_copy import GlobalCopyMethod
-from torchtitan.experiments.fault_tolerance.heal_history import HealHistory, job_fingerprint
+from torchtitan.experiments.fault_tolerance.heal_history import job_fingerprint
 from torchtitan.experiments.fault_tolerance.heal_transport import (
     HEAL_KEY,
     HealExchange,
@@ -48,7 +48,9 @@ from torchtitan.experiments.fault_tolerance.lineage import Lineage
 from torchtitan.experiments.fault_tolerance.method_state import SemiSyncState
 from torchtitan.experiments.fault_tolerance.methods import (
     build_method,
+    build_speed_exchange,
     describe,
+    heal_history,
     residual_decay,
     wire_dtype,
 )
@@ -94,12 +96,7 @@ class SemiSyncTrainer(Trainer):
         self.method: str = method
         super().__init__(job_config)
         assert self.ft is not None
-        # The last committed averages, for a group restarted from its own checkpoint to
-        # replay instead of receiving the full state (heal_history; not LocalSGD).
-        # torchft's own fp8 all-reduce (should_quantize) bypasses the transport that keeps
-        # what a sync delivered: no history then.
-        keeps = method != "localsgd" and not ft.should_quantize
-        history = HealHistory(ft.heal_history_syncs if keeps else 0)
+        history = heal_history(ft)
         transport = SyncTransport(
             wire_dtype(ft),
             error_feedback=ft.error_feedback,
@@ -114,7 +111,7 @@ class SemiSyncTrainer(Trainer):
             ft.min_replica_size,
             ft.sync_quorum_timeout_s,
             transport=transport,
-            fragments=ft.fragment_count() if method != "localsgd" else 1,
+            fragments=ft.fragment_count(),
             # The ranks of this group decide alike (one MAX all-reduce in the group; a group
             # of one rank decides alone).
             agree_in_group=(
@@ -176,12 +173,16 @@ class SemiSyncTrainer(Trainer):
             functools.partial(most_in_group, device=self.device),
             self.heal,
             shape,
+            build_speed_exchange(
+                job_config,
+                self.algorithm,
+                self.ft,
+                self.train_state,
+                self.device,
+                self.parallel_dims.world_size,
+                functools.partial(most_in_group, device=self.device),
+            ),
         )
-        # Every member of a sync's quorum runs the protocol's exchange in it.
-        self.sync.on_quorum = self.protocol.on_quorum
-        if self.protocol.speeds is not None:  # DyLU's speed probe runs its own exchange
-            self.sync.on_probe = self.protocol.speeds.on_probe
-            self.sync.after_probe = self.protocol.speeds.after_probe
         self.ft.register_state_dict_fn(
             "semi_sync_position", self.protocol.load_peer, self.protocol.position
         )
@@ -235,10 +236,9 @@ class SemiSyncTrainer(Trainer):
     def join_replica_groups(self) -> None:
         """After the checkpoint is loaded: make sure DiLoCo's global parameters are the
         loaded ones, start the Manager and join the job (``QuorumProtocol.start``)."""
-        if not self.state.loaded and isinstance(self.algorithm, GlobalCopyMethod):
-            # DiLoCo copied the global parameters when it was built, before any checkpoint was
-            # loaded: take them again from the model as loaded, with fresh outer momentum.
-            self.algorithm.take_global_copies()
+        # DiLoCo copied the global parameters when it was built, before any checkpoint was
+        # loaded: take them again from the model as loaded, with fresh outer momentum.
+        if not self.state.loaded and self.algorithm.take_global_copies():
             cfg = self.job_config.checkpoint
             if self.train_state.step > 0 or (cfg.enable and cfg.initial_load_path):
                 events.GLOBAL_FROM_LOADED_MODEL.emit(step=self.train_state.step)
@@ -256,10 +256,10 @@ class SemiSyncTrainer(Trainer):
 
     def train_context(self) -> contextlib.AbstractContextManager:
         stack = contextlib.ExitStack()
-        # Post-hooks run in registration order: ours before torchft's starts the clock of a
+        # Post-hooks run in registration order: ours before the method's starts the clock of a
         # sync, ours after it reports the result.
         stack.callback(self.optimizer.register_step_post_hook(self._before_torchft).remove)
-        stack.enter_context(self.algorithm.hooks())
+        stack.enter_context(self.algorithm.hooks(self.protocol))
         after = self.optimizer.register_step_post_hook(self._after_method)
         stack.callback(after.remove)
         return stack
@@ -268,7 +268,7 @@ class SemiSyncTrainer(Trainer):
         self.optimizer.zero_grad()
         loss = self.forward_backward(inputs, labels)
         grad_norm = self.clip_gradients()
-        self.optimizer.step()  # torchft's hook syncs here at the end of each sync period
+        self.optimizer.step()  # the method's hook syncs here at the end of each sync period
         self._advance_schedule()
         if self._last_step_taken(self.train_state.step + 1):
             self._finish()
@@ -346,7 +346,7 @@ class SemiSyncTrainer(Trainer):
         manager = self.ft.manager
         self.reporter.new_sync()
         start = time.perf_counter()
-        ending = self.algorithm.finish()
+        ending = self.algorithm.finish(self.protocol)
         self.sync.discard_undecided()  # a sync dropped on the way leaves no residual
         self.reporter.seconds = time.perf_counter() - start
         if ending.synced:
