@@ -174,7 +174,6 @@ def measure_one(numel: int, repeats: int, device_name: str, threads: int) -> dic
     from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
     from torchtitan.experiments.fault_tolerance.compression import Delivered
     from torchtitan.experiments.fault_tolerance.heal_history import HealHistory
-    from torchtitan.experiments.fault_tolerance.heal_transport import HealExchange
 
     torch.set_num_threads(1)  # as torchrun starts a rank
     device = torch.device(device_name)
@@ -203,6 +202,8 @@ def measure_one(numel: int, repeats: int, device_name: str, threads: int) -> dic
         **options,
     )
     if "history" not in options:  # older code: the heal history's hook on the Manager
+        from torchtitan.experiments.fault_tolerance.heal_transport import HealExchange
+
         heal = HealExchange(HealHistory(1), 0, loop, ft=None)  # type: ignore[arg-type]
         manager.on_committed = heal.record  # type: ignore[attr-defined]
     # Every quorum is this group alone (older code asked its Manager for it, with no argument).
@@ -319,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure_one(numel, repeats, args.device, args.outer_step_threads)))
         return 0
     from benchmarks import provenance
-    from torchtitan.experiments.fault_tolerance.outer_passes import cores_per_rank
+    from torchtitan.experiments.fault_tolerance.piece_workers import cores_per_rank
 
     out = args.json or provenance.default_output("outer_step.json", args.smoke)
     # name -> (code, outer_step_threads)

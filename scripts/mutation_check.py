@@ -199,7 +199,7 @@ MUTANTS = [
     ),
     Mutant(
         "agreement: the majority steps back instead of the minority",
-        f"{PACKAGE}/quorum_protocol.py",
+        f"{PACKAGE}/quorum_exchange.py",
         "        if minority:\n            events.DIFFERS_FROM_MAJORITY",
         "        if not minority:\n            events.DIFFERS_FROM_MAJORITY",
     ),
@@ -344,7 +344,7 @@ MUTANTS = [
     ),
     Mutant(
         "DyLU: a process's first inner step counts in its measured speed",
-        f"{PACKAGE}/async_diloco.py",
+        f"{PACKAGE}/dylu_periods.py",
         "        self.plan.skip_warm_up(self._local_step, self.clock)\n",
         "",
     ),
@@ -363,13 +363,13 @@ MUTANTS = [
     ),
     Mutant(
         "restart: a loaded residual's offset advances by its own size only (3+ transfers)",
-        f"{PACKAGE}/transport.py",
+        f"{PACKAGE}/fragment_residuals.py",
         "self._loaded[fragment] = (flat, offset + numel)",
         "self._loaded[fragment] = (flat, numel)",
     ),
     Mutant(
         "restart: a checkpointed residual's offset advances by its own size only (3+ transfers)",
-        f"{PACKAGE}/transport.py",
+        f"{PACKAGE}/fragment_residuals.py",
         "            offset += residual.numel()",
         "            offset = residual.numel()",
     ),

@@ -15,7 +15,7 @@ from tests.unit_tests.test_semi_sync import SummingManager
 from torchtitan.components.ft import FaultToleranceError
 from torchtitan.experiments.fault_tolerance.dylu import PeriodPlan
 from torchtitan.experiments.fault_tolerance.events import SPEED_PROBE
-from torchtitan.experiments.fault_tolerance.quorum_protocol import QuorumProtocol
+from torchtitan.experiments.fault_tolerance.quorum_exchange import QuorumExchange, StartUp
 from torchtitan.experiments.fault_tolerance.shapes import CollectiveShape
 from torchtitan.experiments.fault_tolerance.speed_exchange import SpeedExchange
 from torchtitan.experiments.fault_tolerance.sync_quorum import (
@@ -273,16 +273,12 @@ def test_a_starting_group_that_meets_a_probe_does_not_use_that_quorum(healed_the
     manager = SummingManager(1, {0: Member(RUNNING, probe=1)})
     manager.current_step = lambda: 0  # type: ignore[attr-defined]  # after the heal: the peer's
     peer = {"starting": 0, "at_sync": 0, "local_step": 2, "replica_id": 0}
-    protocol = SimpleNamespace(
+    quorum = SimpleNamespace(
         ft=SimpleNamespace(manager=manager, poll_s=1.0),
         job_config=SimpleNamespace(
             fault_tolerance=SimpleNamespace(group_size=2, quorum_timeout_s=60.0, replica_id=0)
         ),
-        starting=True,
-        _start_attempts=0,
-        _peer=dict(peer) if healed_there else None,
-        _start_role=FRESH,
-        _digest_if_due=lambda: None,
+        _digest_if_due=lambda starting: None,
         speeds=None,
         device=torch.device("cpu"),
         group_ranks=1,
@@ -292,8 +288,9 @@ def test_a_starting_group_that_meets_a_probe_does_not_use_that_quorum(healed_the
         sync=SimpleNamespace(heartbeat=7, set_members=lambda keys: None),
         shape=CollectiveShape(1, 1, 100, 300, 0, 5),
     )
-    assert QuorumProtocol.on_quorum(cast(Any, protocol)) is False
-    assert protocol._peer is None
+    start_up = StartUp(FRESH, peer=dict(peer) if healed_there else None)
+    assert QuorumExchange.on_quorum(cast(Any, quorum), start_up) is False
+    assert start_up.peer is None
     assert announced == ([-1] if healed_there else [])
 
 

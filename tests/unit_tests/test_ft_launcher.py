@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from torchtitan.components.metrics import TRAIN_STEP
-from torchtitan.experiments.fault_tolerance import launcher
+from torchtitan.experiments.fault_tolerance import job_supervisor, launcher
 from torchtitan.tools.cluster import REPO_ROOT
 from torchtitan.tools.events import attach_event_file, detach_event_file
 from torchtitan.tools.logging import logger
@@ -40,7 +40,7 @@ def test_parse_args_rejects_bad_values(argv, capsys):
 
 
 def test_the_groups_dump_folder_is_the_one_their_trainer_takes(tmp_path: Path) -> None:
-    folder = launcher.groups_dump_folder
+    folder = job_supervisor.groups_dump_folder
     assert folder(["--job.dump_folder=/a", "--job.dump-folder", "/b"], env={}) == Path("/b")
     assert folder(["--job.dump_folder=out/x"], env={}) == REPO_ROOT / "out/x"
     # No flag: run_train.sh's TOML (the debug model's) says ./outputs.
@@ -57,10 +57,10 @@ def test_kill_at_a_step_acts_on_the_step_events_of_the_latest_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The kind's name, without importing torch into the launcher.
-    assert launcher.STEP_EVENT == TRAIN_STEP.name
+    assert job_supervisor.STEP_EVENT == TRAIN_STEP.name
     args = launcher.parse_args(["--groups", "2", "--kill", "1@3", "--",
                                 f"--job.dump_folder={tmp_path}"])  # fmt: skip
-    run = launcher.Launcher(args, tmp_path / "logs")
+    run = job_supervisor.Supervisor(args, tmp_path / "logs")
     kills: list[tuple[int, str]] = []
     monkeypatch.setattr(run, "kill", lambda group, why: kills.append((group.replica_id, why)))
     group = run.groups[1]

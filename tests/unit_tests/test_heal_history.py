@@ -329,7 +329,7 @@ def test_the_fingerprint_tells_jobs_apart() -> None:
 
 
 def _exchange_of(loop: Any, history: HealHistory, user_state: dict[str, Any]) -> Any:
-    from torchtitan.experiments.fault_tolerance.heal_transport import HealExchange
+    from torchtitan.experiments.fault_tolerance.heal_exchange import HealExchange
 
     kept: list[str] = []
     manager = SimpleNamespace(
@@ -355,7 +355,7 @@ def test_a_peer_sends_only_the_missed_averages_and_the_joiner_replays_them() -> 
     global copy; the joiner keeps its own model and optimizer (KEEP_OWN), reloads its own
     fragment state, replays 2..3 and ends on the peer's global copy and momentum."""
     from torchtitan.components.ft.healing import KEEP_OWN
-    from torchtitan.experiments.fault_tolerance.heal_transport import HEAL_KEY, HealTransferError
+    from torchtitan.experiments.fault_tolerance.heal_exchange import HEAL_KEY, HealTransferError
 
     numel = sum(p.numel() for p in make_model().parameters())
     averages = [torch.randn(numel, generator=torch.Generator().manual_seed(s)) for s in (1, 2, 3)]
@@ -489,7 +489,7 @@ def test_a_committed_sync_without_tokens_is_replayed_as_nothing() -> None:
 
 
 def test_the_quorum_findings_carry_the_replay_verdicts_through_the_group() -> None:
-    from torchtitan.experiments.fault_tolerance.quorum_protocol import QuorumFindings
+    from torchtitan.experiments.fault_tolerance.quorum_exchange import QuorumFindings
 
     found = QuorumFindings(False, False, False, False, 7, True, False, True)
     assert QuorumFindings.from_ints(found.as_ints()) == found

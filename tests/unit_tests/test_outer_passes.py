@@ -12,9 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from torchtitan.experiments.fault_tolerance import outer_passes
+from torchtitan.experiments.fault_tolerance import outer_passes, piece_workers
 from torchtitan.experiments.fault_tolerance.async_state import FragmentState, async_outer
-from torchtitan.experiments.fault_tolerance.outer_passes import PIECE, SyncPointPasses
+from torchtitan.experiments.fault_tolerance.outer_passes import SyncPointPasses
+from torchtitan.experiments.fault_tolerance.piece_workers import PIECE
 from torchtitan.tools import pinned
 from torchtitan.tools.digest import chunk_hashes, device_digest, fold_digest
 
@@ -110,16 +111,16 @@ def test_a_sync_point_runs_on_the_cores_of_its_rank_one_thread_per_op(monkeypatc
     piece's ops on one core, and training goes on with the threads it had."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert outer_passes.cores_per_rank() == 4
+    assert piece_workers.cores_per_rank() == 4
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {2, 3, 5}, raising=False)
-    assert outer_passes.cores_per_rank() == 1  # a cpuset of 3 cores for 4 ranks: at least one
+    assert piece_workers.cores_per_rank() == 1  # a cpuset of 3 cores for 4 ranks: at least one
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert outer_passes.cores_per_rank() == 3  # a cpuset of its own
+    assert piece_workers.cores_per_rank() == 3  # a cpuset of its own
     model, state = _state(True, 0.9, True)  # 0 threads: cores_per_rank's
     threads: set[int] = set()
     workers: set[int] = set()  # each worker hashes into scratch of its own
     op_threads: set[int] = set()
-    original = outer_passes.PieceHashes.add
+    original = piece_workers.PieceHashes.add
 
     def add(self: Any, start: int, piece: torch.Tensor, scratch: torch.Tensor) -> None:
         threads.add(threading.get_ident())
@@ -127,7 +128,7 @@ def test_a_sync_point_runs_on_the_cores_of_its_rank_one_thread_per_op(monkeypatc
         op_threads.add(torch.get_num_threads())
         original(self, start, piece, scratch)
 
-    monkeypatch.setattr(outer_passes.PieceHashes, "add", add)
+    monkeypatch.setattr(piece_workers.PieceHashes, "add", add)
     torch.set_num_threads(2)
     try:
         state.finish_and_start(torch.randn(state.numel()), 3.0, torch.empty(state.numel()), 1.0)

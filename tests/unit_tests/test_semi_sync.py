@@ -23,7 +23,12 @@ from torchtitan.experiments.fault_tolerance.fragments import build_model_fragmen
 from torchtitan.experiments.fault_tolerance.lineage import Lineage
 from torchtitan.experiments.fault_tolerance.method_state import SemiSyncState
 from torchtitan.experiments.fault_tolerance.periodic import DiLoCo, LocalSGD
-from torchtitan.experiments.fault_tolerance.quorum_protocol import QuorumFindings, QuorumProtocol
+from torchtitan.experiments.fault_tolerance.quorum_exchange import (
+    QuorumExchange,
+    QuorumFindings,
+    StartUp,
+)
+from torchtitan.experiments.fault_tolerance.quorum_protocol import QuorumProtocol
 from torchtitan.experiments.fault_tolerance.reporting import SyncReporter
 from torchtitan.experiments.fault_tolerance.sync_quorum import (
     FRESH,
@@ -179,7 +184,7 @@ def test_semi_sync_state_round_trips_through_dcp_into_a_fresh_process(tmp_path: 
 def test_error_feedback_residuals_come_back_with_a_restart(tmp_path: Path) -> None:
     """What each rank's compression still owed is in the checkpoint and owed again after a
     restart, per fragment, committed and staged alike."""
-    from torchtitan.experiments.fault_tolerance.transport import FragmentResiduals
+    from torchtitan.experiments.fault_tolerance.fragment_residuals import FragmentResiduals
 
     loop, _ = diloco(small_model(), fragments=2)
     numels = [sum(p.numel() for p in f.parameters()) for f in loop.fragments]
@@ -262,8 +267,7 @@ def _stub(local_step: int, starting: bool = False) -> SimpleNamespace:
         ft=SimpleNamespace(manager=SimpleNamespace(current_step=lambda: 7)),
         train_state=SimpleNamespace(step=30),
         period=4,
-        starting=starting,
-        _peer=None,
+        start_up=StartUp(FRESH) if starting else None,
         sync=SimpleNamespace(reset_error_feedback=lambda: resets.append(1), resets=resets),
         lineage=Lineage(),
         heal=SimpleNamespace(
@@ -315,7 +319,7 @@ def test_a_running_group_healed_at_another_position_stops() -> None:
 def test_a_starting_group_takes_its_peer_s_position() -> None:
     stub = _stub(0, starting=True)
     QuorumProtocol.load_peer(stub, peer(3, replica_id=1))  # type: ignore[arg-type]
-    assert stub._peer == peer(3, replica_id=1)
+    assert stub.start_up.peer == peer(3, replica_id=1)
 
 
 def test_digests_agree_or_name_a_majority() -> None:
@@ -416,7 +420,7 @@ def test_emulated_slowdown_computes_more_and_leaves_the_gradients_alone(
 
 
 class _Disagreeing:
-    """What ``QuorumProtocol._act_on_disagreement`` uses of the trainer: its Manager (at sync
+    """What ``QuorumExchange._act_on_disagreement`` uses of the trainer: its Manager (at sync
     #4) and where it announces the step it steps back to."""
 
     def __init__(self) -> None:
@@ -437,7 +441,7 @@ def test_after_a_disagreement_only_the_minority_steps_back(
     majority steps its Manager back one sync (so torchft heals it from a majority group),
     and says so; a majority group stays where it is and says that the minority is elsewhere."""
     trainer = _Disagreeing()
-    act = QuorumProtocol._act_on_disagreement
+    act = QuorumExchange._act_on_disagreement
     act(cast(Any, trainer), [7, 7, 9], no_majority=False, minority=minority)
     assert len(trainer.errors) == 1  # the sync is not committed, by any group
     names = [e.name for e in events]
@@ -450,7 +454,7 @@ def test_after_a_disagreement_only_the_minority_steps_back(
 
 def test_without_a_majority_every_group_stops() -> None:
     with pytest.raises(FaultToleranceError, match="no majority"):
-        act = QuorumProtocol._act_on_disagreement
+        act = QuorumExchange._act_on_disagreement
         act(cast(Any, _Disagreeing()), [7, 9], no_majority=True, minority=False)
 
 

@@ -18,12 +18,9 @@ from tests.unit_tests.test_compression import _varied
 from torchtitan.components.ft import FaultToleranceError, torchft_adapter
 from torchtitan.experiments.fault_tolerance import events
 from torchtitan.experiments.fault_tolerance.compression import get_codec
+from torchtitan.experiments.fault_tolerance.fragment_residuals import FragmentResiduals
 from torchtitan.experiments.fault_tolerance.job_config import PSEUDO_GRAD_DTYPES
-from torchtitan.experiments.fault_tolerance.transport import (
-    CollectiveTimeout,
-    FragmentResiduals,
-    bucket_numel,
-)
+from torchtitan.experiments.fault_tolerance.transport import CollectiveTimeout, bucket_numel
 from torchtitan.tools.events import event_of
 
 

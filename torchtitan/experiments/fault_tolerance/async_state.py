@@ -1,20 +1,16 @@
 """Async DiLoCo's state (``async_diloco`` runs the algorithm around it).
 
-* :class:`FragmentState`, one per fragment: its global copy, where this group's local period
-  started, the outer optimizer over the global copy, and the outer step and the copies between
-  the model and that state.
-* :class:`InFlightSync`: the sync in flight, one fragment's pseudo-gradient all-reduce from its
-  start at a sync point to its verdict at the next, and how it is saved. It sums
-  ``[tokens x pseudo-gradient, tokens]`` over the groups, so the average is weighted by the
-  tokens each group processed in the fragment's period (arXiv 2401.09135). A sync is *arrived*
-  when its result is in the buffer and known good (waited for by a checkpoint, or loaded from
-  one or from a peer); it is still undecided, committed or dropped at the next sync point alike
-  in every group, as in an uninterrupted job. A sync whose all-reduce failed never arrives.
+* :class:`FragmentState`, one per fragment: its global copy, outer optimizer, where this
+  group's local period started, and the outer step and copies between the model and that state.
+* :class:`InFlightSync`: one fragment's all-reduce of ``[tokens x pseudo-gradient, tokens]``
+  (a token-weighted average, arXiv 2401.09135) from one sync point to its verdict at the next.
+  It is *arrived* when its result is in the buffer and known good (waited for by a checkpoint,
+  or loaded from one or from a peer); it is still committed or dropped at the next sync point
+  alike in every group. A sync whose all-reduce failed never arrives.
 
-The global copies, the outer momentum and the start of the local period live on the state
-device (the CPU by default: 3x the parameters off the accelerator; pinned when a GPU is
-present). Copies between the model and the state are queued without blocking the host and
-waited for where the host reads or rewrites their tensors.
+The outer state lives on the state device (the CPU by default, pinned when a GPU is present);
+copies between it and the model are queued without blocking and waited for where the host
+reads or rewrites their tensors.
 """
 
 from __future__ import annotations
@@ -44,10 +40,9 @@ if TYPE_CHECKING:
 
 
 def async_outer(lr: float, momentum: float, nesterov: bool, momentum_every: int) -> MakeOuter:
-    """Async DiLoCo's outer optimizer over a fragment's global copy: Delayed Nesterov with the
-    momentum updated every ``momentum_every`` > 1 outer steps, else torch's SGD, fused on the
-    host (the kernel a sync point's passes call on each piece of it, ``outer_passes``, so both
-    give the same bits)."""
+    """Async DiLoCo's outer optimizer: Delayed Nesterov with the momentum updated every
+    ``momentum_every`` > 1 outer steps, else torch's SGD, fused on the host (the kernel the
+    passes of ``outer_passes`` call on each piece: the same bits)."""
 
     def make(tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
         if momentum_every > 1:
@@ -74,15 +69,15 @@ class FragmentState(Fragment):
         make_outer: MakeOuter,
         host_threads: int = 0,
     ) -> None:
-        """``device``: where the outer state lives; ``host_threads``: threads for a sync
-        point's host work (0: this rank's share of the host's cores)."""
+        """``device``: where the outer state lives; ``host_threads``: for a sync point's host
+        work (0: this rank's share of the host's cores)."""
         super().__init__(module, make_outer, device)
         self.period_start = {
             n: state_tensor(local_tensor(p), device) for n, p in self.params.items()
         }
         #: Inner steps this group took since the fragment's last sync point.
         self.steps = 0
-        #: A sync point's host work in one or two passes (plain SGD, outer state on the host).
+        #: A sync point's host work in passes, where they apply (``passes.usable()``).
         self.passes = SyncPointPasses(
             self.params, self.global_copy, self.period_start, self.outer, self.model_device,
             host_threads,
@@ -101,9 +96,8 @@ class FragmentState(Fragment):
         self.follow_global()
 
     def start(self, out: torch.Tensor, share: float | None, tokens: float = 1.0) -> None:
-        """This group's pseudo-gradient into ``out`` (:meth:`pseudo_gradient`), the next
-        local period (:meth:`start_period` with ``share x out`` as the estimate; ``share``
-        None: none), then ``out`` scaled by ``tokens`` (its weight in the all-reduce)."""
+        """This group's pseudo-gradient into ``out``, the next local period (:meth:`start_period`
+        with ``share x out``; ``share`` None: none), then ``out`` scaled by ``tokens``."""
         if self.passes.usable():
             self.passes.start(out, share, tokens)
             return
@@ -128,12 +122,12 @@ class FragmentState(Fragment):
         self.start(out, share, tokens)
 
     def global_chunk_hashes(self) -> list[int]:
-        """The chunk hashes of the global copy (``tools.digest``), taken once per change."""
+        """The global copy's chunk hashes (``tools.digest``), taken once per change."""
         if self.passes.usable():
             return self.passes.global_chunk_hashes()
         return [h for t in self.global_copy.values() for h in chunk_hashes(t)]
 
-    # ---- the whole-fragment operations (other outer optimizers, replays, heals) ----------------
+    # ---- whole-fragment operations (other outer optimizers, heals); the passes' reference ----
 
     @torch.no_grad()
     def take_model(self) -> None:
@@ -144,23 +138,18 @@ class FragmentState(Fragment):
 
     @torch.no_grad()
     def pseudo_gradient(self, out: torch.Tensor) -> None:
-        """Write start - model (this group's progress since its local period started, with
-        the sign of a gradient) into the flat ``out``."""
-        offset = 0
-        for name, p in self.params.items():
-            local = local_tensor(p.data)
-            n = local.numel()
-            view = out[offset : offset + n].view_as(local)
-            view.copy_(self.period_start[name], non_blocking=self.non_blocking)
-            view.sub_(local)
-            offset += n
+        """start - model (the progress since the local period started, as a gradient) into the
+        flat ``out``."""
+        views = self.views(out)
+        for name, local in self.locals().items():
+            views[name].copy_(self.period_start[name], non_blocking=self.non_blocking)
+            views[name].sub_(local)
         wait_for_copies(self.model_device)  # the host rewrites ``start`` next
 
     @torch.no_grad()
     def follow_global(self) -> None:
-        """Shift the local copy by how far the global copy is from the local start, and start
-        the local period there: inner progress since is kept, what the period assumed about
-        the global copy is replaced by what it is."""
+        """Shift the local copy by global copy - local start and start the period there: the
+        inner progress is kept, what the period assumed of the global copy is replaced."""
         for name, p in self.params.items():
             local = local_tensor(p.data)
             shift = self.global_copy[name] - self.period_start[name]
@@ -171,19 +160,14 @@ class FragmentState(Fragment):
 
     @torch.no_grad()
     def start_period(self, estimate: torch.Tensor | None, scale: float = 1.0) -> None:
-        """Start the fragment's next local period at the global copy, moved by the outer step
-        ``scale x estimate`` (a flat pseudo-gradient) would make when given (``eager``)."""
-        offset = 0
+        """Start the next local period at the global copy, moved by the outer step ``scale x
+        estimate`` (a flat pseudo-gradient) would make when given (``eager``)."""
         lr = self.outer.param_groups[0]["lr"]
         if estimate is not None:  # from the device to the host, all queued, waited for once
-            grads = {}
-            for name in self.params:
-                n = self.period_start[name].numel()
-                part = estimate[offset : offset + n].view_as(self.period_start[name])
-                grads[name] = part.to(
-                    self.period_start[name].device, non_blocking=self.non_blocking
-                )
-                offset += n
+            grads = {
+                name: view.to(self.period_start[name].device, non_blocking=self.non_blocking)
+                for name, view in self.views(estimate).items()
+            }
             wait_for_copies(estimate.device)
         for name, p in self.params.items():
             target = self.period_start[name]
@@ -197,11 +181,9 @@ class FragmentState(Fragment):
     def _outer_step_on(
         self, target: torch.Tensor, name: str, grad: torch.Tensor, lr: float
     ) -> None:
-        """Move ``target``, a copy of the global copy ``name``, as the outer optimizer's next
-        step would move the global copy for gradient ``grad``, its state left as it is: with
-        SGD, that step itself (its kernel, on a copy of the momentum), so that the estimate
-        ``eager`` applies is exactly where the outer step would go if every group had sent
-        the same pseudo-gradient as this one."""
+        """Move ``target``, a copy of global copy ``name``, as the outer step for ``grad`` would
+        move it, the optimizer's state unchanged (SGD: its own kernel on a copy of the
+        momentum, so ``eager`` lands exactly where the outer step would)."""
         copy = self.global_copy[name]
         if isinstance(self.outer, DelayedNesterov):
             target.sub_(self.outer.direction(copy, grad), alpha=lr)
@@ -216,11 +198,10 @@ class FragmentState(Fragment):
         )  # fmt: skip
 
     def checkpoint(self) -> dict[str, Any]:
-        """What a checkpoint holds of the fragment besides its global copy and momentum: the
-        start of the local period (laid out like the parameters), the inner steps since the
-        fragment's last sync point and, with Delayed Nesterov, where in its window the outer
-        optimizer is and the pseudo-gradients summed in the window so far (zeros where nothing
-        is summed, so that every checkpoint has the same keys)."""
+        """A checkpoint's entry besides the global copy and momentum: the local start (laid out
+        like the parameters), the inner steps since the last sync point and, with Delayed
+        Nesterov, its step and the window's pseudo-gradient sums (zeros where none: every
+        checkpoint has the same keys)."""
         saved: dict[str, Any] = {
             "local_start": {
                 name: as_param_layout(p, self.period_start[name]) for name, p in self.params.items()
@@ -246,28 +227,26 @@ class FragmentState(Fragment):
         if isinstance(self.outer, DelayedNesterov):
             self.outer.param_groups[0]["step"] = int(saved["outer_step"])
             for name, value in saved["grad_sum"].items():
-                target = self.global_copy[name]
-                self.outer.state[target]["grad_sum"] = local_tensor(value).to(
-                    target.device, copy=True
-                )
+                copy = self.global_copy[name]
+                self.outer.state[copy]["grad_sum"] = local_tensor(value).to(copy.device, copy=True)
 
     def heal_state(self) -> dict[str, Any]:
         return super().heal_state() | {"period_start": self.period_start, "steps": self.steps}
 
     @torch.no_grad()
     def load_heal_state(self, saved: dict[str, Any]) -> None:
-        """The peer's global copy, outer state and local start (which goes with the model the
-        peer sends alongside): this group goes on exactly as the peer."""
+        """The peer's global copy, outer state and local start (which go with its model): this
+        group goes on exactly as the peer."""
         super().load_heal_state(saved)
         for name, value in saved["period_start"].items():
             self.period_start[name].copy_(local_tensor(value))
-        # The peer's inner steps since the fragment's last sync point go with its model (a
-        # group that was behind in a sync quorum then drops them: ``AsyncDiLoCo._after_heal``).
+        # They go with the peer's model (a group behind in a sync quorum drops them: _after_heal).
         self.steps = int(saved["steps"])
 
 
 class _AllTransfers:
-    """The works of one sync's all-reduce: the pseudo-gradient and, exact, the token count."""
+    """The works of one sync's all-reduce: the pseudo-gradient and, exact, the token count
+    (none: its result was loaded from a checkpoint or a peer)."""
 
     def __init__(self, works: list[Any]) -> None:
         self.works = works
@@ -277,13 +256,6 @@ class _AllTransfers:
             work.wait()
 
 
-class _AlreadyArrived:
-    """The work of an all-reduce whose result is already in its buffer."""
-
-    def wait(self) -> None:
-        pass
-
-
 @dataclass
 class InFlightSync:
     """A started all-reduce: ``buffer`` holds [sum of tokens x pseudo-gradient, sum of tokens]
@@ -291,7 +263,7 @@ class InFlightSync:
 
     fragment: int
     buffer: torch.Tensor
-    work: _AllTransfers | _AlreadyArrived
+    work: _AllTransfers
     #: This group's inner steps and tokens in the sync (its weight before normalizing).
     inner_steps: int
     tokens: int
@@ -302,9 +274,8 @@ class InFlightSync:
 
     @property
     def loaded(self) -> bool:
-        """The result came from a checkpoint or a peer: no transfer of this process carried
-        it."""
-        return isinstance(self.work, _AlreadyArrived)
+        """The result came from a checkpoint or a peer, not from this process's transfers."""
+        return not self.work.works
 
     @classmethod
     def start(
@@ -317,16 +288,14 @@ class InFlightSync:
         scaled: bool = False,
     ) -> InFlightSync:
         """All-reduce (SUM) ``[tokens x pseudo-gradient, tokens]`` for the pseudo-gradient in
-        ``buffer[:-1]`` (``scaled``: already multiplied by ``tokens``), from ``steps`` inner
-        steps (0 tokens: this group sends zeros)."""
+        ``buffer[:-1]`` (``scaled``: already times ``tokens``; 0 tokens: zeros are sent)."""
         if tokens == 0:
             buffer.zero_()
         else:
             if not scaled:
                 buffer[:-1].mul_(tokens)
             buffer[-1] = tokens
-        # The pseudo-gradient as pseudo_grad_dtype says, the token count exact (fp32, no error
-        # feedback); all of it sent now, to arrive while the next period computes.
+        # The token count exact (fp32, no error feedback); both sent now, to arrive meanwhile.
         works = [
             manager.allreduce(buffer[:-1], reduce_op=ReduceOp.SUM),
             manager.allreduce(buffer[-1:], reduce_op=ReduceOp.SUM, exact=True),
@@ -335,23 +304,21 @@ class InFlightSync:
         return cls(fragment, buffer, _AllTransfers(works), steps, tokens)
 
     def decide(self, manager: SyncManager) -> tuple[SyncOutcome, torch.Tensor | None, float]:
-        """Wait, commit or not (alike in every group): the outcome, and the sums to average
-        and their total of tokens (None: nothing to apply; ``FragmentState.finish``). The
-        average's sum of squares, when there is one, is in :attr:`average_squares`."""
+        """Wait, commit or not (alike in every group): the outcome, the sums to average (None:
+        nothing to apply) and their total of tokens; the average's sum of squares goes into
+        :attr:`average_squares`."""
         self.work.wait()  # a failed all-reduce is recorded by the Manager, not raised
         committed = bool(manager.should_commit())
         total = float(self.buffer[-1])
         sums = self.buffer[:-1] if committed and total > 0 else None
         if sums is not None:
-            # Taken by the transport where the sums arrived (a loaded sync: here, rarely).
+            # Taken by the transport where the sums arrived; a loaded sync's here.
             found = None if self.loaded else manager.sync_squares()
             found = float(torch.dot(sums, sums)) if found is None else found
             self.average_squares = found / total**2
-        # Bytes of a sync loaded as arrived: its payload (the process that saved it sent it).
+        # A loaded sync's bytes: its payload (the process that saved it sent it).
         sent, compression_s = (
-            (self.buffer.numel() * 4, None)
-            if isinstance(self.work, _AlreadyArrived)
-            else manager.sync_stats()
+            (self.buffer.numel() * 4, None) if self.loaded else manager.sync_stats()
         )
         outcome = SyncOutcome(
             manager.current_step() + (0 if committed else 1),
@@ -367,56 +334,43 @@ class InFlightSync:
         return outcome, sums, total
 
     def wait_for_checkpoint(self, manager: SyncManager, agree: Callable[[int], int]) -> None:
-        """Wait for the result (a checkpoint blocks anyway) and mark it arrived unless the
-        all-reduce failed; ``agree``: the most of the group's ranks' numbers (each rank sees
-        only its own shards' failure, and the group decides alike)."""
+        """Wait for the result and mark it arrived unless the all-reduce failed; ``agree``: the
+        most of the group's ranks' numbers (each rank sees only its own shards' failure)."""
         if self.arrived:
             return
         self.work.wait()
         self.arrived = not agree(int(manager.sync_failed()))
 
-    # ---- to and from a peer ------------------------------------------------------------------
-
     def for_heal(self) -> dict[str, Any]:
-        return {
-            "fragment": self.fragment,
-            "buffer": self.buffer,
-            "inner_steps": self.inner_steps,
-            "tokens": self.tokens,
-        }
+        return {k: getattr(self, k) for k in ("fragment", "buffer", "inner_steps", "tokens")}
 
     @classmethod
     def from_heal(cls, saved: dict[str, Any]) -> InFlightSync:
         return cls(
             int(saved["fragment"]),
             saved["buffer"].detach().clone(),
-            _AlreadyArrived(),
+            _AllTransfers([]),
             int(saved["inner_steps"]),
             int(saved["tokens"]),
             arrived=True,
         )
 
 
-# ---- to and from a checkpoint ----------------------------------------------------------------
-
-
 def checkpoint_arrived(kept: InFlightSync | None, states: list[FragmentState]) -> dict[str, Any]:
-    """The checkpoint entry of an arrived sync (``kept``; None: none). Every parameter of the
-    model has an entry (zeros outside the kept fragment), so the keys do not depend on which
-    fragment was in flight and a fresh process offers DCP the same tensors to load into."""
+    """The checkpoint entry of an arrived sync (``kept``; None: none). Every parameter has an
+    entry (zeros outside the kept fragment): the keys do not depend on which fragment was in
+    flight, and a fresh process offers DCP the same tensors to load into."""
     sums: dict[str, dict[str, torch.Tensor]] = {}
     for index, state in enumerate(states):
-        offset = 0
-        part_of = sums[f"fragment_{index}"] = {}
-        for name, p in state.params.items():
-            numel = local_tensor(p.data).numel()
-            part = (
-                kept.buffer[offset : offset + numel].view_as(local_tensor(p.data))
-                if kept is not None and kept.fragment == index
-                else torch.zeros_like(state.global_copy[name])  # where the outer state lives
+        held = (
+            state.views(kept.buffer[:-1]) if kept is not None and kept.fragment == index else None
+        )
+        sums[f"fragment_{index}"] = {
+            name: as_param_layout(
+                p, held[name] if held is not None else torch.zeros_like(state.global_copy[name])
             )
-            part_of[name] = as_param_layout(p, part)
-            offset += numel
+            for name, p in state.params.items()
+        }
     return {
         "fragment": kept.fragment if kept is not None else -1,
         "inner_steps": kept.inner_steps if kept is not None else 0,
@@ -437,7 +391,7 @@ def load_arrived(saved: dict[str, Any], states: list[FragmentState]) -> InFlight
     return InFlightSync(
         fragment,
         torch.cat([*parts, tokens]),
-        _AlreadyArrived(),
+        _AllTransfers([]),
         int(saved["inner_steps"]),
         int(saved["own_tokens"]),
         arrived=True,

@@ -62,3 +62,14 @@ def build_model_fragments(model: nn.Module, job_config: JobConfig) -> list[nn.Mo
     for name, p in model.named_parameters():
         groups[owner.get(id(p), count - 1)].append((name, p))
     return [ModelFragment(group) for group in groups]
+
+
+def describe_fragments(fragments: list[nn.Module]) -> list[str]:
+    """One log line per fragment (none for one): its tensors, first and last."""
+    if len(fragments) == 1:
+        return []
+    lines = []
+    for i, fragment in enumerate(fragments):
+        names = cast(ModelFragment, fragment).fqns()  # several: build_model_fragments made all
+        lines.append(f"[semi-sync] fragment {i}: {len(names)} tensors, {names[0]} .. {names[-1]}")
+    return lines

@@ -17,12 +17,14 @@ from torchtitan.experiments.fault_tolerance.fragments import build_model_fragmen
 from torchtitan.experiments.fault_tolerance.heal_history import HealHistory
 from torchtitan.experiments.fault_tolerance.job_config import FaultTolerance, semi_sync_config
 from torchtitan.experiments.fault_tolerance.outer_loop import OuterLoop
+from torchtitan.experiments.fault_tolerance.peer_watch import PeerWatch
 from torchtitan.experiments.fault_tolerance.periodic import DiLoCo, LocalSGD
 from torchtitan.experiments.fault_tolerance.speed_exchange import SpeedExchange
+from torchtitan.experiments.fault_tolerance.sync_quorum import SyncManager, most_of_one_in_group
+from torchtitan.experiments.fault_tolerance.transport import SyncTransport
 
 if TYPE_CHECKING:
     from torchtitan.components.ft import FTManager
-    from torchtitan.experiments.fault_tolerance.sync_quorum import SyncManager
     from torchtitan.trainer import TrainState
 
 
@@ -77,6 +79,40 @@ def build_method(
         alpha=ft.fragment_update_alpha,
         should_quantize=ft.should_quantize,
         history=history,
+    )
+
+
+def build_sync_manager(
+    ft: FaultTolerance,
+    ft_manager: FTManager,
+    history: HealHistory,
+    device: torch.device,
+    group_ranks: int,
+) -> SyncManager:
+    """The sync Manager the method syncs through, with its transport; ``history``: what
+    each committed sync delivered is kept when it keeps any."""
+    transport = SyncTransport(
+        wire_dtype(ft),
+        error_feedback=ft.error_feedback,
+        residual_decay=residual_decay(ft),
+        bucket_mb=ft.sync_bucket_mb,
+        timeout_s=ft.sync_collective_timeout_s,
+        peers=PeerWatch(ft_manager.lighthouse),
+        keep_delivered=history.capacity > 0,
+    )
+    return SyncManager(
+        ft_manager,
+        ft.min_replica_size,
+        ft.sync_quorum_timeout_s,
+        transport=transport,
+        fragments=ft.fragment_count(),
+        # The ranks of this group decide alike (one MAX all-reduce in the group; a group of
+        # one rank decides alone).
+        agree_in_group=(
+            functools.partial(most_of_one_in_group, device=device)
+            if group_ranks > 1
+            else lambda n: n
+        ),
     )
 
 

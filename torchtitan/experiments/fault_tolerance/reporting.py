@@ -23,7 +23,7 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.experiments.fault_tolerance import events
 from torchtitan.experiments.fault_tolerance.job_config import semi_sync_config
 from torchtitan.experiments.fault_tolerance.lineage import Lineage
-from torchtitan.experiments.fault_tolerance.outer_loop import OuterLoop, local_tensor
+from torchtitan.experiments.fault_tolerance.outer_loop import Ending, OuterLoop, local_tensor
 from torchtitan.tools.digest import tensor_digest
 from torchtitan.tools.logging import logger
 
@@ -207,6 +207,31 @@ class SyncReporter:
             over_params=sum(held.values()) / max(params, 1),
             **mib,
         )
+
+    def report_final(self, step: int, ending: Ending, digest: str) -> None:
+        """The model every group ends with (``digest``: of this rank's parameters), and how
+        the job's lineage reached it."""
+        manager = self.ft.manager
+        lineage = self.lineage
+        shared = lineage.last_shared_sync if lineage.last_shared_sync >= 0 else None
+        events.FINAL_MODEL.emit(
+            step=step,
+            sync=manager.current_step(),
+            method=self.loop.method,
+            closing_sync_steps=ending.closing_sync_steps,
+            dropped_inner_steps=ending.dropped_inner_steps,
+            last_shared_sync=shared,
+            solo_syncs=lineage.solo_syncs,
+            solo_since=lineage.solo_since or None,
+            digest=digest,
+        )
+        if lineage.solo_syncs and self.job_config.fault_tolerance.group_size > 1:
+            events.FINISHED_ALONE.emit(
+                step=step, sync=manager.current_step(), last_shared_sync=shared,
+                solo_syncs=lineage.solo_syncs,
+            )  # fmt: skip
+        if self.job_config.metrics.log_param_digest:
+            events.FINAL_DIGEST.emit(step=step, digest=digest)
 
     def _check_period_length(self) -> None:
         """Warn once when a period comes close to the sync quorum timeout: a restarted group

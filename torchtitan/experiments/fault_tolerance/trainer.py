@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -35,36 +35,32 @@ from torchtitan.components.ft import torchft_adapter as tft
 from torchtitan.components.lr_scheduler import move_schedule_to
 from torchtitan.config.job_config import ConfigError, JobConfig
 from torchtitan.experiments.fault_tolerance import events
-from torchtitan.experiments.fault_tolerance.fragments import ModelFragment
-from torchtitan.experiments.fault_tolerance.heal_history import job_fingerprint
-from torchtitan.experiments.fault_tolerance.heal_transport import (
+from torchtitan.experiments.fault_tolerance.fragments import describe_fragments
+from torchtitan.experiments.fault_tolerance.heal_exchange import (
     HEAL_KEY,
     HealExchange,
-    build_history_transport,
     job_fingerprint_parts,
 )
+from torchtitan.experiments.fault_tolerance.heal_history import job_fingerprint
+from torchtitan.experiments.fault_tolerance.heal_transport import build_history_transport
 from torchtitan.experiments.fault_tolerance.job_config import SEMI_SYNC_METHODS, semi_sync_config
 from torchtitan.experiments.fault_tolerance.lineage import Lineage
 from torchtitan.experiments.fault_tolerance.method_state import SemiSyncState
 from torchtitan.experiments.fault_tolerance.methods import (
     build_method,
     build_speed_exchange,
+    build_sync_manager,
     describe,
     heal_history,
-    residual_decay,
     wire_dtype,
 )
 from torchtitan.experiments.fault_tolerance.outer_loop import OuterLoop
-from torchtitan.experiments.fault_tolerance.peer_watch import PeerWatch
 from torchtitan.experiments.fault_tolerance.quorum_protocol import JoinAtSync, QuorumProtocol
 from torchtitan.experiments.fault_tolerance.reporting import SyncReporter
 from torchtitan.experiments.fault_tolerance.shapes import CollectiveShape
 from torchtitan.experiments.fault_tolerance.sync_quorum import (
-    SyncManager,
     most_in_group,
-    most_of_one_in_group,
 )
-from torchtitan.experiments.fault_tolerance.transport import SyncTransport
 from torchtitan.tools import host_memory
 from torchtitan.tools.digest import tensor_digest
 from torchtitan.tools.logging import logger
@@ -74,7 +70,7 @@ from torchtitan.trainer import StepResult, Trainer
 
 
 class SemiSyncTrainer(Trainer):
-    """Trains with ``fault_tolerance.semi_sync_method`` (LocalSGD or DiLoCo) across groups."""
+    """Trains with ``fault_tolerance.semi_sync_method`` across replica groups."""
 
     params_agree_every_step = False  # they agree after each sync: SyncReporter.global_digest
     # Never None here, unlike in the core Trainer: __init__ checks that fault tolerance is on.
@@ -96,107 +92,49 @@ class SemiSyncTrainer(Trainer):
         self.method: str = method
         super().__init__(job_config)
         assert self.ft is not None
+        ranks = self.parallel_dims.world_size
+        most = functools.partial(most_in_group, device=self.device)
         history = heal_history(ft)
-        transport = SyncTransport(
-            wire_dtype(ft),
-            error_feedback=ft.error_feedback,
-            residual_decay=residual_decay(ft),
-            bucket_mb=ft.sync_bucket_mb,
-            timeout_s=ft.sync_collective_timeout_s,
-            peers=PeerWatch(self.ft.lighthouse),
-            keep_delivered=history.capacity > 0,
-        )
-        self.sync = SyncManager(
-            self.ft,
-            ft.min_replica_size,
-            ft.sync_quorum_timeout_s,
-            transport=transport,
-            fragments=ft.fragment_count(),
-            # The ranks of this group decide alike (one MAX all-reduce in the group; a group
-            # of one rank decides alone).
-            agree_in_group=(
-                functools.partial(most_of_one_in_group, device=self.device)
-                if self.parallel_dims.world_size > 1
-                else lambda n: n
-            ),
-        )
+        self.sync = build_sync_manager(ft, self.ft, history, self.device, ranks)
         self.algorithm: OuterLoop = build_method(
-            job_config,
-            self.sync,
-            self.model,
-            self.optimizer,
-            self.device,
-            group_ranks=self.parallel_dims.world_size,
-            history=history,
-        )
-        fingerprint = job_fingerprint(job_fingerprint_parts(job_config, self.model))
-        shape = CollectiveShape.of(
-            self.algorithm.fragments,
-            self.parallel_dims.world_size,
-            transport.bucket_numel,
-            wire_dtype(ft),
-        )
-        self.heal = HealExchange(history, fingerprint, self.algorithm, self.ft, shape)
-        self.fragments = self.algorithm.fragments
+            job_config, self.sync, self.model, self.optimizer, self.device,
+            group_ranks=ranks, history=history,
+        )  # fmt: skip
         self.period = self.algorithm.period
         # DyLU: groups take different numbers of inner steps, so training ends after a number
         # of sync points (the fastest group's steps), and the learning rate follows the job's
         # progress through them.
         self.dynamic = ft.dynamic_local_steps
         self.total_sync_points = job_config.training.steps // self.period
+        fingerprint = job_fingerprint(job_fingerprint_parts(job_config, self.model))
+        fragments = self.algorithm.fragments
+        bucket = self.sync.transport.bucket_numel
+        shape = CollectiveShape.of(fragments, ranks, bucket, wire_dtype(ft))
+        self.heal = HealExchange(history, fingerprint, self.algorithm, self.ft, shape)
         self.lineage = Lineage()
         self.reporter = SyncReporter(
-            job_config,
-            self.algorithm,
-            self.sync,
-            self.ft,
-            self.metrics,
-            self.lineage,
-            self.device,
-            self.parallel_dims.world_size,
-        )
+            job_config, self.algorithm, self.sync, self.ft, self.metrics, self.lineage,
+            self.device, ranks,
+        )  # fmt: skip
         self.state = SemiSyncState(self)
         self.register_state("semi_sync", self.state, heal=False)
-        # Not a checkpointed state: where in the sync period the sending group is, so that a
-        # group healing from it continues from the same point (and joins its sync if it is
-        # at one).
-        self.protocol = QuorumProtocol(
-            job_config,
-            self.ft,
-            self.sync,
-            self.algorithm,
-            self.lineage,
-            self.reporter,
-            self.train_state,
-            self.device,
-            self.parallel_dims.world_size,
-            functools.partial(most_in_group, device=self.device),
-            self.heal,
-            shape,
-            build_speed_exchange(
-                job_config,
-                self.algorithm,
-                self.ft,
-                self.train_state,
-                self.device,
-                self.parallel_dims.world_size,
-                functools.partial(most_in_group, device=self.device),
-            ),
+        speeds = build_speed_exchange(
+            job_config, self.algorithm, self.ft, self.train_state, self.device, ranks, most
         )
+        self.protocol = QuorumProtocol(
+            job_config, self.ft, self.sync, self.algorithm, self.lineage, self.reporter,
+            self.train_state, self.device, ranks, most, self.heal, shape, speeds,
+        )  # fmt: skip
+        # Healing state besides the checkpointed one: where in its period the sending group
+        # is, so that the healed group continues from there (and joins its sync if at one).
         self.ft.register_state_dict_fn(
             "semi_sync_position", self.protocol.load_peer, self.protocol.position
         )
         # Last: torchft loads the healing state in this order, and a replay's check (its global
         # copies into the model, against the peer's digests) comes after all.
         self.ft.register_state_dict_fn(HEAL_KEY, self.heal.load, self.heal.placeholder)
-        logger.info(describe(job_config, self.algorithm))
-        if len(self.fragments) > 1:
-            for i, fragment in enumerate(self.fragments):
-                # cast: with more than one fragment, build_model_fragments made them all.
-                names = cast(ModelFragment, fragment).fqns()
-                logger.info(
-                    f"[semi-sync] fragment {i}: {len(names)} tensors, {names[0]} .. {names[-1]}"
-                )
+        for line in [describe(job_config, self.algorithm), *describe_fragments(fragments)]:
+            logger.info(line)
         if job_config.training.steps % ft.sync_steps:
             logger.warning(
                 f"[semi-sync] training.steps={job_config.training.steps} is not a multiple of "
@@ -343,7 +281,6 @@ class SemiSyncTrainer(Trainer):
         checkpoint and validation). DiLoCo puts every fragment's global copy back into the
         model (a started all-reduce is let finish and dropped, alike in every group); LocalSGD
         runs a closing sync if the last step was not one."""
-        manager = self.ft.manager
         self.reporter.new_sync()
         start = time.perf_counter()
         ending = self.algorithm.finish(self.protocol)
@@ -353,27 +290,7 @@ class SemiSyncTrainer(Trainer):
             self.reporter.report(self.train_state.step + 1)
         step = self.train_state.step + 1
         self.reporter.report_outer_state(step)
-        digest = tensor_digest(self.model.parameters())
-        lineage = self.lineage
-        shared = lineage.last_shared_sync if lineage.last_shared_sync >= 0 else None
-        events.FINAL_MODEL.emit(
-            step=step,
-            sync=manager.current_step(),
-            method=self.method,
-            closing_sync_steps=ending.closing_sync_steps,
-            dropped_inner_steps=ending.dropped_inner_steps,
-            last_shared_sync=shared,
-            solo_syncs=lineage.solo_syncs,
-            solo_since=lineage.solo_since or None,
-            digest=digest,
-        )
-        if lineage.solo_syncs and self.job_config.fault_tolerance.group_size > 1:
-            events.FINISHED_ALONE.emit(
-                step=step, sync=manager.current_step(), last_shared_sync=shared,
-                solo_syncs=lineage.solo_syncs,
-            )  # fmt: skip
-        if self.job_config.metrics.log_param_digest:
-            events.FINAL_DIGEST.emit(step=step, digest=digest)
+        self.reporter.report_final(step, ending, tensor_digest(self.model.parameters()))
 
     # ---- the optimizer hooks around the method's -----------------------------------------------
 

@@ -13,13 +13,12 @@ The names are ``fault_tolerance.pseudo_grad_dtype``'s choices (``PSEUDO_GRAD_DTY
   scales, then ``ceil(numel / 2)`` bytes, two values per byte, element ``2i`` in the low nibble
   and ``2i + 1`` in the high nibble, each stored as ``q + 8`` (an odd tail is padded with 8).
 
-The scales come first so that they sit 4-byte aligned and can be read without a copy. Decoding
-is an exact cast (for int4 also an exact subtraction of 8) followed by one IEEE fp32 multiply
-per element: the same bytes decode to the same values on every rank and device. An encode
-goes through the tensor ``PIECE`` values at a time, in temporaries reused from one call to the
-next (:class:`Scratch`), and can compute what it dropped (the error-feedback residual) without
-decoding its own bytes. Inputs must be finite: an inf or NaN makes its block's scale
-non-finite.
+The scales come first so that they sit 4-byte aligned. Decoding is an exact cast (for int4
+also an exact subtraction of 8) followed by one IEEE fp32 multiply per element: the same bytes
+decode to the same values on every rank and device. An encode goes through the tensor
+``PIECE`` values at a time (:class:`Scratch`) and can compute what it dropped (the
+error-feedback residual) without decoding its own bytes. Inputs must be finite: an inf or NaN
+makes its block's scale non-finite.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ import sys
 from abc import ABC, abstractmethod
 
 import torch
+from torch import Tensor
 
 from torchtitan.experiments.fault_tolerance.job_config import PSEUDO_GRAD_DTYPES
 from torchtitan.tools.exact_division import divide_, divided
@@ -36,7 +36,6 @@ from torchtitan.tools.exact_division import divide_, divided
 # Elements per quantization block: one fp32 scale per block costs 4 / BLOCK bytes per element
 # (0.03 for 128), small next to the 1 or 0.5 bytes of the values themselves.
 BLOCK = 128
-
 
 #: The smallest scale of a block that is not all zeros: the smallest normal fp32. With a
 #: subnormal scale, absmax / scale could exceed qmax (a subnormal has fewer significant bits);
@@ -50,19 +49,16 @@ PIECE = 4096 * BLOCK
 
 class Scratch:
     """Named buffers on one device, reused: a codec's temporaries (at most :data:`PIECE`
-    elements, reused piece after piece) and :func:`compressed_all_reduce`'s wire buffers.
-
-    On the CPU, a fresh buffer of a megabyte or more comes from the kernel as untouched pages,
-    and faulting them in cost more than the arithmetic done on them (a whole int4 encode of 4.85 M
-    values took 24 ms with a new buffer per operation, 6 ms reusing them). One ``Scratch`` serves
-    one thread: :class:`AsyncCompressedAllReduce` keeps one per device for all its collectives.
+    elements) and :func:`compressed_all_reduce`'s wire buffers. On the CPU, faulting in a fresh
+    buffer's pages costs more than the arithmetic done in it (an int4 encode of 4.85 M values:
+    24 ms, 6 ms reusing). One ``Scratch`` serves one thread.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._buffers: dict[str, Tensor] = {}
 
-    def get(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def get(self, name: str, numel: int, dtype: torch.dtype) -> Tensor:
         """A 1-D ``dtype`` tensor of ``numel`` elements (contents undefined), kept as ``name``."""
         buf = self._buffers.get(name)
         if buf is None or buf.dtype != dtype or buf.numel() < numel:
@@ -71,7 +67,7 @@ class Scratch:
         return buf[:numel]
 
 
-def _view_as(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _view_as(buf: Tensor, dtype: torch.dtype) -> Tensor:
     """``buf`` (1-D uint8) reinterpreted as ``dtype``; copied first if it is not aligned for it,
     since a dtype view needs the start of the slice on an element boundary."""
     if buf.storage_offset() % dtype.itemsize != 0:
@@ -79,7 +75,7 @@ def _view_as(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return buf.view(dtype)
 
 
-def check_flat_fp32(x: torch.Tensor, what: str = "") -> None:
+def check_flat_fp32(x: Tensor, what: str = "") -> None:
     if x.dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous():
         raise ValueError(
             f"{what}expected a contiguous 1-D float32 tensor, got {x.dtype} of shape "
@@ -93,18 +89,10 @@ def _require_little_endian() -> None:
         raise RuntimeError("pseudo_grad_dtype=int4 needs a little-endian host")
 
 
-def _pieces(numel: int) -> range:
-    return range(0, numel, PIECE)
-
-
 class Codec(ABC):
-    """Encodes a flat fp32 tensor into one uint8 tensor and back.
-
-    ``encode``/``decode`` are the plain interface. :func:`compressed_all_reduce` uses
+    """Encodes a flat fp32 tensor into one uint8 tensor and back: ``encode``/``decode``, or
     ``encode_into``/``decode_into``, which write into given buffers, take the tensor's tail as
-    zeros, compute the error-feedback residual on the way and add a decoded chunk to a sum,
-    so that no extra pass over the tensor is needed for any of it.
-    """
+    zeros, compute the error-feedback residual and add a decoded chunk to a sum in one pass."""
 
     name: str = ""
     #: Whether encodings are all-gathered and each rank sums them (``sparse``), rather than
@@ -115,16 +103,14 @@ class Codec(ABC):
     def wire_bytes(self, numel: int) -> int:
         """The exact size in bytes of ``encode`` of ``numel`` elements."""
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
+    def encode(self, x: Tensor) -> Tensor:
         """``x`` (1-D contiguous fp32) as a new uint8 tensor of ``wire_bytes(x.numel())``."""
         check_flat_fp32(x)
         out = torch.empty(self.wire_bytes(x.numel()), dtype=torch.uint8, device=x.device)
         self.encode_into(x, out, x.numel())
         return out
 
-    def decode(
-        self, packed: torch.Tensor, numel: int, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def decode(self, packed: Tensor, numel: int, out: Tensor | None = None) -> Tensor:
         """The ``numel`` fp32 values encoded in ``packed`` (written into ``out`` if given)."""
         if out is None:
             out = torch.empty(numel, dtype=torch.float32, device=packed.device)
@@ -135,11 +121,11 @@ class Codec(ABC):
 
     def encode_into(
         self,
-        x: torch.Tensor,
-        out: torch.Tensor,
+        x: Tensor,
+        out: Tensor,
         numel: int,
         *,
-        residual: torch.Tensor | None = None,
+        residual: Tensor | None = None,
         scratch: Scratch | None = None,
     ) -> None:
         """Encode ``numel`` values, ``x`` followed by ``numel - x.numel()`` zeros, into ``out``
@@ -159,9 +145,9 @@ class Codec(ABC):
 
     def decode_into(
         self,
-        packed: torch.Tensor,
+        packed: Tensor,
         numel: int,
-        out: torch.Tensor,
+        out: Tensor,
         *,
         accumulate: bool = False,
         scratch: Scratch | None = None,
@@ -179,27 +165,17 @@ class Codec(ABC):
 
     @abstractmethod
     def _encode(
-        self,
-        x: torch.Tensor,
-        out: torch.Tensor,
-        numel: int,
-        residual: torch.Tensor | None,
-        scratch: Scratch,
+        self, x: Tensor, out: Tensor, numel: int, residual: Tensor | None, scratch: Scratch
     ) -> None:
         """``encode_into`` once its arguments are checked and the tensor is not empty."""
 
     @abstractmethod
     def _decode(
-        self,
-        packed: torch.Tensor,
-        numel: int,
-        out: torch.Tensor,
-        accumulate: bool,
-        scratch: Scratch,
+        self, packed: Tensor, numel: int, out: Tensor, accumulate: bool, scratch: Scratch
     ) -> None:
         """``decode_into`` once its arguments are checked and the output is not empty."""
 
-    def _check_packed(self, packed: torch.Tensor, numel: int) -> None:
+    def _check_packed(self, packed: Tensor, numel: int) -> None:
         expected = self.wire_bytes(numel)
         if packed.dtype != torch.uint8 or packed.dim() != 1 or packed.numel() != expected:
             raise ValueError(
@@ -209,8 +185,8 @@ class Codec(ABC):
 
 
 class CastCodec(Codec):
-    """The raw bytes of ``x`` cast to a float dtype: ``float32`` (no compression; a copy, for a
-    uniform interface) or ``bfloat16`` (round to nearest even). Casting back is exact."""
+    """``x`` cast to ``float32`` (a copy) or ``bfloat16`` (round to nearest even), raw; casting
+    back is exact."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
@@ -220,12 +196,7 @@ class CastCodec(Codec):
         return self.dtype.itemsize * numel
 
     def _encode(
-        self,
-        x: torch.Tensor,
-        out: torch.Tensor,
-        numel: int,
-        residual: torch.Tensor | None,
-        scratch: Scratch,
+        self, x: Tensor, out: Tensor, numel: int, residual: Tensor | None, scratch: Scratch
     ) -> None:
         size = self.dtype.itemsize * x.numel()
         values = out[:size].view(self.dtype)
@@ -236,12 +207,7 @@ class CastCodec(Codec):
             torch.sub(x, residual, out=residual)
 
     def _decode(
-        self,
-        packed: torch.Tensor,
-        numel: int,
-        out: torch.Tensor,
-        accumulate: bool,
-        scratch: Scratch,
+        self, packed: Tensor, numel: int, out: Tensor, accumulate: bool, scratch: Scratch
     ) -> None:
         # The cast to fp32 is exact, so every rank gets the same values.
         values = _view_as(packed[: self.dtype.itemsize * out.numel()], self.dtype)
@@ -271,7 +237,7 @@ class BlockQuantCodec(Codec):
     def wire_bytes(self, numel: int) -> int:
         return 4 * math.ceil(numel / BLOCK) + self._payload_bytes(numel)
 
-    def scales(self, x: torch.Tensor) -> torch.Tensor:
+    def scales(self, x: Tensor) -> Tensor:
         """The per-block scales ``encode`` stores for ``x``: absmax / qmax, at least
         ``SMALLEST_SCALE`` unless the block is all zeros."""
         check_flat_fp32(x)
@@ -280,18 +246,23 @@ class BlockQuantCodec(Codec):
         absmax = padded.view(nblocks, BLOCK).abs().amax(dim=1)
         return torch.where(absmax > 0, divided(absmax, self.qmax).clamp(min=SMALLEST_SCALE), 0.0)
 
-    def _split(self, packed: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _split(self, packed: Tensor, numel: int) -> tuple[Tensor, Tensor]:
         """The scales and the payload bytes of an encoding of ``numel`` values."""
         nblocks = math.ceil(numel / BLOCK)
         return packed[: 4 * nblocks], packed[4 * nblocks :]
 
+    def _piece(
+        self, scales: Tensor, payload: Tensor, start: int, end: int
+    ) -> tuple[Tensor, Tensor]:
+        """The scales and payload bytes of the values ``start:end`` (``start``: a block's)."""
+        per_byte = self._per_byte
+        return (
+            scales[start // BLOCK : math.ceil(end / BLOCK)],
+            payload[start // per_byte : math.ceil(end / per_byte)],
+        )
+
     def _encode(
-        self,
-        x: torch.Tensor,
-        out: torch.Tensor,
-        numel: int,
-        residual: torch.Tensor | None,
-        scratch: Scratch,
+        self, x: Tensor, out: Tensor, numel: int, residual: Tensor | None, scratch: Scratch
     ) -> None:
         scale_bytes, payload = self._split(out, numel)
         scales = scale_bytes.view(torch.float32)
@@ -299,24 +270,14 @@ class BlockQuantCodec(Codec):
         # What lies past x encodes zeros: scale 0, every value 0.
         scales[math.ceil(k / BLOCK) :].zero_()
         payload[self._payload_bytes(k) :].fill_(self._zero_byte)
-        per_byte = self._per_byte
-        for start in _pieces(k):
+        for start in range(0, k, PIECE):
             end = min(k, start + PIECE)
-            self._encode_piece(
-                x[start:end],
-                scales[start // BLOCK : math.ceil(end / BLOCK)],
-                payload[start // per_byte : math.ceil(end / per_byte)],
-                None if residual is None else residual[start:end],
-                scratch,
-            )
+            piece_scales, piece_payload = self._piece(scales, payload, start, end)
+            piece_residual = None if residual is None else residual[start:end]
+            self._encode_piece(x[start:end], piece_scales, piece_payload, piece_residual, scratch)
 
     def _encode_piece(
-        self,
-        x: torch.Tensor,
-        scales: torch.Tensor,
-        payload: torch.Tensor,
-        residual: torch.Tensor | None,
-        scratch: Scratch,
+        self, x: Tensor, scales: Tensor, payload: Tensor, residual: Tensor | None, scratch: Scratch
     ) -> None:
         """Encode ``x`` (whole blocks, except at the tensor's end) into ``scales``/``payload``."""
         numel, nblocks = x.numel(), scales.numel()
@@ -352,14 +313,11 @@ class BlockQuantCodec(Codec):
             torch.sub(x, values[:numel], out=residual)
 
     @staticmethod
-    def _pack_nibbles(values: torch.Tensor, payload: torch.Tensor, scratch: Scratch) -> None:
-        """Pack ``values`` (integers -7..7 in fp32, an even count; the padding is 0) into
-        ``payload``, one pair per byte, ``(even + 8) | (odd + 8) << 4``.
-
-        Done on int16 pairs (four ops on half as many elements), not on fp32: on the CPU a
-        cast from fp32 to int8 is fast and one to uint8 is not. As int8, a value's low nibble
-        is its two's complement, and ``nibble ^ 8`` is ``value + 8`` mod 16.
-        """
+    def _pack_nibbles(values: Tensor, payload: Tensor, scratch: Scratch) -> None:
+        """Pack ``values`` (integers -7..7 in fp32, an even count) into ``payload``, one pair
+        per byte, ``(even + 8) | (odd + 8) << 4``. Done on int16 pairs of int8 (on the CPU a
+        cast from fp32 to int8 is fast, one to uint8 is not), whose low nibble is the value's
+        two's complement: ``nibble ^ 8`` is ``value + 8`` mod 16."""
         _require_little_endian()
         as_int8 = scratch.get("int8", values.numel(), torch.int8)
         as_int8.copy_(values)
@@ -372,10 +330,9 @@ class BlockQuantCodec(Codec):
         payload.copy_(shifted)  # the low byte: (even nibble | odd nibble << 4) ^ 0x88
 
     @staticmethod
-    def _unpack_nibbles(payload: torch.Tensor, out: torch.Tensor, scratch: Scratch) -> None:
-        """``out`` (``numel`` <= 2 bytes' worth) = the nibbles of ``payload``, low one first,
-        minus 8. The bytes are spread to int16 pairs of nibbles whose memory order is the
-        values' order, then cast to fp32 in one contiguous pass."""
+    def _unpack_nibbles(payload: Tensor, out: Tensor, scratch: Scratch) -> None:
+        """``out`` (at most 2 per byte) = the nibbles of ``payload``, low one first, minus 8,
+        spread to int16 pairs in the values' order, then cast to fp32 in one pass."""
         _require_little_endian()
         wide = scratch.get("pairs", payload.numel(), torch.int16)
         shifted = scratch.get("shifted", payload.numel(), torch.int16)
@@ -387,33 +344,21 @@ class BlockQuantCodec(Codec):
         out.sub_(8)
 
     def _decode(
-        self,
-        packed: torch.Tensor,
-        numel: int,
-        out: torch.Tensor,
-        accumulate: bool,
-        scratch: Scratch,
+        self, packed: Tensor, numel: int, out: Tensor, accumulate: bool, scratch: Scratch
     ) -> None:
         scale_bytes, payload = self._split(packed, numel)
         scales = _view_as(scale_bytes, torch.float32)
-        per_byte = self._per_byte
-        for start in _pieces(out.numel()):
+        for start in range(0, out.numel(), PIECE):
             end = min(out.numel(), start + PIECE)
             target = out[start:end]
             if accumulate:
                 target = scratch.get("decoded", end - start, torch.float32)
-            self._decode_piece(
-                payload[start // per_byte : math.ceil(end / per_byte)],
-                scales[start // BLOCK : math.ceil(end / BLOCK)],
-                target,
-                scratch,
-            )
+            piece_scales, piece_payload = self._piece(scales, payload, start, end)
+            self._decode_piece(piece_payload, piece_scales, target, scratch)
             if accumulate:
                 out[start:end].add_(target)
 
-    def _decode_piece(
-        self, payload: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, scratch: Scratch
-    ) -> None:
+    def _decode_piece(self, payload: Tensor, scales: Tensor, out: Tensor, scratch: Scratch) -> None:
         """Decode ``out.numel()`` values (from a block start) into ``out``."""
         numel = out.numel()
         if self.bits == 8:
@@ -436,8 +381,7 @@ _CODECS: dict[str, Codec] = {
 
 
 def get_codec(dtype: str) -> Codec:
-    """The codec of a name in ``PSEUDO_GRAD_DTYPES``, or of a sparse wire dtype
-    (``sparse.sparse_name``)."""
+    """The codec of a ``PSEUDO_GRAD_DTYPES`` name or a sparse wire dtype (``sparse_name``)."""
     codec = _CODECS.get(dtype)
     if codec is not None:
         return codec

@@ -1,27 +1,21 @@
 """The compressed SUM all-reduce of one flat fp32 tensor over a process group.
 
-It keeps the byte saving for any number ``n`` of ranks: the tensor is cut into ``n`` equal chunks
-(each a whole number of blocks, so blocks never straddle chunks; the last one is encoded as if
-padded with zeros) and every chunk is encoded; an all-to-all gives rank ``r`` every rank's chunk
-``r``, which it decodes and sums in fp32 in rank order; it encodes that reduced chunk once more
-and an all-gather hands every rank all ``n`` reduced chunks, which each rank decodes into the
-tensor. A rank sends ``2 * (n - 1)`` encoded chunks in all, as a ring all-reduce would.
-
-The sparse codec's encodings do not add up (each rank keeps other values): its ranks all-gather
-their encodings of the whole tensor and every rank decodes and adds all ``n`` in rank order.
+It keeps the byte saving for any number ``n`` of ranks: the tensor is cut into ``n`` equal
+chunks of whole blocks (the last one encoded as if padded with zeros) and every chunk is
+encoded; an all-to-all gives rank ``r`` every rank's chunk ``r``, which it decodes and sums in
+fp32 in rank order, then encodes once more; an all-gather hands every rank all ``n`` reduced
+chunks to decode into the tensor. A rank sends ``2 * (n - 1)`` encoded chunks, as a ring
+all-reduce would. The sparse codec's encodings do not add up: its ranks all-gather their
+encodings of the whole tensor and every rank decodes and adds all ``n`` in rank order.
 
 Every rank ends with bit-identical values: each reduced chunk is summed by one rank only, and
-every rank (its owner included) takes the result from the same re-encoded bytes, never from the
-owner's private fp32 sum; decoding is exact (``codecs``). So the outer optimizers of all replica
-groups step with the same average and their global parameters stay equal.
+every rank (its owner included) decodes the result from the same re-encoded bytes; decoding is
+exact (``codecs``). So the outer optimizers of all replica groups step with the same average.
 
 Only ``alltoall_base``, ``allgather`` and ``allreduce`` of a torch.distributed-style process
-group (torch's Gloo/NCCL groups or torchft's reconfigurable wrappers) and plain torch ops are
-used, so the same code serves CPU/gloo and CUDA/nccl (tested on CPU/gloo; the CUDA path has
-not run on a GPU yet). :func:`compressed_all_reduce` raises whatever the collectives raise,
-and then leaves the tensor undefined.
-
-``runner.AsyncCompressedAllReduce`` runs them on a background thread, in submission order.
+group (torch's or torchft's) and plain torch ops are used, so the same code serves CPU/gloo and
+CUDA/nccl. :func:`compressed_all_reduce` raises whatever the collectives raise, and then leaves
+the tensor undefined.
 """
 
 from __future__ import annotations
@@ -33,6 +27,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -49,16 +44,16 @@ from torchtitan.experiments.fault_tolerance.compression.error_feedback import Er
 from torchtitan.tools.digest import chunk_hashes
 from torchtitan.tools.exact_division import divide_
 
+_Options = TypeVar("_Options", dist.AllreduceOptions, dist.AllToAllOptions, AllgatherOptions)
+
 
 @dataclass
 class CompressionStats:
     """What one compressed all-reduce cost this rank.
 
-    ``bytes_sent`` counts the bytes this rank put on the wire: for the compressed dtypes its
-    ``n - 1`` outgoing chunks of the all-to-all plus its re-encoded chunk to each of the
-    ``n - 1`` peers in the all-gather; for ``float32`` the nominal bandwidth-optimal volume
-    ``2 * (n - 1) * 4 * ceil(numel / n)`` (the backend chooses its own algorithm). The timings
-    are host seconds; on CUDA the stream is synchronized around each phase so that they hold.
+    ``bytes_sent``: the bytes this rank put on the wire (for ``float32`` the nominal
+    bandwidth-optimal ``2 * (n - 1) * 4 * ceil(numel / n)``; the backend picks its algorithm).
+    The timings are host seconds; on CUDA the stream is synchronized around each phase.
     """
 
     dtype: str
@@ -125,17 +120,36 @@ def _sync(t: torch.Tensor) -> None:
 def _wait(work: dist.Work) -> None:
     """Wait for a collective without a device-wide synchronize.
 
-    The wait names no timeout, on purpose: given one, torchft's nccl wrapper
-    (``_WorkAcceleratorTimeout``) calls ``torch.accelerator.synchronize()``, which waits for
-    every stream of the device, the training kernels the main thread has queued included, so
-    that each bucket of an overlapped sync would take as long as the compute queued behind it.
-    Without one, the wait only orders this thread's stream after the collective (nothing blocks
-    the host), and the collective's timeout (``sync_collective_timeout_s``) still holds: gloo
-    honours the collective's options (set by the caller); torchft's nccl wrapper gets it as its
-    own timeout (``build.py``'s ``_wrap_work``) and aborts the communicator when the waiting
-    stream has not passed the collective by then; the runner then finds the collective ended
-    past the timeout and fails the sync naming the field."""
+    Given a timeout, torchft's nccl wrapper (``_WorkAcceleratorTimeout``) would call
+    ``torch.accelerator.synchronize()``, waiting for the training kernels queued on the device
+    too. Without one, the wait only orders this thread's stream after the collective, and the
+    collective's timeout (``sync_collective_timeout_s``) still holds: gloo takes it in the
+    collective's options; torchft's nccl wrapper as its own timeout (``build.py``'s
+    ``_wrap_work``), aborting the communicator; the runner then fails the sync naming the
+    field."""
     work.wait()
+
+
+def _options(options: _Options, timeout: timedelta | None) -> _Options:
+    if timeout is not None:
+        options.timeout = timeout
+    return options
+
+
+def _all_gather(
+    pg: dist.ProcessGroup,
+    mine: torch.Tensor,
+    timeout: timedelta | None,
+    issuing: Callable[[], AbstractContextManager[object]],
+) -> list[torch.Tensor]:
+    """Every rank's ``mine``, in rank order, in new buffers: a collective that failed on
+    another rank's error must not be able to write into the next one's."""
+    gathered = [torch.empty_like(mine) for _ in range(pg.size())]
+    with issuing():
+        work = pg.allgather([gathered], [mine], _options(AllgatherOptions(), timeout))
+    _wait(work)
+    _sync(mine)  # this thread's stream only: decoding is timed alone
+    return gathered
 
 
 def chunk_numel(numel: int, world_size: int) -> int:
@@ -162,14 +176,12 @@ def compressed_all_reduce(
     Blocks until the result is in ``tensor`` (bit-identical on every rank). With
     ``error_feedback``, this rank's residual under ``key`` is added first, and the new one is
     staged once the collectives succeed (``ErrorFeedback.stage``: owed only if the sync then
-    commits). ``scratch`` (of ``tensor``'s device) keeps the buffers for the next call of the
-    same thread. ``timeout``: the longest each collective may take (default: the process
-    group's). ``keep_delivered``: keep a copy of the bytes the result was decoded from in
-    ``stats.delivered`` (compressed dtypes). ``stage=False``: the new residual is left in
-    ``stats.residual`` for the caller to stage (e.g. only if the sync is still wanted).
+    commits); ``stage=False`` leaves it in ``stats.residual`` for the caller to stage.
+    ``scratch`` (of ``tensor``'s device) keeps the buffers for the thread's next call.
+    ``timeout``: the longest each collective may take (default: the process group's).
+    ``keep_delivered``: keep the bytes the result was decoded from in ``stats.delivered``.
     ``issuing()``: entered around the issue of each collective (not its wait); it may raise to
-    stop the all-reduce before its next collective. Raises what the collectives raise;
-    ``tensor`` is then undefined.
+    stop the all-reduce. Raises what the collectives raise; ``tensor`` is then undefined.
     """
     codec = get_codec(dtype)
     check_flat_fp32(tensor)
@@ -184,10 +196,8 @@ def compressed_all_reduce(
             # fp32 drops nothing, but a residual from another dtype is still owed.
             error_feedback.correct_(key, tensor)
         if n > 1:
-            opts = dist.AllreduceOptions()
+            opts = _options(dist.AllreduceOptions(), timeout)
             opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
-            if timeout is not None:
-                opts.timeout = timeout
             with issuing():
                 work = pg.allreduce([tensor], opts)
             _wait(work)
@@ -226,14 +236,53 @@ def compressed_all_reduce(
         return stats
 
     if codec.gathers:
-        _gathered_sum(
-            pg, corrected, residual, codec, stats, scratch, timeout, issuing, keep_delivered
+        # Encodings that do not add up (sparse): every rank's encoding of the whole tensor is
+        # gathered. The bytes grow with the groups, where the chunked all-reduce's stay near
+        # twice one encoding (``sparse``'s docstring says where that stops paying).
+        t0 = time.perf_counter()
+        mine = scratch.get("send", codec.wire_bytes(numel), torch.uint8)
+        codec.encode_into(corrected, mine, numel, residual=residual, scratch=scratch)
+        _sync(mine)
+        stats.encode_s += time.perf_counter() - t0
+        stats.bytes_sent = (n - 1) * mine.numel()
+    else:
+        mine = _reduce_chunk(
+            pg, tensor, corrected, residual, codec, stats, scratch, timeout, issuing
         )
-        if error_feedback is not None and residual is not None:
-            _stage(error_feedback, key, residual, stats, stage)
-        stats.total_s = time.perf_counter() - start
-        return stats
+        stats.bytes_sent = 2 * (n - 1) * mine.numel()
 
+    # Every rank decodes the same n encodings, its own included (from the bytes, not from its
+    # fp32 sum), so that all ranks hold identical values.
+    gathered = _all_gather(pg, mine, timeout, issuing)
+    t0 = time.perf_counter()
+    _decode_gathered(gathered, codec, numel, tensor, scratch)
+    _sync(tensor)
+    stats.decode_s += time.perf_counter() - t0
+    if keep_delivered:
+        stats.delivered = torch.cat(gathered)
+    if error_feedback is not None and residual is not None:
+        # Only now: had a collective failed, nothing was delivered and the old residual is
+        # still owed. Even now only staged: the sync's verdict decides (ErrorFeedback.commit).
+        _stage(error_feedback, key, residual, stats, stage)
+    stats.total_s = time.perf_counter() - start
+    return stats
+
+
+def _reduce_chunk(
+    pg: dist.ProcessGroup,
+    tensor: torch.Tensor,
+    corrected: torch.Tensor,
+    residual: torch.Tensor | None,
+    codec: Codec,
+    stats: CompressionStats,
+    scratch: Scratch,
+    timeout: timedelta | None,
+    issuing: Callable[[], AbstractContextManager[object]],
+) -> torch.Tensor:
+    """Encode every chunk of ``corrected`` (its tail as zeros), all-to-all so that rank ``r``
+    holds every rank's chunk ``r``, and sum those in fp32, in rank order; returns the sum
+    re-encoded, this rank's reduced chunk."""
+    n, numel = pg.size(), tensor.numel()
     chunk = chunk_numel(numel, n)
     chunk_bytes = codec.wire_bytes(chunk)
 
@@ -244,8 +293,6 @@ def compressed_all_reduce(
     def bytes_of(buf: torch.Tensor, i: int) -> torch.Tensor:
         return buf[i * chunk_bytes : (i + 1) * chunk_bytes]
 
-    # Phase 1: encode every chunk (the tensor's tail as zeros); all-to-all so that rank r holds
-    # every rank's chunk r.
     t0 = time.perf_counter()
     send = scratch.get("send", n * chunk_bytes, torch.uint8)
     for i in range(n):
@@ -258,19 +305,16 @@ def compressed_all_reduce(
         )
     _sync(send)
     stats.encode_s += time.perf_counter() - t0
-    # The buffers the collectives write are new every time: a collective that failed on another
-    # rank's error must not be able to write into the next one's.
-    recv = torch.empty_like(send)
+    recv = torch.empty_like(send)  # new, as in _all_gather
     splits = [chunk_bytes] * n
-    alltoall_opts = dist.AllToAllOptions()
-    if timeout is not None:
-        alltoall_opts.timeout = timeout
     with issuing():
-        work = pg.alltoall_base(recv, send, splits, splits, alltoall_opts)
+        work = pg.alltoall_base(
+            recv, send, splits, splits, _options(dist.AllToAllOptions(), timeout)
+        )
     _wait(work)
     _sync(recv)  # this thread's stream only: the decode's time below is not the wire's
 
-    # Reduce this rank's chunk in fp32, in rank order, so that a rerun gives the same bytes.
+    # In rank order, so that a rerun gives the same bytes.
     t0 = time.perf_counter()
     # The tensor's values are all encoded by now: its head can hold the sum (it is decoded over
     # only after the sum has been encoded).
@@ -284,86 +328,7 @@ def compressed_all_reduce(
     codec.encode_into(reduced, mine, chunk, scratch=scratch)
     _sync(mine)
     stats.encode_s += time.perf_counter() - t1
-
-    # Phase 2: all-gather the re-encoded chunks; every rank decodes the same n chunks, its own
-    # included (from the bytes, not from ``reduced``), so that all ranks hold identical values.
-    gathered = [torch.empty_like(mine) for _ in range(n)]
-    allgather_opts = AllgatherOptions()
-    if timeout is not None:
-        allgather_opts.timeout = timeout
-    with issuing():
-        work = pg.allgather([gathered], [mine], allgather_opts)
-    _wait(work)
-    _sync(mine)  # this thread's stream only (the gather's end): decoding is timed alone
-    t0 = time.perf_counter()
-    _decode_reduced_chunks(gathered, codec, numel, tensor, scratch)
-    _sync(tensor)
-    stats.decode_s += time.perf_counter() - t0
-    if keep_delivered:
-        stats.delivered = torch.cat(gathered)
-
-    if error_feedback is not None and residual is not None:
-        # Only now: had a collective failed, nothing was delivered and the old residual is
-        # still owed. Even now only staged: the sync's verdict decides (ErrorFeedback.commit).
-        _stage(error_feedback, key, residual, stats, stage)
-    stats.bytes_sent = 2 * (n - 1) * chunk_bytes
-    stats.total_s = time.perf_counter() - start
-    return stats
-
-
-def _gathered_sum(
-    pg: dist.ProcessGroup,
-    tensor: torch.Tensor,
-    residual: torch.Tensor | None,
-    codec: Codec,
-    stats: CompressionStats,
-    scratch: Scratch,
-    timeout: timedelta | None,
-    issuing: Callable[[], AbstractContextManager[object]],
-    keep_delivered: bool,
-) -> None:
-    """The all-reduce of a codec whose encodings do not add up (``codec.gathers``: sparse):
-    every rank's encoding of the whole tensor is all-gathered, and every rank decodes and adds
-    them in rank order into ``tensor``, so that all hold the same bits. A rank sends its
-    encoding to each of the ``n - 1`` others: the bytes grow with the groups, where the
-    chunked all-reduce's stay near twice one encoding (``sparse``'s docstring says where that
-    stops paying). With ``keep_delivered`` the gathered encodings go to ``stats.delivered``."""
-    n, numel = pg.size(), tensor.numel()
-    t0 = time.perf_counter()
-    mine = scratch.get("send", codec.wire_bytes(numel), torch.uint8)
-    codec.encode_into(tensor, mine, numel, residual=residual, scratch=scratch)
-    _sync(mine)
-    stats.encode_s += time.perf_counter() - t0
-    # New buffers every time, as for the chunked path: a failed gather must not write into
-    # the next one's.
-    gathered = [torch.empty_like(mine) for _ in range(n)]
-    opts = AllgatherOptions()
-    if timeout is not None:
-        opts.timeout = timeout
-    with issuing():
-        work = pg.allgather([gathered], [mine], opts)
-    _wait(work)
-    _sync(mine)
-    t0 = time.perf_counter()
-    _sum_gathered(gathered, codec, numel, tensor, scratch)
-    _sync(tensor)
-    stats.decode_s += time.perf_counter() - t0
-    if keep_delivered:
-        stats.delivered = torch.cat(gathered)
-    stats.bytes_sent = (n - 1) * mine.numel()
-
-
-def _sum_gathered(
-    encodings: list[torch.Tensor],
-    codec: Codec,
-    numel: int,
-    out: torch.Tensor,
-    scratch: Scratch | None,
-) -> None:
-    """``out`` = the sum of the decoded ``encodings``, added in their order: the one decode of
-    a gathered all-reduce's result."""
-    for i, packed in enumerate(encodings):
-        codec.decode_into(packed, numel, out, accumulate=i > 0, scratch=scratch)
+    return mine
 
 
 def _stage(
@@ -391,38 +356,29 @@ def decode_delivered(
     if world_size == 1:
         codec.decode_into(delivered, numel, out, scratch=scratch)
         return
-    if codec.gathers:
-        size = codec.wire_bytes(numel)
-        if delivered.numel() != world_size * size:
-            raise ValueError(
-                f"delivered bytes of a {dtype} all-gather of {numel} values over {world_size} "
-                f"ranks: expected {world_size * size}, got {delivered.numel()}"
-            )
-        encodings = [delivered[i * size : (i + 1) * size] for i in range(world_size)]
-        _sum_gathered(encodings, codec, numel, out, scratch)
-        return
-    chunk = chunk_numel(numel, world_size)
-    chunk_bytes = codec.wire_bytes(chunk)
-    if delivered.numel() != world_size * chunk_bytes:
+    size = codec.wire_bytes(numel if codec.gathers else chunk_numel(numel, world_size))
+    if delivered.numel() != world_size * size:
         raise ValueError(
-            f"delivered bytes of a {dtype} all-reduce of {numel} values over {world_size} ranks: "
-            f"expected {world_size * chunk_bytes}, got {delivered.numel()}"
+            f"delivered bytes of a {dtype} {'all-gather' if codec.gathers else 'all-reduce'} "
+            f"of {numel} values over {world_size} ranks: expected {world_size * size}, got "
+            f"{delivered.numel()}"
         )
-    chunks = [delivered[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(world_size)]
-    _decode_reduced_chunks(chunks, codec, numel, out, scratch)
+    parts = [delivered[i * size : (i + 1) * size] for i in range(world_size)]
+    _decode_gathered(parts, codec, numel, out, scratch)
 
 
-def _decode_reduced_chunks(
-    chunks: list[torch.Tensor],
-    codec: Codec,
-    numel: int,
-    out: torch.Tensor,
-    scratch: Scratch | None,
+def _decode_gathered(
+    parts: list[torch.Tensor], codec: Codec, numel: int, out: torch.Tensor, scratch: Scratch | None
 ) -> None:
-    """Chunk ``i`` of ``out`` from the ``i``-th re-encoded reduced chunk (the last chunks of a
-    short tensor are short or empty): the one decode of an all-reduce's result."""
-    chunk = chunk_numel(numel, len(chunks))
-    for i, packed in enumerate(chunks):
+    """``out`` from the ``n`` encodings every rank received, the one decode of a result: a
+    gathering codec's are decoded and added in rank order; otherwise part ``i`` is chunk ``i``
+    of ``out`` (the last chunks of a short tensor are short or empty)."""
+    if codec.gathers:
+        for i, packed in enumerate(parts):
+            codec.decode_into(packed, numel, out, accumulate=i > 0, scratch=scratch)
+        return
+    chunk = chunk_numel(numel, len(parts))
+    for i, packed in enumerate(parts):
         codec.decode_into(
             packed, chunk, out[min(numel, i * chunk) : min(numel, (i + 1) * chunk)],
             scratch=scratch,

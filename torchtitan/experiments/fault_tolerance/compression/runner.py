@@ -1,18 +1,18 @@
 """Runs the compressed all-reduces of a sync on a background thread, in submission order.
 
 Every rank submits the same collectives in the same order, so one thread issuing them from a
-FIFO queue issues them in the same order on every rank, as collectives require; the caller goes
-on computing meanwhile. Failure semantics follow torchft's ``Manager.allreduce``: a collective
-that fails calls ``on_error`` (the Manager's ``report_error``, so that the sync is not committed)
-and completes its work normally; ``wait`` never raises.
+FIFO queue issues them in the same order on every rank; the caller computes meanwhile. Failure
+semantics follow torchft's ``Manager.allreduce``: a collective that fails calls ``on_error``
+(the Manager's ``report_error``, so that the sync is not committed) and completes its work
+normally; ``wait`` never raises.
 
 A collective can also be *abandoned* (:meth:`AsyncCompressedAllReduce.abandon`): a peer of the
-sync is known to be gone, so the collective under way and those queued behind it will never
-deliver. Their works complete at once, without result, and later submissions go to a new
-thread with buffers of its own. The old thread stays blocked in its collective until that
-returns (its process group is torn down at the next quorum, or the collective times out), and
-then touches nothing shared: no ``on_error``, no work, no error-feedback residual. What it may
-still write is the tensor it was given, which belongs to the abandoned sync alone.
+sync is gone, so the collective under way and those queued behind it will never deliver. Their
+works complete at once, without result, and later submissions go to a new thread with buffers
+of its own. The old thread stays blocked in its collective until that returns (its process
+group is torn down at the next quorum, or the collective times out), then touches nothing
+shared: no ``on_error``, no work, no residual. It may still write the tensor it was given,
+which belongs to the abandoned sync alone.
 """
 
 from __future__ import annotations
@@ -50,8 +50,7 @@ from torchtitan.tools.exact_division import divide_
 class Packed:
     """Tensors that travel as one flat fp32 buffer (a bucket), at their offsets in it. The
     background thread makes the buffer right before the bucket's collective and drops it once
-    the result is copied back into the tensors, so that the buckets of a sync, all queued at
-    once, do not each hold a copy of their tensors while they wait their turn."""
+    the result is copied back, so that queued buckets do not each hold a copy meanwhile."""
 
     members: list[tuple[torch.Tensor, int]]
     numel: int
@@ -75,9 +74,9 @@ class CompressedWork:
     """A submitted :meth:`AsyncCompressedAllReduce.submit`: wait for it or chain on its future.
 
     The future completes with the tensor once the all-reduce (and the division) is done, or
-    after a failure has been passed to ``on_error``; it never carries the collective's error.
-    A :class:`Packed` submission completes with an empty tensor: its values are back in the
-    tensors it packs, and its buffer is gone. An abandoned one completes without result.
+    after a failure went to ``on_error``; it never carries the collective's error. A
+    :class:`Packed` submission completes with an empty tensor (its values are back in the
+    tensors it packs); an abandoned one completes without result.
     """
 
     def __init__(self, tensor: torch.Tensor, numel: int | None = None) -> None:
@@ -85,9 +84,8 @@ class CompressedWork:
         #: fp32 values carried (a packed bucket's, whose ``tensor`` is an empty stand-in).
         self.numel = tensor.numel() if numel is None else numel
         self.stats: CompressionStats | None = None
-        #: With ``check_finite``: ``"sent"`` when this rank's own input held an inf or NaN
-        #: (it then sent NaNs, so that every rank's result shows it), ``"received"`` when only
-        #: the result did (another rank's input); None when all was finite.
+        #: With ``check_finite``: ``"sent"`` when this rank's own input held an inf or NaN (it
+        #: sent NaNs), ``"received"`` when only the result did; None when all was finite.
         self.non_finite: str | None = None
         #: With ``keep_delivered``: the result as every rank received it (after success).
         self.delivered: Delivered | None = None
@@ -101,9 +99,8 @@ class CompressedWork:
 
     def wait(self) -> bool:
         """Block until done, callbacks chained on the future included (torchft's DiLoCo copies
-        a bucket back into its gradients in one: a future's ``wait`` returns before its
-        callbacks have run). True, as torchft's works return (a failure went to
-        ``on_error``)."""
+        a bucket back in one; a future's ``wait`` returns before its callbacks have run).
+        True, as torchft's works return (a failure went to ``on_error``)."""
         self._done.wait()
         return True
 
@@ -178,9 +175,8 @@ class _Lane:
 
     @contextlib.contextmanager
     def issuing(self) -> Iterator[None]:
-        """Around the issue of a collective: none is issued once the lane is abandoned (the
-        process group may be rebuilt for the next quorum by then, and a collective of the
-        abandoned sync would pair with the new one's)."""
+        """Around the issue of a collective: none is issued once the lane is abandoned (a
+        collective of the abandoned sync could pair with the next quorum's)."""
         with self.lock:
             if self.abandoned:
                 raise Abandoned("the sync was abandoned")
@@ -188,20 +184,17 @@ class _Lane:
 
 
 class AsyncCompressedAllReduce:
-    """Runs :func:`compressed_all_reduce` on one background thread, in submission order (see
-    the module docstring). On CUDA the thread works on its own stream, after the submitter's
-    stream has produced the tensor, and synchronizes before completing the future."""
+    """Runs :func:`compressed_all_reduce` on one background thread, in submission order. On
+    CUDA the thread works on its own stream, after the submitter's stream has produced the
+    tensor, and synchronizes before completing the future."""
 
     def __init__(self, name: str = "compressed-allreduce") -> None:
         self._name = name
         self._closed = False
         self._lock = threading.Lock()
-        #: Why this rank's collectives no longer line up with its peers' (a bucket that could
-        #: not be packed, so its collective was never issued): every later job is then
-        #: failed without a collective, and the transport stops the trainer at the next sync.
+        #: Why this rank's collectives no longer line up with its peers' (a bucket could not be
+        #: packed): every later job fails without a collective; the transport stops the trainer.
         self.broken: Exception | None = None
-        #: Lanes abandoned so far (each a thread that may still be blocked in a collective).
-        self.abandoned_lanes = 0
         self._lane = _Lane(self._run, name)
 
     def submit(
@@ -218,20 +211,16 @@ class AsyncCompressedAllReduce:
         check_finite: bool = False,
         keep_delivered: bool = False,
     ) -> CompressedWork:
-        """Queue a SUM all-reduce of ``tensor`` (then divided by ``divide_by``) in place.
+        """Queue a SUM all-reduce of ``tensor`` (then divided by ``divide_by``) in place; do
+        not touch ``tensor`` (a :class:`Packed`'s tensors) until the returned work is done.
 
-        Do not touch ``tensor`` until the returned work is done. If the collective fails,
-        ``on_error(e)`` is called and the work still completes; the tensor is then undefined.
-        ``timeout``: the longest each collective may take (default: the process group's).
-        ``check_finite``: check the input before it is sent and the result after it arrived
-        (one reduction each) and say what was found in ``work.non_finite``; an input that is
-        not finite is sent as NaNs (and leaves no residual), so that every rank's result is
-        not finite either and all of them drop it alike. A :class:`Packed` ``tensor``: its
-        tensors are packed into a flat buffer on the background thread right before the
-        collective (on CUDA, after the submitter's stream has produced them) and the result
-        copied back into them before the work completes; do not touch them until then.
-        ``keep_delivered``: keep the result as every rank received it in ``work.delivered``
-        (CPU memory).
+        If the collective fails, ``on_error(e)`` is called and the work still completes; the
+        tensor is then undefined. ``timeout``: the longest each collective may take (default:
+        the process group's). ``check_finite``: check the input before it is sent and the
+        result after it arrived and say what was found in ``work.non_finite``; an input that
+        is not finite is sent as NaNs (and leaves no residual), so that every rank drops the
+        result alike. ``keep_delivered``: keep the result as every rank received it in
+        ``work.delivered`` (CPU memory).
         """
         get_codec(dtype)  # fail here, in the caller, on a bad name
         packed = tensor if isinstance(tensor, Packed) else None
@@ -240,26 +229,12 @@ class AsyncCompressedAllReduce:
         else:
             assert isinstance(tensor, torch.Tensor)
             check_flat_fp32(tensor)
-        ready: torch.cuda.Event | None = None
-        if tensor.is_cuda:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(tensor.device))
+        ready = torch.cuda.current_stream(tensor.device).record_event() if tensor.is_cuda else None
         work = CompressedWork(tensor, None if packed is None else packed.numel)
         job = _Job(
-            pg,
-            tensor,
-            dtype,
-            divide_by,
-            error_feedback,
-            key,
-            on_error,
-            ready,
-            work,
-            timeout,
-            check_finite,
-            packed,
-            keep_delivered,
-        )
+            pg, tensor, dtype, divide_by, error_feedback, key, on_error, ready, work, timeout,
+            check_finite, packed, keep_delivered,
+        )  # fmt: skip
         with self._lock:
             if self._closed:
                 raise RuntimeError("AsyncCompressedAllReduce is shut down")
@@ -272,7 +247,6 @@ class AsyncCompressedAllReduce:
         Later submissions run on a new thread. Returns how many works were abandoned."""
         with self._lock:
             lane, self._lane = self._lane, _Lane(self._run, self._name)
-            self.abandoned_lanes += 1
         # Its collective may stay blocked until its timeout: the process exits past it.
         lane.thread.name = given_up.thread_name(self._name)
         with lane.lock:
@@ -340,16 +314,13 @@ class AsyncCompressedAllReduce:
                         stream.synchronize()
             else:
                 self._reduce(lane, job)
-            late = (
-                job.timeout is not None and time.monotonic() - start >= job.timeout.total_seconds()
-            )
-            if late:  # e.g. a collective aborted at the timeout without raising: not trusted
-                raise TimeoutError("the collective ended past its timeout")
         except Exception as e:  # torchft semantics: record the error, complete normally
-            elapsed = time.monotonic() - start
-            if job.timeout is not None and elapsed >= job.timeout.total_seconds():
-                e = TimeoutError(f"timed out after {elapsed:.1f}s: {e}")
             error = e
+        elapsed = time.monotonic() - start
+        if job.timeout is not None and elapsed >= job.timeout.total_seconds():
+            # Even without an error: e.g. a collective aborted at the timeout is not trusted.
+            why = "the collective ended past its timeout" if error is None else error
+            error = TimeoutError(f"timed out after {elapsed:.1f}s: {why}")
         with lane.lock:
             if lane.abandoned:  # the sync ended without this collective: touch nothing shared
                 return
@@ -385,9 +356,8 @@ class AsyncCompressedAllReduce:
             scratch = lane.scratch[device] = Scratch(device)
         feedback = job.error_feedback
         if job.check_finite and not is_finite(job.tensor):
-            # A value that is not finite would poison its whole block (its scale) and, through
-            # error feedback, every later sync: send NaNs instead, so that every rank's result
-            # says so, and keep no residual of it.
+            # It would poison its block's scale and, through error feedback, every later sync:
+            # send NaNs, so that every rank's result says so, and keep no residual of it.
             job.work.non_finite = "sent"
             job.tensor.fill_(math.nan)
             feedback = None
@@ -408,8 +378,7 @@ class AsyncCompressedAllReduce:
         if job.divide_by != 1:
             divide_(job.tensor, job.divide_by)
         if job.check_finite and job.work.non_finite is None:
-            # For the sync's report (its norm), here while the period computes rather than
-            # at the sync point, which the accelerator waits for.
+            # For the sync's norm: here while the period computes, not at the sync point.
             flat = job.tensor.detach()
             job.work.squares = float(torch.dot(flat, flat))
         if job.keep_delivered:
