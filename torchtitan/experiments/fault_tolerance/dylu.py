@@ -9,16 +9,13 @@ from collections.abc import Callable
 
 
 def dylu_inner_steps(period: int, step_seconds: list[float], mine: float) -> int:
-    """DyLU: this group's inner steps for the next period, so that every group reaches the sync
-    point at about the same time. ``step_seconds``: every group's seconds per inner step in its
-    last period (0: not measured yet, e.g. just (re)started); ``mine``: this group's.
+    """This group's inner steps for the next period. ``step_seconds``: every group's seconds
+    per inner step in its last period (0: not measured, e.g. just (re)started); ``mine``: this
+    group's.
 
-    The slowest group takes the whole steps closest to the time the fastest group needs for
-    ``period`` steps; that time (its steps x its step time) is the period's length, and every
-    other group takes the whole steps closest to it (up to ``2 * period``). A group then waits
-    at most about half of its own step for the others, whatever the speeds. Every group
-    computes this from the same exchanged numbers, so the plans fit together. Unmeasured
-    groups take ``period`` steps."""
+    Every group takes the whole steps closest to the period's length
+    (:func:`dylu_period_seconds`, at most ``2 * period``), so a group waits at most about half
+    its own step for the others. Unmeasured groups take ``period`` steps."""
     length = dylu_period_seconds(period, step_seconds)
     if mine <= 0 or length <= 0:
         return period
@@ -36,10 +33,9 @@ def dylu_period_seconds(period: int, step_seconds: list[float]) -> float:
 
 
 def dylu_steps_to_deadline(taken: int, elapsed: float, length: float, period: int) -> int:
-    """The whole inner steps this period should take in all, ``taken`` of them done in
-    ``elapsed`` seconds, to end closest to ``length`` seconds after it began: this period's
-    own speed corrects the plan made from the last one (at least ``taken``, at most
-    ``2 * period``)."""
+    """The inner steps this period should take in all to end closest to ``length`` seconds
+    after it began, ``taken`` done in ``elapsed`` seconds (at least ``taken``, at most ``2 *
+    period``): this period's speed corrects the plan made from the last."""
     if taken <= 0 or elapsed <= 0:
         return max(1, taken)
     remaining = round((length - elapsed) * taken / elapsed)
@@ -58,36 +54,28 @@ class PeriodPlan:
     """How many inner steps this group's current period takes, and when it corrects that.
 
     Without DyLU every period takes ``period`` steps. With it, each sync quorum plans the next
-    period (:meth:`plan`) from the speeds the groups exchanged there, and the group corrects the
-    count by its speed in the period so far at the steps :func:`dylu_next_correction` names.
-    The job's first period has no measured speeds: the groups may agree, at their start, to
-    time ``probe_steps`` inner steps after the first, exchange those speeds (the *speed
-    probe*, a quorum of its own, formed while the groups go on training) and plan the rest of
-    that period (:meth:`plan_rest`).
+    period (:meth:`plan`) from the exchanged speeds, and the group corrects the count by its
+    speed so far at the steps :func:`dylu_next_correction` names. The first period may be
+    planned by a *speed probe* (:meth:`plan_rest`). The process's first inner step (compilation,
+    warm-up) is left out of every measurement (:meth:`skip_warm_up`) but still counts against
+    the planned length.
 
-    The process's first inner step carries one-time costs (compilation, warm-up) and is left
-    out of every measurement (:meth:`skip_warm_up`); its seconds still count against the
-    period's planned length, which the other groups keep to.
-
-    Times are seconds on the device's timeline (``step_clock.StepClock``; tests pass their
-    own). Reading that clock waits for the device, so the methods called after every inner
-    step take a clock (``Callable[[], float]``) and read it only when they use the time.
+    Times are seconds on the device's timeline (``step_clock.StepClock``). Reading that clock
+    waits for the device, so methods called after every inner step take a clock and read it
+    only when they use the time.
     """
 
     def __init__(self, period: int) -> None:
         self.period = period
         #: Inner steps of the current period in all.
         self.steps = period
-        #: The planned length of what is planned of the period, in seconds (0: none), and the
-        #: inner step after which the count is corrected to it (None: not corrected).
+        #: The planned part's length in seconds (0: none), and the next correction's step.
         self._seconds = 0.0
         self._correct_at: int | None = None
-        #: When the planned part of the period began (None: not in this process, e.g. after a
-        #: restart mid-period), and the inner steps taken before it (the probe's).
+        #: When the planned part began (None: not in this process), and the steps before it.
         self._began: float | None = None
         self._planned_from = 0
-        #: The inner step after which this group probes its speed (None: no probe due), the
-        #: one after which it last did, and its seconds per inner step measured there.
+        #: The step after which to probe (None: none due), the last probe's, and its speed.
         self.probe_at: int | None = None
         self.probed_after = 0
         self.probed_seconds = 0.0
@@ -126,9 +114,8 @@ class PeriodPlan:
 
     def skip_warm_up(self, taken: int, clock: Callable[[], float]) -> None:
         """After inner step ``taken``: if it was this process's first, time the period from
-        here (unless it is already timed from here or later). A (re)started group compiles
-        in its first step; counted in its speed, DyLU would give it too few steps next period.
-        Reads ``clock`` once per process."""
+        here (unless already timed from here or later), so compilation does not count in the
+        speed. Reads ``clock`` once per process."""
         if self._warm:
             return
         self._warm = True
@@ -146,16 +133,15 @@ class PeriodPlan:
         return True
 
     def time_from(self, taken: int, now: float) -> None:
-        """Measure this period's speed from now (``taken`` steps done), e.g. after a probe
-        that planned nothing (its wait is not the group's speed) or after the warm-up step.
-        The planned length keeps its end: what is left of it is counted from now."""
+        """Measure this period's speed from now (``taken`` steps done), e.g. after the warm-up
+        step or a probe that planned nothing. The planned length keeps its end."""
         if self._began is not None and self._seconds > 0:
             self._seconds -= now - self._began
         self._began, self._planned_from = now, taken
 
     def plan_rest(self, taken: int, steps: int, seconds: float, now: float) -> None:
-        """Once the probe's quorum is done (``taken`` steps done by now; the group went on
-        training while it formed): ``steps`` more in ``seconds``, from now."""
+        """Once the probe's quorum is done (``taken`` steps done by now): ``steps`` more in
+        ``seconds``, from now."""
         self._began, self._planned_from = now, taken
         self.steps = taken + max(1, min(2 * self.period - taken, steps))
         self._seconds = seconds

@@ -1,7 +1,6 @@
-"""What semi-synchronous training reports: its events (``torchtitan.tools.events``) and the
-console line each renders to. ``SemiSyncTrainer`` emits them; the list with every field is in
-``docs/design.md`` ("Events"). A sync's number is the torchft Manager step it makes (a failed
-sync is retried under the same number); the step of an event is the training step it belongs to.
+"""Semi-sync training's events (``torchtitan.tools.events``) and their console lines; every
+field is listed in ``docs/design.md`` ("Events"). ``sync``: the torchft Manager step a sync makes
+(a failed sync is retried under the same number); ``step``: the training step of the event.
 """
 
 from __future__ import annotations
@@ -32,15 +31,14 @@ def _sync_line(v: dict[str, Any], _: bool) -> str:
 
 
 #: One sync, in the step whose ``optimizer.step()`` completed it. ``seconds``: time in torchft's
-#: sync hooks; ``bytes_sent``: this rank's all-reduced payload; ``quorum_wait_s``: time in the
-#: sync's quorum; ``pseudo_grad_norm``: None for LocalSGD and for a sync not committed;
-#: ``agreement``: ``"agree"``/``"disagree"`` when the sync's quorum compared digests, else None.
-#: Async DiLoCo: the sync decided at a sync point is the one started at the previous one;
+#: sync hooks; ``bytes_sent``: this rank's all-reduced payload (with a compressed
+#: ``pseudo_grad_dtype``: what it really sent, payload and scales, both phases);
+#: ``compression_s``: seconds compressing and decompressing (None: uncompressed);
+#: ``quorum_wait_s``: time in the sync's quorum; ``pseudo_grad_norm``: None for LocalSGD or an
+#: uncommitted sync; ``agreement``: ``"agree"``/``"disagree"`` if the quorum compared digests,
+#: else None. Async DiLoCo decides at a sync point the sync started at the previous one:
 #: ``inner_steps``/``tokens``: this group's part of it, ``weight``: its share of all groups'
-#: tokens (None: not committed). Other methods weigh groups equally: these are None. With
-#: ``pseudo_grad_dtype`` other than float32, ``bytes_sent`` is what this group really sent
-#: (compressed payload and scales, both phases) and ``compression_s`` the seconds it spent
-#: compressing and decompressing (None: uncompressed).
+#: tokens (None: not committed); all None for the other methods (equal weights).
 SYNC = EventKind("semi_sync.sync", _sync_line)
 
 #: With ``metrics.log_param_digest``: digest of the global parameters after a committed sync.
@@ -70,12 +68,11 @@ def _final_model_line(v: dict[str, Any], _: bool) -> str:
 
 
 #: After the last step every group holds the global parameters of sync ``sync``. LocalSGD:
-#: ``closing_sync_steps`` inner steps were averaged by a closing sync (0: none was needed).
-#: DiLoCo: ``dropped_inner_steps`` inner steps of local progress are not in the final model
-#: (None when nothing was dropped and no sync was in flight). Its lineage: the last sync this
-#: group committed together with other groups (``last_shared_sync``; None: none) and the syncs
-#: it committed alone since (``solo_syncs``, the first at ``solo_since``, a ``time.time()``);
-#: ``digest``: of the final model (this rank's shards).
+#: ``closing_sync_steps`` inner steps averaged by a closing sync (0: none). DiLoCo:
+#: ``dropped_inner_steps`` inner steps not in the final model (None: none, no sync in flight).
+#: ``last_shared_sync``: the last sync committed with other groups (None: none); ``solo_syncs``:
+#: those committed alone since, the first at ``solo_since`` (``time.time()``); ``digest``: of the
+#: final model (this rank's shards).
 FINAL_MODEL = EventKind("semi_sync.final_model", _final_model_line)
 
 #: The kinds of :data:`OUTER_STATE`'s figures, in the order its line names them.
@@ -94,16 +91,15 @@ def _outer_state_line(v: dict[str, Any], _: bool) -> str:
     )
 
 
-#: After the last step: what the method held on this rank besides the model and the inner
-#: optimizer, in MiB by kind (None: a kind the method has not): its global copies, async
-#: DiLoCo's local-period start, the outer optimizer's state (``momentum``; Delayed Nesterov's
-#: window sum too) and ``buffers``, the most a sync holds while it runs (the pseudo-gradient;
-#: async DiLoCo's all-reduce buffer and staging). ``over_params``: their sum over the
-#: parameters' bytes (``params_mib``, this rank's shards).
+#: After the last step, MiB the method held on this rank besides the model and inner optimizer,
+#: by kind (None: not held): global copies, async DiLoCo's period start, outer optimizer state
+#: (``momentum``; Delayed Nesterov's window sum too) and ``buffers``, the most a running sync
+#: holds (pseudo-gradient; async DiLoCo's all-reduce buffer and staging). ``over_params``: their
+#: sum over the parameters' bytes (``params_mib``, this rank's shards).
 OUTER_STATE = EventKind("semi_sync.outer_state", _outer_state_line)
 
-#: The group finished after committing syncs alone since its last shared one: its final model
-#: is a lineage of its own (the launcher names the job's model).
+#: The group committed syncs alone since its last shared one: its final model is a lineage of
+#: its own (the launcher names the job's model).
 FINISHED_ALONE = EventKind(
     "semi_sync.finished_alone",
     lambda v, _: (
@@ -124,8 +120,8 @@ INNER_STEPS_PLANNED = EventKind(
     "{ms_per_step:.1f} ms per step, the fastest {fastest_ms_per_step:.1f} ms)",
 )
 
-#: DyLU's speed probe in a new job's first period planned the rest of that period (from
-#: inner step ``planned_at``: the group trained on while the probe's quorum formed).
+#: DyLU's speed probe planned the rest of a new job's first period, from inner step
+#: ``planned_at`` (the group trained on while the probe's quorum formed).
 SPEED_PROBE = EventKind(
     "semi_sync.speed_probe",
     "[semi-sync] DyLU speed probe after inner step {after}, planned at step {planned_at}: "
@@ -164,17 +160,14 @@ def _healed_line(v: dict[str, Any], _: bool) -> str:
     return line
 
 
-#: This group took the state of replica group ``peer`` before sync ``sync``, at inner step
-#: ``inner_step`` of ``period``. ``case``: ``running`` (this group was running and was behind),
+#: This group took replica group ``peer``'s state before sync ``sync``, at inner step
+#: ``inner_step`` of ``period``. ``case``: ``running`` (a running group that was behind),
 #: ``join_sync`` (a starting group healed from the running job at its sync point and takes part
-#: in that sync; ``waited_s`` since it asked), ``newer_checkpoint`` (a starting group healed
-#: from another starting group with a newer checkpoint), ``replay`` (a starting group replayed
-#: the syncs it missed onto its own checkpoint, at the running job's sync point, and takes
-#: part in that sync). ``transfer``: ``replay`` (the syncs it
-#: missed since its own checkpoint, ``replayed_syncs`` of them) or ``full`` (every state;
-#: ``full_because`` says why not a replay); ``bytes_received``: the tensors' bytes;
-#: ``receive_s``: from the request until everything arrived (a replay's outer steps run
-#: meanwhile).
+#: in that sync; ``waited_s`` since it asked), ``newer_checkpoint`` (a starting group healed from
+#: one with a newer checkpoint), ``replay`` (as ``join_sync``, but replaying the syncs it missed
+#: onto its own checkpoint). ``transfer``: ``replay`` (``replayed_syncs`` syncs missed since its
+#: checkpoint) or ``full`` (every state; ``full_because``: why not a replay); ``bytes_received``:
+#: the tensors' bytes; ``receive_s``: request to last arrival (a replay's outer steps overlap).
 HEALED = EventKind("semi_sync.healed", _healed_line)
 
 #: This rank's heal history first holds ``syncs`` syncs (its capacity): its memory cost.
@@ -245,10 +238,9 @@ MINORITY_ELSEWHERE = EventKind(
     logging.WARNING,
 )
 
-#: A sync carried a value that is not finite (inf or NaN), found in this group's own
-#: pseudo-gradient (``origin`` "this group", ``group`` its replica id) or only in the average
-#: (``origin`` "another group", ``group`` None): every group fails the sync alike; nothing of it
-#: reaches the global parameters or an error-feedback residual.
+#: A sync carried inf or NaN: in this group's pseudo-gradient (``origin`` "this group", ``group``
+#: its replica id) or only in the average ("another group", None). Every group fails the sync;
+#: nothing of it reaches the global parameters or an error-feedback residual.
 NON_FINITE = EventKind(
     "semi_sync.non_finite",
     lambda v, _: (
@@ -268,9 +260,8 @@ COLLECTIVE_TIMEOUT = EventKind(
     logging.ERROR,
 )
 
-#: The lighthouse dropped a group of sync ``sync``'s quorum while its transfers were in
-#: flight: the sync ended then, not at ``sync_collective_timeout_s`` (``message`` names the
-#: group and how long the transfers had run).
+#: The lighthouse dropped a group of sync ``sync``'s quorum mid-transfer: the sync ended then,
+#: not at ``sync_collective_timeout_s`` (``message``: the group, how long the transfers ran).
 PEER_GONE = EventKind(
     "semi_sync.peer_gone",
     "[semi-sync] sync #{sync} NOT committed: {message}",

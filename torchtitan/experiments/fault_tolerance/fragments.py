@@ -1,7 +1,5 @@
-"""The model's sync fragments for Streaming DiLoCo (``num_fragments`` or explicit module lists).
-
-Every parameter is in exactly one fragment; a fragment holds the model's own parameter objects,
-so torchft's DiLoCo and async DiLoCo sync the model itself.
+"""The model's sync fragments for Streaming DiLoCo (``num_fragments`` or explicit module lists):
+each parameter in exactly one, as the model's own object, so the methods sync the model itself.
 """
 
 from __future__ import annotations
@@ -15,9 +13,8 @@ from torchtitan.experiments.fault_tolerance.job_config import semi_sync_config
 
 
 class ModelFragment(nn.Module):
-    """Some of the model's parameters, synced together by Streaming DiLoCo. The parameters are
-    the model's own objects (not copies), registered under their model FQN with ``.`` -> ``__``.
-    """
+    """Some of the model's parameters, synced together: the model's own objects (not copies),
+    registered under their model FQN with ``.`` -> ``__``."""
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]]) -> None:
         super().__init__()
@@ -45,9 +42,9 @@ def fragment_module_names(model: nn.Module, job_config: JobConfig) -> list[list[
 
 
 def build_model_fragments(model: nn.Module, job_config: JobConfig) -> list[nn.Module]:
-    """The model split into its sync fragments. One fragment: the model itself. Every parameter
-    is in exactly one fragment: parameters of modules listed nowhere (e.g. the final norm and
-    output, or the rest of a block when only ``layers.0.attention`` is listed) join the last."""
+    """The model split into its sync fragments (one: the model itself). Parameters of modules
+    listed nowhere (e.g. the final norm and output, or the rest of a block when only
+    ``layers.0.attention`` is listed) join the last fragment."""
     ft = semi_sync_config(job_config)
     if ft.num_fragments == 1 and not ft.module_fqns_per_model_fragment:
         return [model]

@@ -1,11 +1,7 @@
-"""What the methods with global copies share (DiLoCo, Streaming DiLoCo, async DiLoCo).
-
-* :class:`Fragment`: one fragment's parameters (the model's), its global copy (this rank's
-  shards), the outer optimizer that steps the copy, and the one outer step every method takes,
-  in training and in a heal's replay alike (``outer_step``).
-* :class:`GlobalCopyMethod`: an :class:`~.outer_loop.OuterLoop` over such fragments: their
-  healing state registered with the sync Manager, the heal history of committed syncs, the
-  digests the groups compare, and the replay of missed syncs.
+"""What the methods with global copies share (DiLoCo, Streaming DiLoCo, async DiLoCo):
+:class:`Fragment`, a fragment's global copy and outer optimizer with the one outer step of
+training and replay alike, and :class:`GlobalCopyMethod`, an :class:`~.outer_loop.OuterLoop`
+over them (healing state, heal history, digests, replay of missed syncs).
 """
 
 from __future__ import annotations
@@ -38,9 +34,8 @@ MakeOuter = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
 
 def state_tensor(like: torch.Tensor, device: torch.device | None) -> torch.Tensor:
-    """A tensor for a fragment's outer state, ``like``'s shape: beside ``like`` (``device``
-    None), else fp32 on ``device``, in host memory pinned at its exact size when a GPU is
-    present (``tools.pinned``)."""
+    """A tensor shaped like ``like`` for outer state: beside it (``device`` None), else fp32 on
+    ``device``; on the CPU, pinned at its exact size when a GPU is present (``tools.pinned``)."""
     if device is None:
         return torch.empty_like(like)
     if device.type == "cpu":
@@ -49,13 +44,12 @@ def state_tensor(like: torch.Tensor, device: torch.device | None) -> torch.Tenso
 
 
 class Fragment:
-    """One fragment's outer state: its parameters (the model's), its global copy (this rank's
-    shards; on the parameters' device, or on ``device``), the outer optimizer that steps the
-    copy, and the pseudo-gradient whose all-reduce is in flight (blocking DiLoCo's)."""
+    """One fragment's outer state: the model's parameters, the global copy (this rank's shards,
+    on the parameters' device or ``device``), its outer optimizer, and blocking DiLoCo's
+    in-flight pseudo-gradient all-reduce."""
 
-    #: Copies between the model and a global copy on another device are queued without
-    #: blocking the host and waited for where the host needs them (``wait_for_copies``).
-    #: False: each copy blocks, the reference the CUDA tests compare with.
+    #: Cross-device copies (model <-> global copy) don't block the host; they are waited for
+    #: where needed (``wait_for_copies``). False: each blocks (the CUDA tests' reference).
     non_blocking = True
 
     def __init__(
@@ -98,9 +92,8 @@ class Fragment:
             local.copy_(self.global_copy[name])
 
     def _wait_if_crossed(self, source: torch.device) -> None:
-        """Wait for the copies between ``source`` and the outer state queued without blocking,
-        if they cross devices: on the stream of whichever side is an accelerator (on one
-        device, the stream orders them: no wait)."""
+        """If ``source`` and the outer state differ in device, wait for the non-blocking copies
+        between them on each accelerator side's stream (on one device the stream orders them)."""
         state = next(iter(self.global_copy.values())).device
         if source != state:
             wait_for_copies(source)
@@ -119,16 +112,15 @@ class Fragment:
 
     @torch.no_grad()
     def outer_step(self, averages: dict[str, torch.Tensor]) -> None:
-        """The outer optimizer's step on the global copy with ``averages`` (by name, on any
-        device; views the step may change) as its gradient: every method's outer step,
-        training's and a heal's replay alike."""
+        """Step the global copy with ``averages`` (by name, any device; the step may change
+        them) as gradient: every method's outer step, in training and replay alike."""
         for name, t in self.global_copy.items():
             t.grad = averages[name].to(t.device, non_blocking=self.non_blocking)
         self._wait_if_crossed(next(iter(averages.values())).device)  # the step reads them
         self.outer.step()
         self.outer.zero_grad()
-        # A fused step leaves the tensors' versions as they were: moved here, so that what
-        # keys a digest to them (``outer_passes``' cache) sees the write.
+        # A fused step leaves the versions unchanged: bump them so ``outer_passes``' digest
+        # cache sees the write.
         for t in self.global_copy.values():
             torch.autograd.graph.increment_version(t)
 
@@ -147,12 +139,10 @@ F = TypeVar("F", bound=Fragment)
 
 
 class GlobalCopyMethod(OuterLoop, Generic[F]):
-    """A method with a global copy of each fragment's parameters and an outer optimizer that
-    steps it with the averaged pseudo-gradient (DiLoCo, Streaming and async DiLoCo): a
-    :class:`Fragment` per fragment, its healing state registered under :attr:`heal_key`, the
-    heal history of its committed syncs, and the replay of those syncs: a joiner brings its
-    global copies up to date from the averages it missed (``heal_history``) instead of
-    receiving them, with the outer step training takes."""
+    """A method with a global copy of each fragment, stepped by an outer optimizer with the
+    averaged pseudo-gradient: a :class:`Fragment` each, healing state under :attr:`heal_key`,
+    and the heal history, which a joiner replays (``heal_history``) with training's outer step
+    instead of receiving the global copies."""
 
     #: The key of fragment ``i``'s healing state.
     heal_key: str
@@ -166,9 +156,8 @@ class GlobalCopyMethod(OuterLoop, Generic[F]):
         states: list[F],
         history: HealHistory | None,
     ) -> None:
-        """``history``: keeps what each committed sync delivered, for a joiner to replay
-        (None: none kept); with one of capacity > 0 the sync Manager's transport must keep
-        what it delivers (``SyncTransport(keep_delivered=True)``)."""
+        """``history``: what each committed sync delivered, for a joiner to replay (None: none);
+        capacity > 0 needs ``SyncTransport(keep_delivered=True)``."""
         super().__init__(manager, inner_optimizer, period)
         self.fragments = fragments
         self._states = states
@@ -188,10 +177,9 @@ class GlobalCopyMethod(OuterLoop, Generic[F]):
         self._healed = True
 
     def _keep(self, index: int, loaded: torch.Tensor | None = None, divisor: float = 1.0) -> None:
-        """Fragment ``index``'s sync committed (its outer step not yet taken): keep what its
-        transfers delivered in the history, or ``loaded``, its sums when no transfer of this
-        process carried them (fp32, from a checkpoint or a peer); ``divisor``: what the outer
-        step divides the sums by."""
+        """Fragment ``index``'s sync committed (outer step not yet taken): record what its
+        transfers delivered, or ``loaded`` (fp32 sums from a checkpoint or peer, when no
+        transfer here carried them); ``divisor``: what the outer step divides the sums by."""
         if self.history.capacity <= 0:
             return
         if loaded is None:
@@ -227,10 +215,9 @@ class GlobalCopyMethod(OuterLoop, Generic[F]):
         return self
 
     def fragment_state(self, index: int) -> dict[str, Any]:
-        """The global copy and the outer momentum, laid out like the parameters; zeros where
-        the outer optimizer has not stepped yet, so that a fresh process offers DCP a tensor
-        to load the saved momentum into (on the device of the outer state, like the momentum
-        itself)."""
+        """The global copy and outer momentum, laid out like the parameters; zeros before the
+        first outer step, so a fresh process offers DCP a tensor to load the momentum into (on
+        the outer state's device)."""
         params = self.fragment_parameters(index)
         global_copy = self.global_parameters(index)  # also the tensors the outer optimizer steps
         outer = self.outer_optimizer(index)
@@ -277,26 +264,25 @@ class GlobalCopyMethod(OuterLoop, Generic[F]):
             self.observe_averages(index, average)
 
     def replayed_state(self, key: str) -> bool:
-        """Whether ``key`` is healing state that a replay reproduces (a fragment's global copy
-        and outer optimizer): the peer leaves it out."""
+        """Whether a replay reproduces healing state ``key`` (a fragment's global copy and outer
+        optimizer): the peer leaves it out."""
         return any(key == self.heal_key.format(i) for i in range(len(self.fragments)))
 
     def replay_device(self, index: int) -> torch.device:
-        """Where the groups' outer step of fragment ``index`` takes its average (a replay
-        decodes and divides it there, the same operations on the same device)."""
+        """Where the groups' outer step of fragment ``index`` takes its average; a replay
+        decodes and divides it there too."""
         return self._states[index].model_device
 
     def replay_outer_step(self, index: int, average: torch.Tensor) -> None:
-        """Apply a committed sync of fragment ``index`` to its global copy and outer optimizer
-        exactly as the groups that took part did: ``average`` is its averaged pseudo-gradient,
-        flat, as delivered (this call may overwrite it). The model's parameters are left
-        undefined (the caller puts the global copies back)."""
+        """Apply a committed sync of fragment ``index`` exactly as its groups did; ``average``:
+        its flat averaged pseudo-gradient as delivered (may be overwritten). Leaves the model's
+        parameters undefined: the caller puts the global copies back."""
         state = self._states[index]
         state.outer_step(state.views(average))
 
     def state_bytes(self) -> dict[str, int]:
-        """The global copies, the outer optimizers' state and the pseudo-gradient of the largest
-        fragment (held while its sync runs)."""
+        """The global copies, outer optimizer state and the largest fragment's pseudo-gradient
+        (held while its sync runs)."""
         return {
             "global_copy": sum(t.nbytes for s in self._states for t in s.global_copy.values()),
             "momentum": sum(
@@ -322,13 +308,11 @@ class GlobalCopyMethod(OuterLoop, Generic[F]):
         """Let a started all-reduce finish (every group started it) and drop its result."""
 
     def observe_averages(self, index: int, observe: Callable[[float], None]) -> None:  # noqa: B027
-        """Have ``observe`` called with the sum of squares of each average fragment ``index``'s
-        outer step takes without ``optimizer.step()`` (whose pre-hooks see the others): none
-        here."""
+        """Call ``observe`` with the sum of squares of each average fragment ``index``'s outer
+        step takes outside ``optimizer.step()`` (whose pre-hooks see the others): none here."""
 
     def global_chunk_hashes(self, index: int) -> list[int]:
-        """The chunk hashes (``tools.digest``) of fragment ``index``'s global copy (this rank's
-        shards)."""
+        """Chunk hashes of fragment ``index``'s global copy (this rank's shards)."""
         return [h for t in self.global_parameters(index).values() for h in chunk_hashes(t)]
 
     def global_digest(self, index: int) -> int:
@@ -342,6 +326,6 @@ class GlobalCopyMethod(OuterLoop, Generic[F]):
 
     def replay_outer_steps(self, steps: Iterable[tuple[int, torch.Tensor]]) -> None:
         """:meth:`replay_outer_step` for each ``(index, average)`` in order, as one replay (a
-        method may skip work between consecutive steps, never change their results)."""
+        method may skip work between steps, never change their results)."""
         for index, average in steps:
             self.replay_outer_step(index, average)

@@ -1,17 +1,14 @@
-"""Healing without the WAN: the last K committed averages, served to a joiner that replays
-what it missed on top of its own checkpoint.
+"""Healing without the WAN: a joiner replays the committed averages it missed onto its own
+checkpoint.
 
-Between a group's checkpoint at sync ``s`` and the job's sync ``S`` the global parameters
-changed only by the outer steps of syncs ``s+1 .. S``, and each of those took one average: the
-bytes every group decoded (compressed) or the fp32 average. A peer keeps the last
-``fault_tolerance.heal_history_syncs`` of them (:class:`HealHistory`, CPU memory, per rank:
-its shards). A joiner tells the peer what it holds (:class:`ReplayBasis`: its sync, the job's
-fingerprint, a digest of each fragment's global copy); the peer answers with the missing
-entries when it can (:func:`plan_replay`), and the joiner redoes the outer steps in order
-(:func:`replay`): the same operations on the same values, so its global copies and outer
+From a checkpoint at sync ``s`` to the job's sync ``S`` the global parameters changed only by
+the outer steps of syncs ``s+1 .. S``, each taking one average (the bytes every group decoded,
+or the fp32 average). A peer keeps the last ``fault_tolerance.heal_history_syncs`` of them
+(:class:`HealHistory`, CPU memory, this rank's shards). The joiner sends what it holds
+(:class:`ReplayBasis`), the peer the missing entries if it can (:func:`plan_replay`), over
+torchft's checkpoint transport (``heal_transport``); the joiner redoes the outer steps in order
+(:func:`replay`), the same operations on the same values, so its global copies and outer
 momentum end bit for bit equal to the peer's. Otherwise it heals in full, and says why.
-
-The exchange itself rides on torchft's checkpoint transport (``heal_transport``).
 """
 
 from __future__ import annotations
@@ -36,15 +33,15 @@ _BASIS_VERSION = 0x5EA1_0001
 
 
 def job_fingerprint(parts: Iterable[str]) -> int:
-    """A signed 64-bit fingerprint of what makes two groups' checkpoints the same job's: the
-    method's settings and the model's parameter names and shapes."""
+    """Signed 64-bit fingerprint of the method's settings and the parameters' names and shapes:
+    what makes two groups' checkpoints the same job's."""
     digest = hashlib.blake2b("\n".join(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True)
 
 
 def _payload_digest(transfers: Iterable[Delivered], taken: bool = True) -> int:
-    """The digest of the transfers' payloads; ``taken``: from the hashes taken when each was
-    kept, where it has them (``Delivered.kept``), else from the bytes now."""
+    """Digest of the payloads; ``taken``: from the hashes taken when kept (``Delivered.kept``)
+    where present, else from the bytes now."""
     return fold_digest(
         h
         for t in transfers
@@ -65,8 +62,7 @@ class HistoryEntry:
     basis_digest: int
     #: A digest of the payloads, taken when the entry was recorded.
     checksum: int
-    #: What the outer step divides the delivered values by (async DiLoCo: the sum of the
-    #: groups' tokens; 1: nothing).
+    #: What the outer step divides the delivered values by (async DiLoCo: the groups' tokens).
     scale: float = 1.0
 
     @classmethod
@@ -90,9 +86,8 @@ class HistoryEntry:
         return _payload_digest(self.transfers, taken=False) == self.checksum
 
     def average(self, device: torch.device | None = None) -> torch.Tensor:
-        """The fragment's averaged pseudo-gradient, flat fp32, as the outer step took it: the
-        values the sync delivered, divided by ``scale`` (the same operations, so the same
-        bits)."""
+        """The fragment's averaged pseudo-gradient, flat fp32: the delivered values divided by
+        ``scale``, the outer step's own operations, so the same bits."""
         values = [t.values(device) for t in self.transfers]
         if not values:
             return torch.zeros(0, dtype=torch.float32, device=device)
@@ -101,9 +96,8 @@ class HistoryEntry:
             divide_(flat, self.scale)
         return flat
 
-    # The wire form: the entry's description in plain containers (torchft's transport sends
-    # those with the state), and its payloads, which travel after it one by one, so that a
-    # joiner replays one while the next is on the wire.
+    # Wire form: a description in plain containers (torchft sends it with the state), then the
+    # payloads one by one, so that a joiner replays one while the next is on the wire.
     def to_wire(self) -> dict[str, Any]:
         return {
             "sync": self.sync,
@@ -163,9 +157,8 @@ class HistoryEntry:
 
 
 class HealHistory:
-    """The last ``capacity`` committed syncs, in order and without gaps (a sync that is not
-    the next one starts the history again: the ones before can no longer be replayed up to
-    it)."""
+    """The last ``capacity`` committed syncs, in order and without gaps: a sync that is not the
+    next one restarts the history (the earlier ones cannot be replayed up to it)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -204,9 +197,8 @@ class HealHistory:
 
 @dataclass(frozen=True)
 class ReplayBasis:
-    """What a joiner holds from its own checkpoint: the job's sync it is at, the job's
-    fingerprint and each fragment's global-copy digest (this rank's shards). ``sync`` -1: none
-    (no checkpoint, or one that cannot be replayed onto)."""
+    """What a joiner's checkpoint holds: its sync, the job's fingerprint and each fragment's
+    global-copy digest (this rank's shards). ``sync`` -1: nothing to replay onto."""
 
     sync: int
     fingerprint: int = 0
@@ -248,9 +240,9 @@ def plan_replay(
     fingerprint: int,
     current_digests: Callable[[], list[int]],
 ) -> ReplayPlan:
-    """What this peer (at ``job_sync`` committed syncs) can send a joiner with ``basis``.
-    ``current_digests``: this rank's digest of each fragment's global copy now. Every case
-    that cannot be replayed exactly answers a full heal, with its reason in one line."""
+    """What this peer (at ``job_sync``) can send a joiner with ``basis``; ``current_digests``:
+    this rank's digest of each fragment's global copy now. Anything that cannot be replayed
+    exactly answers a full heal, with a one-line reason."""
 
     def full(why: str) -> ReplayPlan:
         return ReplayPlan(None, why)
@@ -303,12 +295,10 @@ def replay(
     outer_steps: Callable[[Iterable[tuple[int, torch.Tensor]]], None],
     device_of: Callable[[int], torch.device],
 ) -> int:
-    """Redo the outer steps of ``entries`` in order: ``outer_steps`` (the method's) takes
-    ``(fragment, average)`` pairs, each average decoded and divided as it is reached (one at a
-    time in memory; ``entries`` may still be arriving) on ``device_of(fragment)``: the device
-    where the groups' own outer step divided it (CUDA and the CPU round a division apart). An
-    entry of ``scale`` 0 (a committed sync without tokens) applied nothing and is skipped.
-    Returns the bytes the entries held."""
+    """Redo the outer steps of ``entries`` in order through the method's ``outer_steps``, given
+    ``(fragment, average)`` pairs decoded one at a time as reached (``entries`` may still be
+    arriving) on ``device_of(fragment)``, where the groups divided it (CUDA and the CPU round a
+    division apart). Entries of ``scale`` 0 (no tokens) are skipped. Returns the entries' bytes."""
     held = 0
 
     def steps() -> Iterator[tuple[int, torch.Tensor]]:

@@ -1,15 +1,12 @@
 """A heal's transfer in bounded pieces, so that no single operation outlives its timeouts.
 
-torchft's process-group checkpoint transport sends each tensor of the healing state as one
-point-to-point operation and, for device tensors, queues all of them before it waits for any.
-c10d's nccl watchdog counts from when an operation is queued, so the last send of a full heal
-(160 GB for an 8B model: 21 min at 1 Gbit/s) would be killed, and the healthy peer with it.
-:class:`PiecewiseGroup` stands in for the replicate process group on both ends of a heal: a
-tensor travels in pieces of at most ``piece_bytes``, and at most ``in_flight`` pieces are queued
-at a time (a new one is queued once the oldest is done). So an operation lasts at most about
-``in_flight * piece_bytes`` at the link's rate from its queueing, whatever the model: with the
-defaults 256 MiB, 2.1 s at 1 Gbit/s, 21 s at 100 Mbit/s. Both ends cut alike (the receiver's
-buffer has the sender's size), and each piece has a tag of its own.
+torchft's process-group checkpoint transport sends each tensor as one point-to-point operation
+and, for device tensors, queues all before waiting for any. c10d's nccl watchdog counts from the
+queueing, so the last send of a full heal (160 GB for 8B: 21 min at 1 Gbit/s) would be killed,
+and the healthy peer with it. :class:`PiecewiseGroup` stands in for the replicate process group
+on both ends: pieces of at most ``piece_bytes``, at most ``in_flight`` queued (a new one once
+the oldest is done), so an operation lasts about ``in_flight * piece_bytes`` at the link's rate
+(256 MiB by default: 2.1 s at 1 Gbit/s). Both ends cut alike; each piece has its own tag.
 """
 
 from __future__ import annotations
@@ -25,8 +22,7 @@ import torch
 #: Largest piece of a tensor in one operation, and how many may be queued at once.
 PIECE_BYTES = 64 * 2**20
 IN_FLIGHT = 4
-#: Pieces of one tensor get tags ``tag * MAX_PIECES + k`` (a tensor of more than
-#: ``MAX_PIECES * piece_bytes`` bytes gets larger pieces): within int32 for every tag used.
+#: Piece k's tag is ``tag * MAX_PIECES + k``, within int32 (a huge tensor gets larger pieces).
 MAX_PIECES = 1 << 10
 
 
@@ -88,9 +84,9 @@ class PiecewiseGroup:
 
     @contextlib.contextmanager
     def heal(self) -> Iterator[None]:
-        """Around one end of a heal: nothing of an earlier one (which may have failed) is
-        waited for, and the last pieces' works, which hold their tensors (on a joiner's GPU, a
-        payload's buffer), are dropped at the end."""
+        """Around one end of a heal: an earlier (maybe failed) one is not waited for, and the
+        last works, which hold their tensors (on a joiner's GPU, a payload's buffer), are
+        dropped at the end."""
         self._queued.clear()
         try:
             yield

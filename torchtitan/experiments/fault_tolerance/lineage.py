@@ -1,10 +1,9 @@
 """Where a replica group's model comes from, so that the job's final model is unambiguous.
 
-Groups that sync together hold the same global parameters. A group that goes on alone (its
-peers died, hung past the collective timeout, or finished) commits syncs that no other group
-shares: from then on its model is a lineage of its own. :class:`Lineage` counts that for one
-group, the trainer reports it with the final model (``semi_sync.final_model``), and the launcher
-compares the groups' final digests and names the job's model (``job_model``).
+Groups that sync together hold the same global parameters. A group that goes on alone (peers
+died, hung past the collective timeout, or finished) commits syncs no other group shares: its
+model becomes a lineage of its own. :class:`Lineage` counts that for one group (reported in
+``semi_sync.final_model``); the launcher names the job's model (:func:`job_model`).
 """
 
 from __future__ import annotations
@@ -49,10 +48,10 @@ class Lineage:
 
 def job_model(finals: dict[int, dict[str, Any]]) -> int | None:
     """The replica group whose final model is the job's, from each finished group's
-    ``semi_sync.final_model`` fields (None: no group finished). Groups that agree are all the
-    job's (the lowest id is named). Otherwise: a group that never trained alone since its last
-    shared sync; else the one whose last shared sync is the latest; among those, the one that
-    went on alone first (it carried the job on while the others were away)."""
+    ``semi_sync.final_model`` fields (None: none finished). Groups that agree are all the job's
+    (the lowest id is named). Else: one that never trained alone since its last shared sync;
+    else the latest last shared sync, and among those the first to go on alone (it carried the
+    job while the others were away)."""
     if not finals:
         return None
 

@@ -1,11 +1,4 @@
-"""The checkpoint of a semi-sync method's state (``semi_sync`` in the state registry).
-
-Together with the Manager's step and the core state (model, inner optimizer, LR schedule, data
-position, step), a whole-job restart resumes exactly where the job was: the inner-step position
-in the sync period, each fragment's global parameters and outer momentum, a method's own extra
-state (async DiLoCo: its sync in flight), and with ``error_feedback`` what each rank's
-compression still owes. Heals do not use it: torchft sends the methods' own registered state.
-"""
+"""The checkpoint of a semi-sync method's state (``semi_sync`` in the state registry)."""
 
 from __future__ import annotations
 
@@ -24,15 +17,15 @@ if TYPE_CHECKING:
 
 
 class SemiSyncState:
-    """Checkpoint view of the algorithm: the inner-step position in the sync period and, for
-    DiLoCo, each fragment's global parameters and outer-optimizer momentum; with
-    ``error_feedback``, what each rank's compression still owes.
+    """Checkpoint view of the method: the inner-step position in the sync period, each
+    fragment's global parameters and outer momentum, the method's extra state (async DiLoCo: its
+    sync in flight) and with ``error_feedback`` what each rank's compression still owes.
 
-    Together with the Manager's step (``ft_manager``) and the core state (model, inner
-    optimizer, LR schedule, data position, step), a whole-job restart resumes exactly where the
-    job was. ``loaded`` tells whether a checkpoint supplied it: if not, the trainer makes the
-    loaded model the global parameters. Healing does not use this: torchft sends DiLoCo's own
-    copy of it, and the inner-step position travels with ``semi_sync_position``.
+    With the Manager's step (``ft_manager``) and the core state (model, inner optimizer, LR
+    schedule, data position, step), a whole-job restart resumes exactly where the job was.
+    ``loaded``: whether a checkpoint supplied it (if not, the trainer makes the loaded model the
+    global parameters). Heals do not use it: torchft sends the methods' own registered state,
+    and the inner-step position travels with ``semi_sync_position``.
     """
 
     def __init__(self, trainer: SemiSyncTrainer) -> None:
@@ -54,9 +47,8 @@ class SemiSyncState:
             state["extra"] = extra
         residuals = self.trainer.sync.residuals
         if residuals is not None:
-            # Each rank's own residuals (of its shards), under a key of its own; and those an
-            # arrived, undecided sync leaves if it commits (async DiLoCo: decided at the next
-            # sync point, after a restart too).
+            # Each rank's residuals under its own key, plus those staged by an arrived, undecided
+            # sync (async DiLoCo decides it at the next sync point, after a restart too).
             mine: dict[str, Any] = {}
             for i in range(len(loop.fragments)):
                 numel = _local_numel(loop, i)
@@ -89,9 +81,8 @@ class SemiSyncState:
                     residuals.load(i, mine[f"staged_{i}"], staged=True)
         in_flight = int(state.get("in_flight_fragment", -1))
         if in_flight >= 0:
-            # Saved while a fragment's all-reduce was in flight (fragment_sync_delay > 0): its
-            # result is lost. Do what torchft does for a failed sync: put the fragment back to
-            # its global parameters and start the period again; the fragment is retried.
+            # Saved mid all-reduce (fragment_sync_delay > 0): its result is lost. As torchft
+            # after a failed sync: restore the fragment's global copy, restart the period.
             loop.restore_global_copies(in_flight)
             loop.set_local_step(0)
             events.IN_FLIGHT_SYNC_DROPPED.emit(fragment=in_flight)
@@ -104,6 +95,5 @@ def _group_rank() -> int:
 
 
 def _local_numel(loop: OuterLoop, index: int) -> int:
-    """Values of fragment ``index`` this rank holds (its shards): what its pseudo-gradient
-    all-reduce sends."""
+    """Values of fragment ``index`` on this rank (its shards): what its all-reduce sends."""
     return sum(local_tensor(p).numel() for p in loop.fragment_parameters(index).values())

@@ -38,10 +38,9 @@ def build_method(
     group_ranks: int,
     history: HealHistory | None = None,
 ) -> OuterLoop:
-    """The method around ``optimizer`` (the inner one), syncing through ``sync`` (the trainer's
-    ``SyncManager``); ``group_ranks``: ranks of this replica group (async DiLoCo counts the
-    tokens of the whole group); ``history``: where a method that can replay keeps what its
-    committed syncs delivered."""
+    """The method around the inner ``optimizer``, syncing through ``sync``; ``group_ranks``:
+    ranks of this replica group (for async DiLoCo's token count); ``history``: where a method
+    that can replay keeps what its committed syncs delivered."""
     ft = semi_sync_config(job_config)
     if ft.method == "localsgd":
         return LocalSGD(sync, model, optimizer, ft.sync_steps)
@@ -89,8 +88,8 @@ def build_sync_manager(
     device: torch.device,
     group_ranks: int,
 ) -> SyncManager:
-    """The sync Manager the method syncs through, with its transport; ``history``: what
-    each committed sync delivered is kept when it keeps any."""
+    """The sync Manager and its transport; ``history`` keeps what committed syncs delivered
+    (if its capacity is not 0)."""
     transport = SyncTransport(
         wire_dtype(ft),
         error_feedback=ft.error_feedback,
@@ -106,8 +105,7 @@ def build_sync_manager(
         ft.sync_quorum_timeout_s,
         transport=transport,
         fragments=ft.fragment_count(),
-        # The ranks of this group decide alike (one MAX all-reduce in the group; a group of
-        # one rank decides alone).
+        # The group's ranks decide alike (one MAX all-reduce in the group).
         agree_in_group=(
             functools.partial(most_of_one_in_group, device=device)
             if group_ranks > 1
@@ -117,10 +115,9 @@ def build_sync_manager(
 
 
 def heal_history(ft: FaultTolerance) -> HealHistory:
-    """Where the method keeps its last committed syncs, for a group restarted from its own
-    checkpoint to replay instead of receiving the full state: none for LocalSGD (it cannot
-    replay) or with torchft's own fp8 all-reduce (``should_quantize`` bypasses the transport
-    that keeps what a sync delivered)."""
+    """The last committed syncs, which a group restarted from its own checkpoint replays
+    instead of receiving the full state: none for LocalSGD (cannot replay) or with
+    ``should_quantize`` (torchft's fp8 all-reduce bypasses the transport that keeps them)."""
     keeps = ft.method != "localsgd" and not ft.should_quantize
     return HealHistory(ft.heal_history_syncs if keeps else 0)
 
@@ -145,16 +142,16 @@ def build_speed_exchange(
 
 
 def wire_dtype(ft: FaultTolerance) -> str:
-    """The name the transport and the codecs know ``pseudo_grad_dtype`` by: itself, or for
-    ``sparse`` with settings other than the defaults, one naming them."""
+    """``pseudo_grad_dtype`` as the codecs name it (sparse's name includes non-default
+    settings)."""
     if ft.pseudo_grad_dtype != "sparse":
         return ft.pseudo_grad_dtype
     return sparse_name(ft.sparse_chunk, ft.sparse_keep, ft.sparse_value_bits)
 
 
 def residual_decay(ft: FaultTolerance) -> float:
-    """What of an error-feedback residual is still owed a sync later: ``sparse_residual_decay``
-    for sparse, 1 (nothing fades) for every other dtype."""
+    """The error-feedback residual's decay per sync: ``sparse_residual_decay`` for sparse, else
+    1 (nothing fades)."""
     return ft.sparse_residual_decay if ft.pseudo_grad_dtype == "sparse" else 1.0
 
 

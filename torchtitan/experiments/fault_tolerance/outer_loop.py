@@ -1,11 +1,9 @@
 """The outer loops ``SemiSyncTrainer`` drives: what a semi-sync method is to the trainer.
 
-A method syncs the replica groups from optimizer hooks (entered with ``hooks()``), every
-``period`` inner steps, over the model's ``fragments``. The trainer needs a few more verbs from
-it around start-up, healing, checkpoints and the end of training; :class:`OuterLoop` names them,
-so that the trainer never depends on how a method keeps its state: ``periodic.LocalSGD`` and
-``periodic.DiLoCo`` (Streaming DiLoCo too), and ``async_diloco.AsyncDiLoCo``, the last two
-through ``global_copy.GlobalCopyMethod``.
+:class:`OuterLoop` names the verbs the trainer needs (syncing from optimizer hooks, start-up,
+healing, checkpoints, the end), so that it never depends on how a method keeps its state:
+``periodic.LocalSGD``, ``periodic.DiLoCo`` (Streaming too) and ``async_diloco.AsyncDiLoCo``,
+the last two through ``global_copy.GlobalCopyMethod``.
 """
 
 from __future__ import annotations
@@ -44,16 +42,15 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def as_param_layout(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """``local`` (this rank's shard) as a DTensor laid out like ``param``, so DCP stores one
-    logical tensor instead of one per rank. It shares ``local``'s storage wherever ``local``
-    lives: outer state kept on the CPU (``outer_state_device=cpu``) is saved and loaded from
-    the CPU, never copied to the accelerator (that would be several copies of the shard at
-    once, exactly what the field is there to avoid)."""
+    logical tensor, not one per rank. It shares ``local``'s storage on any device: CPU outer
+    state (``outer_state_device=cpu``) is saved and loaded there, never copied to the
+    accelerator (several copies of the shard at once: what the field avoids)."""
     if not isinstance(param, DTensor):
         return local
     mesh = param.device_mesh
     if local.device.type != mesh.device_type:
-        # The same ranks and layout, described for local's device: DCP needs only the layout,
-        # and the mesh is built from the parameter's process groups without new ones.
+        # Same ranks and layout on local's device (DCP needs only the layout), from the
+        # parameter's process groups: no new ones.
         groups = [mesh.get_group(i) for i in range(mesh.ndim)]
         mesh = DeviceMesh.from_group(
             groups[0] if mesh.ndim == 1 else groups,
@@ -83,8 +80,7 @@ def optimizer_hooks(
 class SyncOutcome:
     """What the last sync point did, as the trainer reports it."""
 
-    #: The sync whose verdict is known: the Manager step it makes (a failed one is retried
-    #: under the same number).
+    #: The decided sync: the Manager step it makes (a failed one retries the same number).
     number: int
     fragment: int
     committed: bool
@@ -115,17 +111,15 @@ class Ending:
 
 
 class OuterLoop(ABC):
-    """A semi-sync method: the model's ``fragments`` (one: the model itself) sync in turn,
-    one every ``period`` inner steps, from the inner optimizer's hooks on the sync Manager; a
-    fragment's sync is started ``delay`` steps before it is applied (0: at once). What every
-    method does; ``global_copy.GlobalCopyMethod`` adds what a method with global copies and an
-    outer optimizer (DiLoCo, async DiLoCo) does."""
+    """A semi-sync method: the model's ``fragments`` (one: the model itself) sync in turn, one
+    every ``period`` inner steps, from the inner optimizer's hooks on the sync Manager; a
+    fragment's sync starts ``delay`` steps before it is applied (0: at once).
+    ``global_copy.GlobalCopyMethod`` adds global copies and an outer optimizer."""
 
     method: str
     fragments: list[nn.Module]
     delay: int = 0
-    #: Sync points passed in this job (kept by methods that support DyLU, alike in every
-    #: group: they pass sync points together).
+    #: Sync points passed in this job (by methods supporting DyLU; alike in every group).
     sync_points: int = 0
 
     def __init__(
@@ -139,8 +133,7 @@ class OuterLoop(ABC):
         self._committed: bool | None = None
 
     def hooks(self, quorums: Quorums) -> contextlib.AbstractContextManager:
-        """Installs the optimizer hooks that sync, in the ``quorums`` (entered around the
-        training loop)."""
+        """The optimizer hooks that sync in ``quorums``, entered around the training loop."""
         return optimizer_hooks(
             self.inner_optimizer, self._before_step, lambda *_: self._after_step(quorums)
         )
@@ -168,8 +161,8 @@ class OuterLoop(ABC):
 
     @abstractmethod
     def join_sync(self) -> bool:
-        """A group healed inside the running groups' sync quorum takes part in that sync
-        now. Returns whether the sync was applied (False: started, applied later)."""
+        """A group healed inside the running groups' sync quorum takes part in that sync now.
+        Returns whether it was applied (False: started, applied later)."""
 
     @abstractmethod
     def finish(self, quorums: Quorums) -> Ending:
@@ -177,9 +170,8 @@ class OuterLoop(ABC):
 
     @abstractmethod
     def agreement_digest(self) -> int | None:
-        """A digest of the global parameters of the last sync (this rank's shards), which every
-        group that holds them computes alike: what the agreement check compares. None: this
-        group does not know them now."""
+        """Digest of the last sync's global parameters (this rank's shards), alike in every
+        group that holds them: what the agreement check compares. None: not known now."""
 
     def steps_this_period(self) -> int:
         """Inner steps between the last sync point and the next: ``period``, unless the
@@ -200,9 +192,8 @@ class OuterLoop(ABC):
         return {name: local_tensor(p.data) for name, p in self.fragment_parameters(index).items()}
 
     def take_global_copies(self) -> bool:
-        """Make the model's current parameters the global ones (fresh outer state), e.g. after
-        weights were loaded into the model. Returns whether the method keeps copies of them
-        (False: the model is the global state)."""
+        """Make the model's parameters the global ones, with fresh outer state (e.g. after
+        loading weights). Returns False when the model itself is the global state (no copies)."""
         return False
 
     def restore_global_copies(self, index: int) -> None:  # noqa: B027 (no copies: nothing)
@@ -227,14 +218,14 @@ class OuterLoop(ABC):
         ``average`` is told the sum of squares of each average stepped without it."""
 
     def in_flight(self, index: int) -> bool:
-        """Whether a fragment's sync has been started and its result is not in this process
-        (a checkpoint taken now cannot hold that sync). A method that syncs at once: never."""
+        """Whether a fragment's sync started and its result is not here yet (a checkpoint now
+        cannot hold it). A method that syncs at once: never."""
         return False
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for the method besides the model and the inner optimizer, by
-        kind (``events.OUTER_STATE_KINDS``; a kind the method has not is left out). Here the
-        most a sync holds while it runs: a copy of the largest fragment (LocalSGD's mean)."""
+        """Bytes this rank holds for the method besides model and inner optimizer, by kind
+        (``events.OUTER_STATE_KINDS``; kinds it has not left out). Here: the most a running
+        sync holds, a copy of the largest fragment (LocalSGD's mean)."""
         return {"buffers": max(self.fragment_bytes(i) for i in range(len(self.fragments)))}
 
     def fragment_bytes(self, index: int) -> int:
@@ -242,22 +233,21 @@ class OuterLoop(ABC):
         return sum(local_tensor(p.data).nbytes for p in self.fragments[index].parameters())
 
     def extra_state(self) -> dict[str, Any]:
-        """What else a checkpoint must hold to resume exactly (checkpointed with the global
-        copies, outer momentum and position; tensors laid out like the parameters). The same
-        keys in every process, so that a fresh one offers DCP something to load into. Most
-        methods: nothing."""
+        """What else a checkpoint needs to resume exactly (tensors laid out like the
+        parameters), with the same keys in every process so a fresh one offers DCP something
+        to load into. Most methods: nothing."""
         return {}
 
-    def load_extra_state(self, state: dict[str, Any]) -> None:  # noqa: B027 (a no-op unless a method needs it)
+    def load_extra_state(self, state: dict[str, Any]) -> None:  # noqa: B027 (a no-op by default)
         """Take back what :meth:`extra_state` gave, as loaded."""
 
-    def note_committed(self) -> None:  # noqa: B027 (a no-op unless a method needs it)
+    def note_committed(self) -> None:  # noqa: B027 (a no-op by default)
         """After a committed sync (LocalSGD: the model is the global parameters now)."""
 
-    def note_joined(self) -> None:  # noqa: B027 (a no-op unless a method needs it)
+    def note_joined(self) -> None:  # noqa: B027 (a no-op by default)
         """This group is in the job, at its own inner step (after a checkpoint, or fresh)."""
 
-    def forget_global(self) -> None:  # noqa: B027 (a no-op unless a method needs it)
+    def forget_global(self) -> None:  # noqa: B027 (a no-op by default)
         """This group healed from a peer: what it knew of the global parameters is void."""
 
     def last_outcome(self, manager: SyncManager) -> SyncOutcome | None:

@@ -1,15 +1,12 @@
 """Delayed Nesterov (DN): an outer optimizer for asynchronous DiLoCo.
 
-With asynchronous Local-SGD the outer optimizer is stepped once per arriving (often stale)
-pseudo-gradient instead of once per round of all workers, and plain Nesterov momentum then
-compounds stale directions. Delayed Nesterov (Liu, Douillard et al., "Asynchronous Local-SGD
-Training for Language Modeling", arXiv 2401.09135, Algorithm 3) updates the momentum only once
-every ``N = delay`` outer steps, from the average of the pseudo-gradients of those ``N`` steps;
-in between, each step moves the parameters by its own pseudo-gradient scaled by ``1/N``, plus an
-optional fraction ``c`` of the current momentum.
-
-The rule, for outer step ``t = 0, 1, ...`` with pseudo-gradient ``g_t``, learning rate ``lr``,
-momentum ``beta``, ``k = t mod N`` and ``m`` the momentum buffer (zero before its first update)::
+Async Local-SGD steps the outer optimizer once per arriving (often stale) pseudo-gradient, and
+plain Nesterov momentum then compounds stale directions. DN (Liu, Douillard et al., arXiv
+2401.09135, Algorithm 3) updates the momentum once every ``N = delay`` outer steps from the
+average of those steps' pseudo-gradients; in between, each step moves the parameters by its own
+pseudo-gradient over ``N`` plus a fraction ``c`` of the momentum. For outer step ``t`` with
+pseudo-gradient ``g_t``, momentum ``beta``, ``k = t mod N`` and momentum buffer ``m`` (zero
+before its first update)::
 
     S_t = g_t                      if k == 0   (the first gradient of a window)
           S_{t-1} + g_t            otherwise   (state "grad_sum" carries S between steps)
@@ -21,26 +18,17 @@ momentum ``beta``, ``k = t mod N`` and ``m`` the momentum buffer (zero before it
         d_t  = g_t / N + c * beta * m
     theta <- theta - lr * d_t
 
-with ``0 <= c <= 1/N`` (the paper's "momentum activation", 0 by default; the paper writes the
-window-end weight as ``1 - c N + c``, the same number). The momentum weights of a window add up
-to ``beta`` and its gradients to ``S / N``: with ``c = 0`` a window moves the parameters by
-``-lr * (S / N + beta * m)`` with the new ``m``, one Nesterov step on the window's average
-pseudo-gradient, spread over the window. With ``N = 1`` this is
-``torch.optim.SGD(lr, momentum, nesterov=True)`` (no dampening, no weight decay) to the bit: the
-same tensor operations in the same order.
+with ``0 <= c <= 1/N`` (0 by default; the paper writes ``1 - c N + c``). With ``c = 0`` a window
+is one Nesterov step on its average pseudo-gradient, spread over the window. With ``N = 1`` this
+is ``torch.optim.SGD(lr, momentum, nesterov=True)`` (no dampening or weight decay) bit for bit:
+same ops, same order. The formula follows ``src/halos/opt.py`` of https://github.com/utnslab/halos.
 
-Source of the formula: the paper's Algorithm 3 as implemented in ``src/halos/opt.py`` of
-https://github.com/utnslab/halos (HALoS, a later paper building on DN, with ``c``); a
-torchft-based implementation (``c = 0``) agrees. Both scale the per-step gradient by ``1/N``.
-
-Failure semantics: ``step`` is a pure function of the optimizer state and the gradients it is
-given: no clock, rank or membership enters it, so every replica that applies the same
-gradients in the same order holds the same parameters and state. All checks run before
-anything is written, so a ``step`` that raises leaves parameters and state as they were; an
-outer step that is dropped (a sync not committed) is simply not passed to ``step``. Everything
-a restarted or healing replica needs travels in ``state_dict()``: per parameter
-``momentum_buffer`` and ``grad_sum``, per param group the hyperparameters and the step counter
-``step`` (every group advances it on every call, so it is the optimizer's step count).
+Failure semantics: ``step`` is a pure function of the state and the gradients (no clock, rank or
+membership), so replicas applying the same gradients in the same order stay identical. All
+checks run before anything is written: a ``step`` that raises changes nothing; an uncommitted
+sync is simply not passed to ``step``. ``state_dict()`` holds all a healing replica needs: per
+parameter ``momentum_buffer`` and ``grad_sum``, per group the hyperparameters and ``step`` (the
+optimizer's step count: every group advances it on every call).
 """
 
 from __future__ import annotations
@@ -88,11 +76,10 @@ def _next_momentum(
     delay: int,
 ) -> torch.Tensor:
     """The momentum buffer after a window's last step (a new tensor)."""
-    # The first gradient of a window is the sum as it is: adding it to a zeroed buffer would
-    # turn -0.0 into +0.0, and delay=1 has to match torch's SGD to the bit.
+    # Not added to a zeroed buffer: -0.0 would become +0.0, and delay=1 must match SGD's bits.
     total = grad if position == 0 or grad_sum is None else grad_sum + grad
     average = divided(total, delay)  # CUDA would multiply by 1 / delay: other bits
-    # torch's SGD starts its buffer as a copy of the first gradient, not as momentum * 0 + grad.
+    # As torch's SGD: the buffer starts as the first gradient, not momentum * 0 + grad.
     return average if momentum_buffer is None else momentum_buffer * momentum + average
 
 
@@ -105,8 +92,8 @@ def _direction_and_momentum(
     delay: int,
     c: float,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The direction of outer step ``step`` and, on a window's last step, the new momentum
-    buffer (None otherwise). Shared by ``step`` and ``direction`` so the two cannot drift."""
+    """Outer step ``step``'s direction and, on a window's last step, the new momentum buffer
+    (else None). Shared by ``step`` and ``direction`` so the two cannot drift."""
     position = step % delay
     scaled = divided(grad, delay)
     new_momentum: torch.Tensor | None = None
@@ -135,13 +122,10 @@ def delayed_nesterov_direction(
     delay: int,
     c: float = 0.0,
 ) -> torch.Tensor:
-    """The direction ``d`` of Delayed Nesterov's outer step number ``step`` (0-based) for
-    pseudo-gradient ``grad``, given the state before it; nothing passed in is modified.
-
-    ``momentum_buffer`` is None before the first momentum update; ``grad_sum`` holds the
-    pseudo-gradients of the window's earlier steps (ignored on a window's first step). The
-    step moves the parameters by ``-lr * d`` (see the module docstring).
-    """
+    """The direction ``d`` (parameters move by ``-lr * d``) of outer step ``step`` (0-based)
+    for pseudo-gradient ``grad``; nothing passed in is modified. ``momentum_buffer`` is None
+    before the first momentum update; ``grad_sum`` sums the window's earlier pseudo-gradients
+    (ignored on a window's first step)."""
     _check_hyperparameters(0.0, momentum, delay, c)  # lr does not enter the direction
     _check_step(step)
     direction, _ = _direction_and_momentum(
@@ -151,15 +135,12 @@ def delayed_nesterov_direction(
 
 
 class DelayedNesterov(torch.optim.Optimizer):
-    """Delayed Nesterov outer optimizer (arXiv 2401.09135, Algorithm 3); the rule is in the
-    module docstring.
+    """Delayed Nesterov outer optimizer (rule in the module docstring); each parameter's
+    ``grad`` is its pseudo-gradient, applied with ``param.add_(d, alpha=-lr)`` as torch's SGD.
 
-    Each parameter's ``grad`` is its pseudo-gradient. A parameter whose ``grad`` is None is
-    not moved and its momentum is not updated, as torch's optimizers do, but the window
+    A parameter whose ``grad`` is None is not moved and its momentum not updated, but the window
     (counted in ``step`` calls) still advances; if it misses a window's last step, what it
-    accumulated in that window is dropped, so every window holds one window's gradients
-    (async DiLoCo gives every parameter a gradient). Parameters are updated with
-    ``param.add_(d, alpha=-lr)``, the call torch's SGD makes.
+    accumulated in that window is dropped.
     """
 
     def __init__(
@@ -174,8 +155,8 @@ class DelayedNesterov(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "momentum": momentum, "delay": delay, "c": c})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group; its own ``lr``/``momentum``/``delay``/``c`` are checked like the
-        constructor's, and its step counter starts at 0 unless given."""
+        """Add a group, checked like the constructor's; its step counter starts at 0 unless
+        given."""
         merged = {**self.defaults, **param_group}
         _check_hyperparameters(merged["lr"], merged["momentum"], merged["delay"], merged["c"])
         _check_step(merged.get("step", 0))
@@ -207,11 +188,10 @@ class DelayedNesterov(torch.optim.Optimizer):
 
     @torch.no_grad()
     def direction(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        """What the next ``step`` would move ``param`` along if its gradient were ``grad``,
-        without changing any state: ``param.add(d, alpha=-lr)`` (equally
-        ``param.sub(d, alpha=lr)``) is bit for bit what ``step`` leaves in ``param``; so is
-        ``param - lr * d`` when ``lr`` is a power of two. The result never aliases ``grad``
-        or the state."""
+        """The ``d`` the next ``step`` would apply to ``param`` if its gradient were ``grad``;
+        changes no state and never aliases ``grad`` or the state. ``param.add(d, alpha=-lr)``
+        is bit for bit what ``step`` leaves (so is ``param - lr * d`` when ``lr`` is a power
+        of two)."""
         group = self._group_of(param)
         self._check_group(group)
         self._check_grad(param, grad)
@@ -240,7 +220,7 @@ class DelayedNesterov(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # Everything is checked before anything is written: a step that raises changes nothing.
+        # All checks before any write: a step that raises changes nothing.
         for group in self.param_groups:
             self._check_group(group)
             for p in _with_grad(group["params"]):
@@ -270,7 +250,7 @@ class DelayedNesterov(torch.optim.Optimizer):
                 grad_sum = state.get("grad_sum")
                 if new_momentum is not None:
                     buffer = state.get("momentum_buffer")
-                    # Written into the existing buffer so that its memory (pinned, say) stays.
+                    # Into the existing buffer so that its memory (pinned, say) stays.
                     if buffer is None:
                         state["momentum_buffer"] = new_momentum
                     else:

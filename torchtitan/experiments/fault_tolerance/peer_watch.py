@@ -1,16 +1,14 @@
 """Failure detection for a sync in flight: the lighthouse's heartbeats, not a transfer timeout.
 
-A sync's transfers may take minutes on a slow link, so ``sync_collective_timeout_s`` is sized
-for that and cannot also tell a dead or hung group from a slow one. The lighthouse can: every
-group's Manager heartbeats to it every 100 ms from a thread of its own, and the lighthouse drops
-a group whose last heartbeat is older than its ``--heartbeat_timeout_ms`` (a killed process, a
-stopped one, a node gone). :class:`PeerWatch` asks it, while a rank waits for a transfer, whether
-it dropped a group of the sync's quorum; the transport then ends the sync at once
-(``SyncTransport``: not committed, retried at the next quorum without that group).
+``sync_collective_timeout_s`` is sized for transfers that may take minutes on a slow link, so it
+cannot tell a dead group from a slow one. The lighthouse can: it drops a group whose Manager's
+heartbeat (every 100 ms, from its own thread) is older than ``--heartbeat_timeout_ms``. While a
+rank waits for a transfer, :class:`PeerWatch` asks whether it dropped a group of the sync's
+quorum; the transport then ends the sync at once (not committed, retried at the next quorum
+without that group).
 
-A group stays alive to the lighthouse as long as its process runs, so a group stuck inside a
-collective (a hung GPU) is still ended by the collective timeout; and while the lighthouse
-cannot be reached (it restarts), nothing is concluded from it.
+A process stuck in a collective (a hung GPU) still heartbeats, so only the collective timeout
+ends it; while the lighthouse is unreachable, nothing is concluded.
 """
 
 from __future__ import annotations
@@ -24,8 +22,7 @@ from torchtitan.components.ft import torchft_adapter as tft
 
 
 def heartbeat_key(heartbeat_id: str) -> int:
-    """A signed 64-bit key of a group's :func:`~.torchft_adapter.heartbeat_id`, to exchange in
-    the quorum (whose records are int64)."""
+    """A signed 64-bit key of a group's heartbeat id, for the quorum's int64 records."""
     digest = hashlib.blake2b(heartbeat_id.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True)
 
@@ -47,9 +44,8 @@ class Gone:
 class PeerWatch:
     """Asks the lighthouse at ``lighthouse`` whether it dropped a group of a quorum.
 
-    ``every_s``: while a rank waits for a transfer, how often it asks (one HTTP request of a
-    few kB each time, only while a wait lasts). ``heartbeats``: how the lighthouse's view is
-    read (``torchft_adapter.lighthouse_heartbeats``; a test gives its own).
+    ``every_s``: how often a waiting rank asks (one HTTP request of a few kB). ``heartbeats``:
+    reads the lighthouse's view (a test gives its own).
     """
 
     def __init__(
@@ -64,9 +60,8 @@ class PeerWatch:
         self._last_asked = -float("inf")
 
     def gone(self, participants: Sequence[int], own: int) -> Gone | None:
-        """A group among ``participants`` (their :func:`heartbeat_key`, this group's ``own``
-        left out) that the lighthouse no longer counts alive, or None: all alive, or nothing
-        known (the lighthouse is unreachable, or has not heard of them since it restarted).
+        """A group among ``participants`` (heartbeat keys; ``own`` left out) the lighthouse no
+        longer counts alive, or None: all alive, or nothing known (unreachable, or restarted).
         Asks at most once per ``every_s``."""
         now = time.monotonic()
         if now - self._last_asked < self.every_s:

@@ -1,30 +1,24 @@
 """LocalSGD and (Streaming) DiLoCo: the methods whose sync point blocks until its average is in.
 
-Both run from the inner optimizer's hooks on the sync Manager (torchft's quorum, commit vote
-and state transfer; the sync transport's all-reduce). Every ``period`` inner steps:
+Both run from the inner optimizer's hooks on the sync Manager. Every ``period`` inner steps:
 
 * **LocalSGD** (arXiv 1805.09767): the sync quorum, then the mean of the groups' parameters;
   committed, it replaces the model's, else the group keeps its own.
-* **DiLoCo** (arXiv 2311.08105), and Streaming DiLoCo (arXiv 2501.18512) with more than one
-  fragment, one fragment per sync point in turn (``manager.current_step() mod F``, alike in
-  every group). ``delay`` steps before the sync point (0: at it): the sync quorum, then the
-  pseudo-gradient ``global copy - model`` of the fragment, all-reduced to its mean while the
-  group takes those ``delay`` steps. At the sync point: the model goes back to the global
-  copy; committed, the outer optimizer steps the global copy with the mean as its gradient,
-  the model takes the new global copy, and ``alpha`` (``fragment_update_alpha``) of the way
-  back to where this group's own inner steps had taken it.
+* **DiLoCo** (arXiv 2311.08105; Streaming DiLoCo, arXiv 2501.18512, with several fragments, one
+  per sync point in turn: ``manager.current_step() mod F``, alike in every group). ``delay``
+  steps before the sync point (0: at it): the sync quorum, then the fragment's pseudo-gradient
+  ``global copy - model`` is all-reduced to its mean during those steps. At the sync point the
+  model goes back to the global copy; committed, the outer optimizer steps the global copy with
+  the mean as gradient and the model takes it, moved ``alpha`` (``fragment_update_alpha``) of
+  the way back to where its own inner steps had taken it.
 
 A failed sync (any group's error, a peer gone, a value not finite) is dropped alike in every
-group: LocalSGD keeps each group's parameters, DiLoCo puts the fragment back to its global copy
-and drops the period's inner steps, as torchft's algorithms do. Every operation on a value is
-the one torchft 0.2.0's ``LocalSGD`` / ``DiLoCo`` make, in the same order, so the groups end
-each sync with the same bits as torchft's (``tests/unit_tests/test_torchft_oracle.py``).
-
-Where this differs from torchft, never in values: the outer optimizer steps the global copy
-itself (torchft restores the copy into the model and steps that), so a heal's replay takes the
-same outer step; the local parameters are copied only when ``alpha`` > 0 (torchft copies them
-at every sync). DiLoCo's extra memory is then the global copy and the outer momentum, plus the
-pseudo-gradient while a sync runs (``benchmarks/memory.py``).
+group: LocalSGD keeps each group's parameters, DiLoCo restores the fragment's global copy and
+drops the period's inner steps. Every operation on a value is torchft 0.2.0's ``LocalSGD`` /
+``DiLoCo``'s, in order, so the bits equal torchft's (``tests/unit_tests/test_torchft_oracle.py``).
+Unlike torchft (never in values), the outer optimizer steps the global copy itself, so a heal's
+replay takes the same step, and the local parameters are copied only when ``alpha`` > 0: extra
+memory is the global copy and outer momentum, plus the pseudo-gradient while a sync runs.
 """
 
 from __future__ import annotations
@@ -135,12 +129,11 @@ class DiLoCo(GlobalCopyMethod[Fragment]):
         should_quantize: bool = False,
         history: HealHistory | None = None,
     ) -> None:
-        """``make_outer``: builds a fragment's outer optimizer over the tensors it is given (its
-        global copy); ``period``: inner steps between two sync points (one fragment each);
-        ``delay``: steps between a fragment's all-reduce and its outer step (below ``period``);
-        ``alpha``: ``fragment_update_alpha``; ``should_quantize``: torchft's own fp8 all-reduce
-        (CUDA and Triton only) carries the pseudo-gradients; ``history``: the heal history
-        (``GlobalCopyMethod``)."""
+        """``make_outer``: builds a fragment's outer optimizer over its global copy; ``period``:
+        inner steps between sync points; ``delay``: steps from a fragment's all-reduce to its
+        outer step (< ``period``); ``alpha``: ``fragment_update_alpha``; ``should_quantize``:
+        torchft's fp8 all-reduce (CUDA and Triton only) for the pseudo-gradients; ``history``:
+        the heal history (``GlobalCopyMethod``)."""
         if not 0 <= delay < period:
             raise ValueError(f"delay must be in [0, period={period}), not {delay}")
         if not 0.0 <= alpha <= 1.0:
@@ -164,9 +157,9 @@ class DiLoCo(GlobalCopyMethod[Fragment]):
 
     @torch.no_grad()
     def _prepare(self, index: int) -> None:
-        """This group's pseudo-gradient of fragment ``index`` (global copy - model), its
-        all-reduce to the mean started. Into tensors of this sync's own: a transfer abandoned
-        with a failed sync may still write into what it carried (``transport``)."""
+        """Start the all-reduce to the mean of fragment ``index``'s pseudo-gradient, ``global
+        copy - model``, in new tensors: a failed sync's abandoned transfer may still write into
+        what it carried (``transport``)."""
         state = self._states[index]
         assert not state.works, f"fragment {index}'s last all-reduce was never waited for"
         for name, local in state.locals().items():

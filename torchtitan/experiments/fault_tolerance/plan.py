@@ -4,23 +4,20 @@ timeouts, for a model size, an inner step time and a link.
     .venv/bin/python -m torchtitan.experiments.fault_tolerance.plan --params 8B --step-s 2 \\
         --link-mbit 1000 --groups 4 --ranks-per-group 8
 
-It prints, for each ``pseudo_grad_dtype``, the bytes one group sends per sync and how long that
-takes on the link; for the chosen (or suggested) ``sync_steps``, whether blocking DiLoCo idles
-and whether the overlapped methods (Streaming DiLoCo, async DiLoCo) hide the sync; the time of
-a full heal; and the timeouts that fit. The arithmetic, per group and sync:
+Per ``pseudo_grad_dtype`` it prints the bytes one group sends per sync and their time on the
+link; for the chosen (or suggested) ``sync_steps``, blocking DiLoCo's idle share and whether the
+overlapped methods hide the sync; a full heal's time; and the timeouts that fit. Per group and
+sync:
 
-* bytes sent: a ring all-reduce's ``2 (G - 1) / G`` times the encoded pseudo-gradient (the
-  codec's own wire size, scales included: ``compression/codecs.py``), over the group's link to
-  the others (``--link-mbit``: what one group sends, all its ranks together); ``sparse`` at its
-  defaults (``compression/sparse.py``) is all-gathered: ``G - 1`` times its encoding;
-* one bucket's transfer, what ``sync_collective_timeout_s`` bounds: every rank of a group sends
-  its own buckets at the same time, so each gets ``1 / --ranks-per-group`` of the link;
-* blocking DiLoCo's idle share: ``sync / (period + sync)``; overlap hides a sync that takes less
-  than one period;
-* a full heal receives the model, the inner AdamW's two moments, DiLoCo's global copy and outer
-  momentum: 5 x 4 bytes per parameter.
+* bytes sent: ``2 (G - 1) / G`` (ring all-reduce) times the codec's wire size, scales included;
+  ``sparse`` is all-gathered: ``G - 1`` times its encoding. ``--link-mbit`` is what one group
+  sends, all its ranks together;
+* one bucket's transfer (what ``sync_collective_timeout_s`` bounds): all ranks of a group send at
+  once, each with ``1 / --ranks-per-group`` of the link;
+* blocking idle share: ``sync / (period + sync)``; overlap hides a sync shorter than a period;
+* a full heal: model, AdamW's two moments, global copy, outer momentum: 5 x 4 bytes per param.
 
-It measures nothing: compute, codec time and the link's real throughput are the user's to check
+It measures nothing: compute, codec time and real link throughput are the user's to check
 (``benchmarks/wan.py`` emulates a link on one machine).
 """
 
@@ -91,8 +88,8 @@ class Plan:
         return self.params * HEAL_BYTES_PER_PARAM * 8 / (self.link_mbit * 1e6)
 
     def bucket_s(self) -> float:
-        """One float32 bucket's transfer (``sync_bucket_mb``; what the collective timeout
-        bounds) while every rank of the group sends one: each has its share of the link."""
+        """One float32 bucket's transfer (what the collective timeout bounds) while every rank
+        of the group sends one."""
         ring = 2 * (self.groups - 1) / self.groups
         share = self.link_mbit * 1e6 / self.ranks_per_group
         return ring * BUCKET_MB * 2**20 * 8 / share

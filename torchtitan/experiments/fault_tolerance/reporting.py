@@ -2,10 +2,9 @@
 global digest after a committed sync, the job's lineage, and a warning when a period comes close
 to the sync quorum timeout.
 
-The trainer hands the reporter its optimizer hooks (:meth:`SyncReporter.start_clock` before
-torchft's, :meth:`SyncReporter.after_inner_step` after) and calls :meth:`SyncReporter.report`
-where a sync is decided outside them (a group joining at a sync point, the end of training).
-The method's own outcome (:meth:`OuterLoop.last_outcome`) says what the sync was.
+The trainer hooks :meth:`SyncReporter.start_clock` before torchft's optimizer hook and
+:meth:`SyncReporter.after_inner_step` after it, and calls :meth:`SyncReporter.report` where a
+sync is decided outside them (a group joining at a sync point, the end of training).
 """
 
 from __future__ import annotations
@@ -54,8 +53,7 @@ class SyncReporter:
         self.lineage = lineage
         self.device = device
         self.group_ranks = group_ranks
-        #: Seconds the sync being reported took (a delayed sync: its preparing and performing
-        #: steps together).
+        #: Seconds the sync being reported took (a delayed sync: preparing + performing steps).
         self.seconds = 0.0
         #: The averaged pseudo-gradient's norm of the sync being reported (None: not measured).
         self.pseudo_grad_norm: float | None = None
@@ -80,12 +78,11 @@ class SyncReporter:
 
     @torch.no_grad()
     def measure_pseudo_gradient(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        """Outer-optimizer pre-hook: the fragment's gradients are now the pseudo-gradients
-        averaged over the groups (the same in every group), whatever the delay. This rank's
-        shard's sum of squares only: the hook also runs in a heal's replay, on torchft's
-        quorum thread, where one rank may replay fewer outer steps than another (its replay
-        failed) and a collective here would pair with another one. The group adds its ranks'
-        shares in :meth:`report`, which every rank reaches at the same syncs."""
+        """Outer-optimizer pre-hook: this rank's shard's sum of squares of the averaged
+        pseudo-gradients. No collective here: the hook also runs in a heal's replay on torchft's
+        quorum thread, where ranks may replay different numbers of outer steps, so a collective
+        could pair with another one. :meth:`report`, reached by every rank at the same syncs,
+        sums the shares."""
         grads = [
             local_tensor(p.grad)
             for group in optimizer.param_groups
@@ -98,15 +95,13 @@ class SyncReporter:
         self._norm_squares = squares
 
     def note_pseudo_gradient(self, squares: float) -> None:
-        """The sum of squares of an average an outer step took without the optimizer's
-        ``step`` (async DiLoCo's passes over the host), this rank's shard's, as
-        :meth:`measure_pseudo_gradient` would have found it."""
+        """What :meth:`measure_pseudo_gradient` would have found, for an outer step taken
+        without the optimizer's ``step`` (async DiLoCo's passes over the host)."""
         self._norm_squares = torch.tensor(squares, dtype=torch.float64, device=self.device)
 
     def _pseudo_grad_norm(self) -> float | None:
-        """The averaged pseudo-gradient's norm over the whole fragment, all ranks of the group
-        (None: no outer step measured it). One all-reduce in the group when it has several
-        ranks, which every rank issues (it reports the same syncs as the others)."""
+        """The averaged pseudo-gradient's norm over the group's ranks (None: not measured).
+        One all-reduce in a multi-rank group, which every rank issues."""
         squares, self._norm_squares = self._norm_squares, None
         found = torch.zeros(2, dtype=torch.float64, device=self.device)
         if squares is not None:
@@ -120,8 +115,7 @@ class SyncReporter:
         """After the method's own hook in inner step ``step``: report the sync it performed."""
         loop = self.loop
         local_step = loop.local_step()
-        # Streaming DiLoCo with a delay started a sync in this step (DyLU's periods may pass
-        # ``period`` steps, but have no delay).
+        # A delayed Streaming DiLoCo sync started (DyLU's periods have no delay).
         prepared = loop.delay > 0 and local_step == loop.period - loop.delay
         performed = local_step == 0  # torchft resets the position after a sync
         if not (prepared or performed):
@@ -131,7 +125,6 @@ class SyncReporter:
         self.seconds += time.perf_counter() - self._clock
         if performed:
             self.report(step)  # inside the step's optimizer.step()
-            # A delayed sync adds the time of its preparing step to that of its performing one.
             self.new_sync()
 
     def report(self, step: int) -> None:
@@ -209,8 +202,7 @@ class SyncReporter:
         )
 
     def report_final(self, step: int, ending: Ending, digest: str) -> None:
-        """The model every group ends with (``digest``: of this rank's parameters), and how
-        the job's lineage reached it."""
+        """The final model (``digest``: of this rank's parameters) and the lineage behind it."""
         manager = self.ft.manager
         lineage = self.lineage
         shared = lineage.last_shared_sync if lineage.last_shared_sync >= 0 else None
@@ -250,8 +242,8 @@ class SyncReporter:
         )
 
     def global_digest(self) -> str:
-        """Digest of the global parameters every group holds after a sync: DiLoCo's global
-        copies of all fragments, or LocalSGD's averaged model parameters (this rank's shards)."""
+        """Digest of this rank's shards of the global parameters every group holds after a
+        sync (DiLoCo's global copies, or LocalSGD's averaged model)."""
         loop = self.loop
         return tensor_digest(
             t for i in range(len(loop.fragments)) for t in loop.global_parameters(i).values()

@@ -1,14 +1,11 @@
 """What fixes the shapes of a sync's collectives, so that groups can compare it before any.
 
-Every rank of a replica group all-reduces with the same rank of every other group, tensor by
-tensor in the same buckets. That pairs up only if the groups have as many ranks, the same shard
-of every fragment on each rank, the same buckets and the same dtype on the wire; otherwise gloo
-fails with a traceback (or a mismatch passes for a disagreement of the global parameters), and
-nccl hangs or returns garbage. :class:`CollectiveShape` is exchanged in every sync quorum's
-member record (``sync_quorum.Member``), and a mismatch stops the groups that are starting, in
-one line naming both groups' values and the field to change (:func:`mismatch`). A group that
-would heal first also reads its peer's in the heal's metadata (``heal_transport``), before
-anything is sent: a heal of another shape could not even be received.
+Each rank all-reduces with the same rank of every other group, bucket by bucket. That pairs up
+only with equal ranks, shards, buckets and wire dtype; otherwise gloo fails (or the mismatch
+passes for disagreeing global parameters) and nccl hangs or returns garbage.
+:class:`CollectiveShape` travels in every sync quorum's member record, and a mismatch stops the
+starting groups with one line naming both sides and the field to change (:func:`mismatch`). A
+healing group also reads its peer's in the heal's metadata before anything is sent.
 """
 
 from __future__ import annotations
@@ -85,8 +82,8 @@ class CollectiveShape:
 
 
 def dtype_code(dtype: str) -> int:
-    """A wire dtype as one int64: its index in ``PSEUDO_GRAD_DTYPES`` in the low 4 bits, and
-    for sparse its value bits, values kept and chunk above (:func:`dtype_name` reads it)."""
+    """A wire dtype as one int64: its ``PSEUDO_GRAD_DTYPES`` index in the low 4 bits, and for
+    sparse its bits, keep and chunk above (:func:`dtype_name` reads it)."""
     sparse = parse_sparse_name(dtype)
     if sparse is None:
         return PSEUDO_GRAD_DTYPES.index(dtype)
@@ -102,8 +99,8 @@ def dtype_name(code: int) -> str:
 
 
 def mismatch(shapes: Sequence[tuple[str, CollectiveShape]], mine: CollectiveShape) -> str:
-    """Why the others' shapes (``(name, shape)``, e.g. ``"replica group 1"``) cannot pair
-    with this rank's ``mine``, naming both sides and the field to change; "" when all match."""
+    """Why the others' ``(name, shape)`` cannot pair with ``mine``, naming both sides and the
+    field to change; "" when all match."""
     for name, other in shapes:
         if other == mine:
             continue

@@ -1,15 +1,13 @@
 """DyLU's part of the quorum exchange: each group's speed in its record, the next period's plan
 from everyone's, and the speed probe of a new job's first period.
 
-Every member of a quorum computes the plan from the same exchanged speeds, so the plans fit
-together (:func:`~.dylu.dylu_inner_steps`); the group's ranks then take the most any of them
-planned. The first period of a new job has no speeds to plan from: the groups agree in their
-start-up quorum to time the ``dylu_probe_steps`` inner steps after the first and exchange
-those speeds in a quorum of its own that is no sync (:meth:`SpeedExchange.on_probe`), which
-forms while the groups train on (no group waits there for the slow ones' first steps); each
-plans the rest of the period once it is done (:meth:`SpeedExchange.after_probe`). A group that
-restarts meanwhile and meets the probe does not use that quorum (it joins at the first sync
-point), and the probing groups then finish the period unplanned, as without the probe.
+Every member plans from the same exchanged speeds, so the plans fit together; the group's ranks
+then take the most any of them planned. A new job's first period has no speeds: the groups
+agree in their start-up quorum to time the ``dylu_probe_steps`` inner steps after the first and
+exchange those speeds in a non-sync quorum (:meth:`SpeedExchange.on_probe`) that forms while
+they train on, then plan the rest of the period (:meth:`SpeedExchange.after_probe`). If a group
+restarts and meets the probe, it joins at the first sync point instead, and the probing groups
+finish the period unplanned.
 """
 
 from __future__ import annotations
@@ -60,8 +58,8 @@ class SpeedExchange:
         self.clock: Callable[[], float] = time.perf_counter
 
     def fill(self, mine: Member) -> None:
-        """This group's microseconds per inner step in its last period, into its record. A
-        start-up quorum decides the probe afresh: none is due until one that is used does."""
+        """Put this group's microseconds per inner step in its last period into its record. A
+        start-up quorum decides the probe afresh."""
         mine.step_us = round(self.method.step_seconds() * 1e6)
         if mine.role != RUNNING:
             self.method.plan.probe_at = None
@@ -71,8 +69,8 @@ class SpeedExchange:
         return dylu_inner_steps(self.period, _speeds(members), mine.step_us / 1e6)
 
     def plan(self, steps: int, members: list[Member], mine: Member) -> None:
-        """The next period takes ``steps`` (the group's ranks agreed), in the length the
-        speeds give it (said in the log when the count changes)."""
+        """The next period takes ``steps`` (agreed by the group's ranks), in the length the
+        speeds give it (logged when the count changes)."""
         speeds = _speeds(members)
         if steps != self.method.steps_this_period():
             events.INNER_STEPS_PLANNED.emit(
@@ -92,14 +90,12 @@ class SpeedExchange:
             self._probe_groups = len(members)
 
     def on_probe(self) -> bool:
-        """The probe's exchange, in its quorum (the sync Manager runs that quorum in a thread
-        of its own while the group trains on): every group's speed in its steps up to the
-        probe, and the rest of the first period planned from them as a sync quorum plans a
-        period, from the moment the exchange ended. Kept for :meth:`after_probe`; the quorum
-        is done either way (True)."""
+        """The probe's exchange, on the sync Manager's own thread while the group trains on:
+        every group's speed up to the probe, and the rest of the first period's length planned
+        from them, from when the exchange ended. Kept for :meth:`after_probe`; returns True
+        (the quorum is done either way)."""
         method = self.method
-        # The speed of the probe's steps (the training thread may end the period meanwhile
-        # and measure the whole of it).
+        # Read now: the training thread may end the period meanwhile and measure all of it.
         mine = Member(RUNNING, probe=1, step_us=round(method.plan.probed_seconds * 1e6))
         members = exchange(self.ft.manager, mine, self.device)
         usable = (
@@ -120,14 +116,12 @@ class SpeedExchange:
         return True
 
     def after_probe(self) -> None:
-        """In the training thread, once the probe's quorum is done (every rank of the group at
-        the same inner step, mid-period or at the end of the period as it stands, where the
-        group waited for it): plan the rest of the first period, what is left of the planned
-        length since the exchange ended in the steps this group's speed takes for it (at the
-        period's end possibly none). Unless the probe was not the start-up quorum's groups
-        (one restarted meanwhile and is starting, or one is missing: the lighthouse did not
-        wait for it) or another rank of the group found so: then the period goes on as
-        planned, in every group alike, and its speed is measured from here on."""
+        """In the training thread, once the probe's quorum is done (all the group's ranks at
+        the same inner step): plan the rest of the first period, the planned length left since
+        the exchange ended at this group's speed (possibly no steps at the period's end). If any
+        rank of the group found the probe unusable (not the start-up quorum's groups: one
+        restarted or is missing), the period goes on as planned in every group, its speed
+        measured from here on."""
         method = self.method
         found, self._probed = self._probed, None
         taken = method.local_step()
@@ -143,9 +137,8 @@ class SpeedExchange:
                 steps = steps if over else max(1, steps)
             usable = steps > 0
         if self.group_ranks > 1:
-            # One plan for the group: each rank exchanged with its own peers, so their speeds
-            # and lengths differ a little; every rank takes the most (the corrections then
-            # fall at the same steps on all).
+            # Each rank exchanged with its own peers, so their plans differ a little; all take
+            # the most, so the corrections fall at the same steps on all.
             unusable, steps, us = self.most_in_group([int(not usable), steps, round(seconds * 1e6)])
             usable, seconds = not unusable, us / 1e6
         if not usable:

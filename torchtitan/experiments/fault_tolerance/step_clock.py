@@ -1,14 +1,10 @@
 """Seconds on the model's device, for DyLU's step times.
 
-The host only queues a GPU's kernels: ``optimizer.step()`` returns when the step is issued, and
-the GPU finishes it later, up to a queue's depth of steps behind. The host's clock there says
-how fast this group's Python issues work, not how fast its GPU trains, and DyLU would plan
-periods from those wrong speeds. :class:`StepClock` reads the time the device's stream has
-reached instead.
-
-Each reading makes the host wait for the GPU to catch up (one synchronization, which drains the
-queue), so DyLU reads it only where it decides: its speed probe, a correction of the step
-count, a period's end and the next one's begin; never after every inner step.
+The host only queues a GPU's kernels, up to a queue's depth of steps ahead, so its clock
+measures how fast Python issues work, not how fast the GPU trains. :class:`StepClock` reads the
+time the device's stream has reached instead. Each reading synchronizes (drains the queue), so
+DyLU reads it only where it decides (probe, correction, period end and begin), never after
+every inner step.
 """
 
 from __future__ import annotations
@@ -19,13 +15,12 @@ import torch
 
 
 class StepClock:
-    """``now()``: seconds on ``device``'s timeline.
+    """``now()``: seconds on ``device``'s timeline; only differences between readings mean
+    anything.
 
-    On CUDA: an event recorded on the device's current stream, waited for (the host waits
-    until the GPU has reached it, no longer), timed from the previous reading's event, the
-    first one recorded when the clock is made, at the host's ``time.perf_counter``. On the
-    CPU (and other devices) the host's ``time.perf_counter``: a CPU's work is done when its
-    call returns. Only differences between readings mean anything."""
+    On CUDA: an event recorded on the current stream and synchronized (the host waits until
+    the GPU reaches it), timed from the previous reading's event (the first recorded at
+    construction). Elsewhere the host's ``time.perf_counter``."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -37,8 +32,7 @@ class StepClock:
             return time.perf_counter()
         event = self._record()
         event.synchronize()
-        # From the last reading, not from the origin: elapsed_time is a float32 of
-        # milliseconds, which over a day of training keeps only about 10 ms.
+        # From the last reading: elapsed_time is float32 ms, ~10 ms resolution after a day.
         self._seconds += self._last.elapsed_time(event) / 1000
         self._last = event
         return self._seconds

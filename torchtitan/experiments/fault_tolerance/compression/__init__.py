@@ -1,16 +1,15 @@
-"""Compressed pseudo-gradients: how a sync's tensors travel in fewer bytes.
+"""Compressed pseudo-gradients: a sync's tensors in fewer bytes.
 
-* ``codecs``: how one flat fp32 tensor becomes the bytes on the wire (bfloat16, int8, int4),
-  and back, identically on every rank.
-* ``error_feedback``: a per-key store of what this rank's compression dropped, owed to its
-  next round once the sync that dropped it commits.
-* ``collective``: the compressed SUM all-reduce over a process group (encode, all-to-all,
-  reduce, re-encode, all-gather; every rank ends with the same bits).
-* ``runner``: issues them on a background thread, in order, failures reported to the Manager
-  as torchft's are; a sync whose peer is gone is abandoned there without waiting for it.
+* ``codecs``: a flat fp32 tensor to wire bytes (bfloat16, int8, int4) and back, identically on
+  every rank.
+* ``error_feedback``: per key, what this rank's compression dropped, owed to its next round
+  once the sync that dropped it commits.
+* ``collective``: the compressed SUM all-reduce (encode, all-to-all, reduce, re-encode,
+  all-gather; every rank ends with the same bits).
+* ``runner``: issues them in order on a background thread, failures reported to the Manager as
+  torchft's are; a sync whose peer is gone is abandoned without waiting for it.
 
-The sync's transport (``fault_tolerance/transport.py``) cuts a sync into transfers and keys
-them; nothing here knows what a fragment or a sync is beyond those keys.
+``transport.py`` cuts a sync into keyed transfers; nothing here knows more than those keys.
 """
 
 from torchtitan.experiments.fault_tolerance.compression.codecs import (

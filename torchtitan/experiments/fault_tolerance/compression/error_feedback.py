@@ -1,10 +1,8 @@
 """Error feedback: per key, what this rank's own compression dropped, owed to the next round.
 
-Over many rounds the sum of what was sent tracks the sum of the inputs: the quantization error
-is delivered later instead of lost. A residual covers the first (per-rank) encoding only; the
-re-encoding of a reduced chunk is shared by all ranks and not fed back. A residual changes only
-when its sync commits (staged, then committed or discarded), and a failed collective leaves it
-as it was: none of the corrected tensor was delivered.
+The quantization error is delivered later instead of lost. A residual covers the first
+(per-rank) encoding only; the re-encoding of a reduced chunk is shared by all ranks and not fed
+back.
 """
 
 from __future__ import annotations
@@ -19,27 +17,20 @@ from torchtitan.experiments.fault_tolerance.compression.codecs import Codec
 class ErrorFeedback:
     """Per-key residual of this rank's own compression, added back before the next encoding.
 
-    ``correct(key, x)`` returns ``x + residual`` (``correct_`` adds in place); the encode of
-    that tensor computes what it dropped (``Codec.encode_into(..., residual=)``) into
-    ``residual_buffer(key, x)``, and ``set_residual`` stores it. The residuals are part of the
-    training state (``state_dict``/``load_state_dict``): without them a restarted rank would
-    drop the error it still owes.
+    ``correct(key, x)`` returns ``x + residual``; the encode writes what it dropped
+    (``Codec.encode_into(..., residual=)``) into ``residual_buffer(key, x)``. Residuals are
+    training state (``state_dict``): without them a restarted rank drops the error it owes.
 
-    On the CPU the residual a new one replaces is kept as the buffer for the round after
-    (:meth:`residual_buffer`): a fresh model-sized buffer there costs more in page faults than
-    the arithmetic done in it. The replaced residual is not touched before that next round.
+    Failure semantics: a residual changes only when its sync commits. The collective stages
+    (:meth:`stage`) what its encode dropped; :meth:`commit` keeps it, :meth:`discard` drops it
+    and the residual owed before stays owed, so a sync that fails anywhere leaves no trace.
 
-    A residual changes only when its sync commits: the collective stages (:meth:`stage`) what its
-    encode dropped, and the sync's verdict either keeps it (:meth:`commit`) or drops it
-    (:meth:`discard`, the residual owed before stays owed). A sync that fails anywhere so leaves
-    no trace in what this rank owes.
+    On the CPU a replaced residual is reused as the next round's buffer (a fresh model-sized
+    buffer costs more in page faults than the arithmetic); it is not touched before then.
 
-    ``take_loaded(key, numel)``, when given, is asked for the residual of a key the store does
-    not hold yet (e.g. one loaded from a checkpoint and not handed out yet); what it returns is
-    owed from then on.
-
-    ``decay`` (SparseLoCo's beta, arXiv 2508.15706): the residual is multiplied by it before it
-    is added back, so that what stays unsent fades (1: nothing fades, classic error feedback).
+    ``take_loaded(key, numel)``, when given, supplies the residual of a key not held yet (e.g.
+    from a checkpoint); it is owed from then on. ``decay`` (SparseLoCo's beta, arXiv 2508.15706)
+    multiplies the residual before it is added back (1: classic error feedback).
     """
 
     def __init__(
@@ -58,8 +49,7 @@ class ErrorFeedback:
         self._staged: dict[str, torch.Tensor] = {}
 
     def correct(self, key: str, x: torch.Tensor) -> torch.Tensor:
-        """A new tensor ``x + decay * residual[key]`` (a copy of ``x`` if there is no residual
-        yet)."""
+        """A new tensor ``x + decay * residual[key]`` (a copy of ``x`` if no residual yet)."""
         return self.correct_(key, x.clone())
 
     def correct_(self, key: str, x: torch.Tensor) -> torch.Tensor:
@@ -75,7 +65,7 @@ class ErrorFeedback:
 
     def _owed(self, key: str, x: torch.Tensor) -> torch.Tensor | None:
         """The residual of ``key`` on ``x``'s device, or None. One from ``take_loaded`` is kept
-        under ``key``, so that it is still owed if the collective that was to deliver it fails."""
+        under ``key``: still owed if the collective meant to deliver it fails."""
         residual = self._residuals.get(key)
         if residual is None and self._take_loaded is not None:
             residual = self._take_loaded(key, x.numel())

@@ -1,14 +1,13 @@
 """The sparse codec: per chunk, the largest values only, a few bits each.
 
-``pseudo_grad_dtype = "sparse"`` follows SparseLoCo (Sarfi et al., arXiv 2508.15706): the tensor
-is cut into chunks of ``chunk`` values (the last one padded with zeros); each chunk keeps its
-``keep`` values of largest magnitude; a kept value travels as a sign and a magnitude level,
-``bits`` bits in all, and the chunk carries its ``2 ** (bits - 1)`` levels as fp32. Everything
-not sent is the error-feedback residual, which the rank adds to its next pseudo-gradient, so
-nothing is lost, only delivered later.
+``pseudo_grad_dtype = "sparse"`` follows SparseLoCo (Sarfi et al., arXiv 2508.15706): each
+chunk of ``chunk`` values (the last padded with zeros) keeps its ``keep`` values of largest
+magnitude, each sent as a sign and a magnitude level, ``bits`` bits in all, plus the chunk's
+``2 ** (bits - 1)`` fp32 levels. What is not sent is the error-feedback residual, added to the
+rank's next pseudo-gradient: delivered later, not lost.
 
-Layout of an encoding of ``numel`` values (``n = ceil(numel / chunk)`` chunks), in three parts
-so that the levels sit 4-byte aligned:
+Layout for ``numel`` values (``n = ceil(numel / chunk)`` chunks), levels first to stay 4-byte
+aligned:
 
 * the levels, ``n * 2 ** (bits - 1)`` fp32 (native byte order), chunk after chunk;
 * the codes, ``ceil(keep * bits / 8)`` bytes per chunk: per kept value its level's number in
@@ -16,23 +15,18 @@ so that the levels sit 4-byte aligned:
 * the indices within the chunk, ``ceil(keep * index_bits / 8)`` bytes per chunk,
   ``index_bits = ceil(log2(chunk))`` (12 for 4,096).
 
-Bits are packed least significant first, value after value. At the defaults (4,096, 64, 2) a
-chunk costs 8 + 16 + 96 = 120 bytes against float32's 16,384: 0.73 %.
+Bits are packed least significant first. At the defaults (4,096, 64, 2) a chunk costs 8 + 16 +
+96 = 120 bytes, 0.73 % of float32's 16,384. Encodings are all-gathered, so with ``n`` groups a
+rank sends ``(n - 1) * 120 / 4096`` bytes per value against int4's ``2 * (n - 1) / n * 0.53``:
+fewer than int4 up to 36 groups. Each rank decodes ``n`` encodings per sync, and a heal history
+entry holds all ``n``.
 
-Bytes with ``n`` groups: the encodings are all-gathered (``collective``), so a rank sends its
-own to each of the others, ``(n - 1) * 120 / 4096`` bytes per value at the defaults, where
-int4's chunked all-reduce sends ``2 * (n - 1) / n * 0.53``: sparse sends fewer bytes than int4
-up to 36 groups, and at most 1 % of float32's (``8 * (n - 1) / n``) only with 2. Each rank also
-decodes ``n`` encodings per sync, and a heal history entry holds all ``n``.
-
-Levels: the kept magnitudes of a chunk, between their smallest ``lo`` and largest ``hi``, fall
-into ``2 ** (bits - 1)`` equal bins; a bin's level is the mean of its magnitudes (the centre of
-the bin when it is empty), so that a kept value moves by at most half the spread of its bin. A
-chunk with fewer nonzero values than ``keep`` keeps zeros too: with 2 bits or more they take
-level 0, exactly 0 (nothing drifts where the pseudo-gradient is 0), and the nonzero magnitudes
-share the other bins.
-Decoding only selects a level and a sign: the same bytes decode to the same values on every rank
-and device. Inputs must be finite: an inf or NaN makes its chunk's levels NaN.
+Levels: a chunk's kept magnitudes fall into ``2 ** (bits - 1)`` equal bins between their
+smallest and largest; a level is its bin's mean (the centre when empty). A chunk with fewer
+nonzero values than ``keep`` keeps zeros too: with 2 bits or more they take level 0, exactly 0
+(nothing drifts where the pseudo-gradient is 0). Decoding only selects a level and a sign: the
+same bytes decode to the same values on every rank and device. Inputs must be finite: an inf or
+NaN makes its chunk's levels NaN.
 """
 
 from __future__ import annotations
@@ -46,9 +40,8 @@ from torchtitan.experiments.fault_tolerance.compression.codecs import Codec, Scr
 #: The wire name of the defaults; other settings are named ``sparse-c{chunk}-k{keep}-b{bits}``.
 SPARSE = "sparse"
 DEFAULT_CHUNK, DEFAULT_KEEP, DEFAULT_BITS = 4096, 64, 2
-#: Values a codec handles at a time, at least one chunk: every temporary is a piece long. On a
-#: GPU a piece is one bucket's worth (``sync_bucket_mb``'s default, 32 MiB of fp32): each
-#: piece costs some 80 kernel launches, which at 1e9 values per shard must not number thousands.
+#: Values encoded at a time (temporaries are a piece long). On a GPU, one default bucket (32 MiB
+#: of fp32): a piece costs ~80 kernel launches, which at 1e9 values must not number thousands.
 PIECE_VALUES = 4096 * 128
 CUDA_PIECE_VALUES = 2**23
 
@@ -100,9 +93,8 @@ def _unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
 class SparseCodec(Codec):
     """Top ``keep`` of every ``chunk`` values, ``bits`` bits each (layout: module docstring).
 
-    Unlike the block codecs, the sum of two encodings is not an encoding: a sparse all-reduce
-    all-gathers every rank's encoding and each rank decodes and adds all of them
-    (:attr:`gathers`, ``collective.compressed_all_reduce``).
+    The sum of two encodings is not an encoding (:attr:`gathers`): every rank all-gathers the
+    encodings and decodes and adds all of them.
     """
 
     gathers = True
@@ -213,9 +205,7 @@ class SparseCodec(Codec):
 
     def _levels(self, top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each kept magnitude's level number ([rows, keep] int64) and each chunk's levels
-        ([rows, levels] fp32): bins of equal width between the chunk's smallest and largest
-        kept magnitude, each level its bin's mean (its centre when empty); with 2 bits or more
-        a chunk that keeps zeros gives them level 0, exactly 0, and the other bins to the rest."""
+        ([rows, levels] fp32), as the module docstring describes."""
         lo = top.amin(dim=1, keepdim=True)
         hi = top.amax(dim=1, keepdim=True)
         if self.levels == 1:
