@@ -24,6 +24,7 @@ from torchtitan.experiments.fault_tolerance.sync_quorum import (
     RUNNING,
     Member,
     ProbeInFlight,
+    RankInGroup,
 )
 from torchtitan.tools.events import Event
 
@@ -111,9 +112,9 @@ def _exchange(
         1,
         cast(Any, ft),
         cast(Any, SimpleNamespace(step=2)),
-        torch.device("cpu"),
-        group_ranks=1 if most_in_group is None else 2,
-        most_in_group=most_in_group,
+        RankInGroup(torch.device("cpu"))
+        if most_in_group is None
+        else cast(Any, SimpleNamespace(device=torch.device("cpu"), ranks=2, most=most_in_group)),
     )
     if groups:
         exchange.probe_if_new_job([Member(FRESH) for _ in range(groups)])
@@ -280,8 +281,7 @@ def test_a_starting_group_that_meets_a_probe_does_not_use_that_quorum(healed_the
         ),
         _digest_if_due=lambda starting: None,
         speeds=None,
-        device=torch.device("cpu"),
-        group_ranks=1,
+        rank=RankInGroup(torch.device("cpu")),
         reporter=SimpleNamespace(agreement=None),
         announce=announced.append,
         heal=SimpleNamespace(replay_failed="", take_heal=lambda: None, shape_refused=""),

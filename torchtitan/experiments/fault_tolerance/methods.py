@@ -4,7 +4,6 @@ is. The only place that branches on ``fault_tolerance.semi_sync_method``."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,7 +19,7 @@ from torchtitan.experiments.fault_tolerance.outer_loop import OuterLoop
 from torchtitan.experiments.fault_tolerance.peer_watch import PeerWatch
 from torchtitan.experiments.fault_tolerance.periodic import DiLoCo, LocalSGD
 from torchtitan.experiments.fault_tolerance.speed_exchange import SpeedExchange
-from torchtitan.experiments.fault_tolerance.sync_quorum import SyncManager, most_of_one_in_group
+from torchtitan.experiments.fault_tolerance.sync_quorum import RankInGroup, SyncManager
 from torchtitan.experiments.fault_tolerance.transport import SyncTransport
 
 if TYPE_CHECKING:
@@ -85,8 +84,7 @@ def build_sync_manager(
     ft: FaultTolerance,
     ft_manager: FTManager,
     history: HealHistory,
-    device: torch.device,
-    group_ranks: int,
+    rank: RankInGroup,
 ) -> SyncManager:
     """The sync Manager and its transport; ``history`` keeps what committed syncs delivered
     (if its capacity is not 0)."""
@@ -106,11 +104,7 @@ def build_sync_manager(
         transport=transport,
         fragments=ft.fragment_count(),
         # The group's ranks decide alike (one MAX all-reduce in the group).
-        agree_in_group=(
-            functools.partial(most_of_one_in_group, device=device)
-            if group_ranks > 1
-            else lambda n: n
-        ),
+        agree_in_group=lambda n: rank.most([n])[0],
     )
 
 
@@ -127,18 +121,14 @@ def build_speed_exchange(
     loop: OuterLoop,
     ft_manager: FTManager,
     train_state: TrainState,
-    device: torch.device,
-    group_ranks: int,
-    most_in_group: Callable[[list[int]], list[int]],
+    rank: RankInGroup,
 ) -> SpeedExchange | None:
     """DyLU's plans, made in the quorums of async DiLoCo (None: no DyLU)."""
     ft = semi_sync_config(job_config)
     if not ft.dynamic_local_steps:
         return None
     assert isinstance(loop, AsyncDiLoCo), "the config allows DyLU with async DiLoCo only"
-    return SpeedExchange(
-        loop, ft.dylu_probe_steps, ft_manager, train_state, device, group_ranks, most_in_group
-    )
+    return SpeedExchange(loop, ft.dylu_probe_steps, ft_manager, train_state, rank)
 
 
 def wire_dtype(ft: FaultTolerance) -> str:

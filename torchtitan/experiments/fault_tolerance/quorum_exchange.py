@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
-
-import torch
 
 from torchtitan.components.ft import FaultToleranceError, FTManager
 from torchtitan.components.ft import torchft_adapter as tft
@@ -30,6 +27,7 @@ from torchtitan.experiments.fault_tolerance.sync_quorum import (
     RESUMED,
     RUNNING,
     Member,
+    RankInGroup,
     SyncManager,
     compare_digests,
     exchange,
@@ -103,9 +101,7 @@ class QuorumExchange:
     algorithm: OuterLoop
     reporter: SyncReporter
     train_state: TrainState
-    device: torch.device
-    group_ranks: int
-    most_in_group: Callable[[list[int]], list[int]]
+    rank: RankInGroup
     heal: HealExchange
     #: What fixes the shapes of this rank's sync collectives, compared with every member's.
     shape: CollectiveShape
@@ -141,7 +137,7 @@ class QuorumExchange:
             mine.has_digest, mine.digest = 1, digest
         if self.speeds is not None:
             self.speeds.fill(mine)
-        members = exchange(manager, mine, self.device)
+        members = exchange(manager, mine, self.rank.device)
         self.sync.set_members([m.heartbeat for m in members or []])
         # A prober's record comes from the probe's own exchange: no shapes (nor a sync, below).
         shapes = [(f"replica group {m.replica}", m.shape()) for m in members or [] if not m.probe]
@@ -160,10 +156,9 @@ class QuorumExchange:
             healed_in_full=healed == "full",
             shapes_differ=bool(shapes_differ),
         )
-        if self.group_ranks > 1:
-            # Each rank exchanged with the same rank of the other groups: the group acts on
-            # what any of its ranks found, and all its ranks take the same inner steps.
-            found = QuorumFindings.from_ints(self.most_in_group(found.as_ints()))
+        # Each rank exchanged with the same rank of the other groups: the group acts on what any
+        # of its ranks found, and all its ranks take the same inner steps.
+        found = QuorumFindings.from_ints(self.rank.most(found.as_ints()))
         if found.shapes_differ:
             # Before any collective that depends on them: nobody uses this quorum, and a
             # starting group, the one that does not fit the job, stops.

@@ -9,11 +9,8 @@ Failure semantics are written once, in docs/fault_tolerance.md ("Semi-synchronou
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 from torchtitan.components.ft import FaultToleranceError, FTManager, QuorumPurpose
 from torchtitan.config.job_config import JobConfig
@@ -30,6 +27,7 @@ from torchtitan.experiments.fault_tolerance.sync_quorum import (
     FRESH,
     RESUMED,
     ProbeInFlight,
+    RankInGroup,
     SyncManager,
 )
 
@@ -59,9 +57,7 @@ class QuorumProtocol:
         lineage: Lineage,
         reporter: SyncReporter,
         train_state: TrainState,
-        device: torch.device,
-        group_ranks: int,
-        most_in_group: Callable[[list[int]], list[int]],
+        rank: RankInGroup,
         heal: HealExchange,
         shape: CollectiveShape,
         speeds: SpeedExchange | None,
@@ -73,25 +69,22 @@ class QuorumProtocol:
         self.algorithm = algorithm
         self.lineage = lineage
         self.train_state = train_state
-        self.group_ranks = group_ranks
-        self.most_in_group = most_in_group
+        self.rank = rank
         self.heal = heal
         self.period = algorithm.period
         self.speeds = speeds
         self.exchange = QuorumExchange(
-            job_config, ft, sync, algorithm, reporter, train_state, device, group_ranks,
-            most_in_group, heal, shape, speeds,
+            job_config, ft, sync, algorithm, reporter, train_state, rank, heal, shape, speeds
         )  # fmt: skip
-        #: Why this group starts without a checkpoint of its own although it had some (all
-        #: failed their checksums): it must heal in full from a peer. Empty: not so.
-        self.heal_in_full = ""
         #: While this group asks for its first quorum (None: it is in the job).
         self.start_up: StartUp | None = None
 
     # ---- joining the job ---------------------------------------------------------------------
 
-    def start(self) -> JoinAtSync | None:
-        """Ask for the first quorum right away, and act on what it is.
+    def start(self, heal_in_full: str = "") -> JoinAtSync | None:
+        """Ask for the first quorum right away, and act on what it is. ``heal_in_full``: why
+        this group must heal in full from a peer although it had checkpoints (all failed their
+        checksums); empty: it need not.
 
         Until it is in, a starting group announces a Manager step one below its own (-1 with no
         checkpoint): torchft heals a group whose step is below the quorum's highest, so a
@@ -148,16 +141,15 @@ class QuorumProtocol:
             self.start_up = None
         self.sync.begin_sync()  # a group joining at a sync point takes part in it now
         peer = start_up.peer
-        if self.heal_in_full and peer is None:
+        if heal_in_full and peer is None:
             raise FaultToleranceError(
                 f"[semi-sync] no checkpoint of this group passed its checksums "
-                f"({self.heal_in_full}), and no other group had a state to heal from: every "
+                f"({heal_in_full}), and no other group had a state to heal from: every "
                 "group of the job started without one. Restore a checkpoint folder from a copy."
             )
         lost = self.heal.own_state_lost
-        if self.group_ranks > 1:  # every rank stops if one of them must
-            if self.most_in_group([int(bool(lost))])[0] and not lost:
-                lost = "another rank's replay of the syncs it missed stopped part-way"
+        if self.rank.most([int(bool(lost))])[0] and not lost:  # every rank stops if one must
+            lost = "another rank's replay of the syncs it missed stopped part-way"
         if lost and peer is None:
             raise FaultToleranceError(
                 f"[semi-sync] this group cannot go on from its own checkpoint: "

@@ -28,7 +28,7 @@ from torchtitan.tools.logging import logger
 
 if TYPE_CHECKING:
     from torchtitan.components.metrics import MetricsProcessor
-    from torchtitan.experiments.fault_tolerance.sync_quorum import SyncManager
+    from torchtitan.experiments.fault_tolerance.sync_quorum import RankInGroup, SyncManager
 
 
 class SyncReporter:
@@ -42,8 +42,7 @@ class SyncReporter:
         ft: FTManager,
         metrics: MetricsProcessor,
         lineage: Lineage,
-        device: torch.device,
-        group_ranks: int,
+        rank: RankInGroup,
     ) -> None:
         self.job_config = job_config
         self.loop = loop
@@ -51,8 +50,8 @@ class SyncReporter:
         self.ft = ft
         self.metrics = metrics
         self.lineage = lineage
-        self.device = device
-        self.group_ranks = group_ranks
+        self.device = rank.device
+        self.group_ranks = rank.ranks
         #: Seconds the sync being reported took (a delayed sync: preparing + performing steps).
         self.seconds = 0.0
         #: The averaged pseudo-gradient's norm of the sync being reported (None: not measured).

@@ -17,13 +17,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from torchtitan.components.ft import FTManager
 from torchtitan.experiments.fault_tolerance import events
 from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
 from torchtitan.experiments.fault_tolerance.dylu import dylu_inner_steps, dylu_period_seconds
-from torchtitan.experiments.fault_tolerance.sync_quorum import FRESH, RUNNING, Member, exchange
+from torchtitan.experiments.fault_tolerance.sync_quorum import (
+    FRESH,
+    RUNNING,
+    Member,
+    RankInGroup,
+    exchange,
+)
 
 if TYPE_CHECKING:
     from torchtitan.trainer import TrainState
@@ -38,18 +42,14 @@ class SpeedExchange:
         probe_steps: int,
         ft: FTManager,
         train_state: TrainState,
-        device: torch.device,
-        group_ranks: int,
-        most_in_group: Callable[[list[int]], list[int]],
+        rank: RankInGroup,
     ) -> None:
         self.method = method
         self.period = method.period
         self.probe_steps = probe_steps
         self.ft = ft
         self.train_state = train_state
-        self.device = device
-        self.group_ranks = group_ranks
-        self.most_in_group = most_in_group
+        self.rank = rank
         #: The groups of the start-up quorum that decided the probe (all must be in it).
         self._probe_groups = 0
         #: What the probe's exchange found, until the training thread plans from it.
@@ -97,7 +97,7 @@ class SpeedExchange:
         method = self.method
         # Read now: the training thread may end the period meanwhile and measure all of it.
         mine = Member(RUNNING, probe=1, step_us=round(method.plan.probed_seconds * 1e6))
-        members = exchange(self.ft.manager, mine, self.device)
+        members = exchange(self.ft.manager, mine, self.rank.device)
         usable = (
             members is not None
             and len(members) == self._probe_groups
@@ -136,11 +136,10 @@ class SpeedExchange:
                 # Mid-period at least one more step; at its end, none if no time is left.
                 steps = steps if over else max(1, steps)
             usable = steps > 0
-        if self.group_ranks > 1:
-            # Each rank exchanged with its own peers, so their plans differ a little; all take
-            # the most, so the corrections fall at the same steps on all.
-            unusable, steps, us = self.most_in_group([int(not usable), steps, round(seconds * 1e6)])
-            usable, seconds = not unusable, us / 1e6
+        # Each rank exchanged with its own peers, so their plans differ a little; all take the
+        # most, so the corrections fall at the same steps on all.
+        unusable, steps, us = self.rank.most([int(not usable), steps, round(seconds * 1e6)])
+        usable, seconds = not unusable, us / 1e6
         if not usable:
             method.probe_unused()
             return

@@ -120,9 +120,18 @@ def most_in_group(values: list[int], device: torch.device) -> list[int]:
     return [int(v) for v in found.tolist()]
 
 
-def most_of_one_in_group(value: int, device: torch.device) -> int:
-    """The largest of this replica group's ranks' ``value``."""
-    return most_in_group([value], device)[0]
+@dataclass(frozen=True)
+class RankInGroup:
+    """This rank within its replica group: the device its exchanges run on, and how many ranks
+    the group has; they decide alike by taking the largest of each number (:meth:`most`)."""
+
+    device: torch.device
+    ranks: int = 1
+
+    def most(self, values: list[int]) -> list[int]:
+        """Element by element, the largest of the group's ranks' ``values`` (one MAX
+        all-reduce; a group of one rank decides alone)."""
+        return most_in_group(values, self.device) if self.ranks > 1 else list(values)
 
 
 class ProbeInFlight:

@@ -23,7 +23,6 @@ training"), and tested in tests/integration_tests/test_semi_sync*.py.
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from typing import Any
 
@@ -58,9 +57,7 @@ from torchtitan.experiments.fault_tolerance.outer_loop import OuterLoop
 from torchtitan.experiments.fault_tolerance.quorum_protocol import JoinAtSync, QuorumProtocol
 from torchtitan.experiments.fault_tolerance.reporting import SyncReporter
 from torchtitan.experiments.fault_tolerance.shapes import CollectiveShape
-from torchtitan.experiments.fault_tolerance.sync_quorum import (
-    most_in_group,
-)
+from torchtitan.experiments.fault_tolerance.sync_quorum import RankInGroup
 from torchtitan.tools import host_memory
 from torchtitan.tools.digest import tensor_digest
 from torchtitan.tools.logging import logger
@@ -93,9 +90,9 @@ class SemiSyncTrainer(Trainer):
         super().__init__(job_config)
         assert self.ft is not None
         ranks = self.parallel_dims.world_size
-        most = functools.partial(most_in_group, device=self.device)
+        rank = RankInGroup(self.device, ranks)
         history = heal_history(ft)
-        self.sync = build_sync_manager(ft, self.ft, history, self.device, ranks)
+        self.sync = build_sync_manager(ft, self.ft, history, rank)
         self.algorithm: OuterLoop = build_method(
             job_config, self.sync, self.model, self.optimizer, self.device,
             group_ranks=ranks, history=history,
@@ -114,16 +111,16 @@ class SemiSyncTrainer(Trainer):
         self.lineage = Lineage()
         self.reporter = SyncReporter(
             job_config, self.algorithm, self.sync, self.ft, self.metrics, self.lineage,
-            self.device, ranks,
+            rank,
         )  # fmt: skip
         self.state = SemiSyncState(self)
+        #: Why every checkpoint of this group failed its checksums ("": none did).
+        self._checkpoint_rejected = ""
         self.register_state("semi_sync", self.state, heal=False)
-        speeds = build_speed_exchange(
-            job_config, self.algorithm, self.ft, self.train_state, self.device, ranks, most
-        )
+        speeds = build_speed_exchange(job_config, self.algorithm, self.ft, self.train_state, rank)
         self.protocol = QuorumProtocol(
             job_config, self.ft, self.sync, self.algorithm, self.lineage, self.reporter,
-            self.train_state, self.device, ranks, most, self.heal, shape, speeds,
+            self.train_state, rank, self.heal, shape, speeds,
         )  # fmt: skip
         # Healing state besides the checkpointed one: where in its period the sending group
         # is, so that the healed group continues from there (and joins its sync if at one).
@@ -168,7 +165,7 @@ class SemiSyncTrainer(Trainer):
         except CorruptCheckpointError as e:
             if self.job_config.checkpoint.load_step >= 0 or self.ft.group_size < 2:
                 raise
-            self.protocol.heal_in_full = str(e)
+            self._checkpoint_rejected = str(e)
             events.OWN_CHECKPOINT_REJECTED.emit(problem=str(e))
 
     def join_replica_groups(self) -> None:
@@ -183,10 +180,10 @@ class SemiSyncTrainer(Trainer):
         assert self.ft is not None
         self.ft.start()
         # A group resumed from its own checkpoint offers it as the basis of a replay.
-        own = self.state.loaded and not self.protocol.heal_in_full
+        own = self.state.loaded and not self._checkpoint_rejected
         self.heal.set_basis(self.ft.manager.current_step() if own else None)
         try:
-            joined = self.protocol.start()
+            joined = self.protocol.start(heal_in_full=self._checkpoint_rejected)
         finally:
             self.heal.set_basis(None)  # a running group that falls behind heals in full
         if joined is not None:
