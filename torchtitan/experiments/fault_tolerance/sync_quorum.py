@@ -2,9 +2,8 @@
 sync through, and the few numbers the groups of a quorum exchange (:func:`exchange`).
 
 A sync's quorum is the core's bounded quorum wait (``FTManager.join_quorum``): at least
-``min_replica_size`` groups (a survivor left with fewer waits, and says so, instead of training
-alone and discarding every period), and ``fault_tolerance.sync_quorum_timeout_s``, which ends in
-one error line naming the field.
+``min_replica_size`` groups (a survivor left with fewer waits and says so, rather than train
+alone), and ``sync_quorum_timeout_s``, which ends in one error line naming the field.
 """
 
 from __future__ import annotations
