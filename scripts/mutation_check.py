@@ -46,6 +46,7 @@ TESTS = [
     "tests/unit_tests/test_exact_division.py",
     "tests/unit_tests/test_step_clock.py",
     "tests/unit_tests/test_torchft_oracle.py",
+    "tests/unit_tests/test_engine_schedule.py",
 ]
 #: Failure detection and the replicate group's timeouts live in the core's fault tolerance.
 CORE_FT = "torchtitan/components/ft"
@@ -104,15 +105,29 @@ MUTANTS = [
     ),
     Mutant(
         "engine: fragment_sync_delay is ignored (the all-reduce starts at the sync point)",
-        f"{PACKAGE}/periodic.py",
-        "if self._local_step == self.period - self.delay:",
-        "if self._local_step == self.period:",
+        f"{PACKAGE}/outer_loop.py",
+        "self._local_step == self.steps_this_period() - self.delay",
+        "self._local_step == self.steps_this_period()",
+    ),
+    Mutant(
+        "engine: a group joining a delayed Streaming DiLoCo sync applies it at once",
+        f"{PACKAGE}/outer_loop.py",
+        "if self.delay or self.applies_next:",
+        "if self.applies_next:",
+    ),
+    Mutant(
+        "engine: async DiLoCo's sync is applied at its own sync point",
+        f"{PACKAGE}/outer_loop.py",
+        "        self.apply_sync()\n        self._local_step = 0\n        if self.applies_next:\n"
+        "            self.start_sync(quorums)",
+        "        if self.applies_next:\n            self.start_sync(quorums)\n"
+        "        self.apply_sync()\n        self._local_step = 0",
     ),
     Mutant(
         "engine: LocalSGD's average replaces the model after a failed sync too",
         f"{PACKAGE}/periodic.py",
-        "        if self._committed:\n            with torch.no_grad():",
-        "        if True:\n            with torch.no_grad():",
+        "        if self._committed:\n            for p, (mean, _)",
+        "        if True:\n            for p, (mean, _)",
     ),
     Mutant(
         "engine: a replayed average is read from the start for every tensor",

@@ -5,6 +5,7 @@ Manager, lighthouse and process groups are in tests/integration_tests/test_async
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -100,8 +101,8 @@ class FakeManager:
         self.error = None
         self._quorum_size = len(self.cluster.members)
         if self.heal_from is not None:
-            for key, (load, _) in self.fns.items():
-                load(self.heal_from.fns[key][1]())
+            for key, (load, _) in self.fns.items():  # a copy, as the transport delivers
+                load(copy.deepcopy(self.heal_from.fns[key][1]()))
             self.step = self.heal_from.step
             self.heal_from = None
 
@@ -468,6 +469,13 @@ def test_a_group_that_heals_sends_weight_zero_and_takes_the_global_copy():
     global_copy = healed.loop.global_parameters(0).values()
     for p, g in zip(healed.model.parameters(), global_copy, strict=True):
         assert torch.equal(p.detach(), g)
+    # Later syncs, with the outer momentum taken from the peer: the same global copies still.
+    before = groups[0].globals_()
+    run(groups, 8)
+    assert not all(torch.equal(x, y) for x, y in zip(before, groups[0].globals_(), strict=True))
+    assert all(
+        torch.equal(x, y) for x, y in zip(groups[0].globals_(), healed.globals_(), strict=True)
+    )
 
 
 def _save(group: Group, folder: Any) -> dict[str, Any]:

@@ -216,6 +216,19 @@ def test_checkpoint_without_outer_momentum_loads_none(tmp_path: Path) -> None:
     assert not fresh.outer_optimizer(0).state
 
 
+def test_a_checkpoint_from_a_longer_period_is_refused_with_the_fields_to_change() -> None:
+    """Written with a larger ``sync_steps``: its inner step is past this job's period, where
+    no sync would start again. Loading says which fields to keep instead."""
+    loop, _ = diloco(small_model(), fragments=1)  # period 4
+    saved = SemiSyncState(as_trainer(loop)).state_dict()
+    saved["local_step"] = 5
+    with pytest.raises(ValueError, match="inner step 5 .* period of 4 .*sync_steps"):
+        SemiSyncState(as_trainer(loop)).load_state_dict(saved)
+    saved["local_step"] = 3
+    SemiSyncState(as_trainer(loop)).load_state_dict(saved)
+    assert loop.local_step() == 3
+
+
 def test_checkpoint_taken_with_a_sync_in_flight_drops_that_sync() -> None:
     """Streaming with a delay: a checkpoint between a fragment's prepare and its perform
     cannot hold the in-flight all-reduce. Loading it puts that fragment back to its global

@@ -68,6 +68,7 @@ class AsyncDiLoCo(DyLUPeriods, GlobalCopyMethod[FragmentState]):
     """DiLoCo whose outer step is applied one sync point later, overlapped with compute."""
 
     method = "async_diloco"
+    applies_next = True
     heal_key = "async_diloco_fragment_{}"
 
     def __init__(
@@ -108,6 +109,8 @@ class AsyncDiLoCo(DyLUPeriods, GlobalCopyMethod[FragmentState]):
         #: By fragment: told the sum of squares of each average the passes step with.
         self._observers: dict[int, list[Callable[[float], None]]] = {}
         self._in_flight: InFlightSync | None = None
+        #: The sync a sync point decided, until its average is applied in the same sync point.
+        self._decided: Decided | None = None
         self._outcome: SyncOutcome | None = None
         self._probe = None
         manager.register_state_dict_fn("async_diloco_progress", self._load_progress, self._progress)
@@ -118,21 +121,23 @@ class AsyncDiLoCo(DyLUPeriods, GlobalCopyMethod[FragmentState]):
         self.plan.begin(self.clock())  # the first period's clock starts with the hooks
         return super().hooks(quorums)
 
-    def at_step(self, quorums: Quorums) -> None:
+    def count_step(self, quorums: Quorums) -> None:
         for state in self._states:
             state.steps += 1
         self._plan_after_step(quorums)
-        if self._local_step >= self.plan.steps:
-            self.sync_point(quorums)
 
-    def sync_point(self, quorums: Quorums) -> None:
-        """Finish the sync in flight, start this fragment's (see the module docstring)."""
+    def apply_sync(self) -> None:
+        """Decide the sync in flight (step 1 of the module docstring); its average goes into
+        the global copy in :meth:`start_sync`'s pass over the same fragment."""
         self.plan.end(self._local_step, self.clock())
-        self._finish_probe()  # none is under way here (at_step finished it)
+        self._finish_probe()  # none is under way here (count_step finished it)
         self.sync_points += 1
-        # At the quorum every group is at inner step 0 (a group healing from it goes on there).
-        self._local_step = 0
-        decided = self._decide_in_flight()
+        self._decided = self._decide_in_flight()
+
+    def start_sync(self, quorums: Quorums) -> None:
+        """Steps 1-5 of the module docstring, at inner step 0: at the quorum every group is
+        there (a group healing from it goes on there)."""
+        decided, self._decided = self._decided, None
         index = self.current_fragment()
         state = self._states[index]
         # A committed sync's buffer carries the next one (no fresh one faulted in at every
@@ -142,7 +147,7 @@ class AsyncDiLoCo(DyLUPeriods, GlobalCopyMethod[FragmentState]):
         share = None  # delayed
         if self.update != "delayed":
             share = 1.0 if self.update == "eager" else 1 / max(1, self.manager.num_participants())
-        # Steps 1-3 of the module docstring, in one pass when one fragment is finished and started.
+        # Steps 1-3 in one pass when one fragment is finished and started.
         steps, state.steps = state.steps, 0
         tokens = steps * self.tokens_per_step
         if decided is not None and decided.fragment == index:
@@ -154,12 +159,12 @@ class AsyncDiLoCo(DyLUPeriods, GlobalCopyMethod[FragmentState]):
         self._healed = False
         quorums.sync_quorum()
         if self._healed:  # this group's progress was replaced by a peer's state
-            self._after_heal()
+            self.start_transfer()
         else:
             self._in_flight = InFlightSync.start(
                 self.manager, index, buffer, steps, tokens, scaled=True
             )
-        self.plan.begin(self.clock())
+            self.plan.begin(self.clock())
 
     def _buffer(self, state: FragmentState, reuse: torch.Tensor | None = None) -> torch.Tensor:
         """A buffer for ``state``'s sync on the model's device: ``reuse`` if it fits (its sums
@@ -203,28 +208,22 @@ class AsyncDiLoCo(DyLUPeriods, GlobalCopyMethod[FragmentState]):
         arrived = saved.get("arrived")
         self._in_flight = None if arrived is None else InFlightSync.from_heal(arrived)
 
-    def _after_heal(self) -> None:
-        """The global copies are the peer's: every fragment's local period starts there and
-        nothing this group did before counts (nor what its compression owed). The peer may be
-        a sync ahead: take part in the all-reduce it starts, of its fragment, with weight 0."""
+    def start_transfer(self) -> None:
+        """The global copies are a peer's (a heal in this sync point's quorum or the running
+        groups'): every fragment's local period starts there and nothing this group did before
+        counts (nor what its compression owed). The peer may be a sync ahead: take part in the
+        all-reduce it starts, of its fragment, with weight 0."""
+        self._healed = False
         self.manager.reset_error_feedback()
         for state in self._states:
             state.start_period(None)
             state.steps = 0
+        self._local_step = 0
         index = self.current_fragment()
         self._in_flight = InFlightSync.start(
             self.manager, index, self._buffer(self._states[index]), 0, 0
         )
-
-    def join_sync(self) -> bool:
-        """A group healed in the running groups' sync quorum: start from the global copies
-        and take part in the all-reduce they started, with weight 0."""
-        self._in_flight = None
-        self._after_heal()
-        self._healed = False
-        self._local_step = 0
         self.plan.begin(self.clock())
-        return False
 
     # ---- what the trainer asks -----------------------------------------------------------------
 

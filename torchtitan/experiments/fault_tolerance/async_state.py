@@ -240,7 +240,8 @@ class FragmentState(Fragment):
         super().load_heal_state(saved)
         for name, value in saved["period_start"].items():
             self.period_start[name].copy_(local_tensor(value))
-        # They go with the peer's model (a group behind in a sync quorum drops them: _after_heal).
+        # They go with the peer's model (a group behind in a sync quorum drops them:
+        # start_transfer).
         self.steps = int(saved["steps"])
 
 

@@ -65,7 +65,14 @@ class SemiSyncState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         loop: OuterLoop = self.trainer.algorithm
-        loop.set_local_step(int(state["local_step"]))
+        step = int(state["local_step"])
+        if not loop.applies_next and step >= loop.period:  # a sync point would have reset it
+            raise ValueError(
+                f"the checkpoint is at inner step {step} of its sync period, past this job's "
+                f"period of {loop.period} inner steps: resume with the "
+                "fault_tolerance.sync_steps and num_fragments it was written with"
+            )
+        loop.set_local_step(step)
         self.trainer.lineage.load_state_dict(state["lineage"])
         for i in range(len(loop.fragments)):
             if f"fragment_{i}" in state:

@@ -111,14 +111,19 @@ class Ending:
 
 
 class OuterLoop(ABC):
-    """A semi-sync method: the model's ``fragments`` (one: the model itself) sync in turn, one
-    every ``period`` inner steps, from the inner optimizer's hooks on the sync Manager; a
-    fragment's sync starts ``delay`` steps before it is applied (0: at once).
+    """The engine: the model's ``fragments`` (one: the model itself) sync in turn, one every
+    ``period`` inner steps, from the inner optimizer's hooks on the sync Manager. Every method
+    runs the one schedule of :meth:`at_step`; they differ in what a sync sends and applies
+    (:meth:`start_sync`, :meth:`apply_sync`) and in when it is applied: ``delay`` steps after
+    it starts, at the sync point (0: at once), or at the next sync point (``applies_next``).
     ``global_copy.GlobalCopyMethod`` adds global copies and an outer optimizer."""
 
     method: str
     fragments: list[nn.Module]
+    #: Inner steps from a sync's start to the sync point that applies it (< ``period``).
     delay: int = 0
+    #: A sync point starts a sync that the next sync point applies (async DiLoCo).
+    applies_next: bool = False
     #: Sync points passed in this job (by methods supporting DyLU; alike in every group).
     sync_points: int = 0
 
@@ -146,10 +151,48 @@ class OuterLoop(ABC):
         self._local_step += 1
         self.at_step(quorums)
 
-    @abstractmethod
     def at_step(self, quorums: Quorums) -> None:
-        """After each inner step (``local_step()`` counts it): let peers read the state for a
-        heal again (``allow_state_dict_read``) and sync when it is time."""
+        """After each inner step (``local_step()`` counts it), every method's schedule: a sync
+        starts ``delay`` steps before its sync point, or at the sync point before (with
+        ``applies_next``); a sync point applies the sync due and starts the next period."""
+        self.count_step(quorums)
+        if self.starts_sync_here():
+            self.start_sync(quorums)
+        if self._local_step >= self.steps_this_period():
+            self.sync_point(quorums)
+
+    def starts_sync_here(self) -> bool:
+        """Whether a sync starts at this inner step that its sync point applies (at once, or
+        ``delay`` steps later); with ``applies_next`` the sync point starts the next one."""
+        return not self.applies_next and self._local_step == self.steps_this_period() - self.delay
+
+    def sync_point(self, quorums: Quorums) -> None:
+        """The end of a period: apply the sync due, and start the next sync here if it is
+        applied at the next sync point."""
+        self.apply_sync()
+        self._local_step = 0
+        if self.applies_next:
+            self.start_sync(quorums)
+
+    def count_step(self, quorums: Quorums) -> None:
+        """After each inner step, before the schedule: let peers read the state for a heal
+        again (the step is over)."""
+        self.manager.allow_state_dict_read()
+
+    def start_sync(self, quorums: Quorums) -> None:
+        """The sync quorum, then the current fragment's transfer."""
+        quorums.sync_quorum()
+        self.start_transfer()
+
+    @abstractmethod
+    def start_transfer(self) -> None:
+        """Start the current fragment's transfer (all of a sync a group healed inside the
+        running groups' sync quorum starts: the quorum is behind it)."""
+
+    @abstractmethod
+    def apply_sync(self) -> None:
+        """At a sync point: wait for the sync due and decide it; committed, apply its average
+        (dropped alike in every group otherwise)."""
 
     def local_step(self) -> int:
         """Inner steps since the last sync point."""
@@ -159,10 +202,15 @@ class OuterLoop(ABC):
         """Move to inner step ``step`` of the period (a restart or a heal)."""
         self._local_step = step
 
-    @abstractmethod
     def join_sync(self) -> bool:
         """A group healed inside the running groups' sync quorum takes part in that sync now.
         Returns whether it was applied (False: started, applied later)."""
+        self.start_transfer()
+        if self.delay or self.applies_next:
+            return False
+        self.apply_sync()
+        self._local_step = 0
+        return True
 
     @abstractmethod
     def finish(self, quorums: Quorums) -> Ending:

@@ -23,7 +23,7 @@ memory is the global copy and outer momentum, plus the pseudo-gradient while a s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -62,27 +62,25 @@ class LocalSGD(OuterLoop):
         self.fragments = [model]
         #: The model's digest right after the last committed sync (None: not known).
         self._global_digest: int | None = None
+        #: The sync's means and their all-reduces, from its start to the sync point.
+        self._works: list[tuple[torch.Tensor, Any]] = []
 
-    def at_step(self, quorums: Quorums) -> None:
-        self.manager.allow_state_dict_read()
-        if self._local_step >= self.period:
-            quorums.sync_quorum()
-            self._average()
+    @torch.no_grad()
+    def start_transfer(self) -> None:
+        """All-reduce copies of the parameters to their mean."""
+        means = [local_tensor(p.data).clone() for p in self.fragments[0].parameters()]
+        self._works = [(mean, self.manager.allreduce(mean)) for mean in means]
 
-    def _average(self) -> None:
-        """All-reduce copies of the parameters to their mean; the model takes it if the sync
-        commits. The next period starts either way."""
-        params = list(self.fragments[0].parameters())
-        means = [local_tensor(p.data).clone() for p in params]
-        works = [self.manager.allreduce(mean) for mean in means]
-        for work in works:
+    @torch.no_grad()
+    def apply_sync(self) -> None:
+        """The model takes the mean if the sync commits; the next period starts either way."""
+        works, self._works = self._works, []
+        for _, work in works:
             work.wait()
         self._committed = bool(self.manager.should_commit())
         if self._committed:
-            with torch.no_grad():
-                for p, mean in zip(params, means, strict=True):
-                    local_tensor(p.data).copy_(mean)
-        self._local_step = 0
+            for p, (mean, _) in zip(self.fragments[0].parameters(), works, strict=True):
+                local_tensor(p.data).copy_(mean)
 
     def agreement_digest(self) -> int | None:
         return self._global_digest
@@ -97,15 +95,11 @@ class LocalSGD(OuterLoop):
     def forget_global(self) -> None:
         self._global_digest = None
 
-    def join_sync(self) -> bool:
-        self._average()
-        return True
-
     def finish(self, quorums: Quorums) -> Ending:
         steps_since = self._local_step
         if steps_since:
-            quorums.sync_quorum()
-            self._average()
+            self.start_sync(quorums)
+            self.sync_point(quorums)
         return Ending(bool(steps_since), steps_since, None)
 
 
@@ -146,20 +140,12 @@ class DiLoCo(GlobalCopyMethod[Fragment]):
 
     # ---- the sync ----------------------------------------------------------------------------
 
-    def at_step(self, quorums: Quorums) -> None:
-        self.manager.allow_state_dict_read()
-        if self._local_step == self.period - self.delay:
-            quorums.sync_quorum()
-            self._prepare(self.current_fragment())
-        if self._local_step == self.period:
-            self._perform(self.current_fragment())
-            self._local_step = 0
-
     @torch.no_grad()
-    def _prepare(self, index: int) -> None:
-        """Start the all-reduce to the mean of fragment ``index``'s pseudo-gradient, ``global
+    def start_transfer(self) -> None:
+        """Start the all-reduce to the mean of the current fragment's pseudo-gradient, ``global
         copy - model``, in new tensors: a failed sync's abandoned transfer may still write into
         what it carried (``transport``)."""
+        index = self.current_fragment()
         state = self._states[index]
         assert not state.works, f"fragment {index}'s last all-reduce was never waited for"
         for name, local in state.locals().items():
@@ -170,9 +156,10 @@ class DiLoCo(GlobalCopyMethod[Fragment]):
         ]
 
     @torch.no_grad()
-    def _perform(self, index: int) -> None:
-        """Wait for fragment ``index``'s all-reduce; committed, the outer step, and the model
+    def apply_sync(self) -> None:
+        """Wait for the current fragment's all-reduce; committed, the outer step, and the model
         takes the new global copy (and ``alpha`` of its own); else the old global copy."""
+        index = self.current_fragment()
         state = self._states[index]
         grads = state.settle()
         own = {n: t.clone() for n, t in state.locals().items()} if self.alpha > 0 else None
@@ -184,15 +171,6 @@ class DiLoCo(GlobalCopyMethod[Fragment]):
         if self._committed and own is not None:
             for name, local in state.locals().items():
                 local.lerp_(own[name], self.alpha)
-
-    def join_sync(self) -> bool:
-        index = self.current_fragment()
-        self._prepare(index)
-        if self.delay:
-            return False
-        self._perform(index)
-        self._local_step = 0
-        return True
 
     def finish(self, quorums: Quorums) -> Ending:
         steps_since = self._local_step

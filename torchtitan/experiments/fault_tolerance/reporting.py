@@ -114,8 +114,8 @@ class SyncReporter:
         """After the method's own hook in inner step ``step``: report the sync it performed."""
         loop = self.loop
         local_step = loop.local_step()
-        # A delayed Streaming DiLoCo sync started (DyLU's periods have no delay).
-        prepared = loop.delay > 0 and local_step == loop.period - loop.delay
+        # A delayed Streaming DiLoCo sync started (after a sync point, inner step 0 starts none).
+        prepared = loop.starts_sync_here()
         performed = local_step == 0  # torchft resets the position after a sync
         if not (prepared or performed):
             return
