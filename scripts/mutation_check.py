@@ -359,7 +359,7 @@ MUTANTS = [
     ),
     Mutant(
         "DyLU: a process's first inner step counts in its measured speed",
-        f"{PACKAGE}/dylu_periods.py",
+        f"{PACKAGE}/async_diloco.py",
         "        self.plan.skip_warm_up(self._local_step, self.clock)\n",
         "",
     ),
