@@ -10,29 +10,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from torchtitan.components.ft import FaultToleranceError, FTManager, QuorumPurpose
-from torchtitan.config.job_config import JobConfig
+from torchtitan.components.ft import FaultToleranceError, QuorumPurpose
 from torchtitan.experiments.fault_tolerance import events
-from torchtitan.experiments.fault_tolerance.heal_exchange import HealExchange
 from torchtitan.experiments.fault_tolerance.job_config import semi_sync_config
 from torchtitan.experiments.fault_tolerance.lineage import Lineage
-from torchtitan.experiments.fault_tolerance.outer_loop import OuterLoop
 from torchtitan.experiments.fault_tolerance.quorum_exchange import QuorumExchange, StartUp
-from torchtitan.experiments.fault_tolerance.reporting import SyncReporter
-from torchtitan.experiments.fault_tolerance.shapes import CollectiveShape
-from torchtitan.experiments.fault_tolerance.speed_exchange import SpeedExchange
-from torchtitan.experiments.fault_tolerance.sync_quorum import (
-    FRESH,
-    RESUMED,
-    ProbeInFlight,
-    RankInGroup,
-    SyncManager,
-)
-
-if TYPE_CHECKING:
-    from torchtitan.trainer import TrainState
+from torchtitan.experiments.fault_tolerance.sync_quorum import FRESH, RESUMED, ProbeInFlight
 
 
 @dataclass(frozen=True)
@@ -48,34 +33,15 @@ class JoinAtSync:
 class QuorumProtocol:
     """The start-up and join of one rank of a replica group, and the quorums it asks for."""
 
-    def __init__(
-        self,
-        job_config: JobConfig,
-        ft: FTManager,
-        sync: SyncManager,
-        algorithm: OuterLoop,
-        lineage: Lineage,
-        reporter: SyncReporter,
-        train_state: TrainState,
-        rank: RankInGroup,
-        heal: HealExchange,
-        shape: CollectiveShape,
-        speeds: SpeedExchange | None,
-    ) -> None:
-        """The arguments of :class:`~.quorum_exchange.QuorumExchange`, and ``lineage``."""
-        self.job_config = job_config
-        self.ft = ft
-        self.sync = sync
-        self.algorithm = algorithm
+    def __init__(self, exchange: QuorumExchange, lineage: Lineage) -> None:
+        """``exchange``: what every quorum of this rank exchanges (and what it is built with);
+        ``lineage``: what travels with a heal besides torchft's state."""
+        self.exchange = exchange
         self.lineage = lineage
-        self.train_state = train_state
-        self.rank = rank
-        self.heal = heal
-        self.period = algorithm.period
-        self.speeds = speeds
-        self.exchange = QuorumExchange(
-            job_config, ft, sync, algorithm, reporter, train_state, rank, heal, shape, speeds
-        )  # fmt: skip
+        self.job_config, self.ft, self.sync = exchange.job_config, exchange.ft, exchange.sync
+        self.algorithm, self.train_state = exchange.algorithm, exchange.train_state
+        self.rank, self.heal, self.speeds = exchange.rank, exchange.heal, exchange.speeds
+        self.period = self.algorithm.period
         #: While this group asks for its first quorum (None: it is in the job).
         self.start_up: StartUp | None = None
 

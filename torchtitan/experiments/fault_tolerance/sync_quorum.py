@@ -111,14 +111,6 @@ def compare_digests(members: list[Member]) -> Verdict:
     return Verdict(digests, majority)
 
 
-def most_in_group(values: list[int], device: torch.device) -> list[int]:
-    """Element by element, the largest of this replica group's ranks' ``values`` (a MAX
-    all-reduce in its default process group): how its ranks decide alike."""
-    found = torch.tensor(values, dtype=torch.int64, device=device)
-    dist.all_reduce(found, op=dist.ReduceOp.MAX)
-    return [int(v) for v in found.tolist()]
-
-
 @dataclass(frozen=True)
 class RankInGroup:
     """This rank within its replica group: the device its exchanges run on, and how many ranks
@@ -129,8 +121,12 @@ class RankInGroup:
 
     def most(self, values: list[int]) -> list[int]:
         """Element by element, the largest of the group's ranks' ``values`` (one MAX
-        all-reduce; a group of one rank decides alone)."""
-        return most_in_group(values, self.device) if self.ranks > 1 else list(values)
+        all-reduce in the group's default process group; a group of one rank decides alone)."""
+        if self.ranks == 1:
+            return list(values)
+        found = torch.tensor(values, dtype=torch.int64, device=self.device)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        return [int(v) for v in found.tolist()]
 
 
 class ProbeInFlight:

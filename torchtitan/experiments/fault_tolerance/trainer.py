@@ -54,6 +54,7 @@ from torchtitan.experiments.fault_tolerance.methods import (
     wire_dtype,
 )
 from torchtitan.experiments.fault_tolerance.outer_loop import OuterLoop
+from torchtitan.experiments.fault_tolerance.quorum_exchange import QuorumExchange
 from torchtitan.experiments.fault_tolerance.quorum_protocol import JoinAtSync, QuorumProtocol
 from torchtitan.experiments.fault_tolerance.reporting import SyncReporter
 from torchtitan.experiments.fault_tolerance.shapes import CollectiveShape
@@ -118,10 +119,11 @@ class SemiSyncTrainer(Trainer):
         self._checkpoint_rejected = ""
         self.register_state("semi_sync", self.state, heal=False)
         speeds = build_speed_exchange(job_config, self.algorithm, self.ft, self.train_state, rank)
-        self.protocol = QuorumProtocol(
-            job_config, self.ft, self.sync, self.algorithm, self.lineage, self.reporter,
-            self.train_state, rank, self.heal, shape, speeds,
+        exchange = QuorumExchange(
+            job_config, self.ft, self.sync, self.algorithm, self.reporter, self.train_state,
+            rank, self.heal, shape, speeds,
         )  # fmt: skip
+        self.protocol = QuorumProtocol(exchange, self.lineage)
         # Healing state besides the checkpointed one: where in its period the sending group
         # is, so that the healed group continues from there (and joins its sync if at one).
         self.ft.register_state_dict_fn(
