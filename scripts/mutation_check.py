@@ -61,6 +61,19 @@ SPARSE_TESTS = (
     "tests/unit_tests/test_sync_averaging.py",
 )
 
+#: The arithmetic groups compare or apply alike, under every kernel set, and the outer
+#: optimizers' own tests.
+HOST_ARITHMETIC = (
+    "tests/unit_tests/test_host_arithmetic.py",
+    "tests/unit_tests/test_outer_optimizer.py",
+)
+#: Two real groups on different kernels (a few seconds each).
+MIXED_HOSTS = (
+    "tests/integration_tests/test_mixed_hosts.py::"
+    "test_groups_on_different_cpu_kernels_start_from_one_model_and_agree_at_every_sync[diloco]",
+    "tests/unit_tests/test_semi_sync.py",
+)
+
 
 @dataclass(frozen=True)
 class Mutant:
@@ -454,6 +467,63 @@ MUTANTS = [
         f"{PACKAGE}/dylu.py",
         "min(2 * self.period - taken, steps)",
         "min(2 * self.period, steps)",
+    ),
+    # ---- bits the groups agree on (docs/design.md): the same on every CPU's kernels --------
+    Mutant(
+        "outer step: SGD's update contracted to a fused multiply-add (add with alpha)",
+        f"{PACKAGE}/outer_optimizer.py",
+        "param.sub_(direction.mul_(lr) if temporary else torch.mul(direction, lr, out=scratch))",
+        "param.add_(direction, alpha=-lr)",
+        HOST_ARITHMETIC,
+    ),
+    Mutant(
+        "outer step: Nesterov's direction contracted to a fused multiply-add",
+        f"{PACKAGE}/outer_optimizer.py",
+        "direction = torch.mul(momentum_buffer, momentum, out=scratch).add_(grad)",
+        "direction = grad.add(momentum_buffer, alpha=momentum)",
+        HOST_ARITHMETIC,
+    ),
+    Mutant(
+        "outer step: Delayed Nesterov's direction contracted to a fused multiply-add",
+        f"{PACKAGE}/outer_optimizer.py",
+        "return scaled.add_(pulled_by * weight), new_momentum",
+        "return scaled.add_(pulled_by, alpha=weight), new_momentum",
+        HOST_ARITHMETIC,
+    ),
+    Mutant(
+        "outer step: the token-weighted sums divided by multiplying with the reciprocal",
+        f"{PACKAGE}/outer_passes.py",
+        "            grad.div_(divide_by)",
+        "            grad.mul_(1.0 / divide_by)",
+        HOST_ARITHMETIC,
+    ),
+    Mutant(
+        "initial model: a new job's group keeps the one its host drew",
+        f"{PACKAGE}/quorum_exchange.py",
+        "differs_from_first=bool(own is not None and first.has_digest and own != first.digest),",
+        "differs_from_first=False,",
+        MIXED_HOSTS,
+    ),
+    Mutant(
+        "initial model: a new job's groups stop over their hosts' draws, as over a bug",
+        f"{PACKAGE}/quorum_exchange.py",
+        "if found.disagree and start_up is not None and all(m.role == FRESH for m in members):",
+        "if False:",
+        MIXED_HOSTS,
+    ),
+    Mutant(
+        "initial model: the groups that differ are measured against the highest replica id",
+        f"{PACKAGE}/quorum_exchange.py",
+        "first = min(members or [mine], key=lambda m: m.replica)",
+        "first = max(members or [mine], key=lambda m: m.replica)",
+        MIXED_HOSTS,
+    ),
+    Mutant(
+        "member record: a group's host is not sent",
+        f"{PACKAGE}/quorum_exchange.py",
+        "        mine.give_host(Host.this())\n",
+        "",
+        MIXED_HOSTS,
     ),
 ]
 

@@ -19,6 +19,7 @@ damages this group's heal-history entry of sync K. As the peer of a replay,
 ``--fault_injection.damage_replay_payload=N`` damages the N-th average it sends (on the wire,
 not in its history), and ``--fault_injection.exit_serving_replay_after=N`` exits the process
 once it has sent N averages; ``--fault_injection.heal_send_sleep_s`` paces every heal it serves.
+``--fault_injection.freeze_inner_steps`` runs every inner step at learning rate 0.
 
 The step-level knobs (``stall_after_step``, ``pause_file``, ``step_sleep_s``) work with both
 trainers; the sync-level ones with the semi-sync trainer only. Use with
@@ -139,6 +140,11 @@ class FaultInjection:
     """Serving a heal, sleep this long before each tensor it sends: a slow link, so that a heal
     outlasts the process group's own timeout. 0: never."""
 
+    freeze_inner_steps: bool = False
+    """Every inner optimizer step runs at learning rate 0 and leaves the model as it was: the
+    syncs then depend only on the state the group started from (a checkpoint's), whatever
+    its host's kernels compute in the forward and backward passes."""
+
 
 @dataclass
 class JobConfig(SemiSyncJobConfig):
@@ -164,6 +170,11 @@ class StepFaults:
             while pause.exists():
                 time.sleep(0.1)
             RESUMED.emit(step=self.train_state.step)
+
+
+def _at_learning_rate_zero(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
 
 
 class _ExitAfter(list):
@@ -284,6 +295,9 @@ class StallingTrainer(StepFaults, SemiSyncTrainer):
 
         if self.faults.heal_send_sleep_s:
             self._pace_heals(self.faults.heal_send_sleep_s)
+        if self.faults.freeze_inner_steps:
+            # Before every step, after the schedule set the step's rate: p - 0 x update = p.
+            self.optimizer.register_step_pre_hook(_at_learning_rate_zero)
 
     def _pace_heals(self, seconds: float) -> None:
         """Once the torchft Manager exists, sleep before each tensor its heal transport sends."""

@@ -69,7 +69,10 @@ class FTJob(LocalJob):
         min_replicas: int = 1,
         dump_folder: Path | None = None,
         warm: bool = True,
+        group_env: dict[int, dict[str, str]] | None = None,
     ) -> None:
+        """``group_env``: variables for every start of a group (by replica id), e.g. another
+        CPU's kernels (``tests/kernel_sets.py``)."""
         self.dump_folder = dump_folder or folder / "dump"
         super().__init__(
             folder,
@@ -82,6 +85,7 @@ class FTJob(LocalJob):
                 min_replicas=min_replicas, heartbeat_timeout_ms=heartbeat_timeout_ms
             ),
             launch_group=_warm_group if warm else _cold_group,
+            group_env=group_env,
         )
 
     def run_to_end(self, timeout: float = 240) -> FTJob:

@@ -54,10 +54,11 @@ def _restart_behind(
     alone_until: int,
     group0: list[str] | None = None,
     before_restart: Callable[[], None] | None = None,
+    restart_env: dict[str, str] | None = None,
 ) -> None:
     """Kill group 1 after step 9 (its checkpoint: step 8, sync #2), let group 0 commit syncs
-    alone up to ``alone_until``, then restart group 1 so that it heals at group 0's next
-    sync."""
+    alone up to ``alone_until``, then restart group 1 (``restart_env``: variables for that
+    start) so that it heals at group 0's next sync."""
     job.start_lighthouse()
     job.start_group(0, [f"--fault_injection.pause_file={pause}", *(group0 or [])])
     job.start_group(1, ["--fault_injection.stall_after_step=9"])
@@ -68,7 +69,7 @@ def _restart_behind(
     )
     if before_restart is not None:
         before_restart()
-    _restart_while_paused(job, pause, [])
+    _restart_while_paused(job, pause, [], restart_env)
     job.wait_for_event(1, HEALED, timeout=240)
     for r in range(2):
         assert job.wait_exit(r, timeout=300) == 0, tail(job.latest(r).text())

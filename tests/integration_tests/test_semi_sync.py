@@ -336,14 +336,16 @@ def _wait_alone(job: FTJob, after: int) -> Sync:
     raise AssertionError(f"group 0 did not go on alone:\n{tail(job.latest(0).text())}")
 
 
-def _restart_while_paused(job: FTJob, pause: Path, extra: list[str]) -> None:
-    """Hold group 0 between two steps, restart group 1, and let group 0 go once group 1 waits
-    for its first quorum at the lighthouse: group 0's next sync is then the joint one in which
-    group 1 heals, whatever the speed of either."""
+def _restart_while_paused(
+    job: FTJob, pause: Path, extra: list[str], env: dict[str, str] | None = None
+) -> None:
+    """Hold group 0 between two steps, restart group 1 (``env``: variables for this start),
+    and let group 0 go once group 1 waits for its first quorum at the lighthouse: group 0's
+    next sync is then the joint one in which group 1 heals, whatever the speed of either."""
     paused = len(job.events(0, PAUSED))
     pause.touch()
     job.wait_for_event(0, PAUSED, timeout=60, count=paused + 1)
-    job.start_group(1, extra)
+    job.start_group(1, extra, env)
     job.wait_quorum_request(1)
     pause.unlink()
 

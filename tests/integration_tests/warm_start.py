@@ -60,6 +60,8 @@ SOCKET_ENV = "TORCHTITAN_WARM_START"
 CHILDREN_ENV = "TORCHTITAN_WARM_START_CHILDREN"
 #: Set to 1 to start no zygote: every trainer of the tests starts cold.
 COLD_ENV = "TORCHTITAN_TEST_COLD_START"
+#: The CPU kernels ATen picks at import (the zygote's are those of the tests' process).
+_KERNELS = "ATEN_CPU_CAPABILITY"
 #: ``run_train.sh``'s ``PYTHON`` for a warm start (a shell script that runs this module).
 WARM_PYTHON = Path(__file__).with_name("warm_python")
 
@@ -97,8 +99,10 @@ _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, sign
 
 
 def launch(env: dict[str, str]) -> dict[str, str]:
-    """``env`` with ``run_train.sh``'s interpreter set to the stand-in, when a zygote runs."""
-    if SOCKET_ENV not in os.environ:
+    """``env`` with ``run_train.sh``'s interpreter set to the stand-in, when a zygote runs and
+    ``env`` asks for its kernels: ATen picked the zygote's CPU kernels when it imported torch
+    (``ATEN_CPU_CAPABILITY``), so a trainer that asks for others starts cold."""
+    if SOCKET_ENV not in os.environ or env.get(_KERNELS) != os.environ.get(_KERNELS):
         return env
     real = env.get("PYTHON", sys.executable)
     return {**env, "PYTHON": str(WARM_PYTHON), "TORCHTITAN_REAL_PYTHON": real}

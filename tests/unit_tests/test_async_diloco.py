@@ -17,7 +17,7 @@ from torch.distributed import ReduceOp
 
 from tests.unit_tests.gloo_groups import OpenQuorums
 from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
-from torchtitan.experiments.fault_tolerance.async_state import FragmentState, async_outer
+from torchtitan.experiments.fault_tolerance.async_state import FragmentState
 from torchtitan.experiments.fault_tolerance.dylu import (
     dylu_inner_steps,
     dylu_next_correction,
@@ -26,6 +26,7 @@ from torchtitan.experiments.fault_tolerance.dylu import (
 )
 from torchtitan.experiments.fault_tolerance.lineage import Lineage
 from torchtitan.experiments.fault_tolerance.method_state import SemiSyncState
+from torchtitan.experiments.fault_tolerance.outer_optimizer import OuterSGD, outer_optimizer
 
 #: The trainer's sync Manager as the checkpoint sees it when nothing is compressed.
 NO_COMPRESSION = SimpleNamespace(residuals=None, wait_for_transfers=lambda: None)
@@ -338,9 +339,7 @@ def test_eager_starts_exactly_where_the_outer_step_goes_on_the_own_pseudo_gradie
             flight = group.loop._in_flight
             assert flight is not None and flight.tokens == 32
             copies = [g.clone().requires_grad_() for g in state.global_copy.values()]
-            outer = torch.optim.SGD(
-                copies, lr=0.7, momentum=momentum, nesterov=nesterov, fused=True
-            )
+            outer = OuterSGD(copies, lr=0.7, momentum=momentum, nesterov=nesterov)
             offset = 0
             for copy, glob in zip(copies, state.global_copy.values(), strict=True):
                 copy.grad = flight.buffer[offset : offset + copy.numel()].view_as(copy) / 32
@@ -988,7 +987,7 @@ def test_follow_global_moves_the_local_copy_by_the_global_change_and_restarts_th
 
     torch.manual_seed(0)
     module = nn.Linear(3, 2)
-    fragment = FragmentState(module, torch.device("cpu"), async_outer(0.7, 0.0, False, 1))
+    fragment = FragmentState(module, torch.device("cpu"), outer_optimizer(0.7, 0.0, False, 1))
     fragment.non_blocking = False
     start = {n: p.detach().clone() for n, p in module.named_parameters()}
     progress = {n: torch.randn_like(p) for n, p in start.items()}  # inner steps since start

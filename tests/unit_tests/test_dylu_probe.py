@@ -280,6 +280,7 @@ def test_a_starting_group_that_meets_a_probe_does_not_use_that_quorum(healed_the
             fault_tolerance=SimpleNamespace(group_size=2, quorum_timeout_s=60.0, replica_id=0)
         ),
         _digest_if_due=lambda starting: None,
+        _tell_torch_versions=lambda members: None,
         speeds=None,
         rank=RankInGroup(torch.device("cpu")),
         reporter=SimpleNamespace(agreement=None),

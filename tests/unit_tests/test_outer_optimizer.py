@@ -1,6 +1,8 @@
-"""Delayed Nesterov, the outer optimizer for async DiLoCo (arXiv 2401.09135): torch's Nesterov
-SGD to the bit with delay 1, a hand-computed trajectory, an independent float64 reference,
-``direction`` against ``step``, and a checkpoint round trip."""
+"""The outer optimizers. ``OuterSGD``: torch's SGD to rounding on any kernels (to the bit on
+the portable ones: ``test_host_arithmetic.py``), its state torch's, its checks. Delayed Nesterov
+(async DiLoCo, arXiv 2401.09135): ``OuterSGD``'s Nesterov to the bit with delay 1, a
+hand-computed trajectory, an independent float64 reference, ``direction`` against ``step``, and
+a checkpoint round trip."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ import torch
 
 from torchtitan.experiments.fault_tolerance.outer_optimizer import (
     DelayedNesterov,
+    OuterSGD,
     delayed_nesterov_direction,
+    outer_optimizer,
 )
 
 DEVICES = [
@@ -70,12 +74,11 @@ def _assert_same(a: Any, b: Any) -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("c", [0.0, 0.6, 1.0])
-@pytest.mark.parametrize("foreach", [False, True])
-def test_delay_one_is_torch_nesterov_sgd_bit_for_bit(device: str, c: float, foreach: bool) -> None:
+def test_delay_one_is_outer_nesterov_sgd_bit_for_bit(device: str, c: float) -> None:
     lr, momentum = 0.7, 0.9
     ours, theirs = _params(device), _params(device)
     dn = DelayedNesterov(ours, lr=lr, momentum=momentum, delay=1, c=c)
-    sgd = torch.optim.SGD(theirs, lr=lr, momentum=momentum, nesterov=True, foreach=foreach)
+    sgd = OuterSGD(theirs, lr=lr, momentum=momentum, nesterov=True)
     for grads in _grads(ours, steps=8):
         _step(dn, ours, grads)
         _step(sgd, theirs, grads)
@@ -85,6 +88,71 @@ def test_delay_one_is_torch_nesterov_sgd_bit_for_bit(device: str, c: float, fore
     # A window of one step never has anything to carry over.
     assert all("grad_sum" not in dn.state[p] for p in ours)
     assert dn.param_groups[0]["step"] == 8
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("momentum", "nesterov"), [(0.0, False), (0.9, False), (0.9, True)])
+def test_outer_sgd_is_torch_sgd_to_rounding_with_its_state(
+    device: str, momentum: float, nesterov: bool
+) -> None:
+    """Here, on the host's own kernels (which may contract to fused multiply-adds), torch's SGD
+    within an ulp or two per step; its state is torch's, so a state dict moves between them."""
+    ours, theirs = _params(device), _params(device)
+    outer = OuterSGD(ours, lr=0.7, momentum=momentum, nesterov=nesterov)
+    sgd = torch.optim.SGD(theirs, lr=0.7, momentum=momentum, nesterov=nesterov)
+    for grads in _grads(ours, steps=6):
+        _step(outer, ours, grads)
+        _step(sgd, theirs, grads)
+    for p, q in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+        if momentum:
+            torch.testing.assert_close(
+                outer.state[p]["momentum_buffer"], sgd.state[q]["momentum_buffer"]
+            )
+        else:
+            assert p not in outer.state or not outer.state[p]
+    moved = OuterSGD(_clone(theirs), lr=0.7, momentum=momentum, nesterov=nesterov)
+    moved.load_state_dict(sgd.state_dict())
+    assert moved.param_groups[0]["lr"] == 0.7
+
+
+def test_outer_sgd_leaves_a_parameter_without_grad_and_checks_before_writing() -> None:
+    a, b = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
+    outer = OuterSGD([a, b], lr=0.5, momentum=0.5, nesterov=True)
+    a.grad = torch.ones(2)
+    outer.step()
+    assert torch.equal(b.detach(), torch.ones(2)) and b not in outer.state
+    # d = g + 0.5 g = 1.5, a = 1 - 0.5 x 1.5
+    assert torch.equal(a.detach(), torch.full((2,), 0.25))
+    before = copy.deepcopy(outer.state_dict())
+    a.grad, b.grad = torch.ones(2), torch.ones(2).to_sparse()
+    with pytest.raises(ValueError, match="^OuterSGD does not support sparse gradients"):
+        outer.step()
+    _assert_same(outer.state_dict(), before)
+    assert torch.equal(a.detach(), torch.full((2,), 0.25))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"lr": -0.1}, "^lr must be"),
+        ({"lr": float("nan")}, "^lr must be"),
+        ({"momentum": 1.0}, "^momentum must be"),
+        ({"momentum": 0.0, "nesterov": True}, "^nesterov must be a bool, and False with mom"),
+        ({"nesterov": 1}, "^nesterov must be a bool"),
+    ],
+)
+def test_outer_sgd_refuses_bad_arguments_naming_them(kwargs: dict[str, Any], match: str) -> None:
+    args: dict[str, Any] = {"lr": 0.7, "momentum": 0.9, "nesterov": False, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        OuterSGD([torch.zeros(1, requires_grad=True)], **args)
+
+
+def test_the_config_builds_outer_sgd_or_delayed_nesterov() -> None:
+    p = [torch.zeros(1, requires_grad=True)]
+    assert type(outer_optimizer(0.7, 0.9, True)(p)) is OuterSGD
+    assert outer_optimizer(0.7, 0.0, True)(p).param_groups[0]["nesterov"] is False
+    assert type(outer_optimizer(0.7, 0.9, True, momentum_every=2)(p)) is DelayedNesterov
 
 
 def test_hand_computed_trajectory() -> None:
@@ -180,8 +248,7 @@ def test_direction_predicts_step_and_changes_nothing(device: str, delay: int, c:
     for grads in _grads(params, steps=3 * delay + 1):
         before = copy.deepcopy(opt.state_dict())
         pairs = list(zip(params, grads, strict=True))
-        predicted = [p.detach().add(opt.direction(p, g), alpha=-lr) for p, g in pairs]
-        subtracted = [p.detach().sub(opt.direction(p, g), alpha=lr) for p, g in pairs]
+        predicted = [p.detach().sub(opt.direction(p, g) * lr) for p, g in pairs]
         _assert_same(opt.state_dict(), before)
         # With a power-of-two lr the plain formula param - lr * d is exact too.
         plain = [
@@ -190,9 +257,8 @@ def test_direction_predicts_step_and_changes_nothing(device: str, delay: int, c:
         ]
         _step(opt, params, grads)
         _step(opt_halved, halved, grads)
-        for p, a, b in zip(params, predicted, subtracted, strict=True):
+        for p, a in zip(params, predicted, strict=True):
             assert torch.equal(p.detach(), a)
-            assert torch.equal(p.detach(), b)
         for p, a in zip(halved, plain, strict=True):
             assert torch.equal(p.detach(), a)
 

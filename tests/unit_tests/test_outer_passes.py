@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from torchtitan.experiments.fault_tolerance import outer_passes, piece_workers
-from torchtitan.experiments.fault_tolerance.async_state import FragmentState, async_outer
+from torchtitan.experiments.fault_tolerance.async_state import FragmentState
+from torchtitan.experiments.fault_tolerance.outer_optimizer import outer_optimizer
 from torchtitan.experiments.fault_tolerance.outer_passes import SyncPointPasses
 from torchtitan.experiments.fault_tolerance.piece_workers import PIECE
 from torchtitan.tools import pinned
@@ -33,7 +34,7 @@ def _model() -> nn.Module:
 
 def _state(passes: bool, momentum: float, nesterov: bool) -> tuple[nn.Module, FragmentState]:
     model = _model()
-    state = FragmentState(model, torch.device("cpu"), async_outer(0.7, momentum, nesterov, 1))
+    state = FragmentState(model, torch.device("cpu"), outer_optimizer(0.7, momentum, nesterov, 1))
     state.take_model()
     if not passes:
         state.passes.usable = lambda: False  # type: ignore[method-assign]
@@ -55,9 +56,9 @@ def _snapshot(model: nn.Module, state: FragmentState, out: torch.Tensor) -> list
 
 @pytest.mark.parametrize("update", ["eager", "eager_share", "delayed"])
 @pytest.mark.parametrize(("momentum", "nesterov"), [(0.9, True), (0.9, False), (0.0, False)])
-@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("one_call", [True, False])
 def test_the_passes_give_the_bits_of_the_whole_fragment_operations(
-    update: str, momentum: float, nesterov: bool, fused: bool
+    update: str, momentum: float, nesterov: bool, one_call: bool
 ) -> None:
     """Five sync points (a dropped one among them, the first with no momentum yet) through
     the passes and through the whole-fragment methods: every tensor the same, bit for bit."""
@@ -75,7 +76,7 @@ def test_the_passes_give_the_bits_of_the_whole_fragment_operations(
                     p.add_(torch.randn(p.shape, generator=data) * 0.01)
             arrived = None if sync == 0 or sync == 3 else sums  # sync 3 is dropped
             total = 30.0
-            if fused:
+            if one_call:  # finish_and_start: one pass over each piece
                 state.finish_and_start(arrived, total, out, share, 40.0)
             else:
                 state.finish(arrived, total)
@@ -180,7 +181,7 @@ def test_the_outer_state_is_pinned_at_its_exact_size(monkeypatch) -> None:
     )
     before = pinned.registered_bytes
     model = _model()
-    state = FragmentState(model, torch.device("cpu"), async_outer(0.7, 0.9, True, 1))
+    state = FragmentState(model, torch.device("cpu"), outer_optimizer(0.7, 0.9, True, 1))
     sizes = sorted(size for _, size in registered)
     expected = sorted(2 * [4 * p.numel() for p in model.parameters()])
     assert sizes == expected
@@ -191,16 +192,17 @@ def test_the_outer_state_is_pinned_at_its_exact_size(monkeypatch) -> None:
 def test_passes_apply_only_to_plain_sgd_with_the_state_on_the_host() -> None:
     model = _model()
     delayed = FragmentState(
-        model, torch.device("cpu"), async_outer(0.7, 0.9, True, 2)
+        model, torch.device("cpu"), outer_optimizer(0.7, 0.9, True, 2)
     )  # Delayed Nesterov
     assert not delayed.passes.usable()
-    assert FragmentState(model, torch.device("cpu"), async_outer(0.7, 0.9, True, 1)).passes.usable()
+    plain = FragmentState(model, torch.device("cpu"), outer_optimizer(0.7, 0.9, True, 1))
+    assert plain.passes.usable()
     assert isinstance(delayed.passes, SyncPointPasses)
 
 
 def test_an_outer_step_the_passes_did_not_take_voids_the_digest_kept() -> None:
-    """A replayed outer step (``outer_step``: the fused optimizer's own ``step``, which
-    moves no tensor version) after a digest was kept: the next digest is the new copy's."""
+    """A replayed outer step (``outer_step``: the optimizer's own ``step``) after a digest was
+    kept: the next digest is the new copy's."""
     model, state = _state(True, 0.9, True)
     state.finish_and_start(torch.randn(state.numel()), 3.0, torch.empty(state.numel()), 1.0)
     before = state.global_chunk_hashes()
@@ -224,7 +226,7 @@ def test_empty_shards_and_a_bf16_model_give_the_bits_of_the_whole_fragment_opera
     runs = []
     for passes in (True, False):
         model = _odd_model(dtype)
-        state = FragmentState(model, torch.device("cpu"), async_outer(0.7, 0.9, True, 1))
+        state = FragmentState(model, torch.device("cpu"), outer_optimizer(0.7, 0.9, True, 1))
         state.take_model()
         if not passes:
             state.passes.usable = lambda: False  # type: ignore[method-assign]

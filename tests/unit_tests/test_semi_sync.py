@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from dataclasses import astuple
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,6 +25,7 @@ from torchtitan.experiments.fault_tolerance.lineage import Lineage
 from torchtitan.experiments.fault_tolerance.method_state import SemiSyncState
 from torchtitan.experiments.fault_tolerance.periodic import DiLoCo, LocalSGD
 from torchtitan.experiments.fault_tolerance.quorum_exchange import (
+    MAX_INITIAL_MODEL_ROUNDS,
     QuorumExchange,
     QuorumFindings,
     StartUp,
@@ -34,6 +36,7 @@ from torchtitan.experiments.fault_tolerance.sync_quorum import (
     FRESH,
     RESUMED,
     RUNNING,
+    Host,
     Member,
     compare_digests,
     exchange,
@@ -433,17 +436,31 @@ def test_emulated_slowdown_computes_more_and_leaves_the_gradients_alone(
 
 
 class _Disagreeing:
-    """What ``QuorumExchange._act_on_disagreement`` uses of the trainer: its Manager (at sync
-    #4) and where it announces the step it steps back to."""
+    """What ``QuorumExchange._act_on_disagreement`` and ``_take_one_initial_model`` use of the
+    trainer: its Manager (at sync #4), where it announces the step it steps back to, and where
+    it says that its next heal is a full one."""
 
     def __init__(self) -> None:
         self.errors: list[Exception] = []
         self.announced: list[int] = []
+        self.full_because: list[str] = []
         manager = SimpleNamespace(current_step=lambda: 3, report_error=self.errors.append)
         self.ft = SimpleNamespace(manager=manager)
+        self.train_state = SimpleNamespace(step=0)
+        self.heal = SimpleNamespace(expect_full=self.full_because.append)
 
     def announce(self, step: int) -> None:
         self.announced.append(step)
+
+
+def _holding(digests: list[int], role: int = RUNNING, hosts: list[Host] | None = None) -> list:
+    """Members with replica ids 0, 1, ... holding ``digests``, on this host or ``hosts``."""
+    members = []
+    for replica, digest in enumerate(digests):
+        member = Member(role, has_digest=1, digest=digest, replica=replica)
+        member.give_host(hosts[replica] if hosts else Host.this())
+        members.append(member)
+    return members
 
 
 @pytest.mark.parametrize("minority", [True, False])
@@ -455,7 +472,7 @@ def test_after_a_disagreement_only_the_minority_steps_back(
     and says so; a majority group stays where it is and says that the minority is elsewhere."""
     trainer = _Disagreeing()
     act = QuorumExchange._act_on_disagreement
-    act(cast(Any, trainer), [7, 7, 9], no_majority=False, minority=minority)
+    act(cast(Any, trainer), _holding([7, 7, 9]), no_majority=False, minority=minority)
     assert len(trainer.errors) == 1  # the sync is not committed, by any group
     names = [e.name for e in events]
     if minority:
@@ -463,12 +480,86 @@ def test_after_a_disagreement_only_the_minority_steps_back(
     else:
         assert trainer.announced == [] and "semi_sync.minority_elsewhere" in names
     assert {e.sync for e in events if e.name.startswith("semi_sync.")} == {4}
+    (said,) = [e for e in events if e.name.startswith("semi_sync.")]
+    assert said["digests"] == [f"{7:016x}", f"{9:016x}"]
+    assert said["groups"][2] == f"replica group 2: {9:016x} ({Host.this()})"
 
 
-def test_without_a_majority_every_group_stops() -> None:
-    with pytest.raises(FaultToleranceError, match="no majority"):
+def test_without_a_majority_every_group_stops_naming_each_groups_host() -> None:
+    """Two groups, two digests: the error line gives each group's digest beside its machine,
+    torch version and CPU kernels, so a user can tell hardware from a bug."""
+    hosts = [Host("x86_64", "2.13.0", "AVX512"), Host("aarch64", "2.13.0", "DEFAULT")]
+    members = _holding([7, -9], hosts=hosts)
+    with pytest.raises(FaultToleranceError, match="no majority") as raised:
         act = QuorumExchange._act_on_disagreement
-        act(cast(Any, _Disagreeing()), [7, 9], no_majority=True, minority=False)
+        act(cast(Any, _Disagreeing()), members, no_majority=True, minority=False)
+    message = str(raised.value)
+    assert f"replica group 0: {7:016x} (x86_64, torch 2.13.0, AVX512 kernels)" in message
+    assert f"replica group 1: {-9 & (2**64 - 1):016x} (aarch64, torch 2.13.0, DEFAULT kernels)" in (
+        message
+    )
+
+
+@pytest.mark.parametrize("differs", [True, False])
+def test_a_new_job_takes_the_first_groups_initial_model_instead_of_stopping(
+    differs: bool, events: list[Any]
+) -> None:
+    """A new job's groups (all fresh) whose initial models differ (no majority: two hosts'
+    kernels): nobody uses the quorum and nobody stops; the group whose model differs from
+    replica group 0's steps back (torchft then heals it from group 0 at the next quorum) and
+    its next heal is a full one that says why; group 0 stays."""
+    trainer = _Disagreeing()
+    start_up = StartUp(FRESH)
+    members = _holding([5, 6], role=FRESH)
+    take = QuorumExchange._take_one_initial_model
+    take(cast(Any, trainer), members, start_up, differs)
+    assert len(trainer.errors) == 1
+    (said,) = [e for e in events if e.name == "semi_sync.initial_models_differ"]
+    assert said["source"] == 0 and said["takes_it"] is differs and len(said["groups"]) == 2
+    if differs:
+        assert trainer.announced == [2] and start_up.initial_model_from == 0
+        assert "replica group 0's" in trainer.full_because[0]
+    else:
+        assert trainer.announced == [] and start_up.initial_model_from is None
+        assert not trainer.full_because
+
+
+def test_initial_models_that_still_differ_after_the_heals_stop_the_job() -> None:
+    """A group that took the first group's model holds its bits; models that still differ
+    after the rounds a heal needs are no host's draw: every group stops, naming them."""
+    trainer, start_up = _Disagreeing(), StartUp(FRESH)
+    members = _holding([5, 6], role=FRESH)
+    take = QuorumExchange._take_one_initial_model
+    for _ in range(MAX_INITIAL_MODEL_ROUNDS):
+        take(cast(Any, trainer), members, start_up, True)
+    with pytest.raises(FaultToleranceError, match="initial models still differ after 3") as e:
+        take(cast(Any, trainer), members, start_up, True)
+    assert f"replica group 1: {6:016x}" in str(e.value) and "training.seed" in str(e.value)
+
+
+def test_the_host_travels_in_the_member_record() -> None:
+    """Machine, torch release and kernels survive the int64 exchange (a local version
+    suffix is dropped); a record without them (a speed probe's) has no host."""
+    for host in [Host.this(), Host("aarch64", "2.15.1", "SVE256"), Host("x86_64", "3.0.0", "")]:
+        member = Member(RUNNING)
+        member.give_host(host)
+        row = torch.tensor(astuple(member), dtype=torch.int64).tolist()
+        assert Member(*row).host() == host
+    assert Member(RUNNING).host() is None
+    assert re.fullmatch(r"\d+\.\d+\.\d+", Host.this().torch)
+    assert Host.this().kernels == torch.backends.cpu.get_cpu_capability()
+
+
+def test_groups_on_other_torch_minor_versions_are_told_once_per_mix(events: list[Any]) -> None:
+    exchange = SimpleNamespace(_versions_told=())
+    tell = QuorumExchange._tell_torch_versions
+    same = _holding([1, 1], hosts=[Host("x86_64", "2.13.0", "AVX2"), Host("x", "2.13.1", "AVX2")])
+    tell(cast(Any, exchange), same)  # another patch release: nothing to say
+    other = _holding([1, 1], hosts=[Host("x86_64", "2.13.0", "AVX2"), Host("x", "2.14.0", "X")])
+    tell(cast(Any, exchange), other)
+    tell(cast(Any, exchange), other)
+    (said,) = [e for e in events if e.name == "semi_sync.torch_versions_differ"]
+    assert said["groups"] == ["replica group 0: torch 2.13.0", "replica group 1: torch 2.14.0"]
 
 
 class _DyLUGroup:
@@ -541,7 +632,7 @@ def test_quorum_findings_travel_as_ints_and_come_back_named() -> None:
     comes back under its name."""
     found = QuorumFindings(failed=False, disagree=True, no_majority=False, minority=True,
                            planned_steps=7)  # fmt: skip
-    assert found.as_ints() == [0, 1, 0, 1, 7, 0, 0, 0, 0]
+    assert found.as_ints() == [0, 1, 0, 1, 7, 0, 0, 0, 0, 0]
     assert QuorumFindings.from_ints(found.as_ints()) == found
     other = QuorumFindings(True, False, False, False, 9)
     merged = [max(a, b) for a, b in zip(found.as_ints(), other.as_ints(), strict=True)]
@@ -550,6 +641,8 @@ def test_quorum_findings_travel_as_ints_and_come_back_named() -> None:
     full = QuorumFindings(False, False, False, False, 0, healed_in_full=True)
     both = [max(a, b) for a, b in zip(healed.as_ints(), full.as_ints(), strict=True)]
     assert QuorumFindings.from_ints(both).replayed and QuorumFindings.from_ints(both).healed_in_full
+    differs = QuorumFindings(False, True, True, False, 0, differs_from_first=True)
+    assert QuorumFindings.from_ints(differs.as_ints()) == differs
 
 
 def test_every_method_implements_its_whole_interface() -> None:

@@ -16,9 +16,10 @@ of 300 differ in the last bit at about 300 places), so per-tensor all-reduces an
 agree to rounding only; there the bound is a few ulps. An engine that must equal torchft bit
 for bit at 3 groups must cut its transfers as torchft does. The cases: LocalSGD; DiLoCo with 1
 and 2 fragments; ``fragment_sync_delay`` 0 and 1; ``fragment_update_alpha`` 0, 0.5 and 1;
-outer momentum 0 and Nesterov 0.9; a sync that every group fails to commit (dropped: the
-global parameters stay, the local ones go back to them); a group that heals from another after
-a sync (it takes the other's model, inner optimizer and the method's registered state).
+outer momentum 0 and Nesterov 0.9 (the config's outer optimizer, given to both); a sync that
+every group fails to commit (dropped: the global parameters stay, the local ones go back to
+them); a group that heals from another after a sync (it takes the other's model, inner
+optimizer and the method's registered state).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from torchft.manager import Manager
 
 from tests.unit_tests.gloo_groups import LoopbackManager, OpenQuorums, run_groups, sync_manager
 from tests.unit_tests.toy_task import BUCKET, PERIOD, fragments_of, inner_step, make_model
+from torchtitan.experiments.fault_tolerance.outer_optimizer import outer_optimizer as build_outer
 from torchtitan.experiments.fault_tolerance.periodic import DiLoCo as OurDiLoCo
 from torchtitan.experiments.fault_tolerance.periodic import LocalSGD as OurLocalSGD
 
@@ -63,7 +65,10 @@ class TorchftAllreduce(LoopbackManager):
 
 
 def outer_optimizer(params: Any, momentum: float) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.7, momentum=momentum, nesterov=momentum > 0)
+    """The outer optimizer the config builds (``OuterSGD``), given to torchft's DiLoCo and ours
+    alike: torchft's takes any optimizer, and ``OuterSGD`` is torch's SGD where torch's kernels
+    round each operation on their own (``test_host_arithmetic.py``)."""
+    return build_outer(0.7, momentum, nesterov=True)(list(params))
 
 
 def global_copies(loop: Any) -> list[torch.Tensor]:

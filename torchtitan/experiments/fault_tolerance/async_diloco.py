@@ -38,7 +38,6 @@ from torch import nn
 from torchtitan.experiments.fault_tolerance.async_state import (
     FragmentState,
     InFlightSync,
-    async_outer,
     checkpoint_arrived,
     load_arrived,
 )
@@ -47,6 +46,7 @@ from torchtitan.experiments.fault_tolerance.global_copy import GlobalCopyMethod
 from torchtitan.experiments.fault_tolerance.heal_history import HealHistory
 from torchtitan.experiments.fault_tolerance.job_config import ASYNC_UPDATES
 from torchtitan.experiments.fault_tolerance.outer_loop import Ending, Quorums, SyncOutcome
+from torchtitan.experiments.fault_tolerance.outer_optimizer import outer_optimizer
 from torchtitan.experiments.fault_tolerance.step_clock import StepClock
 
 if TYPE_CHECKING:
@@ -165,7 +165,7 @@ class AsyncDiLoCo(DyLUPeriods, GlobalCopyMethod[FragmentState]):
         ``host_threads``: for a sync point's host work (0: ``cores_per_rank``)."""
         if update not in ASYNC_UPDATES:
             raise ValueError(f"update must be one of {ASYNC_UPDATES}, not {update!r}")
-        make_outer = async_outer(outer_lr, outer_momentum, outer_nesterov, outer_momentum_every)
+        make_outer = outer_optimizer(outer_lr, outer_momentum, outer_nesterov, outer_momentum_every)
         states = [FragmentState(f, state_device, make_outer, host_threads) for f in fragments]
         super().__init__(
             manager, inner_optimizer, sync_steps // len(fragments), fragments, states, history

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.distributed import ReduceOp
-from torch.optim.sgd import sgd as sgd_step
 
 from torchtitan.experiments.fault_tolerance.global_copy import Fragment, MakeOuter, state_tensor
 from torchtitan.experiments.fault_tolerance.outer_loop import (
@@ -30,32 +29,13 @@ from torchtitan.experiments.fault_tolerance.outer_loop import (
     as_param_layout,
     local_tensor,
 )
-from torchtitan.experiments.fault_tolerance.outer_optimizer import DelayedNesterov
+from torchtitan.experiments.fault_tolerance.outer_optimizer import DelayedNesterov, sgd_step_
 from torchtitan.experiments.fault_tolerance.outer_passes import SyncPointPasses, wait_for_copies
 from torchtitan.tools.digest import chunk_hashes
 from torchtitan.tools.exact_division import divide_
 
 if TYPE_CHECKING:
     from torchtitan.experiments.fault_tolerance.sync_quorum import SyncManager
-
-
-def async_outer(lr: float, momentum: float, nesterov: bool, momentum_every: int) -> MakeOuter:
-    """Async DiLoCo's outer optimizer: Delayed Nesterov with the momentum updated every
-    ``momentum_every`` > 1 outer steps, else torch's SGD, fused on the host (the kernel the
-    passes of ``outer_passes`` call on each piece: the same bits)."""
-
-    def make(tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
-        if momentum_every > 1:
-            return DelayedNesterov(tensors, lr=lr, momentum=momentum, delay=momentum_every)
-        return torch.optim.SGD(
-            tensors,
-            lr=lr,
-            momentum=momentum,
-            nesterov=nesterov and momentum > 0,
-            fused=True if tensors[0].device.type == "cpu" else None,
-        )
-
-    return make
 
 
 class FragmentState(Fragment):
@@ -182,19 +162,19 @@ class FragmentState(Fragment):
         self, target: torch.Tensor, name: str, grad: torch.Tensor, lr: float
     ) -> None:
         """Move ``target``, a copy of global copy ``name``, as the outer step for ``grad`` would
-        move it, the optimizer's state unchanged (SGD: its own kernel on a copy of the
-        momentum, so ``eager`` lands exactly where the outer step would)."""
+        move it, the optimizer's state unchanged (its step on a copy of the momentum, so
+        ``eager`` lands exactly where the outer step would)."""
         copy = self.global_copy[name]
         if isinstance(self.outer, DelayedNesterov):
-            target.sub_(self.outer.direction(copy, grad), alpha=lr)
+            target.sub_(self.outer.direction(copy, grad).mul_(lr))
             return
         group = self.outer.param_groups[0]
         momentum = self.outer.state.get(copy, {}).get("momentum_buffer")
-        sgd_step(
-            [target], [grad], [None if momentum is None else momentum.clone()],
-            foreach=group["foreach"], fused=group["fused"], weight_decay=0.0,
-            momentum=group["momentum"], lr=lr, dampening=group["dampening"],
-            nesterov=group["nesterov"], maximize=False,
+        first = momentum is None and group["momentum"] != 0
+        buffer = torch.empty_like(grad) if first else None if momentum is None else momentum.clone()
+        sgd_step_(
+            target, grad, buffer, lr=lr, momentum=group["momentum"], nesterov=group["nesterov"],
+            first=first,
         )  # fmt: skip
 
     def checkpoint(self) -> dict[str, Any]:

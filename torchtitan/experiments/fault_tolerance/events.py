@@ -152,6 +152,8 @@ def _healed_line(v: dict[str, Any], _: bool) -> str:
         line += f": {v['full_because']})" if v.get("full_because") else ")"
     if v["case"] == "newer_checkpoint":
         return f"{line}: a restarted group with a newer checkpoint"
+    if v["case"] == "initial_model":
+        return f"{line}: the new job's one initial model"
     if v["case"] in ("join_sync", "replay"):
         return (
             f"{line}: joined the running job at its sync point {v['waited_s']:.1f}s after "
@@ -164,10 +166,12 @@ def _healed_line(v: dict[str, Any], _: bool) -> str:
 #: ``inner_step`` of ``period``. ``case``: ``running`` (a running group that was behind),
 #: ``join_sync`` (a starting group healed from the running job at its sync point and takes part
 #: in that sync; ``waited_s`` since it asked), ``newer_checkpoint`` (a starting group healed from
-#: one with a newer checkpoint), ``replay`` (as ``join_sync``, but replaying the syncs it missed
-#: onto its own checkpoint). ``transfer``: ``replay`` (``replayed_syncs`` syncs missed since its
-#: checkpoint) or ``full`` (every state; ``full_because``: why not a replay); ``bytes_received``:
-#: the tensors' bytes; ``receive_s``: request to last arrival (a replay's outer steps overlap).
+#: one with a newer checkpoint), ``initial_model`` (a new job's group took the first group's
+#: initial model: its own host drew other bits), ``replay`` (as ``join_sync``, but replaying the
+#: syncs it missed onto its own checkpoint). ``transfer``: ``replay`` (``replayed_syncs`` syncs
+#: missed since its checkpoint) or ``full`` (every state; ``full_because``: why not a replay);
+#: ``bytes_received``: the tensors' bytes; ``receive_s``: request to last arrival (a replay's
+#: outer steps overlap).
 HEALED = EventKind("semi_sync.healed", _healed_line)
 
 #: This rank's heal history first holds ``syncs`` syncs (its capacity): its memory cost.
@@ -221,8 +225,8 @@ DIFFERS_FROM_MAJORITY = EventKind(
     "semi_sync.differs_from_majority",
     lambda v, _: (
         f"[semi-sync] this group's global parameters differ from the majority's before sync "
-        f"#{v['sync']} (digests {', '.join(v['digests'])}): healing from a majority group at "
-        "the next sync"
+        f"#{v['sync']} ({'; '.join(v['groups'])}): healing from a majority group at the next "
+        "sync"
     ),
     logging.ERROR,
 )
@@ -232,8 +236,36 @@ MINORITY_ELSEWHERE = EventKind(
     "semi_sync.minority_elsewhere",
     lambda v, _: (
         f"[semi-sync] a group's global parameters differ from the majority's before sync "
-        f"#{v['sync']} (digests {', '.join(v['digests'])}): this sync is dropped, that group "
-        "heals at the next one"
+        f"#{v['sync']} ({'; '.join(v['groups'])}): this sync is dropped, that group heals at "
+        "the next one"
+    ),
+    logging.WARNING,
+)
+
+#: A new job's groups built other initial models from the same seed (their hosts' kernels
+#: draw other bits): each whose model differs from replica group ``source``'s takes that one
+#: (``takes_it``: this group does) in the next quorum, as a heal from a peer.
+INITIAL_MODELS_DIFFER = EventKind(
+    "semi_sync.initial_models_differ",
+    lambda v, _: (
+        f"[semi-sync] the groups' initial models differ ({'; '.join(v['groups'])}): their "
+        "hosts draw other bits from the same seed; "
+        + (
+            f"this group takes replica group {v['source']}'s in the next quorum"
+            if v["takes_it"]
+            else f"every group starts from replica group {v['source']}'s"
+        )
+    ),
+    logging.WARNING,
+)
+
+#: The groups of a quorum run different torch minor versions (said once per mix).
+TORCH_VERSIONS_DIFFER = EventKind(
+    "semi_sync.torch_versions_differ",
+    lambda v, _: (
+        f"[semi-sync] the replica groups run different torch versions ({'; '.join(v['groups'])})"
+        ": the global parameters are computed alike on any, but install one version everywhere "
+        "to rule it out if they ever disagree"
     ),
     logging.WARNING,
 )

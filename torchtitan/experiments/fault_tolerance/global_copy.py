@@ -117,12 +117,8 @@ class Fragment:
         for name, t in self.global_copy.items():
             t.grad = averages[name].to(t.device, non_blocking=self.non_blocking)
         self._wait_if_crossed(next(iter(averages.values())).device)  # the step reads them
-        self.outer.step()
+        self.outer.step()  # in place: the versions move (``outer_passes``' digest cache)
         self.outer.zero_grad()
-        # A fused step leaves the versions unchanged: bump them so ``outer_passes``' digest
-        # cache sees the write.
-        for t in self.global_copy.values():
-            torch.autograd.graph.increment_version(t)
 
     def heal_state(self) -> dict[str, Any]:
         """What a peer healing from this group takes, as torchft's DiLoCo lays it out."""

@@ -151,6 +151,10 @@ class HealExchange:
 
     def drop_basis(self, why: str) -> None:
         """A replay failed (``why``): the next heal is a full one, and says so."""
+        self.expect_full(f"its replay failed before ({why})")
+
+    def expect_full(self, why: str) -> None:
+        """The next heal is a full one, for the reason ``why`` (said in ``full_because``)."""
         self.basis = ReplayBasis.none()
         self._why_no_basis = why
 
@@ -234,7 +238,7 @@ class HealExchange:
             transfer = "full"
             # When it asked for no replay itself, its own reason stands first.
             if self.basis.sync < 0 and self._why_no_basis:
-                why = f"its replay failed before ({self._why_no_basis})"
+                why = self._why_no_basis
             elif self.basis.sync < 0 and not self.replays:
                 why = f"this group keeps no heal history ({self._why_no_history()})"
         if torch.cuda.is_available():

@@ -3,7 +3,6 @@ is. The only place that branches on ``fault_tolerance.semi_sync_method``."""
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,6 +15,7 @@ from torchtitan.experiments.fault_tolerance.fragments import build_model_fragmen
 from torchtitan.experiments.fault_tolerance.heal_history import HealHistory
 from torchtitan.experiments.fault_tolerance.job_config import FaultTolerance, semi_sync_config
 from torchtitan.experiments.fault_tolerance.outer_loop import OuterLoop
+from torchtitan.experiments.fault_tolerance.outer_optimizer import outer_optimizer
 from torchtitan.experiments.fault_tolerance.peer_watch import PeerWatch
 from torchtitan.experiments.fault_tolerance.periodic import DiLoCo, LocalSGD
 from torchtitan.experiments.fault_tolerance.speed_exchange import SpeedExchange
@@ -65,13 +65,7 @@ def build_method(
         sync,
         fragments,
         optimizer,
-        functools.partial(
-            torch.optim.SGD,
-            lr=ft.outer_lr,
-            momentum=ft.outer_momentum,
-            # torch refuses Nesterov without momentum; with 0 it is plain SGD anyway.
-            nesterov=ft.outer_nesterov and ft.outer_momentum > 0,
-        ),
+        outer_optimizer(ft.outer_lr, ft.outer_momentum, ft.outer_nesterov),
         period=ft.sync_steps // len(fragments),
         delay=ft.fragment_sync_delay,
         alpha=ft.fragment_update_alpha,

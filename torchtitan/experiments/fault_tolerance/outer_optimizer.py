@@ -1,12 +1,22 @@
-"""Delayed Nesterov (DN): an outer optimizer for asynchronous DiLoCo.
+"""The outer optimizers: :class:`OuterSGD` (SGD, plain or with Nesterov momentum) and Delayed
+Nesterov (:class:`DelayedNesterov`, for asynchronous DiLoCo).
 
-Async Local-SGD steps the outer optimizer once per arriving (often stale) pseudo-gradient, and
-plain Nesterov momentum then compounds stale directions. DN (Liu, Douillard et al., arXiv
-2401.09135, Algorithm 3) updates the momentum once every ``N = delay`` outer steps from the
-average of those steps' pseudo-gradients; in between, each step moves the parameters by its own
-pseudo-gradient over ``N`` plus a fraction ``c`` of the momentum. For outer step ``t`` with
-pseudo-gradient ``g_t``, momentum ``beta``, ``k = t mod N`` and momentum buffer ``m`` (zero
-before its first update)::
+Both step the global copies, which every group must hold bit for bit on whatever host it runs,
+so every value goes through operations with one IEEE rounding each (``docs/design.md``, "Bits
+the groups agree on"): a product, then a sum, never ``add(x, alpha=a)``, ``addcmul``, ``lerp``
+or a fused optimizer kernel, whose vectorized kernels contract ``a * x + y`` into one fused
+multiply-add on AVX2, AVX-512 and Arm but not in ATen's portable kernels. With
+``ATEN_CPU_CAPABILITY=default`` (no fused multiply-add) ``OuterSGD`` is torch's SGD bit for bit.
+:func:`sgd_step_` is SGD's step on one tensor (or a piece of one: every operation is
+element-wise), the one ``OuterSGD.step``, async DiLoCo's host passes and its eager estimate call.
+
+Delayed Nesterov (DN): async Local-SGD steps the outer optimizer once per arriving (often
+stale) pseudo-gradient, and plain Nesterov momentum then compounds stale directions. DN (Liu,
+Douillard et al., arXiv 2401.09135, Algorithm 3) updates the momentum once every ``N = delay``
+outer steps from the average of those steps' pseudo-gradients; in between, each step moves the
+parameters by its own pseudo-gradient over ``N`` plus a fraction ``c`` of the momentum. For
+outer step ``t`` with pseudo-gradient ``g_t``, momentum ``beta``, ``k = t mod N`` and momentum
+buffer ``m`` (zero before its first update)::
 
     S_t = g_t                      if k == 0   (the first gradient of a window)
           S_{t-1} + g_t            otherwise   (state "grad_sum" carries S between steps)
@@ -20,15 +30,15 @@ before its first update)::
 
 with ``0 <= c <= 1/N`` (0 by default; the paper writes ``1 - c N + c``). With ``c = 0`` a window
 is one Nesterov step on its average pseudo-gradient, spread over the window. With ``N = 1`` this
-is ``torch.optim.SGD(lr, momentum, nesterov=True)`` (no dampening or weight decay) bit for bit:
-same ops, same order. The formula follows ``src/halos/opt.py`` of https://github.com/utnslab/halos.
+is ``OuterSGD(lr, momentum, nesterov=True)`` bit for bit: same operations, same order. The
+formula follows ``src/halos/opt.py`` of https://github.com/utnslab/halos.
 
-Failure semantics: ``step`` is a pure function of the state and the gradients (no clock, rank or
-membership), so replicas applying the same gradients in the same order stay identical. All
-checks run before anything is written: a ``step`` that raises changes nothing; an uncommitted
-sync is simply not passed to ``step``. ``state_dict()`` holds all a healing replica needs: per
-parameter ``momentum_buffer`` and ``grad_sum``, per group the hyperparameters and ``step`` (the
-optimizer's step count: every group advances it on every call).
+Failure semantics: a ``step`` is a pure function of the state and the gradients (no clock,
+rank, membership or host), so replicas applying the same gradients in the same order stay
+identical. All checks run before anything is written: a ``step`` that raises changes nothing;
+an uncommitted sync is simply not passed to ``step``. ``state_dict()`` holds all a healing
+replica needs: per parameter ``momentum_buffer`` (and DN's ``grad_sum``), per group the
+hyperparameters (and DN's ``step``, its count of outer steps).
 """
 
 from __future__ import annotations
@@ -42,11 +52,50 @@ from torch.optim.optimizer import ParamsT
 
 from torchtitan.tools.exact_division import divided
 
-__all__ = ["DelayedNesterov", "delayed_nesterov_direction"]
+__all__ = [
+    "DelayedNesterov",
+    "OuterSGD",
+    "delayed_nesterov_direction",
+    "outer_optimizer",
+    "sgd_step_",
+]
 
 
-def _check_hyperparameters(lr: Any, momentum: Any, delay: Any, c: Any) -> None:
-    """Raise ValueError naming the first argument outside its allowed range."""
+def sgd_step_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    momentum_buffer: torch.Tensor | None,
+    *,
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+    first: bool,
+    scratch: torch.Tensor | None = None,
+) -> None:
+    """One SGD step on ``param`` (a tensor, or any piece of one) for ``grad``, in place, with
+    torch's SGD's operations in its order (no dampening, weight decay or maximize), each rounded
+    on its own: the same bits on every host and device.
+
+    ``momentum_buffer``: the momentum to update in place (needed when ``momentum`` > 0; with
+    ``first``, the optimizer's first step, it becomes a copy of ``grad``, as torch's does).
+    ``scratch``: a tensor of ``param``'s size for the temporary (None: allocated); neither it
+    nor ``momentum_buffer`` may alias ``param`` or ``grad``, and ``grad`` is left as it was."""
+    direction, temporary = grad, False
+    if momentum != 0:
+        assert momentum_buffer is not None, "SGD with momentum needs its buffer"
+        if first:
+            momentum_buffer.copy_(grad)
+        else:
+            momentum_buffer.mul_(momentum).add_(grad)
+        direction = momentum_buffer
+        if nesterov:  # grad + momentum x buffer: torch's grad.add(buf, alpha=momentum)
+            direction = torch.mul(momentum_buffer, momentum, out=scratch).add_(grad)
+            temporary = True
+    # param - lr x direction: torch's param.add_(direction, alpha=-lr)
+    param.sub_(direction.mul_(lr) if temporary else torch.mul(direction, lr, out=scratch))
+
+
+def _check_lr_and_momentum(lr: Any, momentum: Any) -> None:
     if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr < 0:
         raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
     if (
@@ -55,6 +104,75 @@ def _check_hyperparameters(lr: Any, momentum: Any, delay: Any, c: Any) -> None:
         or not 0.0 <= momentum < 1.0
     ):
         raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
+
+
+def _check_sgd(lr: Any, momentum: Any, nesterov: Any) -> None:
+    """Raise ValueError naming the first of SGD's arguments outside its allowed range."""
+    _check_lr_and_momentum(lr, momentum)
+    if not isinstance(nesterov, bool) or (nesterov and momentum == 0):
+        raise ValueError(f"nesterov must be a bool, and False with momentum 0, got {nesterov!r}")
+
+
+class OuterSGD(torch.optim.Optimizer):
+    """SGD with optional (Nesterov) momentum whose step has the same bits on every host
+    (:func:`sgd_step_`); ``torch.optim.SGD``'s with ``ATEN_CPU_CAPABILITY=default``. Its state
+    is torch's SGD's: ``momentum_buffer`` per parameter, from its first step with momentum."""
+
+    def __init__(
+        self, params: ParamsT, lr: float, momentum: float = 0.0, nesterov: bool = False
+    ) -> None:
+        _check_sgd(lr, momentum, nesterov)
+        super().__init__(params, {"lr": lr, "momentum": momentum, "nesterov": nesterov})
+
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """One step with every parameter's ``grad``; a parameter without one is left alone."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:  # all checks before any write
+            _check_sgd(group["lr"], group["momentum"], group["nesterov"])
+            for p in _with_grad(group["params"]):
+                assert p.grad is not None
+                _check_grad(p, p.grad, "OuterSGD")
+        for group in self.param_groups:
+            momentum = group["momentum"]
+            for p in _with_grad(group["params"]):
+                assert p.grad is not None
+                buffer, first = None, False
+                if momentum != 0:
+                    buffer = self.state[p].get("momentum_buffer")
+                    if buffer is None:
+                        buffer = self.state[p]["momentum_buffer"] = torch.empty_like(p.grad)
+                        first = True
+                sgd_step_(
+                    p, p.grad, buffer, lr=group["lr"], momentum=momentum,
+                    nesterov=group["nesterov"], first=first,
+                )  # fmt: skip
+        return loss
+
+
+def _check_grad(param: torch.Tensor, grad: torch.Tensor, optimizer: str) -> None:
+    if grad.is_sparse:
+        raise ValueError(f"{optimizer} does not support sparse gradients")
+    if grad.shape != param.shape or grad.dtype != param.dtype or grad.device != param.device:
+        raise ValueError(
+            f"grad must have the param's shape, dtype and device: got "
+            f"{tuple(grad.shape)} {grad.dtype} {grad.device} for "
+            f"{tuple(param.shape)} {param.dtype} {param.device}"
+        )
+
+
+def _check_hyperparameters(lr: Any, momentum: Any, delay: Any, c: Any) -> None:
+    """Raise ValueError naming the first argument outside its allowed range."""
+    _check_lr_and_momentum(lr, momentum)
     if not isinstance(delay, int) or isinstance(delay, bool) or delay < 1:
         raise ValueError(f"delay must be an integer >= 1, got {delay!r}")
     # 1.0 / delay is what a caller computes for "c = 1/N", so that value itself passes.
@@ -108,8 +226,8 @@ def _direction_and_momentum(
         weight = momentum * c
     if pulled_by is None or weight == 0.0:
         return scaled, new_momentum
-    # The same call torch's SGD makes for Nesterov (grad.add(buf, alpha=momentum)).
-    return scaled.add(pulled_by, alpha=weight), new_momentum
+    # What torch's SGD computes for Nesterov (grad.add(buf, alpha=momentum)), rounded twice.
+    return scaled.add_(pulled_by * weight), new_momentum
 
 
 def delayed_nesterov_direction(
@@ -136,7 +254,7 @@ def delayed_nesterov_direction(
 
 class DelayedNesterov(torch.optim.Optimizer):
     """Delayed Nesterov outer optimizer (rule in the module docstring); each parameter's
-    ``grad`` is its pseudo-gradient, applied with ``param.add_(d, alpha=-lr)`` as torch's SGD.
+    ``grad`` is its pseudo-gradient, applied as ``param -= d * lr`` (two roundings).
 
     A parameter whose ``grad`` is None is not moved and its momentum not updated, but the window
     (counted in ``step`` calls) still advances; if it misses a window's last step, what it
@@ -175,26 +293,14 @@ class DelayedNesterov(torch.optim.Optimizer):
         _check_hyperparameters(group["lr"], group["momentum"], group["delay"], group["c"])
         _check_step(group["step"])
 
-    @staticmethod
-    def _check_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
-        if grad.is_sparse:
-            raise ValueError("DelayedNesterov does not support sparse gradients")
-        if grad.shape != param.shape or grad.dtype != param.dtype or grad.device != param.device:
-            raise ValueError(
-                f"grad must have the param's shape, dtype and device: got "
-                f"{tuple(grad.shape)} {grad.dtype} {grad.device} for "
-                f"{tuple(param.shape)} {param.dtype} {param.device}"
-            )
-
     @torch.no_grad()
     def direction(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """The ``d`` the next ``step`` would apply to ``param`` if its gradient were ``grad``;
-        changes no state and never aliases ``grad`` or the state. ``param.add(d, alpha=-lr)``
-        is bit for bit what ``step`` leaves (so is ``param - lr * d`` when ``lr`` is a power
-        of two)."""
+        changes no state and never aliases ``grad`` or the state. ``param.sub(d * lr)`` is
+        bit for bit what ``step`` leaves."""
         group = self._group_of(param)
         self._check_group(group)
-        self._check_grad(param, grad)
+        _check_grad(param, grad, "DelayedNesterov")
         state = self.state.get(param, {})
         direction, _ = _direction_and_momentum(
             grad,
@@ -225,7 +331,7 @@ class DelayedNesterov(torch.optim.Optimizer):
             self._check_group(group)
             for p in _with_grad(group["params"]):
                 assert p.grad is not None
-                self._check_grad(p, p.grad)
+                _check_grad(p, p.grad, "DelayedNesterov")
         for group in self.param_groups:
             step, delay = group["step"], group["delay"]
             position = step % delay
@@ -264,10 +370,25 @@ class DelayedNesterov(torch.optim.Optimizer):
                 else:
                     # The same addition _next_momentum makes out of place.
                     grad_sum.add_(grad)
-                p.add_(direction, alpha=-group["lr"])
+                p.sub_(direction.mul_(group["lr"]))
             group["step"] = step + 1
         return loss
 
 
 def _with_grad(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return [p for p in params if p.grad is not None]
+
+
+def outer_optimizer(
+    lr: float, momentum: float, nesterov: bool, momentum_every: int = 1
+) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
+    """What builds a fragment's outer optimizer over the tensors it steps: Delayed Nesterov with
+    the momentum updated every ``momentum_every`` > 1 outer steps, else :class:`OuterSGD`
+    (Nesterov only with momentum: with 0 it is plain SGD anyway)."""
+
+    def make(tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
+        if momentum_every > 1:
+            return DelayedNesterov(tensors, lr=lr, momentum=momentum, delay=momentum_every)
+        return OuterSGD(tensors, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
+
+    return make

@@ -8,10 +8,11 @@ whole-fragment tensor operations on one thread that is 65 memcpy equivalents
 
 :class:`SyncPointPasses` instead visits each parameter in pieces (``piece_workers``), all of a
 sync point's operations on a piece while it is in cache, shared out over the rank's host cores.
-The outer step is ``torch.optim.SGD(fused=True)``'s own kernel on each piece, and every other
-value goes through the operations of ``FragmentState``'s whole-fragment methods, so the results
-are the same bits; only the order of visits changes. With the model on an accelerator, values
-cross through one pinned staging buffer of the fragment's size.
+The outer step is ``OuterSGD``'s own on each piece (``outer_optimizer.sgd_step_``), and every
+other value goes through the operations of ``FragmentState``'s whole-fragment methods, all
+element-wise, so the results are the same bits; only the order of visits changes. With the
+model on an accelerator, values cross through one pinned staging buffer of the fragment's
+size.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from torchtitan.experiments.fault_tolerance.outer_loop import local_tensor
+from torchtitan.experiments.fault_tolerance.outer_optimizer import OuterSGD, sgd_step_
 from torchtitan.experiments.fault_tolerance.piece_workers import Piece, Worker, cut, run_pieces
 from torchtitan.tools.digest import chunk_hashes
 from torchtitan.tools.pinned import host_tensor
@@ -38,29 +40,24 @@ def wait_for_copies(device: torch.device) -> None:
 
 @dataclass(frozen=True)
 class PlainSGD:
-    """The settings of an outer ``torch.optim.SGD(fused=True)``, whose kernel the passes call
-    on each piece."""
+    """The settings of an outer :class:`~.outer_optimizer.OuterSGD`, whose step the passes take
+    on each piece (``sgd_step_``, element-wise: the bits of its ``step`` on the whole
+    parameter)."""
 
     lr: float
     momentum: float
-    dampening: float
     nesterov: bool
 
     @classmethod
     def of(cls, optimizer: torch.optim.Optimizer) -> PlainSGD | None:
-        """``optimizer``'s settings if it is fused SGD with one group, no weight decay, not
-        maximizing and a float learning rate; None otherwise."""
-        if type(optimizer) is not torch.optim.SGD or len(optimizer.param_groups) != 1:
+        """``optimizer``'s settings if it is ``OuterSGD`` with one group and a float learning
+        rate; None otherwise."""
+        if type(optimizer) is not OuterSGD or len(optimizer.param_groups) != 1:
             return None
         group = optimizer.param_groups[0]
-        if (
-            not group.get("fused")
-            or group["weight_decay"] != 0
-            or group["maximize"]
-            or isinstance(group["lr"], torch.Tensor)
-        ):
+        if isinstance(group["lr"], torch.Tensor):
             return None
-        return cls(float(group["lr"]), group["momentum"], group["dampening"], group["nesterov"])
+        return cls(float(group["lr"]), group["momentum"], group["nesterov"])
 
     def step(
         self,
@@ -68,17 +65,18 @@ class PlainSGD:
         grad: torch.Tensor,
         buf: torch.Tensor | None,
         first: bool,
+        scratch: torch.Tensor,
         divide_by: torch.Tensor | None = None,
     ) -> None:
-        """The fused step on a piece (``buf``: its momentum; ``first``: the optimizer's first
-        step, which takes the gradient as momentum), the bits of ``SGD.step`` on the whole
-        parameter. ``divide_by``: the gradient is ``grad / divide_by``, an exact division
+        """The outer step on a piece (``buf``: its momentum; ``first``: the optimizer's first
+        step, which takes the gradient as momentum; ``scratch``: the piece's temporary).
+        ``divide_by``: the gradient is ``grad / divide_by``, an exact division
         (``exact_division.divide_``'s bits), also written back into ``grad``."""
-        torch._fused_sgd_(
-            [param], [grad], [] if buf is None else [buf],
-            weight_decay=0.0, momentum=self.momentum, lr=self.lr, dampening=self.dampening,
-            nesterov=self.nesterov, maximize=False, is_first_step=first,
-            grad_scale=divide_by, found_inf=None,
+        if divide_by is not None:
+            grad.div_(divide_by)
+        sgd_step_(
+            param, grad, buf, lr=self.lr, momentum=self.momentum, nesterov=self.nesterov,
+            first=first, scratch=scratch,
         )  # fmt: skip
 
     def start_period(
@@ -102,7 +100,7 @@ class PlainSGD:
                 momentum = scratch.t1
                 if piece.momentum is not None:
                     momentum.copy_(piece.momentum)
-            self.step(piece.start, grad, momentum, first=piece.momentum is None)
+            self.step(piece.start, grad, momentum, piece.momentum is None, scratch.step)
         if tokens != 1.0:
             assert pseudo is not None
             pseudo.mul_(tokens)
@@ -168,7 +166,7 @@ class SyncPointPasses:
 
         def body(piece: Piece, worker: Worker) -> None:
             scratch = worker.scratch(piece.glob.numel())
-            self._step_piece(piece, step)
+            self._step_piece(piece, step, worker)
             if piece.local is not None:
                 piece.local.add_(torch.sub(piece.glob, piece.start, out=scratch.t1))
             else:
@@ -248,7 +246,7 @@ class SyncPointPasses:
             scratch = worker.scratch(piece.glob.numel())
             glob, local = piece.glob, piece.local
             assert local is not None
-            self._step_piece(piece, step)
+            self._step_piece(piece, step, worker)
             # follow_global's local, kept in scratch: start and the model are written once,
             # below; its start (= global) is read as global.
             followed = torch.add(local, torch.sub(glob, piece.start, out=scratch.t1),
@@ -273,7 +271,7 @@ class SyncPointPasses:
 
     def _outer_step(self, average: torch.Tensor | None, divisor: float) -> _OuterStep | None:
         """What the pieces of an outer step with ``average / divisor`` need (None: no step). At
-        the first step every parameter gets a momentum buffer, as ``SGD(fused=True)`` does."""
+        the first step every parameter gets a momentum buffer, as ``OuterSGD`` does."""
         if average is None:
             return None
         sgd = PlainSGD.of(self.outer)
@@ -290,10 +288,13 @@ class SyncPointPasses:
         return _OuterStep(sgd, source, divide_by, first)
 
     @staticmethod
-    def _step_piece(piece: Piece, step: _OuterStep | None) -> None:
+    def _step_piece(piece: Piece, step: _OuterStep | None, worker: Worker) -> None:
         if step is not None:
             assert piece.source is not None
-            step.sgd.step(piece.glob, piece.source, piece.momentum, step.first, step.divide_by)
+            scratch = worker.scratch(piece.glob.numel()).step
+            step.sgd.step(
+                piece.glob, piece.source, piece.momentum, step.first, scratch, step.divide_by
+            )
 
     # ---- what the passes work on ---------------------------------------------------------------
 
@@ -342,8 +343,8 @@ class SyncPointPasses:
         return tuple(t._version for t in self.global_copy.values())
 
     def _keep_hashes(self, hashes: dict[str, list[int]]) -> None:
-        """Keep a pass's hashes, keyed by the copy's versions, moved first (the fused kernel
-        does not move them; ``Fragment.outer_step`` does)."""
+        """Keep a pass's hashes, keyed by the copy's versions, moved first (a pass writes
+        through views of pieces; its versions are moved once, here)."""
         for t in self.global_copy.values():
             torch.autograd.graph.increment_version(t)
         self._hashes = (self._versions(), [h for name in self.numel for h in hashes[name]])

@@ -70,6 +70,8 @@ class Scratch(NamedTuple):
 
     grad: torch.Tensor
     t1: torch.Tensor
+    #: The outer step's temporary.
+    step: torch.Tensor
     products: torch.Tensor  # int64: the digest's
 
 
@@ -80,6 +82,7 @@ class Worker:
         self._scratch = Scratch(
             grad=torch.empty(PIECE, dtype=torch.float32),
             t1=torch.empty(PIECE, dtype=torch.float32),
+            step=torch.empty(PIECE, dtype=torch.float32),
             products=torch.empty(PIECE, dtype=torch.int64),
         )
         self.hashes: dict[str, PieceHashes] = {}

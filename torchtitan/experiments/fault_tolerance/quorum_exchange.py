@@ -24,8 +24,10 @@ from torchtitan.experiments.fault_tolerance.reporting import SyncReporter
 from torchtitan.experiments.fault_tolerance.shapes import CollectiveShape, mismatch
 from torchtitan.experiments.fault_tolerance.speed_exchange import SpeedExchange
 from torchtitan.experiments.fault_tolerance.sync_quorum import (
+    FRESH,
     RESUMED,
     RUNNING,
+    Host,
     Member,
     RankInGroup,
     SyncManager,
@@ -35,6 +37,12 @@ from torchtitan.experiments.fault_tolerance.sync_quorum import (
 
 if TYPE_CHECKING:
     from torchtitan.trainer import TrainState
+
+
+#: Start-up quorums a new job's groups may take to hold one initial model: the first finds
+#: the models differ, the next heals the groups that differ; more are a margin for a quorum
+#: that failed on the way.
+MAX_INITIAL_MODEL_ROUNDS = 3
 
 
 @dataclass
@@ -47,6 +55,11 @@ class StartUp:
     attempts: int = 0
     #: The position of the peer it healed from in this start-up (None: none).
     peer: dict[str, int] | None = None
+    #: A new job's group whose initial model differs from the first group's takes that
+    #: group's (its replica id; None: it keeps its own).
+    initial_model_from: int | None = None
+    #: Start-up quorums in which the groups' initial models differed (alike in every group).
+    initial_models_differed: int = 0
 
     @property
     def healed_from_running(self) -> bool:
@@ -77,6 +90,9 @@ class QuorumFindings:
     healed_in_full: bool = False
     #: The members' collectives cannot pair (``shapes.mismatch``).
     shapes_differ: bool = False
+    #: This group's digest differs from the first group's (the lowest replica id): in a new
+    #: job, it takes that group's initial model.
+    differs_from_first: bool = False
 
     def as_ints(self) -> list[int]:
         return [int(v) for v in dataclasses.astuple(self)]
@@ -84,10 +100,10 @@ class QuorumFindings:
     @classmethod
     def from_ints(cls, values: list[int]) -> QuorumFindings:
         failed, disagree, no_majority, minority, steps, *flags = values
-        replay_failed, replayed, full, shapes_differ = (bool(v) for v in flags)
+        replay_failed, replayed, full, shapes_differ, differs_from_first = (bool(v) for v in flags)
         return cls(
             bool(failed), bool(disagree), bool(no_majority), bool(minority), steps,
-            replay_failed, replayed, full, shapes_differ,
+            replay_failed, replayed, full, shapes_differ, differs_from_first,
         )  # fmt: skip
 
 
@@ -108,6 +124,8 @@ class QuorumExchange:
     #: DyLU's plans (None: no DyLU).
     speeds: SpeedExchange | None
     _checked_quorum: int = dataclasses.field(default=-2, init=False)
+    #: The groups' torch versions last said to differ (each mix is said once).
+    _versions_told: tuple[str, ...] = dataclasses.field(default=(), init=False)
 
     def announce(self, step: int) -> None:
         """Give torchft ``step`` as this group's: below the others', it heals from them."""
@@ -133,6 +151,7 @@ class QuorumExchange:
         mine.heartbeat = self.sync.heartbeat
         mine.replica = ft.replica_id
         mine.give_shape(self.shape)
+        mine.give_host(Host.this())
         if digest is not None:
             mine.has_digest, mine.digest = 1, digest
         if self.speeds is not None:
@@ -144,6 +163,7 @@ class QuorumExchange:
         shapes_differ = mismatch(shapes, self.shape)
         verdict = compare_digests(members or [])
         own = mine.digest if mine.has_digest else None
+        first = min(members or [mine], key=lambda m: m.replica)
         steps = 0 if self.speeds is None else self.speeds.planned_steps(members or [], mine)
         found = QuorumFindings(
             failed=members is None,
@@ -155,6 +175,7 @@ class QuorumExchange:
             replayed=healed == "replay",
             healed_in_full=healed == "full",
             shapes_differ=bool(shapes_differ),
+            differs_from_first=bool(own is not None and first.has_digest and own != first.digest),
         )
         # Each rank exchanged with the same rank of the other groups: the group acts on what any
         # of its ranks found, and all its ranks take the same inner steps.
@@ -176,6 +197,7 @@ class QuorumExchange:
         if found.failed:
             return True
         assert members is not None
+        self._tell_torch_versions(members)
         if found.replay_failed or (found.replayed and found.healed_in_full):
             # A joiner's replay failed (on one of its ranks, or its ranks did not all replay):
             # nobody commits this sync, and it heals in full at the next one.
@@ -218,8 +240,10 @@ class QuorumExchange:
             # Its global parameters are not the running job's, and nothing is committed: no
             # disagreement to act on (with two groups that would stop the job).
             return True
-        if found.disagree:
-            self._act_on_disagreement(verdict.digests, found.no_majority, found.minority)
+        if found.disagree and start_up is not None and all(m.role == FRESH for m in members):
+            self._take_one_initial_model(members, start_up, found.differs_from_first)
+        elif found.disagree:
+            self._act_on_disagreement(members, found.no_majority, found.minority)
         elif start_up is not None and self.speeds is not None:
             self.speeds.probe_if_new_job(members)
         return True
@@ -240,14 +264,63 @@ class QuorumExchange:
         self._checked_quorum = quorum
         return self.algorithm.agreement_digest()
 
-    def _act_on_disagreement(self, digests: list[int], no_majority: bool, minority: bool) -> None:
+    def _take_one_initial_model(
+        self, members: list[Member], start_up: StartUp, differs: bool
+    ) -> None:
+        """A new job whose groups built other initial models from the same seed (their hosts'
+        kernels draw other bits): nobody uses this quorum; a group whose model differs from
+        the first group's (the lowest replica id) steps its Manager back, so that torchft
+        heals it from a group holding the first group's model at the next quorum."""
         manager = self.ft.manager
-        distinct = [f"{d & (2**64 - 1):016x}" for d in sorted(set(digests))]
+        manager.report_error(RuntimeError("the groups' initial models differ"))
+        source = min(members, key=lambda m: m.replica)
+        start_up.initial_models_differed += 1
+        if start_up.initial_models_differed > MAX_INITIAL_MODEL_ROUNDS:
+            # A group that took the first one's model holds its bits: this is no host's draw.
+            raise FaultToleranceError(
+                f"[semi-sync] the new job's initial models still differ after "
+                f"{MAX_INITIAL_MODEL_ROUNDS} start-up quorums in which the groups that differed "
+                f"took replica group {source.replica}'s ({'; '.join(_holders(members))}): "
+                "stopping. Check that every group runs the same config and training.seed."
+            )
+        events.INITIAL_MODELS_DIFFER.emit(
+            step=self.train_state.step,
+            source=source.replica,
+            takes_it=differs,
+            groups=_holders(members),
+        )
+        if differs:
+            start_up.initial_model_from = source.replica
+            self.heal.expect_full(
+                f"a new job's groups start from one initial model, replica group "
+                f"{source.replica}'s, and this group's differed"
+            )
+            self.announce(manager.current_step() - 1)
+
+    def _tell_torch_versions(self, members: list[Member]) -> None:
+        """Say once per mix when the quorum's groups run different torch minor versions."""
+        hosts = [(m.replica, m.host()) for m in members]
+        known = [(replica, host) for replica, host in hosts if host is not None]
+        if len({host.torch_minor() for _, host in known}) <= 1:
+            return
+        mix = tuple(f"replica group {r}: torch {host.torch}" for r, host in sorted(known))
+        if mix != self._versions_told:
+            self._versions_told = mix
+            events.TORCH_VERSIONS_DIFFER.emit(groups=list(mix))
+
+    def _act_on_disagreement(
+        self, members: list[Member], no_majority: bool, minority: bool
+    ) -> None:
+        manager = self.ft.manager
+        distinct = [
+            f"{d & (2**64 - 1):016x}" for d in sorted({m.digest for m in members if m.has_digest})
+        ]
+        holders = _holders(members)
         sync = manager.current_step() + 1
         if no_majority:
             raise FaultToleranceError(
                 f"[semi-sync] replica groups disagree on the global parameters before sync "
-                f"#{sync} (digests {', '.join(distinct)}; no majority): stopping rather than "
+                f"#{sync} (digests: {'; '.join(holders)}; no majority): stopping rather than "
                 "training on diverged copies. Restart the job from one group's checkpoint: "
                 "docs/fault_tolerance.md, 'After replica groups disagree'."
             )
@@ -255,7 +328,16 @@ class QuorumExchange:
         # sync, so that torchft heals them from a majority group at the next one.
         manager.report_error(RuntimeError("global parameters disagree"))
         if minority:
-            events.DIFFERS_FROM_MAJORITY.emit(sync=sync, digests=distinct)
+            events.DIFFERS_FROM_MAJORITY.emit(sync=sync, digests=distinct, groups=holders)
             self.announce(manager.current_step() - 1)
         else:
-            events.MINORITY_ELSEWHERE.emit(sync=sync, digests=distinct)
+            events.MINORITY_ELSEWHERE.emit(sync=sync, digests=distinct, groups=holders)
+
+
+def _holders(members: list[Member]) -> list[str]:
+    """Each member that gave a digest: its replica id, the digest (hex) and its host."""
+    return [
+        f"replica group {m.replica}: {m.digest & (2**64 - 1):016x} ({m.host() or 'host unknown'})"
+        for m in members
+        if m.has_digest
+    ]

@@ -134,7 +134,7 @@ class QuorumProtocol:
                 peer=peer["replica_id"],
                 inner_step=peer["local_step"],
                 period=self.period,
-                case="newer_checkpoint",
+                case="newer_checkpoint" if start_up.initial_model_from is None else "initial_model",
                 waited_s=None,
                 **self.heal.event_fields(),
             )

@@ -9,6 +9,9 @@ alone), and ``sync_quorum_timeout_s``, which ends in one error line naming the f
 from __future__ import annotations
 
 import dataclasses
+import functools
+import platform
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +38,50 @@ if TYPE_CHECKING:
 
 #: Roles in a quorum: at its sync point; (re)started with no checkpoint; resumed from one.
 RUNNING, FRESH, RESUMED = 0, 1, 2
+
+
+def _pack(text: str) -> int:
+    """Up to 8 ASCII characters as one int64 (the exchange carries integers)."""
+    return int.from_bytes(text.encode("ascii", "replace")[:8].ljust(8, b"\0"), "little")
+
+
+def _unpack(value: int) -> str:
+    return value.to_bytes(8, "little", signed=True).rstrip(b"\0").decode("ascii", "replace")
+
+
+@dataclass(frozen=True)
+class Host:
+    """What a group computes with, beyond its code: the machine, torch's version and the ATen
+    CPU kernels torch picked (``ATEN_CPU_CAPABILITY``). Groups agree bit for bit on any mix
+    (``docs/design.md``, "Bits the groups agree on"); when they do not, this tells a user
+    hardware from a bug."""
+
+    machine: str
+    torch: str
+    kernels: str
+
+    @classmethod
+    @functools.cache
+    def this(cls) -> Host:
+        # "2.13.0+cpu", "2.14.0a0+git1234": the release's numbers only
+        numbers = re.findall(r"\d+", torch.__version__.split("+")[0])
+        release = ".".join((numbers + ["0", "0", "0"])[:3])
+        return cls(platform.machine(), release, torch.backends.cpu.get_cpu_capability())
+
+    def torch_minor(self) -> str:
+        return ".".join(self.torch.split(".")[:2])
+
+    def __str__(self) -> str:
+        return f"{self.machine}, torch {self.torch}, {self.kernels} kernels"
+
+    def as_ints(self) -> tuple[int, int, int]:
+        major, minor, patch = (int(n) for n in self.torch.split("."))
+        return _pack(self.machine), major * 1_000_000 + minor * 1_000 + patch, _pack(self.kernels)
+
+    @classmethod
+    def from_ints(cls, machine: int, version: int, kernels: int) -> Host:
+        torch_version = f"{version // 1_000_000}.{version // 1_000 % 1_000}.{version % 1_000}"
+        return cls(_unpack(machine), torch_version, _unpack(kernels))
 
 
 @dataclass
@@ -67,6 +114,18 @@ class Member:
     bucket_values: int = 0
     dtype: int = 0
     layout: int = 0
+    #: The group's :class:`Host`, packed (0: not given, e.g. a speed probe's record).
+    machine: int = 0
+    torch_version: int = 0
+    kernels: int = 0
+
+    def host(self) -> Host | None:
+        if not self.torch_version:
+            return None
+        return Host.from_ints(self.machine, self.torch_version, self.kernels)
+
+    def give_host(self, host: Host) -> None:
+        self.machine, self.torch_version, self.kernels = host.as_ints()
 
     def shape(self) -> CollectiveShape:
         names = [f.name for f in dataclasses.fields(CollectiveShape)]

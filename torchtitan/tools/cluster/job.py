@@ -20,7 +20,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from torchtitan.tools import torchft_logs
@@ -106,6 +106,7 @@ class LocalJob:
         launch_lighthouse: Launch = as_built,
         job_id: str | None = None,
         group_devices: Sequence[str] | None = None,
+        group_env: Mapping[int, Mapping[str, str]] | None = None,
     ) -> None:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -121,6 +122,9 @@ class LocalJob:
         self.job_id = job_id or uuid.uuid4().hex
         #: Each group's ``CUDA_VISIBLE_DEVICES`` (see :func:`split_devices`); None: unchanged.
         self.group_devices = list(group_devices) if group_devices is not None else None
+        #: Variables given to every start of a group, by replica id (e.g. another host's
+        #: ``ATEN_CPU_CAPABILITY``).
+        self.group_env = {r: dict(env) for r, env in (group_env or {}).items()}
         #: Every process started, in order (lighthouse starts included).
         self.processes: list[Process] = []
         #: The starts of each replica group, in order.
@@ -221,11 +225,16 @@ class LocalJob:
             # only make them fight over the cores.
             share = (os.cpu_count() or 1) // (self.groups * self.ngpu)
             env["OMP_NUM_THREADS"] = str(max(1, share))
-        return env
+        return {**env, **self.group_env.get(replica_id, {})}
 
-    def start_group(self, replica_id: int, extra_args: Sequence[str] = ()) -> Process:
+    def start_group(
+        self,
+        replica_id: int,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> Process:
         """Start (or restart) replica group ``replica_id``; ``extra_args`` go to this start
-        only, after the job's ``train_args``."""
+        only, after the job's ``train_args``, and so do the variables of ``env``."""
         starts = self.starts.setdefault(replica_id, [])
         argv = [
             *self.entry,
@@ -238,7 +247,7 @@ class LocalJob:
         group = self.start_process(
             f"group{replica_id}_start{len(starts)}",
             argv,
-            self.group_environment(replica_id),
+            {**self.group_environment(replica_id), **(env or {})},
             lambda spec: self.launch_group(replica_id, spec),
             replica_id,
         )
