@@ -493,7 +493,7 @@ MUTANTS = [
     Mutant(
         "outer step: the token-weighted sums divided by multiplying with the reciprocal",
         f"{PACKAGE}/outer_passes.py",
-        "            grad.div_(divide_by)",
+        "            torch.div(grad, divide_by, out=grad)",
         "            grad.mul_(1.0 / divide_by)",
         HOST_ARITHMETIC,
     ),

@@ -18,6 +18,7 @@ from torchtitan.experiments.fault_tolerance.outer_optimizer import (
     OuterSGD,
     delayed_nesterov_direction,
     outer_optimizer,
+    sgd_step_,
 )
 
 DEVICES = [
@@ -114,6 +115,29 @@ def test_outer_sgd_is_torch_sgd_to_rounding_with_its_state(
     moved = OuterSGD(_clone(theirs), lr=0.7, momentum=momentum, nesterov=nesterov)
     moved.load_state_dict(sgd.state_dict())
     assert moved.param_groups[0]["lr"] == 0.7
+
+
+@pytest.mark.parametrize("first", [True, False])
+@pytest.mark.parametrize(("momentum", "nesterov"), [(0.0, False), (0.9, False), (0.9, True)])
+def test_a_step_written_elsewhere_leaves_the_optimizer_alone(
+    first: bool, momentum: float, nesterov: bool
+) -> None:
+    """``sgd_step_`` with ``out`` and ``momentum_out`` (async DiLoCo's eager estimate): the
+    bits of the same step taken in place on copies, and the parameter, its momentum and the
+    gradient as they were."""
+    gen = torch.Generator().manual_seed(3)
+    param, grad, buf = (torch.randn(1000, generator=gen) for _ in range(3))
+    before = [param.clone(), grad.clone(), buf.clone()]
+    into, buf_into = torch.empty(1000), torch.empty(1000)
+    kwargs: dict[str, Any] = dict(lr=0.7, momentum=momentum, nesterov=nesterov, first=first)
+    sgd_step_(param, grad, None if first else buf, out=into, momentum_out=buf_into, **kwargs)
+    for kept, was in zip([param, grad, buf], before, strict=True):
+        assert torch.equal(kept, was)
+    copy, copy_buf = param.clone(), torch.empty(1000) if first else buf.clone()
+    sgd_step_(copy, grad, copy_buf if momentum else None, **kwargs)
+    assert torch.equal(into, copy)
+    if momentum and not first:
+        assert torch.equal(buf_into, copy_buf)
 
 
 def test_outer_sgd_leaves_a_parameter_without_grad_and_checks_before_writing() -> None:

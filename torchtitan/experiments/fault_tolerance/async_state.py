@@ -151,30 +151,30 @@ class FragmentState(Fragment):
             wait_for_copies(estimate.device)
         for name, p in self.params.items():
             target = self.period_start[name]
-            target.copy_(self.global_copy[name])
-            if estimate is not None:
+            if estimate is None:
+                target.copy_(self.global_copy[name])
+            else:
                 grad = grads[name] if scale == 1.0 else grads[name] * scale
-                self._outer_step_on(target, name, grad, lr)
+                self._outer_step_into(target, name, grad, lr)
             local_tensor(p.data).copy_(target, non_blocking=self.non_blocking)
         wait_for_copies(self.model_device)  # ``start`` is rewritten at the next sync point
 
-    def _outer_step_on(
+    def _outer_step_into(
         self, target: torch.Tensor, name: str, grad: torch.Tensor, lr: float
     ) -> None:
-        """Move ``target``, a copy of global copy ``name``, as the outer step for ``grad`` would
-        move it, the optimizer's state unchanged (its step on a copy of the momentum, so
-        ``eager`` lands exactly where the outer step would)."""
+        """Write into ``target`` global copy ``name`` moved as the outer step for ``grad`` would
+        move it, the optimizer's state unchanged (its own step, the momentum updated into a
+        temporary: ``eager`` lands exactly where the outer step would)."""
         copy = self.global_copy[name]
         if isinstance(self.outer, DelayedNesterov):
-            target.sub_(self.outer.direction(copy, grad).mul_(lr))
+            torch.sub(copy, self.outer.direction(copy, grad).mul_(lr), out=target)
             return
         group = self.outer.param_groups[0]
         momentum = self.outer.state.get(copy, {}).get("momentum_buffer")
         first = momentum is None and group["momentum"] != 0
-        buffer = torch.empty_like(grad) if first else None if momentum is None else momentum.clone()
         sgd_step_(
-            target, grad, buffer, lr=lr, momentum=group["momentum"], nesterov=group["nesterov"],
-            first=first,
+            copy, grad, momentum, lr=lr, momentum=group["momentum"], nesterov=group["nesterov"],
+            first=first, out=target, momentum_out=torch.empty_like(grad),
         )  # fmt: skip
 
     def checkpoint(self) -> dict[str, Any]:

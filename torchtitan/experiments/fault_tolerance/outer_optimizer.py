@@ -71,28 +71,39 @@ def sgd_step_(
     nesterov: bool,
     first: bool,
     scratch: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    momentum_out: torch.Tensor | None = None,
 ) -> None:
-    """One SGD step on ``param`` (a tensor, or any piece of one) for ``grad``, in place, with
-    torch's SGD's operations in its order (no dampening, weight decay or maximize), each rounded
-    on its own: the same bits on every host and device.
+    """One SGD step on ``param`` (a tensor, or any piece of one) for ``grad``, with torch's
+    SGD's operations in its order (no dampening, weight decay or maximize), each rounded on its
+    own: the same bits on every host and device.
 
-    ``momentum_buffer``: the momentum to update in place (needed when ``momentum`` > 0; with
-    ``first``, the optimizer's first step, it becomes a copy of ``grad``, as torch's does).
-    ``scratch``: a tensor of ``param``'s size for the temporary (None: allocated); neither it
-    nor ``momentum_buffer`` may alias ``param`` or ``grad``, and ``grad`` is left as it was."""
+    ``momentum_buffer``: the momentum (needed when ``momentum`` > 0, but at the optimizer's
+    ``first`` step with ``momentum_out``; a first step's momentum is ``grad`` itself, as
+    torch's). ``out``: where the stepped
+    values go (None: into ``param``); ``momentum_out``: where the updated momentum goes (None:
+    into ``momentum_buffer``): with both, nothing of the optimizer's changes (async DiLoCo's
+    estimate of a step). ``scratch``: room of ``param``'s size for the temporary (None:
+    allocated). No two of them may alias, except ``out`` with ``param``; ``grad`` is left as
+    it was."""
     direction, temporary = grad, False
     if momentum != 0:
-        assert momentum_buffer is not None, "SGD with momentum needs its buffer"
-        if first:
-            momentum_buffer.copy_(grad)
+        updated = momentum_buffer if momentum_out is None else momentum_out
+        assert updated is not None, "SGD with momentum needs its buffer"
+        if not first:  # buffer x momentum + grad
+            assert momentum_buffer is not None, "SGD with momentum needs its buffer"
+            torch.mul(momentum_buffer, momentum, out=updated).add_(grad)
+        elif momentum_out is None:
+            updated.copy_(grad)
         else:
-            momentum_buffer.mul_(momentum).add_(grad)
-        direction = momentum_buffer
+            updated = grad  # read below, never written
+        direction = updated
         if nesterov:  # grad + momentum x buffer: torch's grad.add(buf, alpha=momentum)
-            direction = torch.mul(momentum_buffer, momentum, out=scratch).add_(grad)
+            direction = torch.mul(updated, momentum, out=scratch).add_(grad)
             temporary = True
     # param - lr x direction: torch's param.add_(direction, alpha=-lr)
-    param.sub_(direction.mul_(lr) if temporary else torch.mul(direction, lr, out=scratch))
+    step = direction.mul_(lr) if temporary else torch.mul(direction, lr, out=scratch)
+    torch.sub(param, step, out=param if out is None else out)
 
 
 def _check_lr_and_momentum(lr: Any, momentum: Any) -> None:
