@@ -361,8 +361,8 @@ MUTANTS = [
     Mutant(
         "passes: the eager start steps the optimizer's own momentum, not a copy",
         f"{PACKAGE}/outer_passes.py",
-        "                momentum = scratch.t1\n",
-        "                momentum = piece.momentum if piece.momentum is not None else scratch.t1\n",
+        "out=piece.start, momentum_out=scratch.t1,",
+        "out=piece.start, momentum_out=None,",
     ),
     Mutant(
         "async DiLoCo: a failed sync's buffer carries the next sync",
@@ -472,15 +472,15 @@ MUTANTS = [
     Mutant(
         "outer step: SGD's update contracted to a fused multiply-add (add with alpha)",
         f"{PACKAGE}/outer_optimizer.py",
-        "param.sub_(direction.mul_(lr) if temporary else torch.mul(direction, lr, out=scratch))",
-        "param.add_(direction, alpha=-lr)",
+        "torch.sub(param, step, out=param if out is None else out)",
+        "torch.add(param, direction, alpha=-lr, out=param if out is None else out)",
         HOST_ARITHMETIC,
     ),
     Mutant(
         "outer step: Nesterov's direction contracted to a fused multiply-add",
         f"{PACKAGE}/outer_optimizer.py",
-        "direction = torch.mul(momentum_buffer, momentum, out=scratch).add_(grad)",
-        "direction = grad.add(momentum_buffer, alpha=momentum)",
+        "direction = torch.mul(updated, momentum, out=scratch).add_(grad)",
+        "direction = grad.add(updated, alpha=momentum)",
         HOST_ARITHMETIC,
     ),
     Mutant(
@@ -525,6 +525,117 @@ MUTANTS = [
         "",
         MIXED_HOSTS,
     ),
+    # ---- issue 62: behaviours of failure detection, shapes, heals, DyLU and the planner ----
+    Mutant(
+        "peer watch: a sync watches the quorum without knowing its own group's key",
+        f"{PACKAGE}/sync_quorum.py",
+        "            self.heartbeat if members else 0,\n",
+        "            0,\n",
+        ("tests/unit_tests/test_peer_watch.py",),
+    ),
+    Mutant(
+        "non-finite: the last transfer of a sync decides whether it was finite",
+        f"{PACKAGE}/transport.py",
+        "            found = found or work.non_finite",
+        "            found = work.non_finite",
+        ("tests/unit_tests/test_transport.py",),
+    ),
+    Mutant(
+        "timeouts: the longest operation is the heal's piece, not the longer of it and a sync",
+        f"{CORE_FT}/timeouts.py",
+        "        return max(self.collective, self.heal)",
+        "        return self.heal",
+        ("tests/unit_tests/test_replica_timeouts.py",),
+    ),
+    Mutant(
+        "heal pieces: the oldest piece leaves the queue without being waited for",
+        f"{PACKAGE}/heal_pieces.py",
+        "                self._queued.popleft().wait(self.timeout)",
+        "                self._queued.popleft()",
+        ("tests/unit_tests/test_replica_timeouts.py",),
+    ),
+    Mutant(
+        "shapes: the wire dtype's code leaves out the sparse chunk",
+        f"{PACKAGE}/shapes.py",
+        'PSEUDO_GRAD_DTYPES.index("sparse") | bits << 4 | keep << 8 | chunk << 32',
+        'PSEUDO_GRAD_DTYPES.index("sparse") | bits << 4 | keep << 8',
+        ("tests/unit_tests/test_semi_sync.py",),
+    ),
+    Mutant(
+        "shapes: the layout key flattens the fragments' tensors into one list",
+        f"{PACKAGE}/shapes.py",
+        "            [tuple(local_tensor(p).shape) for p in fragment.parameters()] for fragment in "
+        "fragments",
+        "            tuple(local_tensor(p).shape) for fragment in fragments for p in "
+        "fragment.parameters()",
+        ("tests/unit_tests/test_semi_sync.py",),
+    ),
+    Mutant(
+        "report: a delayed sync's time is the applying step's alone",
+        f"{PACKAGE}/reporting.py",
+        "        self.seconds += time.perf_counter() - self._clock",
+        "        self.seconds = time.perf_counter() - self._clock",
+        ("tests/unit_tests/test_semi_sync.py", "tests/unit_tests/test_async_diloco.py"),
+    ),
+    Mutant(
+        "planner: --ranks-per-group 0 passes the check",
+        f"{PACKAGE}/plan.py",
+        "    if args.ranks_per_group < 1:",
+        "    if args.ranks_per_group < 0:",
+        ("tests/unit_tests/test_plan.py",),
+    ),
+    Mutant(
+        "planner: the quorum timeout is sized on an int8 sync",
+        f"{PACKAGE}/plan.py",
+        '    slowest = plan.sync_s("float32")',
+        '    slowest = plan.sync_s("int8")',
+        ("tests/unit_tests/test_plan.py",),
+    ),
+    Mutant(
+        "digest: a piece's chunk taken from its element index, not its word index",
+        "torchtitan/tools/digest.py",
+        "        index = first // _CHUNK",
+        "        index = start // _CHUNK",
+        ("tests/unit_tests/test_semi_sync.py", "tests/unit_tests/test_outer_passes.py"),
+    ),
+    Mutant(
+        "replay: the average divided by a Python number (a reciprocal on CUDA)",
+        f"{PACKAGE}/heal_history.py",
+        "            divide_(flat, self.scale)",
+        "            flat.div_(self.scale)",
+        ("tests/unit_tests/test_exact_division.py",),
+    ),
+    Mutant(
+        "DyLU: the period's clock left where it was before the sync quorum",
+        f"{PACKAGE}/async_diloco.py",
+        "                self.manager, index, buffer, steps, tokens, scaled=True\n"
+        "            )\n"
+        "            self.plan.begin(self.clock())\n",
+        "                self.manager, index, buffer, steps, tokens, scaled=True\n            )\n",
+        ("tests/unit_tests/test_async_diloco.py",),
+    ),
+    Mutant(
+        "DyLU: a period that ends before a late probe keeps the probe's one-step estimate",
+        f"{PACKAGE}/async_diloco.py",
+        "                self.plan.measure(self._local_step, self.clock())",
+        "                pass",
+        ("tests/unit_tests/test_async_diloco.py", "tests/unit_tests/test_dylu_probe.py"),
+    ),
+    Mutant(
+        "sparse: with kept zeros the bins start at zero, not the smallest nonzero magnitude",
+        f"{PACKAGE}/compression/sparse.py",
+        "        base = torch.where(keeps_zeros, torch.where(nonzero, top, hi).amin(dim=1, "
+        "keepdim=True), lo)",
+        "        base = lo",
+        SPARSE_TESTS,
+    ),
+    Mutant(
+        "checkpoint: an inner step equal to the period loads",
+        f"{PACKAGE}/method_state.py",
+        "        if not loop.applies_next and step >= loop.period:",
+        "        if not loop.applies_next and step > loop.period:",
+        ("tests/unit_tests/test_semi_sync.py",),
+    ),
 ]
 
 #: Mutants that may survive the unit tests, with the reason (each is caught elsewhere, or is
@@ -559,7 +670,10 @@ def run_tests(tree: Path, tests: Sequence[str]) -> tuple[bool, float, str]:
         )
     except subprocess.TimeoutExpired:
         return False, time.monotonic() - start, f"timed out after {TIMEOUT_S} s"
-    tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-3:])
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    # What failed, for the report: pytest's summary line of the first failure, else the end.
+    failed = [line for line in lines if line.startswith(("FAILED ", "ERROR "))][:1]
+    tail = "\n".join(failed or lines[-3:])
     return done.returncode == 0, time.monotonic() - start, tail
 
 
@@ -600,6 +714,8 @@ def main(argv: list[str] | None = None) -> int:
                 path.write_text(text)
             verdict = "SURVIVED" if passed else "killed"
             print(f"{verdict:8s} {mutant.name} ({seconds:.0f} s)")
+            if not passed:
+                print(f"         by {tail[:300]}")
             if passed:
                 survivors.append(mutant.name)
                 if mutant.name in ACCEPTED:

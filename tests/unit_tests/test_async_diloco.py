@@ -8,7 +8,7 @@ import contextlib
 import copy
 from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -771,6 +771,64 @@ def test_the_warm_up_step_counts_against_the_period_s_length_but_not_in_its_spee
                 break
     assert (asked, steps) == ([6, 6], 6)
     assert group.loop.step_seconds() == pytest.approx(1.0)
+
+
+def test_dylu_s_period_clock_starts_after_the_sync_quorum() -> None:
+    """Each inner step takes 1 s on the device; every sync quorum waits 10 s for slower groups.
+    The speed DyLU plans from is this group's own 1 s per step: the wait at the sync point is
+    not in it (a group always measured slower by its wait would get fewer steps each
+    period)."""
+    clock = FakeClock()
+    group = Group(Cluster(), 1, clock=clock.perf_counter)
+    start_quorum = group.manager.start_quorum
+
+    def waiting_quorum(accept: Any) -> None:
+        clock.now += 10.0
+        start_quorum(accept)
+
+    group.manager.start_quorum = waiting_quorum  # type: ignore[method-assign]
+    with training([group]):
+        for _ in range(12):
+            clock.now += 1.0
+            group.step()
+    assert group.loop.sync_points == 3
+    assert group.loop.step_seconds() == pytest.approx(1.0)
+
+
+class _LateProbe:
+    """DyLU's speed probe whose quorum is still forming when the period ends: finishing it
+    waits ``wait_s`` on ``clock``, then it planned nothing."""
+
+    def __init__(self, group: Group, clock: FakeClock, wait_s: float) -> None:
+        self.group, self.clock, self.wait_s = group, clock, wait_s
+
+    def done(self) -> bool:
+        return False
+
+    def finish(self) -> None:
+        self.clock.now += self.wait_s
+        self.group.loop.probe_unused()
+
+
+def test_a_period_that_ends_before_a_late_probe_returns_is_measured_on_its_own_steps() -> None:
+    """The probe times step 2 at 1 s; steps 3 and 4 then take 3 s each, and the period ends
+    at step 4 while the probe's quorum still forms (it returns 10 s later). The period's
+    speed, 7 s over its 3 timed steps, replaces the probe's one-step estimate; the wait for
+    the late probe is in neither."""
+    clock = FakeClock()
+    group = Group(Cluster(), 1, clock=clock.perf_counter)
+    group.loop.plan.probe_after(1)
+    late = _LateProbe(group, clock, 10.0)
+    quorums = SimpleNamespace(
+        sync_quorum=lambda: group.manager.start_quorum(None), start_probe=lambda: late
+    )
+    with torch.enable_grad(), group.loop.hooks(cast(Any, quorums)):
+        for seconds in (5.0, 1.0, 3.0, 3.0):  # the first step: one-time costs, untimed
+            clock.now += seconds
+            group.step()
+    assert group.loop.sync_points == 1
+    assert group.loop.plan.probed_seconds == pytest.approx(1.0)
+    assert group.loop.step_seconds() == pytest.approx(7.0 / 3)
 
 
 def run_periods(groups: list[Group], periods: int) -> list[list[list[torch.Tensor]]]:

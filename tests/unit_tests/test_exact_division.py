@@ -175,6 +175,26 @@ def test_async_diloco_divides_the_sums_by_the_tokens_as_the_cpu_does(momentum_ev
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_a_replayed_sync_divides_as_the_live_one_did_on_any_device(dtype: str) -> None:
+    """A heal's replay takes a committed sync's delivered sums and divides them by its tokens'
+    total (1,792: no power of two) and by the groups, as the live sync's outer step did with
+    ``divide_``. Under CUDA's scalar division the replay's average is the same bits as the
+    live one computed on the CPU, and no division of the project's took a reciprocal."""
+    from torchtitan.experiments.fault_tolerance.heal_history import HistoryEntry
+
+    sums = _varied(NUMEL, 3) * 1792
+    payload = sums if dtype == "float32" else get_codec(dtype).encode(sums)
+    delivered = Delivered(dtype, NUMEL, 1, 3.0, payload)
+    live = divide_(delivered.values(), 1792.0)  # the live sync's arithmetic, on the CPU
+    entry = HistoryEntry.of(5, 0, [delivered], 0, scale=1792.0)
+    mode = CudaScalarDivision()
+    with mode:
+        replayed = entry.average()
+    assert mode.seen == [], sorted(set(mode.seen))
+    assert torch.equal(replayed, live)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("divisor", [3.0, 7.0, 127.0, 40960.0])
 def test_cuda_divides_as_the_cpu_does(divisor: float) -> None:

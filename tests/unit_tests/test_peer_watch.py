@@ -62,6 +62,16 @@ def test_the_lighthouse_says_which_groups_it_dropped() -> None:
         lighthouse.shutdown()
 
 
+def _itself_dropped_after(seconds: float, itself: str, other: str) -> Any:
+    """A lighthouse view in which ``itself`` is dropped ``seconds`` from now, ``other`` never."""
+    start = time.monotonic()
+
+    def heartbeats(_: str) -> dict[str, bool]:
+        return {itself: time.monotonic() - start < seconds, other: True}
+
+    return heartbeats
+
+
 def _dropped_after(seconds: float, replica: str) -> Any:
     """A lighthouse view in which ``replica`` is dropped ``seconds`` from now."""
     start = time.monotonic()
@@ -72,7 +82,9 @@ def _dropped_after(seconds: float, replica: str) -> Any:
     return heartbeats
 
 
-@pytest.mark.parametrize("peer", ["gone", "late_but_alive", "dropped_but_alive"])
+@pytest.mark.parametrize(
+    "peer", ["gone", "late_but_alive", "dropped_but_alive", "this_group_dropped_but_alive"]
+)
 def test_a_peer_the_lighthouse_dropped_ends_the_sync_in_seconds(peer: str, caplog: Any) -> None:
     """Two groups, int8 with error feedback, a collective timeout of 8 s. Group 1 takes part
     in the quorum but does not send its part for 3 s. ``gone``: the lighthouse drops it after
@@ -83,7 +95,9 @@ def test_a_peer_the_lighthouse_dropped_ends_the_sync_in_seconds(peer: str, caplo
     ``dropped_but_alive``: dropped after 1 s although alive (a lighthouse that missed its
     heartbeats): group 0 ends its sync as for ``gone``; group 1's part still arrives at 3 s
     and lets group 0's abandoned collective go on, which then issues, stages and reports
-    nothing."""
+    nothing. ``this_group_dropped_but_alive``: the lighthouse group 0 reads has dropped group 0
+    itself (it missed its heartbeats, say a long pause): group 0 does not abandon its own sync
+    naming itself as the peer that is gone; it waits for group 1's part and commits."""
     caplog.set_level("WARNING")
     keys = [heartbeat_key(heartbeat_id(r)) for r in range(2)]
     released = threading.Event()
@@ -91,6 +105,8 @@ def test_a_peer_the_lighthouse_dropped_ends_the_sync_in_seconds(peer: str, caplo
     def group(rank: int, pg: Any) -> dict[str, Any]:
         manager = LoopbackManager(pg, rank, 2)
         view = _dropped_after(1e9 if peer == "late_but_alive" else 1.0, heartbeat_id(1))
+        if peer == "this_group_dropped_but_alive":  # each group's view: itself dropped
+            view = _itself_dropped_after(1.0, heartbeat_id(rank), heartbeat_id(1 - rank))
         watch = PeerWatch("lighthouse", every_s=0.1, heartbeats=view)
         sync = sync_manager(
             manager, "int8", error_feedback=True, bucket_numel=300, timeout_s=8, peers=watch
@@ -123,7 +139,7 @@ def test_a_peer_the_lighthouse_dropped_ends_the_sync_in_seconds(peer: str, caplo
             sync.shutdown()
 
     first, _ = run_groups(2, group, timeout_s=60)
-    if peer == "late_but_alive":
+    if peer in ("late_but_alive", "this_group_dropped_but_alive"):
         assert first["committed"] is True and first["gone"] is None
         assert first["waited"] >= 2.5
         assert torch.allclose(first["x"], torch.arange(1000.0) * 1.5, rtol=0.02, atol=0.5)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from torchtitan.experiments.fault_tolerance import plan as planner
@@ -75,3 +77,34 @@ def test_the_collective_timeout_scales_with_the_ranks_sharing_the_link(
     assert "4 replica groups of 8 rank(s), 1000 Mbit/s from each group" in out
     assert planner.main(args) == 0
     assert "sync_collective_timeout_s >= 2 " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "flag, value", [("--ranks-per-group", "0"), ("--ranks-per-group", "-2"), ("--groups", "0")]
+)
+def test_a_count_below_one_is_refused_with_a_usage_line(
+    capsys: pytest.CaptureFixture[str], flag: str, value: str
+) -> None:
+    """``--ranks-per-group 0`` would divide the link by zero: refused with argparse's usage
+    and a line naming the flag (exit 2), not a ZeroDivisionError."""
+    with pytest.raises(SystemExit) as info:
+        planner.main(["--params", "8B", "--step-s", "2", "--link-mbit", "1000", flag, value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: ") and f"error: {flag}: " in err, err
+
+
+def test_the_sync_quorum_timeout_covers_a_period_and_a_float32_sync(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A job sends float32 unless told otherwise: the quorum timeout suggested is 4 x (a
+    period + a float32 sync), not a compressed sync's shorter time. 1B parameters, 2 groups,
+    100 Mbit/s, 10 steps of 1 s: a float32 sync sends 4 GB (320 s); int8's would be 82 s."""
+    args = ["--params", "1B", "--step-s", "1", "--link-mbit", "100", "--sync-steps", "10"]
+    assert planner.main(args) == 0
+    out = capsys.readouterr().out
+    plan = Plan(1e9, 1.0, 100, 2, 10)
+    expected = math.ceil(planner.HEADROOM * (plan.period_s + plan.sync_s("float32")))
+    assert expected == 4 * (10 + 320)
+    assert f"sync_quorum_timeout_s >= {expected} " in out
+    assert plan.sync_s("int8") < plan.sync_s("float32") / 3

@@ -33,6 +33,31 @@ def test_each_timeout_comes_from_the_field_that_governs_it() -> None:
     assert steps.collective == timedelta(seconds=10) and steps.operation == timedelta(seconds=60)
 
 
+def test_with_the_default_fields_the_watchdog_outlasts_a_sync_longer_than_a_heal() -> None:
+    """The fields' defaults (sync_collective_timeout_s 300, timeout_s 60): a sync's bucket may
+    take 300 s, longer than a heal's piece, so the longest operation, and with it
+    ``TORCH_NCCL_NONBLOCKING_TIMEOUT`` and c10d's watchdog, follow the collective's 300 s, not
+    the heal's 60 s (a watchdog sized on the heal would tear a slow but healthy sync down)."""
+    from torchtitan.config import ConfigManager
+
+    job = ConfigManager().parse_args(
+        [
+            "--job.custom_args_module=torchtitan.experiments.fault_tolerance.job_config",
+            "--fault_tolerance.enable",
+            "--fault_tolerance.group_size=2",
+            "--fault_tolerance.semi_sync_method=diloco",
+        ]
+    )
+    ft = job.fault_tolerance
+    assert (ft.sync_collective_timeout_s, ft.timeout_s) == (300.0, 60.0)  # the defaults
+    timeouts = ReplicaTimeouts.of(
+        ft.process_group_timeout_ms, ft.timeout_s, ft.sync_collective_timeout_s
+    )
+    assert timeouts.operation == timedelta(seconds=300) > timeouts.heal
+    assert timeouts.watchdog == timedelta(seconds=660)
+    assert timeouts.nccl_environment() == {NONBLOCKING_TIMEOUT_ENV: "300"}
+
+
 class _Options:
     """Stands in for c10d's ``ProcessGroupNCCL.Options`` (absent from CPU builds of torch)."""
 
@@ -111,3 +136,36 @@ def test_a_heal_travels_in_pieces_with_few_queued() -> None:
     big = torch.empty(MAX_PIECES * 10 + 1, dtype=torch.uint8)
     assert len(pieces_of(big, 4)) <= MAX_PIECES
     assert sum(p.numel() for p in pieces_of(big, 4)) == big.numel()
+
+
+class _Issued:
+    """A piece's work in a fake group: records when it is waited for."""
+
+    def __init__(self, log: list[tuple[str, int]], number: int) -> None:
+        self.log, self.number = log, number
+
+    def wait(self, timeout: Any = None) -> bool:
+        self.log.append(("waited", self.number))
+        return True
+
+
+def test_a_heal_waits_for_its_oldest_piece_before_it_issues_another() -> None:
+    """A 10-piece tensor sent with at most 3 pieces in flight: piece k is issued only after
+    piece k - 3 was waited for (the queue's length alone could not tell a sender that drops
+    its oldest piece unwaited), and each piece is waited for once."""
+    log: list[tuple[str, int]] = []
+
+    class Group:
+        def send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> _Issued:
+            number = sum(1 for event, _ in log if event == "issued")
+            log.append(("issued", number))
+            return _Issued(log, number)
+
+    heal = PiecewiseGroup(Group(), timedelta(seconds=30), piece_bytes=10, in_flight=3)
+    with heal.heal():
+        heal.send([torch.zeros(100, dtype=torch.uint8)], 1, tag=0).wait()
+    issued = [n for event, n in log if event == "issued"]
+    assert issued == list(range(10))
+    for k in range(3, 10):
+        assert log.index(("waited", k - 3)) < log.index(("issued", k)), log
+    assert sorted(n for event, n in log if event == "waited") == list(range(10))

@@ -227,6 +227,11 @@ def test_a_checkpoint_from_a_longer_period_is_refused_with_the_fields_to_change(
     saved["local_step"] = 5
     with pytest.raises(ValueError, match="inner step 5 .* period of 4 .*sync_steps"):
         SemiSyncState(as_trainer(loop)).load_state_dict(saved)
+    # At the period's length itself a sync point would have reset it to 0: refused too, with
+    # the same line, not loaded to fail later.
+    saved["local_step"] = 4
+    with pytest.raises(ValueError, match="inner step 4 .* period of 4 .*num_fragments"):
+        SemiSyncState(as_trainer(loop)).load_state_dict(saved)
     saved["local_step"] = 3
     SemiSyncState(as_trainer(loop)).load_state_dict(saved)
     assert loop.local_step() == 3
@@ -683,6 +688,103 @@ def test_a_mismatch_of_the_collectives_shapes_names_both_groups_and_the_field() 
         assert field in found, (field, found)
         assert other.describe() in found and mine.describe() in found
         assert CollectiveShape.from_text(other.to_text()) == other
+
+
+SPARSE = [
+    "--fault_tolerance.pseudo_grad_dtype=sparse",
+    "--fault_tolerance.error_feedback",
+    "--fault_tolerance.outer_momentum=0",
+]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("sparse_value_bits", 3), ("sparse_chunk", 2048), ("sparse_keep", 32)]
+)
+def test_groups_whose_sparse_settings_differ_are_refused_before_any_collective(
+    field: str, value: int
+) -> None:
+    """Sparse pseudo-gradients in both groups, one setting apart: their encodings differ in
+    size and meaning, so the shapes the trainer compares in every quorum differ, and the line
+    names the dtype and the sparse fields."""
+    from torchtitan.experiments.fault_tolerance.job_config import semi_sync_config
+    from torchtitan.experiments.fault_tolerance.methods import wire_dtype
+    from torchtitan.experiments.fault_tolerance.shapes import CollectiveShape, mismatch
+
+    model = small_model()
+
+    def shape(*argv: str) -> CollectiveShape:
+        return CollectiveShape.of([model], 1, 300, wire_dtype(semi_sync_config(config(*argv))))
+
+    mine, other = shape(*SPARSE), shape(*SPARSE, f"--fault_tolerance.{field}={value}")
+    assert mismatch([("replica group 0", mine)], mine) == ""
+    found = mismatch([("replica group 1", other)], mine)
+    assert "fault_tolerance.pseudo_grad_dtype (and the sparse_* fields)" in found, found
+
+
+def test_groups_that_cut_the_model_into_other_fragments_are_refused() -> None:
+    """The same three layers in two fragments each, cut after the first layer in one group and
+    after the second in the other: as many fragments, the same values on the rank, the same
+    buckets and dtype, yet the fragments' transfers would pair different tensors."""
+    from torchtitan.experiments.fault_tolerance.shapes import CollectiveShape, mismatch
+
+    layers = [nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)]
+    mine = CollectiveShape.of(
+        [nn.ModuleList(layers[:1]), nn.ModuleList(layers[1:])], 1, 300, "int8"
+    )
+    other = CollectiveShape.of(
+        [nn.ModuleList(layers[:2]), nn.ModuleList(layers[2:])], 1, 300, "int8"
+    )
+    assert (mine.fragments, mine.shard_values) == (other.fragments, other.shard_values)
+    found = mismatch([("replica group 1", other)], mine)
+    assert found.startswith("the collectives of replica group 1 cannot pair"), found
+    assert "module_fqns_per_model_fragment" in found
+
+
+def test_a_delayed_syncs_time_adds_the_step_that_starts_it_to_the_step_that_applies_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Streaming DiLoCo with fragment_sync_delay 1: the sync's hook takes 3 s at the step that
+    starts it (its quorum, handing over its pseudo-gradient) and 0.5 s at the step that applies
+    it; the inner step between takes 10 s. The sync line's time is 3.5 s: both hooks, not the
+    applying step's alone, and not the inner compute."""
+    from torchtitan.experiments.fault_tolerance import reporting
+
+    now = [100.0]
+    monkeypatch.setattr(reporting, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    position = {"local_step": 3, "starts": True}
+    loop = SimpleNamespace(
+        local_step=lambda: position["local_step"], starts_sync_here=lambda: position["starts"]
+    )
+    reported: list[float] = []
+    reporter = SyncReporter.__new__(SyncReporter)
+    reporter.loop, reporter.sync = cast(Any, loop), cast(Any, SimpleNamespace(flush=lambda: None))
+    reporter.new_sync()
+    reporter.report = lambda step: reported.append(reporter.seconds)  # type: ignore[method-assign]
+    reporter.start_clock()  # inner step 3 of 4: the sync starts in its hook
+    now[0] += 3.0
+    reporter.after_inner_step(7)
+    assert reported == []
+    now[0] += 10.0  # inner step 4's compute
+    reporter.start_clock()
+    position.update(local_step=0, starts=False)  # the sync point: the sync is applied
+    now[0] += 0.5
+    reporter.after_inner_step(8)
+    assert reported == [pytest.approx(3.5)]
+    assert reporter.seconds == 0.0  # the next sync starts from nothing
+
+
+def test_a_digest_taken_piece_by_piece_equals_the_one_pass_digest_past_a_chunk() -> None:
+    """A parameter of 2^21 + 7 fp32 values (its bytes span two digest chunks of 2^20 words)
+    hashed in the passes' pieces, in any order, gives the chunk hashes of one pass over it."""
+    from torchtitan.experiments.fault_tolerance.piece_workers import PIECE
+    from torchtitan.tools.digest import PieceHashes, chunk_hashes
+
+    t = torch.randn(2**21 + 7, generator=torch.Generator().manual_seed(4))
+    hashes = PieceHashes(t.numel(), 4, torch.device("cpu"))
+    starts = list(range(0, t.numel(), PIECE))
+    for start in reversed(starts):
+        hashes.add(start, t[start : start + PIECE])
+    assert hashes.hashes == chunk_hashes(t) and len(hashes.hashes) == 2
 
 
 class RecordingManager(FakeManager):

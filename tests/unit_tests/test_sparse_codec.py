@@ -109,6 +109,20 @@ def test_a_chunk_with_few_nonzero_values_sends_its_kept_zeros_as_exact_zeros(bit
     assert torch.equal(residual, x - decoded)
 
 
+def test_with_kept_zeros_the_bins_span_the_nonzero_magnitudes_and_decode_to_their_means() -> None:
+    """3 bits: level 0 is the kept zeros, three bins share the nonzero magnitudes from the
+    smallest (3) to the largest (9), 2 wide: {3, 4} decode to their mean 3.5, 5 to 5, 9 to 9.
+    (Bins from 0 would put 3, 4 and 5 together; the default 2 bits has one bin and cannot
+    tell.)"""
+    codec = SparseCodec(16, 8, 3)
+    x = torch.zeros(16)
+    x[[1, 4, 6, 11]] = torch.tensor([3.0, -4.0, 5.0, -9.0])  # 4 nonzero of 8 kept
+    decoded = codec.decode(codec.encode(x), x.numel())
+    expected = torch.zeros(16)
+    expected[[1, 4, 6, 11]] = torch.tensor([3.5, -3.5, 5.0, -9.0])
+    assert torch.equal(decoded, expected)
+
+
 def test_indices_and_codes_are_packed_low_bits_first() -> None:
     codec = SparseCodec(16, 2, 2)  # 4-bit indices: two per byte; two 2-bit codes in one byte
     x = torch.zeros(16)

@@ -182,6 +182,37 @@ def test_a_non_finite_pseudo_gradient_fails_the_sync_on_every_group(
     ]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_a_non_finite_value_in_an_early_transfer_fails_the_sync_whatever_follows(
+    caplog, dtype: str
+) -> None:
+    """A sync of three transfers (700 values in buckets of 300): group 1's NaN is in the first,
+    the two after it are finite on both groups. Both groups drop the sync (the first transfer
+    decides, not the last), nothing is committed, group 1 is named as the source."""
+
+    def group(rank: int, pg: Any) -> tuple[bool, int]:
+        manager = LoopbackManager(pg, rank, 2)
+        sync = sync_manager(manager, dtype, bucket_numel=300)
+        try:
+            x = torch.randn(700, generator=torch.Generator().manual_seed(rank))
+            if rank == 1:
+                x[17] = float("nan")
+            committed = _sync_once(sync, manager, x)
+            return committed, len(sync.transport.works)
+        finally:
+            sync.shutdown()
+
+    with caplog.at_level(logging.INFO, logger="torchtitan"):
+        first, second = run_groups(2, group)
+    assert first == second == (False, 3)
+    seen = [event_of(r) for r in caplog.records]
+    found = [e.fields for e in seen if e is not None and e.name == events.NON_FINITE.name]
+    assert sorted((f["origin"], f["group"]) for f in found) == [
+        ("another group", None),
+        ("this group", 1),
+    ]
+
+
 @pytest.mark.parametrize("group_gone", [False, True])
 def test_a_collective_past_the_timeout_fails_the_sync_naming_the_field(group_gone: bool) -> None:
     """Group 1 joins each collective 2 s late while the timeout is 0.5 s: group 0's sync fails

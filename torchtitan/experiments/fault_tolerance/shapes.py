@@ -113,7 +113,10 @@ def mismatch(shapes: Sequence[tuple[str, CollectiveShape]], mine: CollectiveShap
         elif other.fragments != mine.fragments:
             field = "fault_tolerance.num_fragments (or module_fqns_per_model_fragment)"
         else:
-            field = "the model (model.name, model.flavor) and its sharding (parallelism)"
+            field = (
+                "model (model.name, model.flavor), sharding (parallelism) and fragments "
+                "(module_fqns_per_model_fragment)"
+            )
         return (
             f"the collectives of {name} cannot pair with this group's: it has "
             f"{other.describe()}; this group has {mine.describe()}. Start every group with the "
