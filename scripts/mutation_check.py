@@ -69,9 +69,11 @@ HOST_ARITHMETIC = (
 )
 #: Two real groups on different kernels (a few seconds each).
 MIXED_HOSTS = (
-    "tests/integration_tests/test_mixed_hosts.py::"
-    "test_groups_on_different_cpu_kernels_start_from_one_model_and_agree_at_every_sync[diloco]",
     "tests/unit_tests/test_semi_sync.py",
+    "tests/integration_tests/test_mixed_hosts.py::"
+    "test_groups_on_different_cpu_kernels_start_from_one_model_and_agree_at_every_sync[diloco-1]",
+    "tests/integration_tests/test_mixed_hosts.py::"
+    "test_the_initial_model_comes_from_the_kernels_most_groups_run",
 )
 
 
@@ -512,10 +514,24 @@ MUTANTS = [
         MIXED_HOSTS,
     ),
     Mutant(
-        "initial model: the groups that differ are measured against the highest replica id",
+        "initial model: the source is the lowest replica id, whatever most groups run",
         f"{PACKAGE}/quorum_exchange.py",
-        "first = min(members or [mine], key=lambda m: m.replica)",
-        "first = max(members or [mine], key=lambda m: m.replica)",
+        "return min((m for m in members if hosts[m.host()] == most), key=lambda m: m.replica)",
+        "return min(members, key=lambda m: m.replica)",
+        MIXED_HOSTS,
+    ),
+    Mutant(
+        "initial model: the source is the highest replica id of the commonest host",
+        f"{PACKAGE}/quorum_exchange.py",
+        "return min((m for m in members if hosts[m.host()] == most), key=lambda m: m.replica)",
+        "return max((m for m in members if hosts[m.host()] == most), key=lambda m: m.replica)",
+        MIXED_HOSTS,
+    ),
+    Mutant(
+        "initial model: a group whose checkpoints were rejected starts as a new job's",
+        f"{PACKAGE}/quorum_protocol.py",
+        "restarted = true_step > 0 or self.train_state.step > 0 or bool(heal_in_full)",
+        "restarted = true_step > 0 or self.train_state.step > 0",
         MIXED_HOSTS,
     ),
     Mutant(

@@ -7,11 +7,16 @@ the commit in each ``<name>.json``). The job restarts from it with today's code,
 * **frozen** (``fault_injection.freeze_inner_steps``: the inner steps leave the model as it
   is): every sync then depends on the restored state only (global parameters, outer momentum,
   where each period started, the sync in flight, error-feedback residuals), and its digests
-  are the same bits on every host (``docs/design.md``, "Bits the groups agree on"): pinned
-  everywhere;
+  are the same bits on every host (``docs/design.md``, "Bits the groups agree on"; the one
+  group's own int4 encodings too, which no kernel set changes: a codec whose encoding did
+  could not be pinned so): pinned everywhere;
 * **trained**: the losses follow the recorded ones to a relative 1e-5 on every host; the
   digests and losses bit for bit only on a host of a kind recorded in the fixture (the inner
-  steps' bits are the host's own: its matrix kernels, its ATen kernels), which the test says.
+  steps' bits are the host's own: its matrix kernels, its ATen kernels; the jobs of the tests
+  and of the recording run one thread per rank), which the test says.
+
+The continuations were recorded with the outer arithmetic of 9c12cd3 (host-independent; the
+earlier commit's fused kernel gave other bits), the checkpoints stay the earlier commit's.
 
 A change to a checkpoint key, to what a key holds, or to how a restored sync continues fails
 here.

@@ -19,6 +19,7 @@ from torch import nn
 from tests.unit_tests.gloo_groups import OpenQuorums
 from torchtitan.components.ft import FaultToleranceError
 from torchtitan.config import ConfigManager
+from torchtitan.experiments.fault_tolerance import events as events_module
 from torchtitan.experiments.fault_tolerance.events import HEALED
 from torchtitan.experiments.fault_tolerance.fragments import build_model_fragments
 from torchtitan.experiments.fault_tolerance.lineage import Lineage
@@ -29,6 +30,7 @@ from torchtitan.experiments.fault_tolerance.quorum_exchange import (
     QuorumExchange,
     QuorumFindings,
     StartUp,
+    initial_model_source,
 )
 from torchtitan.experiments.fault_tolerance.quorum_protocol import QuorumProtocol
 from torchtitan.experiments.fault_tolerance.reporting import SyncReporter
@@ -38,6 +40,7 @@ from torchtitan.experiments.fault_tolerance.sync_quorum import (
     RUNNING,
     Host,
     Member,
+    RankInGroup,
     compare_digests,
     exchange,
 )
@@ -530,16 +533,63 @@ def test_a_new_job_takes_the_first_groups_initial_model_instead_of_stopping(
 
 
 def test_initial_models_that_still_differ_after_the_heals_stop_the_job() -> None:
-    """A group that took the first group's model holds its bits; models that still differ
-    after the rounds a heal needs are no host's draw: every group stops, naming them."""
+    """A group that took the source's model holds its bits: models that still differ after
+    the rounds a heal needs, among the same groups, are no host's draw: every group stops,
+    naming them. A round with other members (a group restarted, drawing anew) starts the
+    count again."""
     trainer, start_up = _Disagreeing(), StartUp(FRESH)
     members = _holding([5, 6], role=FRESH)
     take = QuorumExchange._take_one_initial_model
     for _ in range(MAX_INITIAL_MODEL_ROUNDS):
         take(cast(Any, trainer), members, start_up, True)
+    restarted = _holding([5, 7], role=FRESH)
+    restarted[1].heartbeat = 99  # group 1's new start
+    for _ in range(MAX_INITIAL_MODEL_ROUNDS):
+        take(cast(Any, trainer), restarted, start_up, True)
     with pytest.raises(FaultToleranceError, match="initial models still differ after 3") as e:
-        take(cast(Any, trainer), members, start_up, True)
-    assert f"replica group 1: {6:016x}" in str(e.value) and "training.seed" in str(e.value)
+        take(cast(Any, trainer), restarted, start_up, True)
+    assert f"replica group 1: {7:016x}" in str(e.value) and "training.seed" in str(e.value)
+
+
+def test_a_new_job_starts_from_the_model_of_the_commonest_host(events: list[Any]) -> None:
+    """Group 0 on one kind of host, groups 1 and 2 on another: the source is group 1 (the
+    commonest host's lowest replica id: one full heal, not two); with one group per kind,
+    the lowest replica id. A group that differs on the source's own kind of host is named:
+    its difference is not the kernels'."""
+    arm, x86 = Host("aarch64", "2.13.0", "DEFAULT"), Host("x86_64", "2.13.0", "AVX512")
+    members = _holding([5, 6, 6], role=FRESH, hosts=[arm, x86, x86])
+    assert initial_model_source(members).replica == 1
+    assert initial_model_source(members[:2]).replica == 0
+    same = _holding([5, 6, 7], role=FRESH, hosts=[arm, x86, x86])
+    QuorumExchange._take_one_initial_model(cast(Any, _Disagreeing()), same, StartUp(FRESH), True)
+    (said,) = [e for e in events if e.name == "semi_sync.initial_models_differ"]
+    assert said["source"] == 1 and said["same_host"] == [2]
+    line = events_module.INITIAL_MODELS_DIFFER.render({**said.fields, "step": 0})
+    assert "Replica group(s) 2 run the same kind of host as the source" in line
+
+
+def test_a_group_whose_checkpoints_were_all_rejected_starts_as_a_restarted_one() -> None:
+    """Its own state is lost (every checkpoint failed its checksums), so it asks for its first
+    quorum as a restarted group, never as a new job's (whose initial model another group
+    could take from it, or it from another): with no group to heal from it stops."""
+    roles: list[int] = []
+    manager = SimpleNamespace(current_step=lambda: 0, errored=lambda: None)
+    stub = SimpleNamespace(
+        job_config=config(),
+        ft=SimpleNamespace(manager=manager, join_quorum=lambda **kwargs: kwargs["accept"]()),
+        train_state=SimpleNamespace(step=0),
+        algorithm=SimpleNamespace(note_joined=lambda: None),
+        exchange=SimpleNamespace(
+            announce=lambda step: None, on_quorum=lambda up: roles.append(up.role) or True
+        ),
+        sync=SimpleNamespace(begin_sync=lambda: None),
+        heal=SimpleNamespace(own_state_lost=""),
+        rank=RankInGroup(torch.device("cpu")),
+        start_up=None,
+    )
+    with pytest.raises(FaultToleranceError, match="no checkpoint of this group passed"):
+        QuorumProtocol.start(cast(Any, stub), heal_in_full="step-8: a checksum failed")
+    assert roles == [RESUMED]
 
 
 def test_the_host_travels_in_the_member_record() -> None:

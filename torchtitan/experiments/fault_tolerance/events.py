@@ -242,12 +242,9 @@ MINORITY_ELSEWHERE = EventKind(
     logging.WARNING,
 )
 
-#: A new job's groups built other initial models from the same seed (their hosts' kernels
-#: draw other bits): each whose model differs from replica group ``source``'s takes that one
-#: (``takes_it``: this group does) in the next quorum, as a heal from a peer.
-INITIAL_MODELS_DIFFER = EventKind(
-    "semi_sync.initial_models_differ",
-    lambda v, _: (
+
+def _initial_models_line(v: dict[str, Any], _: bool) -> str:
+    line = (
         f"[semi-sync] the groups' initial models differ ({'; '.join(v['groups'])}): their "
         "hosts draw other bits from the same seed; "
         + (
@@ -255,8 +252,22 @@ INITIAL_MODELS_DIFFER = EventKind(
             if v["takes_it"]
             else f"every group starts from replica group {v['source']}'s"
         )
-    ),
-    logging.WARNING,
+    )
+    if v["same_host"]:
+        line += (
+            f". Replica group(s) {', '.join(map(str, v['same_host']))} run the same kind of "
+            "host as the source: not the kernels; check that every group runs the same config "
+            "and training.seed"
+        )
+    return line
+
+
+#: A new job's groups built other initial models from the same seed (their hosts' kernels
+#: draw other bits): each whose model differs from replica group ``source``'s takes that one
+#: (``takes_it``: this group does) in the next quorum, as a heal from a peer. ``same_host``:
+#: the replica ids among them that run the source's kind of host (another cause).
+INITIAL_MODELS_DIFFER = EventKind(
+    "semi_sync.initial_models_differ", _initial_models_line, logging.WARNING
 )
 
 #: The groups of a quorum run different torch minor versions (said once per mix).

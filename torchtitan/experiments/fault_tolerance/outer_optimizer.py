@@ -5,8 +5,9 @@ Both step the global copies, which every group must hold bit for bit on whatever
 so every value goes through operations with one IEEE rounding each (``docs/design.md``, "Bits
 the groups agree on"): a product, then a sum, never ``add(x, alpha=a)``, ``addcmul``, ``lerp``
 or a fused optimizer kernel, whose vectorized kernels contract ``a * x + y`` into one fused
-multiply-add on AVX2, AVX-512 and Arm but not in ATen's portable kernels. With
-``ATEN_CPU_CAPABILITY=default`` (no fused multiply-add) ``OuterSGD`` is torch's SGD bit for bit.
+multiply-add on AVX2, AVX-512 and Arm but not in x86-64's portable ATen kernels. There
+(``ATEN_CPU_CAPABILITY=default``), on float32, ``OuterSGD`` is torch's SGD bit for bit; on any
+CPU it is the same rule in NumPy float32 (``tests/unit_tests/test_host_arithmetic.py``).
 :func:`sgd_step_` is SGD's step on one tensor (or a piece of one: every operation is
 element-wise), the one ``OuterSGD.step``, async DiLoCo's host passes and its eager estimate call.
 
@@ -126,8 +127,9 @@ def _check_sgd(lr: Any, momentum: Any, nesterov: Any) -> None:
 
 class OuterSGD(torch.optim.Optimizer):
     """SGD with optional (Nesterov) momentum whose step has the same bits on every host
-    (:func:`sgd_step_`); ``torch.optim.SGD``'s with ``ATEN_CPU_CAPABILITY=default``. Its state
-    is torch's SGD's: ``momentum_buffer`` per parameter, from its first step with momentum."""
+    (:func:`sgd_step_`); ``torch.optim.SGD``'s on float32 with x86-64's
+    ``ATEN_CPU_CAPABILITY=default``. Its state is torch's SGD's: ``momentum_buffer`` per
+    parameter, from its first step with momentum."""
 
     def __init__(
         self, params: ParamsT, lr: float, momentum: float = 0.0, nesterov: bool = False

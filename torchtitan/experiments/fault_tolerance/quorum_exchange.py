@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -58,8 +59,10 @@ class StartUp:
     #: A new job's group whose initial model differs from the first group's takes that
     #: group's (its replica id; None: it keeps its own).
     initial_model_from: int | None = None
-    #: Start-up quorums in which the groups' initial models differed (alike in every group).
+    #: Start-up quorums of the same members (their heartbeat keys) in which the groups'
+    #: initial models differed (alike in every group).
     initial_models_differed: int = 0
+    initial_models_members: tuple[int, ...] = ()
 
     @property
     def healed_from_running(self) -> bool:
@@ -90,8 +93,8 @@ class QuorumFindings:
     healed_in_full: bool = False
     #: The members' collectives cannot pair (``shapes.mismatch``).
     shapes_differ: bool = False
-    #: This group's digest differs from the first group's (the lowest replica id): in a new
-    #: job, it takes that group's initial model.
+    #: This group's digest differs from the initial model's source's
+    #: (:func:`initial_model_source`): in a new job, it takes that group's initial model.
     differs_from_first: bool = False
 
     def as_ints(self) -> list[int]:
@@ -163,7 +166,7 @@ class QuorumExchange:
         shapes_differ = mismatch(shapes, self.shape)
         verdict = compare_digests(members or [])
         own = mine.digest if mine.has_digest else None
-        first = min(members or [mine], key=lambda m: m.replica)
+        first = initial_model_source(members or [mine])
         steps = 0 if self.speeds is None else self.speeds.planned_steps(members or [], mine)
         found = QuorumFindings(
             failed=members is None,
@@ -269,25 +272,33 @@ class QuorumExchange:
     ) -> None:
         """A new job whose groups built other initial models from the same seed (their hosts'
         kernels draw other bits): nobody uses this quorum; a group whose model differs from
-        the first group's (the lowest replica id) steps its Manager back, so that torchft
-        heals it from a group holding the first group's model at the next quorum."""
+        the source's (:func:`initial_model_source`) steps its Manager back, so that torchft
+        heals it from a group holding that model at the next quorum."""
         manager = self.ft.manager
         manager.report_error(RuntimeError("the groups' initial models differ"))
-        source = min(members, key=lambda m: m.replica)
+        source = initial_model_source(members)
+        # Rounds with the same members: a group that restarted (a new heartbeat key) draws
+        # anew and may take the model again.
+        membership = tuple(sorted(m.heartbeat for m in members))
+        if membership != start_up.initial_models_members:
+            start_up.initial_models_members, start_up.initial_models_differed = membership, 0
         start_up.initial_models_differed += 1
         if start_up.initial_models_differed > MAX_INITIAL_MODEL_ROUNDS:
-            # A group that took the first one's model holds its bits: this is no host's draw.
+            # The groups that differed took the source's model, bits and all: no host's draw.
             raise FaultToleranceError(
                 f"[semi-sync] the new job's initial models still differ after "
-                f"{MAX_INITIAL_MODEL_ROUNDS} start-up quorums in which the groups that differed "
-                f"took replica group {source.replica}'s ({'; '.join(_holders(members))}): "
-                "stopping. Check that every group runs the same config and training.seed."
+                f"{MAX_INITIAL_MODEL_ROUNDS} start-up quorums of the same groups, in which those "
+                f"that differed took replica group {source.replica}'s "
+                f"({'; '.join(_holders(members))}): stopping. Check that every group runs the "
+                "same config and training.seed."
             )
+        differing = [m for m in members if m.has_digest and m.digest != source.digest]
         events.INITIAL_MODELS_DIFFER.emit(
             step=self.train_state.step,
             source=source.replica,
             takes_it=differs,
             groups=_holders(members),
+            same_host=[m.replica for m in differing if m.host() == source.host()],
         )
         if differs:
             start_up.initial_model_from = source.replica
@@ -332,6 +343,15 @@ class QuorumExchange:
             self.announce(manager.current_step() - 1)
         else:
             events.MINORITY_ELSEWHERE.emit(sync=sync, digests=distinct, groups=holders)
+
+
+def initial_model_source(members: list[Member]) -> Member:
+    """The group whose initial model a new job's groups start from: of the kind of host most
+    of them run (the fewest full heals), the lowest replica id. Decided from each group's
+    host, alike on all its ranks."""
+    hosts = Counter(m.host() for m in members)
+    most = max(hosts.values())
+    return min((m for m in members if hosts[m.host()] == most), key=lambda m: m.replica)
 
 
 def _holders(members: list[Member]) -> list[str]:

@@ -67,7 +67,10 @@ class QuorumProtocol:
         ft = semi_sync_config(self.job_config)
         manager = self.ft.manager
         true_step = manager.current_step()
-        role = RESUMED if (true_step > 0 or self.train_state.step > 0) else FRESH
+        # A group whose checkpoints all failed their checksums is a restarted job's: it must
+        # heal from a group with state, never start a new job's model.
+        restarted = true_step > 0 or self.train_state.step > 0 or bool(heal_in_full)
+        role = RESUMED if restarted else FRESH
         self.algorithm.note_joined()
         self.exchange.announce(true_step - 1)
         start_up = self.start_up = StartUp(role)

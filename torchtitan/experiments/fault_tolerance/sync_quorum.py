@@ -51,14 +51,16 @@ def _unpack(value: int) -> str:
 
 @dataclass(frozen=True)
 class Host:
-    """What a group computes with, beyond its code: the machine, torch's version and the ATen
-    CPU kernels torch picked (``ATEN_CPU_CAPABILITY``). Groups agree bit for bit on any mix
-    (``docs/design.md``, "Bits the groups agree on"); when they do not, this tells a user
-    hardware from a bug."""
+    """What a group computes with, beyond its code: the machine, torch's version, the ATen CPU
+    kernels torch picked (``ATEN_CPU_CAPABILITY``) and the GPU (``<arch>x<SMs>``: its number
+    of multiprocessors sizes the launch grid that places random draws; ``none``). Groups
+    agree bit for bit on any mix (``docs/design.md``, "Bits the groups agree on"); when they
+    do not, this tells a user hardware from a bug."""
 
     machine: str
     torch: str
     kernels: str
+    gpu: str = "none"
 
     @classmethod
     @functools.cache
@@ -66,22 +68,28 @@ class Host:
         # "2.13.0+cpu", "2.14.0a0+git1234": the release's numbers only
         numbers = re.findall(r"\d+", torch.__version__.split("+")[0])
         release = ".".join((numbers + ["0", "0", "0"])[:3])
-        return cls(platform.machine(), release, torch.backends.cpu.get_cpu_capability())
+        gpu = "none"
+        if torch.cuda.is_available():
+            found = torch.cuda.get_device_properties(torch.cuda.current_device())
+            gpu = f"{found.major}{found.minor}x{found.multi_processor_count}"  # 8 characters
+        return cls(platform.machine(), release, torch.backends.cpu.get_cpu_capability(), gpu)
 
     def torch_minor(self) -> str:
         return ".".join(self.torch.split(".")[:2])
 
     def __str__(self) -> str:
-        return f"{self.machine}, torch {self.torch}, {self.kernels} kernels"
+        gpu = "" if self.gpu == "none" else f", GPU sm{self.gpu}"
+        return f"{self.machine}, torch {self.torch}, {self.kernels} kernels{gpu}"
 
-    def as_ints(self) -> tuple[int, int, int]:
+    def as_ints(self) -> tuple[int, int, int, int]:
         major, minor, patch = (int(n) for n in self.torch.split("."))
-        return _pack(self.machine), major * 1_000_000 + minor * 1_000 + patch, _pack(self.kernels)
+        version = major * 1_000_000 + minor * 1_000 + patch
+        return _pack(self.machine), version, _pack(self.kernels), _pack(self.gpu)
 
     @classmethod
-    def from_ints(cls, machine: int, version: int, kernels: int) -> Host:
+    def from_ints(cls, machine: int, version: int, kernels: int, gpu: int) -> Host:
         torch_version = f"{version // 1_000_000}.{version // 1_000 % 1_000}.{version % 1_000}"
-        return cls(_unpack(machine), torch_version, _unpack(kernels))
+        return cls(_unpack(machine), torch_version, _unpack(kernels), _unpack(gpu))
 
 
 @dataclass
@@ -118,14 +126,15 @@ class Member:
     machine: int = 0
     torch_version: int = 0
     kernels: int = 0
+    gpu: int = 0
 
     def host(self) -> Host | None:
         if not self.torch_version:
             return None
-        return Host.from_ints(self.machine, self.torch_version, self.kernels)
+        return Host.from_ints(self.machine, self.torch_version, self.kernels, self.gpu)
 
     def give_host(self, host: Host) -> None:
-        self.machine, self.torch_version, self.kernels = host.as_ints()
+        self.machine, self.torch_version, self.kernels, self.gpu = host.as_ints()
 
     def shape(self) -> CollectiveShape:
         names = [f.name for f in dataclasses.fields(CollectiveShape)]
