@@ -76,6 +76,10 @@ MIXED_HOSTS = (
     "test_the_initial_model_comes_from_the_kernels_most_groups_run",
 )
 
+#: What a reviewer's mutants of this layer must fail: the unit tests, the arithmetic under
+#: every kernel set and two real groups on different kernels.
+FRESH_REVIEW_TESTS = (*TESTS, *HOST_ARITHMETIC, *MIXED_HOSTS[1:])
+
 
 @dataclass(frozen=True)
 class Mutant:
@@ -652,6 +656,77 @@ MUTANTS = [
         "        if not loop.applies_next and step > loop.period:",
         ("tests/unit_tests/test_semi_sync.py",),
     ),
+    # ---- ten written by a reviewer who had not seen the tests (issue 62's check) -------
+    Mutant(
+        "outer step: plain momentum's update scaled in place, into the buffer",
+        f"{PACKAGE}/outer_optimizer.py",
+        "step = direction.mul_(lr) if temporary else torch.mul(direction, lr, out=scratch)",
+        "step = direction.mul_(lr) if momentum != 0 else torch.mul(direction, lr, out=scratch)",
+        FRESH_REVIEW_TESTS,
+    ),
+    Mutant(
+        "Delayed Nesterov: a window's last step weighs the momentum by 1 - N c",
+        f"{PACKAGE}/outer_optimizer.py",
+        "weight = momentum * (1.0 - c * (delay - 1))",
+        "weight = momentum * (1.0 - c * delay)",
+        FRESH_REVIEW_TESTS,
+    ),
+    Mutant(
+        "passes: eager_share scales the pseudo-gradient to be sent in place",
+        f"{PACKAGE}/outer_passes.py",
+        "grad = pseudo if share == 1.0 else torch.mul(pseudo, share, out=scratch.grad)",
+        "grad = pseudo if share == 1.0 else pseudo.mul_(share)",
+        FRESH_REVIEW_TESTS,
+    ),
+    Mutant(
+        "eager estimate: the (host) pseudo-gradient scaled in place by its share",
+        f"{PACKAGE}/async_state.py",
+        "grad = grads[name] if scale == 1.0 else grads[name] * scale",
+        "grad = grads[name] if scale == 1.0 else grads[name].mul_(scale)",
+        FRESH_REVIEW_TESTS,
+    ),
+    Mutant(
+        "initial model: the job stops one start-up quorum early",
+        f"{PACKAGE}/quorum_exchange.py",
+        "if start_up.initial_models_differed > MAX_INITIAL_MODEL_ROUNDS:",
+        "if start_up.initial_models_differed >= MAX_INITIAL_MODEL_ROUNDS:",
+        FRESH_REVIEW_TESTS,
+    ),
+    Mutant(
+        "initial model: the source is the highest replica id (a reviewer's)",
+        f"{PACKAGE}/quorum_exchange.py",
+        "return min((m for m in members if hosts[m.host()] == most), key=lambda m: m.replica)",
+        "return max((m for m in members if hosts[m.host()] == most), key=lambda m: m.replica)",
+        FRESH_REVIEW_TESTS,
+    ),
+    Mutant(
+        "quorum findings: shapes_differ and differs_from_first swapped",
+        f"{PACKAGE}/quorum_exchange.py",
+        "replay_failed, replayed, full, shapes_differ, differs_from_first = (",
+        "replay_failed, replayed, full, differs_from_first, shapes_differ = (",
+        FRESH_REVIEW_TESTS,
+    ),
+    Mutant(
+        "member record: the kernels and the GPU packed in each other's place",
+        f"{PACKAGE}/sync_quorum.py",
+        "return _pack(self.machine), version, _pack(self.kernels), _pack(self.gpu)",
+        "return _pack(self.machine), version, _pack(self.gpu), _pack(self.kernels)",
+        FRESH_REVIEW_TESTS,
+    ),
+    Mutant(
+        "exact division: divided() multiplies by the reciprocal",
+        "torchtitan/tools/exact_division.py",
+        "return torch.div(tensor, divisor_like(tensor, divisor))",
+        "return tensor * (1.0 / divisor)",
+        FRESH_REVIEW_TESTS,
+    ),
+    Mutant(
+        "initial model: a rejected-checkpoint group is fresh (a reviewer's)",
+        f"{PACKAGE}/quorum_protocol.py",
+        "restarted = true_step > 0 or self.train_state.step > 0 or bool(heal_in_full)",
+        "restarted = true_step > 0 or self.train_state.step > 0",
+        FRESH_REVIEW_TESTS,
+    ),
 ]
 
 #: Mutants that may survive the unit tests, with the reason (each is caught elsewhere, or is
@@ -688,7 +763,7 @@ def run_tests(tree: Path, tests: Sequence[str]) -> tuple[bool, float, str]:
         return False, time.monotonic() - start, f"timed out after {TIMEOUT_S} s"
     lines = (done.stdout + done.stderr).strip().splitlines()
     # What failed, for the report: pytest's summary line of the first failure, else the end.
-    failed = [line for line in lines if line.startswith(("FAILED ", "ERROR "))][:1]
+    failed = [line for line in lines if line.startswith(("FAILED ", "ERROR tests"))][:1]
     tail = "\n".join(failed or lines[-3:])
     return done.returncode == 0, time.monotonic() - start, tail
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 import copy
 import math
 import os
+import subprocess
 import sys
 
 import pytest
 import torch
 
+from tests.kernel_sets import kernel_sets, with_kernels
+from tests.unit_tests.fresh_interpreter import ROOT
 from torchtitan.components.loss import build_cross_entropy_loss, cross_entropy_loss
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.model_names import MODEL_FLAVORS
@@ -272,3 +275,32 @@ def test_fsdp_matches_single_process() -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     mp.spawn(_fsdp_worker, args=(2, port, reference), nprocs=2)
+
+
+_BF16_FORWARD = """
+import torch
+from tests.unit_tests.test_model import build, tiny_args
+model = build(tiny_args())
+tokens = torch.randint(0, 258, (2, 16), generator=torch.Generator().manual_seed(0))
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    logits = model(tokens)
+assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+print(torch.backends.cpu.get_cpu_capability())
+"""
+
+
+@pytest.mark.parametrize("kernel_set", kernel_sets())
+def test_a_bf16_forward_runs_on_every_kernel_set(kernel_set: str) -> None:
+    """In bf16 autocast on every ATen kernel set of this host. (torch 2.13's CPU flash
+    attention raises on a CPU with AMX run on kernels below AVX-512: the model takes the math
+    backend there.)"""
+    done = subprocess.run(
+        [sys.executable, "-c", _BF16_FORWARD],
+        cwd=ROOT,
+        env=with_kernels(kernel_set),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().lower() == kernel_set

@@ -125,17 +125,9 @@ def _check_sgd(lr: Any, momentum: Any, nesterov: Any) -> None:
         raise ValueError(f"nesterov must be a bool, and False with momentum 0, got {nesterov!r}")
 
 
-class OuterSGD(torch.optim.Optimizer):
-    """SGD with optional (Nesterov) momentum whose step has the same bits on every host
-    (:func:`sgd_step_`); ``torch.optim.SGD``'s on float32 with x86-64's
-    ``ATEN_CPU_CAPABILITY=default``. Its state is torch's SGD's: ``momentum_buffer`` per
-    parameter, from its first step with momentum."""
-
-    def __init__(
-        self, params: ParamsT, lr: float, momentum: float = 0.0, nesterov: bool = False
-    ) -> None:
-        _check_sgd(lr, momentum, nesterov)
-        super().__init__(params, {"lr": lr, "momentum": momentum, "nesterov": nesterov})
+class _CheckedStep(torch.optim.Optimizer):
+    """An outer optimizer's ``step``: every group and gradient checked before anything is
+    written (a step that raises changes nothing), then each group stepped."""
 
     @overload
     def step(self, closure: None = None) -> None: ...
@@ -145,31 +137,61 @@ class OuterSGD(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """One step with every parameter's ``grad``; a parameter without one is left alone."""
+        """One outer step with every parameter's ``grad`` as its pseudo-gradient."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:  # all checks before any write
-            _check_sgd(group["lr"], group["momentum"], group["nesterov"])
-            for p in _with_grad(group["params"]):
-                assert p.grad is not None
-                _check_grad(p, p.grad, "OuterSGD")
         for group in self.param_groups:
-            momentum = group["momentum"]
+            self._check_group(group)
             for p in _with_grad(group["params"]):
                 assert p.grad is not None
-                buffer, first = None, False
-                if momentum != 0:
-                    buffer = self.state[p].get("momentum_buffer")
-                    if buffer is None:
-                        buffer = self.state[p]["momentum_buffer"] = torch.empty_like(p.grad)
-                        first = True
-                sgd_step_(
-                    p, p.grad, buffer, lr=group["lr"], momentum=momentum,
-                    nesterov=group["nesterov"], first=first,
-                )  # fmt: skip
+                _check_grad(p, p.grad, type(self).__name__)
+        for group in self.param_groups:
+            self._step_group(group)
         return loss
+
+    @staticmethod
+    def _check_group(group: dict[str, Any]) -> None:
+        """Raise ValueError naming the group's first setting out of range (also after a
+        ``load_state_dict`` or an edit of ``param_groups``, an LR scheduler's, say)."""
+        raise NotImplementedError
+
+    def _step_group(self, group: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+class OuterSGD(_CheckedStep):
+    """SGD with optional (Nesterov) momentum whose step has the same bits on every host
+    (:func:`sgd_step_`); ``torch.optim.SGD``'s on float32 with x86-64's
+    ``ATEN_CPU_CAPABILITY=default``. Its state is torch's SGD's: ``momentum_buffer`` per
+    parameter, from its first step with momentum. A parameter without ``grad`` is left
+    alone."""
+
+    def __init__(
+        self, params: ParamsT, lr: float, momentum: float = 0.0, nesterov: bool = False
+    ) -> None:
+        _check_sgd(lr, momentum, nesterov)
+        super().__init__(params, {"lr": lr, "momentum": momentum, "nesterov": nesterov})
+
+    @staticmethod
+    def _check_group(group: dict[str, Any]) -> None:
+        _check_sgd(group["lr"], group["momentum"], group["nesterov"])
+
+    def _step_group(self, group: dict[str, Any]) -> None:
+        momentum = group["momentum"]
+        for p in _with_grad(group["params"]):
+            assert p.grad is not None
+            buffer, first = None, False
+            if momentum != 0:
+                buffer = self.state[p].get("momentum_buffer")
+                if buffer is None:
+                    buffer = self.state[p]["momentum_buffer"] = torch.empty_like(p.grad)
+                    first = True
+            sgd_step_(
+                p, p.grad, buffer, lr=group["lr"], momentum=momentum,
+                nesterov=group["nesterov"], first=first,
+            )  # fmt: skip
 
 
 def _check_grad(param: torch.Tensor, grad: torch.Tensor, optimizer: str) -> None:
@@ -265,7 +287,7 @@ def delayed_nesterov_direction(
     return direction
 
 
-class DelayedNesterov(torch.optim.Optimizer):
+class DelayedNesterov(_CheckedStep):
     """Delayed Nesterov outer optimizer (rule in the module docstring); each parameter's
     ``grad`` is its pseudo-gradient, applied as ``param -= d * lr`` (two roundings).
 
@@ -302,7 +324,6 @@ class DelayedNesterov(torch.optim.Optimizer):
 
     @staticmethod
     def _check_group(group: dict[str, Any]) -> None:
-        # Also after load_state_dict or an edit of param_groups (an LR scheduler, say).
         _check_hyperparameters(group["lr"], group["momentum"], group["delay"], group["c"])
         _check_step(group["step"])
 
@@ -326,66 +347,46 @@ class DelayedNesterov(torch.optim.Optimizer):
         )
         return direction
 
-    @overload
-    def step(self, closure: None = None) -> None: ...
-
-    @overload
-    def step(self, closure: Callable[[], float]) -> float: ...
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """One outer step with every parameter's ``grad`` as its pseudo-gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        # All checks before any write: a step that raises changes nothing.
-        for group in self.param_groups:
-            self._check_group(group)
-            for p in _with_grad(group["params"]):
-                assert p.grad is not None
-                _check_grad(p, p.grad, "DelayedNesterov")
-        for group in self.param_groups:
-            step, delay = group["step"], group["delay"]
-            position = step % delay
-            if position == delay - 1:
-                for p in group["params"]:
-                    stale = self.state.get(p, {}).get("grad_sum") if p.grad is None else None
-                    if stale is not None:
-                        stale.zero_()
-            for p in _with_grad(group["params"]):
-                grad = p.grad
-                assert grad is not None
-                state = self.state[p]
-                direction, new_momentum = _direction_and_momentum(
-                    grad,
-                    state.get("momentum_buffer"),
-                    state.get("grad_sum"),
-                    step,
-                    group["momentum"],
-                    delay,
-                    group["c"],
-                )
-                grad_sum = state.get("grad_sum")
-                if new_momentum is not None:
-                    buffer = state.get("momentum_buffer")
-                    # Into the existing buffer so that its memory (pinned, say) stays.
-                    if buffer is None:
-                        state["momentum_buffer"] = new_momentum
-                    else:
-                        buffer.copy_(new_momentum)
-                    if grad_sum is not None:
-                        grad_sum.zero_()
-                elif grad_sum is None:
-                    state["grad_sum"] = grad.clone()
-                elif position == 0:
-                    grad_sum.copy_(grad)
+    def _step_group(self, group: dict[str, Any]) -> None:
+        step, delay = group["step"], group["delay"]
+        position = step % delay
+        if position == delay - 1:
+            for p in group["params"]:
+                stale = self.state.get(p, {}).get("grad_sum") if p.grad is None else None
+                if stale is not None:
+                    stale.zero_()
+        for p in _with_grad(group["params"]):
+            grad = p.grad
+            assert grad is not None
+            state = self.state[p]
+            direction, new_momentum = _direction_and_momentum(
+                grad,
+                state.get("momentum_buffer"),
+                state.get("grad_sum"),
+                step,
+                group["momentum"],
+                delay,
+                group["c"],
+            )
+            grad_sum = state.get("grad_sum")
+            if new_momentum is not None:
+                buffer = state.get("momentum_buffer")
+                # Into the existing buffer so that its memory (pinned, say) stays.
+                if buffer is None:
+                    state["momentum_buffer"] = new_momentum
                 else:
-                    # The same addition _next_momentum makes out of place.
-                    grad_sum.add_(grad)
-                p.sub_(direction.mul_(group["lr"]))
-            group["step"] = step + 1
-        return loss
+                    buffer.copy_(new_momentum)
+                if grad_sum is not None:
+                    grad_sum.zero_()
+            elif grad_sum is None:
+                state["grad_sum"] = grad.clone()
+            elif position == 0:
+                grad_sum.copy_(grad)
+            else:
+                # The same addition _next_momentum makes out of place.
+                grad_sum.add_(grad)
+            p.sub_(direction.mul_(group["lr"]))
+        group["step"] = step + 1
 
 
 def _with_grad(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:

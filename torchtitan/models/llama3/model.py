@@ -10,6 +10,7 @@ Module names are part of the interface: ``tok_embeddings``, ``layers.0`` .. ``la
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import cast
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from torchtitan.models.llama3.args import TransformerModelArgs
 
@@ -59,6 +61,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+        # Read once: a constant for torch.compile.
+        self.math_for_half_on_cpu = cpu_flash_attention_breaks()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -74,8 +78,26 @@ class Attention(nn.Module):
             repeat = self.n_heads // self.n_kv_heads
             k = k.repeat_interleave(repeat, dim=1)
             v = v.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.math_for_half_on_cpu and q.device.type == "cpu" and q.dtype in _HALF:
+            with sdpa_kernel(SDPBackend.MATH):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def cpu_flash_attention_breaks() -> bool:
+    """Whether torch's CPU flash attention would raise on half-precision inputs here: it packs
+    them for AMX whenever the CPU has AMX, with code built only into ATen's AVX-512 kernels, so
+    on such a CPU run with ``ATEN_CPU_CAPABILITY=default`` or ``avx2`` (torch 2.13: "pack_vnni2
+    is only supported when avx512 is supported"). The math backend computes the same
+    attention."""
+    has_amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return bool(has_amx) and torch.backends.cpu.get_cpu_capability() != "AVX512"
 
 
 class FeedForward(nn.Module):
