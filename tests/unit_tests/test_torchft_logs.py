@@ -15,13 +15,18 @@ from torchtitan.tools import dependencies, torchft_logs
 
 REPO = Path(__file__).resolve().parents[2]
 
-# A lighthouse and one replica's manager server: torchft's Rust side logs both at INFO.
+# A lighthouse and one replica's manager server: torchft's Rust side logs both at INFO (the
+# manager its first line as it is built).
 _START_TORCHFT = """
 from datetime import timedelta
 import torchtitan
 from torchft._torchft import LighthouseServer, ManagerServer
+from torchtitan.components.ft.torchft_adapter import lighthouse_status
 lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
 port = lighthouse.address().rsplit(":", 1)[1]
+# Served only once its server task runs, which logs first that it listens: that line is out
+# before the shutdown below, on a machine of any speed.
+lighthouse_status(f"http://127.0.0.1:{port}", 30.0)
 manager = ManagerServer(
     replica_id="r0", lighthouse_addr=f"http://127.0.0.1:{port}", hostname="127.0.0.1",
     bind="127.0.0.1:0", store_addr="127.0.0.1:1", world_size=1,
