@@ -626,12 +626,26 @@ MUTANTS = [
         ("tests/unit_tests/test_exact_division.py",),
     ),
     Mutant(
-        "DyLU: the period's clock left where it was before the sync quorum",
+        "DyLU: the period's clock starts before the sync quorum, its wait counted as steps",
         f"{PACKAGE}/async_diloco.py",
+        "        self._healed = False\n"
+        "        quorums.sync_quorum()\n"
+        "        if self._healed:  # this group's progress was replaced by a peer's state\n"
+        "            self.start_transfer()\n"
+        "        else:\n"
+        "            self._in_flight = InFlightSync.start(\n"
         "                self.manager, index, buffer, steps, tokens, scaled=True\n"
         "            )\n"
         "            self.plan.begin(self.clock())\n",
-        "                self.manager, index, buffer, steps, tokens, scaled=True\n            )\n",
+        "        self._healed = False\n"
+        "        self.plan.begin(self.clock())\n"
+        "        quorums.sync_quorum()\n"
+        "        if self._healed:  # this group's progress was replaced by a peer's state\n"
+        "            self.start_transfer()\n"
+        "        else:\n"
+        "            self._in_flight = InFlightSync.start(\n"
+        "                self.manager, index, buffer, steps, tokens, scaled=True\n"
+        "            )\n",
         ("tests/unit_tests/test_async_diloco.py",),
     ),
     Mutant(
