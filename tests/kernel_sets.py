@@ -12,6 +12,10 @@ import functools
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+#: The repository's root, where the processes below run (``tests`` is importable there).
+ROOT = Path(__file__).resolve().parents[1]
 
 #: The variable ATen reads at import.
 VARIABLE = "ATEN_CPU_CAPABILITY"
@@ -46,3 +50,17 @@ def kernel_sets() -> list[str]:
 def with_kernels(kernel_set: str, env: dict[str, str] | None = None) -> dict[str, str]:
     """``env`` (default: this process's) for a process that computes with ``kernel_set``."""
     return {**(os.environ if env is None else env), VARIABLE: kernel_set}
+
+
+def run_python(
+    kernel_set: str, args: list[str], timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """``python ARGS`` at the repository's root on ``kernel_set``, its output captured."""
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=with_kernels(kernel_set),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import platform
-import subprocess
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -22,8 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.kernel_sets import kernel_sets, with_kernels
-from tests.unit_tests.fresh_interpreter import ROOT
+from tests.kernel_sets import kernel_sets, run_python
 from tests.unit_tests.host_arithmetic import CASES, make_inputs
 from torchtitan.experiments.fault_tolerance.outer_optimizer import DelayedNesterov, OuterSGD
 
@@ -41,14 +38,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Results
     def under(kernel_set: str) -> Results:
         if kernel_set not in found:
             out = folder / f"{kernel_set}.json"
-            done = subprocess.run(
-                [sys.executable, "-m", "tests.unit_tests.host_arithmetic", str(inputs), str(out)],
-                cwd=ROOT,
-                env=with_kernels(kernel_set),
-                capture_output=True,
-                text=True,
-                timeout=600,
-            )
+            module = ["-m", "tests.unit_tests.host_arithmetic", str(inputs), str(out)]
+            done = run_python(kernel_set, module, timeout=600)
             assert done.returncode == 0, done.stderr[-3000:]
             result = json.loads(out.read_text())
             assert result["capability"].lower() == kernel_set, result["capability"]
@@ -117,14 +108,7 @@ print("equal")
 def test_outer_sgd_is_torch_sgd_bit_for_bit_on_the_portable_kernels() -> None:
     """torch's SGD (for-loop, foreach and fused) and ``OuterSGD``, in a process on ATen's
     portable kernels: the same bits after 5 steps, with and without (Nesterov) momentum."""
-    done = subprocess.run(
-        [sys.executable, "-c", _TORCH_SGD],
-        cwd=ROOT,
-        env=with_kernels("default"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run_python("default", ["-c", _TORCH_SGD])
     assert done.returncode == 0 and done.stdout.strip() == "equal", done.stderr[-3000:]
 
 

@@ -5,14 +5,12 @@ from __future__ import annotations
 import copy
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.kernel_sets import kernel_sets, with_kernels
-from tests.unit_tests.fresh_interpreter import ROOT
+from tests.kernel_sets import kernel_sets, run_python
 from torchtitan.components.loss import build_cross_entropy_loss, cross_entropy_loss
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.model_names import MODEL_FLAVORS
@@ -294,13 +292,6 @@ def test_a_bf16_forward_runs_on_every_kernel_set(kernel_set: str) -> None:
     """In bf16 autocast on every ATen kernel set of this host. (torch 2.13's CPU flash
     attention raises on a CPU with AMX run on kernels below AVX-512: the model takes the math
     backend there.)"""
-    done = subprocess.run(
-        [sys.executable, "-c", _BF16_FORWARD],
-        cwd=ROOT,
-        env=with_kernels(kernel_set),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run_python(kernel_set, ["-c", _BF16_FORWARD])
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().lower() == kernel_set
