@@ -105,7 +105,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         status = _run(argv)
-    except BaseException:
+    except BaseException as e:
+        # A bug in a rank under torchrun: its traceback goes to torchrun's error file, so the
+        # failure report shows it even when this rank's output is not shown; that file is how
+        # loopback_torchrun tells a crash from an error this rank named (exit 1 as well).
+        if isinstance(e, Exception) and "TORCHELASTIC_ERROR_FILE" in os.environ:
+            from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+            get_error_handler().record_exception(e)
         if blocked():  # a bug's traceback first, then the same exit past those threads
             traceback.print_exc()
             exit_if_blocked(1)
