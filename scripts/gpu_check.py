@@ -1,17 +1,20 @@
 """The GPU path, run for real in one go: what ``scripts/gpu_check.sh`` runs on a machine with one
-CUDA device, within a time budget (``--budget-s``, default 280 s; the wrapper's hard limit is
-330 s). Everything it measures goes into one folder: a log per run and ``gpu_check.json``,
-written again after every run, so that a run cut off by the budget loses nothing measured before
-it. ``scripts/gpu_check_runs.py`` lists the runs, each with its own timeout, the timeouts adding
-up to less than the budget.
+CUDA device (or two: ``--gpus 2``), within a time budget (``--budget-s``, default 295 s; the
+wrapper's hard limit is 345 s). Everything it measures goes into one folder: a log per run and
+``gpu_check.json``, written again after every run, so that a run cut off by the budget loses
+nothing measured before it. ``scripts/gpu_check_runs.py`` lists the runs, each with its own
+timeout, the timeouts adding up to less than the budget.
 
 Runs, in this order (the most telling first; each bounded by its own timeout and by what is left
 of the budget, each recorded whatever its outcome):
 
 1. ``cuda_tests``: the tests that need CUDA, with their pass / skip / fail counts: a sync's wait
-   behind seconds of queued compute on a world-size-1 nccl group (it must take milliseconds; its
-   figures, from ``sync_wait.json``, go into the row), the step clock, the codecs' CUDA-against-
-   CPU bit equality, Delayed Nesterov on CUDA, async DiLoCo's copies to pinned host state.
+   behind seconds of queued compute on a world-size-1 nccl group (it must take milliseconds), the
+   step clock, the codecs' CUDA-against-CPU bit equality, Delayed Nesterov on CUDA, async
+   DiLoCo's copies to pinned host state, and nccl's semantics on a world-size-1 group
+   (``test_nccl_semantics_cuda.py``: the abort path, the quorum's exchange, DyLU's probe, the
+   versions and error-handling modes). The figures the tests write (``sync_wait.json``,
+   ``nccl_semantics.json``) go into the row.
 2. ``outer_step``: ``benchmarks/outer_step.py`` at a 1B-size shard (1.25e9 values) with the
    outer state in pinned host memory: the host seconds of a sync point against its copies',
    pinned and resident host memory.
@@ -25,8 +28,15 @@ of the budget, each recorded whatever its outcome):
    bf16, eager: tokens/s, MFU against the datasheet's bf16 peak and the matmul rate measured here
    first, peak memory, from the run's own step events.
 
-``--dry-run`` runs the same steps on the CPU with the smallest model and a few steps (the tests
-that need CUDA then skip): it checks the script, not the GPU.
+``--gpus 2`` (a machine with two GPUs; with fewer it stops at once, saying so): two replica groups
+over nccl, a GPU each: DiLoCo with group 1 SIGKILLed and restarted (the survivor must sync on,
+the restarted group heal, both end with the same model: ``kill``), then async DiLoCo with int8.
+
+The JSON's ``covers`` says, by name, what this check showed (each with its test's outcome or its
+run's verdict) and what one GPU cannot show (``scripts/gpu_check_runs.py`` lists them).
+
+``--dry-run`` runs the same steps on the CPU with the smallest model and a few steps, gloo across
+groups (the tests that need CUDA then skip): it checks the script, not the GPU.
 """
 
 from __future__ import annotations
@@ -39,14 +49,18 @@ import signal
 import subprocess
 import sys
 import time
+import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 from typing import Any
 
 from gpu_check_runs import (
     CUDA_TESTS,
+    NEEDS_TWO_GPUS,
     NOT_RUN,
+    ONE_GPU_COVERS,
     OUTER_STEP_KEYS,
-    SYNC_WAIT_JSON,
+    TEST_FIGURES,
+    TWO_GPU_COVERS,
     WHOLE_FILES,
     runs,
 )
@@ -70,7 +84,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="folder for the logs and the JSON")
     p.add_argument("--dry-run", action="store_true", help="the steps on the CPU, tiny")
-    p.add_argument("--budget-s", type=float, default=280.0, help="seconds for all runs together")
+    p.add_argument("--budget-s", type=float, default=295.0, help="seconds for all runs together")
+    p.add_argument("--gpus", type=int, choices=(1, 2), default=1,
+                   help="GPUs of the machine the check is for (2: kills over nccl)")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -152,15 +168,38 @@ def read_json(path: Path) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
+def test_outcomes(junit: Path) -> dict[str, str]:
+    """Each test's outcome in pytest's JUnit XML, by node id (``file::name``): ``passed``, or
+    ``skipped``, ``failed`` or ``error`` followed by pytest's message. Empty when there is none."""
+    try:
+        root = ElementTree.parse(junit).getroot()
+    except (OSError, ElementTree.ParseError):
+        return {}
+    found = {}
+    for case in root.iter("testcase"):
+        path = case.get("classname", "").replace(".", "/") + ".py"
+        outcome = "passed"
+        for child in case:
+            if child.tag in ("skipped", "failure", "error"):
+                word = {"failure": "failed"}.get(child.tag, child.tag)
+                outcome = f"{word}: {(child.get('message') or '').strip()[:300]}"
+                break
+        found[f"{path}::{case.get('name')}"] = outcome
+    return found
+
+
 def cuda_tests(spec: dict, out: Path, python: str, budget: Budget) -> dict:
     """The tests that need CUDA (``CUDA_TESTS``; of most files only those named ``cuda``): counts,
-    the seconds of the whole files' tests, and the sync-wait test's figures."""
+    the seconds of the whole files' tests, the figures they wrote (``TEST_FIGURES``), and each
+    test's outcome (``outcomes``, for ``covers``)."""
     files = [f for f in CUDA_TESTS if (REPO / f).exists()]
     keyword = " or ".join(["cuda", *(Path(f).stem for f in WHOLE_FILES if f in files)])
+    junit = out / "cuda_tests.xml"
+    junit.unlink(missing_ok=True)
     cmd = [python, "-m", "pytest", *files, "-k", keyword, "-q", "-rs", "-p", "no:cacheprovider",
-           "--durations=0", "--durations-min=0.05"]  # fmt: skip
-    figures = out / SYNC_WAIT_JSON
-    figures.unlink(missing_ok=True)
+           "--durations=0", "--durations-min=0.05", f"--junitxml={junit.resolve()}"]  # fmt: skip
+    for name in TEST_FIGURES.values():
+        (out / name).unlink(missing_ok=True)
     env = {**os.environ, "GPU_CHECK_OUT": str(out.resolve())}
     row: dict[str, Any] = {**spec, **run("cuda_tests", cmd, out, budget.limit(spec["timeout_s"]),
                                          env)}  # fmt: skip
@@ -178,7 +217,9 @@ def cuda_tests(spec: dict, out: Path, python: str, budget: Budget) -> dict:
         if (m := re.match(r"([\d.]+)s call\s+(\S+)$", line.strip()))
         and m.group(2).startswith(whole)
     }
-    row["sync_wait"] = read_json(figures)  # None: the test did not run (or not to its end)
+    for key, name in TEST_FIGURES.items():  # None: the test did not run (or not to its end)
+        row[key] = read_json(out / name)
+    row["outcomes"] = test_outcomes(junit)
     if row["failed"] or row["error"]:
         row["last_lines"] = last_lines(log, 15)
     return row
@@ -233,7 +274,10 @@ def steps_per_s(steps: list[Event]) -> float | None:
     """Steps per second of one group, from its second step event on (past compilation)."""
     if len(steps) < 3 or steps[-1].time <= steps[1].time:
         return None
-    return (steps[-1].step - steps[1].step) / (steps[-1].time - steps[1].time)
+    first, last = steps[1].step, steps[-1].step
+    if first is None or last is None:
+        return None
+    return (last - first) / (steps[-1].time - steps[1].time)
 
 
 def heal_verdict(row: dict, log: Path, dry: bool) -> dict[str, Any]:
@@ -252,10 +296,37 @@ def heal_verdict(row: dict, log: Path, dry: bool) -> dict[str, Any]:
     return {"heal_cuda_over_gloo": "failed", "why": f"exit {row['exit']}, no heal"}
 
 
+def kill_verdict(row: dict, dump: Path) -> dict[str, Any]:
+    """Group 1 SIGKILLed and restarted (``--kill 1@S``): whether the survivor, group 0, kept
+    running and syncing after the kill, whether the restarted group healed, and whether both
+    ended with the same model."""
+    starts: dict[int, list[Event]] = {}  # group 1's step events, by process (oldest first)
+    for entry in events(dump, "train.step"):
+        if entry.replica == 1:
+            starts.setdefault(entry.pid, []).append(entry)
+    if not starts:
+        return {"group_1_killed_at_step": None, "survivor_kept_running": False,
+                "restarted_group_healed": False, "final_digests_equal": False}  # fmt: skip
+    first = next(iter(starts.values()))
+    killed_at = first[-1].time  # its last step before the SIGKILL
+    after = [e for e in events(dump, "semi_sync.sync") if e.replica == 0 and e.time > killed_at]
+    committed = sum(1 for e in after if e.fields["committed"])
+    return {
+        "group_1_killed_at_step": first[-1].step,
+        "group_1_restarts": len(starts) - 1,
+        "survivor_syncs_after_the_kill": {"committed": committed,
+                                          "not_committed": len(after) - committed},
+        "survivor_kept_running": row["exit"] == 0 and committed > 0 and 0 in row["final_digests"],
+        "restarted_group_healed": any(h["replica"] == 1 for h in row["heals"]),
+        "final_digests_equal": row["groups_agree"],
+    }  # fmt: skip
+
+
 def two_groups(spec: dict, out: Path, python: str, budget: Budget, dry: bool) -> dict:
-    """A lighthouse and two replica groups on the one device (``spec``: name, flavor, method,
-    backend, steps, extra launcher and train arguments; ``compile``: say whether the blocks
-    compiled; ``heal``: say whether a heal carried the GPU's tensors over gloo)."""
+    """A lighthouse and two replica groups (``spec``: name, flavor, method, backend, steps,
+    extra launcher and train arguments; ``compile``: say whether the blocks compiled; ``heal``:
+    say whether a heal carried the GPU's tensors over gloo; ``kill``: say what group 1's kill
+    did, :func:`kill_verdict`)."""
     name, dump = spec["name"], out / spec["name"]
     train = [
         FAULTS_MODULE if spec.get("paced") else SEMI_SYNC_MODULE, f"--job.dump_folder={dump}",
@@ -310,6 +381,8 @@ def two_groups(spec: dict, out: Path, python: str, budget: Budget, dry: bool) ->
         row["median_tokens_per_s_per_group"] = median(tps)
     if spec.get("heal"):
         row.update(heal_verdict(row, log, dry))
+    if spec.get("kill"):
+        row["kill"] = kill_verdict(row, dump)
     if row["exit"] != 0:
         row["last_lines"] = last_lines(log, 12)
     return row
@@ -367,6 +440,33 @@ def measured_matmul_peak() -> float:
     return 2 * 8192**3 / median(times)
 
 
+def covers(report: dict[str, Any], gpus: int) -> dict[str, Any]:
+    """What this check showed, by name, each with its test's outcome or its run's verdict
+    (``not run`` when it did not get there); on one GPU, also what only two GPUs can show."""
+    if gpus == 2:
+        by_name = {row["name"]: row for row in report.get("two_groups", [])}
+        shown = {}
+        for name, (run_name, keys) in TWO_GPU_COVERS.items():
+            row = by_name.get(run_name)
+            verdict: dict[str, Any] | str = "not run"
+            if row is not None:
+                found = {**row, **row.get("kill", {})}
+                verdict = {key: found.get(key) for key in keys}
+                if report["dry_run"]:
+                    verdict["note"] = "dry run: gloo on the CPU, not nccl"
+            shown[name] = {"what": NEEDS_TWO_GPUS[name], "run": run_name, "verdict": verdict}
+        return {"two_gpus": shown}
+    outcomes = report.get("cuda_tests", {}).get("outcomes", {})
+    return {
+        "one_gpu": {name: {"what": what, "test": test, "outcome": outcomes.get(test, "not run")}
+                    for name, (test, what) in ONE_GPU_COVERS.items()},
+        "needs_two_gpus": {name: {"what": what, "why": "NCCL refuses two ranks of one "
+                                  "communicator on one GPU: every nccl group here has one rank",
+                                  "check": "scripts/gpu_check.sh --gpus 2"}
+                           for name, what in NEEDS_TWO_GPUS.items()},
+    }  # fmt: skip
+
+
 def provenance() -> dict[str, Any]:
     """The commit (``git``, else ``GPU_CHECK_COMMIT``: a copied tree may lack ``.git``)."""
     git = ["git", "-C", str(REPO)]
@@ -385,13 +485,14 @@ def provenance() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _on_sigterm)
-    args.out.mkdir(parents=True, exist_ok=True)
     budget = Budget(args.budget_s)
     python = sys.executable
-    report: dict[str, Any] = {"dry_run": args.dry_run, "started": time.time(), **provenance()}
+    report: dict[str, Any] = {"dry_run": args.dry_run, "gpus": args.gpus, "started": time.time(),
+                              **provenance()}  # fmt: skip
     path = args.out / "gpu_check.json"
 
     def save() -> None:
+        report["covers"] = covers(report, args.gpus)
         path.write_text(json.dumps(report, indent=2) + "\n")
 
     matmul_peak: float | None = None
@@ -400,20 +501,30 @@ def main(argv: list[str] | None = None) -> int:
 
         report["torch"] = torch.__version__
         report["cuda"] = torch.version.cuda
-        if torch.cuda.is_available():
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count < args.gpus and not args.dry_run:
+            devices = "a CUDA device" if args.gpus == 1 else f"{args.gpus} CUDA devices"
+            print(f"gpu_check: --gpus {args.gpus} needs {devices}; torch sees {count} here: "
+                  "nothing to check (--dry-run runs its steps on the CPU)", flush=True)  # fmt: skip
+            return 3
+        if count:
             report["device"] = torch.cuda.get_device_name(0)
-            matmul_peak = measured_matmul_peak()
-            report["bf16_matmul_tflops_measured"] = round(matmul_peak / 1e12, 1)
+            if count > 1:
+                report["devices"] = [torch.cuda.get_device_name(i) for i in range(count)]
+            if args.gpus == 1:  # the throughput run's MFU against it
+                matmul_peak = measured_matmul_peak()
+                report["bf16_matmul_tflops_measured"] = round(matmul_peak / 1e12, 1)
     except ImportError as e:
         report["torch"] = f"not importable: {e}"
-    if not args.dry_run:
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.dry_run and args.gpus == 1:
         report["not_run"] = NOT_RUN
     save()
     # A single run's kind is a key of its own; two_groups and throughput are lists.
     report.update({"two_groups": [], "throughput": []})
     label = "start-up"
     try:
-        for kind, spec in runs(args.dry_run):
+        for kind, spec in runs(args.dry_run, args.gpus):
             label = spec["name"]
             print(f"gpu_check: {kind} {label} ...", flush=True)
             try:

@@ -76,6 +76,12 @@ MIXED_HOSTS = (
     "test_the_initial_model_comes_from_the_kernels_most_groups_run",
 )
 
+#: nccl's semantics (issue 63): the fake nccl group's tests and the replicate group's timeouts.
+NCCL_TESTS = (
+    "tests/unit_tests/test_nccl_semantics.py",
+    "tests/unit_tests/test_replica_timeouts.py",
+)
+
 #: What a reviewer's mutants of this layer must fail: the unit tests, the arithmetic under
 #: every kernel set and two real groups on different kernels.
 FRESH_REVIEW_TESTS = (*TESTS, *HOST_ARITHMETIC, *MIXED_HOSTS[1:])
@@ -740,6 +746,195 @@ MUTANTS = [
         "restarted = true_step > 0 or self.train_state.step > 0 or bool(heal_in_full)",
         "restarted = true_step > 0 or self.train_state.step > 0",
         FRESH_REVIEW_TESTS,
+    ),
+    Mutant(
+        "nccl: the replicate group's backend keeps c10d's teardown on an error",
+        f"{CORE_FT}/build.py",
+        '"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",',
+        '"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",',
+        NCCL_TESTS,
+    ),
+    Mutant(
+        "nccl: the replicate group signals flight-recorder dumps (the monitor ends the process)",
+        f"{CORE_FT}/build.py",
+        '"TORCH_NCCL_DUMP_ON_TIMEOUT": "0",',
+        '"TORCH_NCCL_DUMP_ON_TIMEOUT": "1",',
+        NCCL_TESTS,
+    ),
+    Mutant(
+        "nccl: fault tolerance keeps the heartbeat monitor of the first group",
+        "torchtitan/distributed/parallel_dims.py",
+        'if ft.enable and device.type == "cuda":',
+        'if ft.enable and device.type == "cpu":',
+        NCCL_TESTS,
+    ),
+    Mutant(
+        "nccl: a wait goes through torchft's wrapper (a device-wide sync, a timer left armed)",
+        f"{CORE_FT}/delivery.py",
+        "    inner = tft.backend_work(work)",
+        "    inner = work",
+        (*NCCL_TESTS, "tests/unit_tests/test_transport.py"),
+    ),
+    Mutant(
+        "nccl: a wait trusts a collective whose work recorded an error",
+        f"{CORE_FT}/delivery.py",
+        "            inner.wait(FINISHED)",
+        "            pass",
+        NCCL_TESTS,
+    ),
+    Mutant(
+        "nccl: a wait with a timeout returns before the result has landed",
+        f"{CORE_FT}/delivery.py",
+        "            inner.wait(limit)",
+        "            inner.wait()",
+        NCCL_TESTS,
+    ),
+    Mutant(
+        "nccl: a wait without a timeout returns before the result has landed",
+        f"{CORE_FT}/delivery.py",
+        "while not inner.is_completed() and tft.group_generation(pg) is generation:",
+        "while False:",
+        NCCL_TESTS,
+    ),
+    Mutant(
+        "nccl: a collective whose group torchft aborted meanwhile counts as delivered",
+        f"{CORE_FT}/delivery.py",
+        "    if tft.group_generation(pg) is not generation:",
+        "    if False:",
+        NCCL_TESTS,
+    ),
+    Mutant(
+        "nccl: the quorum's exchange waits without its timeout",
+        f"{PACKAGE}/sync_quorum.py",
+        "all_reduce_across_groups(manager, buffer, average=False, timeout=timeout)",
+        "all_reduce_across_groups(manager, buffer, average=False)",
+        NCCL_TESTS,
+    ),
+    Mutant(
+        "nccl: an all-reduce across groups (a quorum's exchange, a step's gradients) is read "
+        "after wait() alone",
+        f"{CORE_FT}/delivery.py",
+        "wait_delivered(pg.allreduce([tensor], options), pg, timeout)",
+        "pg.allreduce([tensor], options).wait()",
+        NCCL_TESTS,
+    ),
+    Mutant(
+        "nccl: DyLU's probe exchanges on the training stream",
+        f"{PACKAGE}/sync_quorum.py",
+        "            with side_stream(on):\n                run()",
+        "            run()",
+        NCCL_TESTS,
+    ),
+    Mutant(
+        "nccl: a group's ranks decide on the device's group",
+        f"{PACKAGE}/sync_quorum.py",
+        "found = torch.tensor(values, dtype=torch.int64)",
+        "found = torch.tensor(values, dtype=torch.int64, device=self.device)",
+        NCCL_TESTS,
+    ),
+    Mutant(
+        "nccl: the in-group wait covers one operation after the quorum, not two",
+        f"{PACKAGE}/sync_quorum.py",
+        "return timedelta(seconds=quorum_s + 2 * longest) + WATCHDOG_MARGIN",
+        "return timedelta(seconds=quorum_s + longest) + WATCHDOG_MARGIN",
+        NCCL_TESTS,
+    ),
+    Mutant(
+        "nccl: a sync's all-reduce bypasses the transport (as torchft's fp8 path did)",
+        f"{PACKAGE}/sync_quorum.py",
+        "        return self.transport.allreduce(\n            self.ft.manager, tensor,",
+        "        return self.ft.manager.allreduce(tensor) or self.transport.allreduce(\n"
+        "            self.ft.manager, tensor,",
+    ),
+    Mutant(
+        "nccl: a step's gradients are read after torchft's all-reduce wait() alone",
+        f"{CORE_FT}/manager.py",
+        "if not all_reduce_across_groups(self.manager, flat, average=True):",
+        "if not self.manager.allreduce(flat).wait():",
+        NCCL_TESTS,
+    ),
+    Mutant(
+        "nccl: a heal's point-to-point pairing keeps the rendezvous's timeout",
+        f"{CORE_FT}/build.py",
+        "store.set_timeout(timeouts.operation)",
+        "store.set_timeout(timeouts.rendezvous)",
+        NCCL_TESTS,
+    ),
+    Mutant(
+        "nccl: a heal piece cut off by a peer's death is loaded",
+        f"{PACKAGE}/heal_pieces.py",
+        "wait_delivered(self.work, self.pg, timeout)",
+        "self.work.wait() if timeout is None else self.work.wait(timeout)",
+        NCCL_TESTS,
+    ),
+    Mutant(
+        "nccl: each thread of a heal queues its own pieces in flight",
+        f"{PACKAGE}/heal_pieces.py",
+        "if self._in_use < self.in_flight:",
+        "if self._in_use < 3 * self.in_flight:",
+        NCCL_TESTS,
+    ),
+    Mutant(
+        "nccl: a sender answers several joiners one after another",
+        f"{PACKAGE}/heal_transport.py",
+        "    if len(jobs) <= 1:",
+        "    if True:",
+        NCCL_TESTS,
+    ),
+    Mutant(
+        "gpu check: the nccl semantics tests run only where named cuda, not whole",
+        "scripts/gpu_check_runs.py",
+        "               NCCL_SEMANTICS]  # fmt: skip",
+        "               ]  # fmt: skip",
+        (
+            "tests/integration_tests/test_gpu_check.py::"
+            "test_the_nccl_semantics_tests_run_whole_and_last_with_their_figures",
+        ),
+    ),
+    # A reviewer's ten, written without the tests: four were the mutants above (the exception
+    # unchecked, the heal piece, the store's timeout, the exchange read after wait() alone);
+    # one restored an environment scoped around each build, which the process now sets once.
+    Mutant(
+        "nccl review: side_stream never makes its stream current",
+        f"{CORE_FT}/streams.py",
+        "with torch.cuda.device(device), torch.cuda.stream(stream):",
+        "with torch.cuda.device(device):",
+        NCCL_TESTS,
+    ),
+    Mutant(
+        "nccl review: the in-group wait uses the shorter of the heal and sync timeouts",
+        f"{PACKAGE}/sync_quorum.py",
+        "longest = max(heal_s, collective_s)",
+        "longest = min(heal_s, collective_s)",
+        NCCL_TESTS,
+    ),
+    Mutant(
+        "nccl review: the in-group decision runs on the default (device) group",
+        f"{PACKAGE}/sync_quorum.py",
+        "dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.host_group)",
+        "dist.all_reduce(found, op=dist.ReduceOp.MAX)",
+        NCCL_TESTS,
+    ),
+    Mutant(
+        "nccl review: one failed answer of several sent at once is ignored",
+        f"{PACKAGE}/heal_transport.py",
+        "    if errors:\n        raise errors[0]",
+        "    if len(errors) > 1:\n        raise errors[0]",
+        NCCL_TESTS,
+    ),
+    Mutant(
+        "launcher review: a crash gets one line and a reported error torchrun's report",
+        "torchtitan/tools/loopback_torchrun.py",
+        "failure.exitcode > 0 and not os.path.isfile(failure.error_file)",
+        "failure.exitcode > 0 and os.path.isfile(failure.error_file)",
+        ("tests/unit_tests/test_loopback_torchrun.py",),
+    ),
+    Mutant(
+        "launcher: a rank's reported error ends in torchrun's traceback",
+        "torchtitan/tools/loopback_torchrun.py",
+        "stop = _reported_stop(e)",
+        "stop = None",
+        ("tests/unit_tests/test_loopback_torchrun.py",),
     ),
 ]
 

@@ -110,12 +110,11 @@ class FakeManager:
     def allreduce(
         self,
         buffer: torch.Tensor,
-        should_quantize: bool = False,
         reduce_op: Any = None,
         *,
         exact: bool = False,
     ) -> Work:
-        assert not should_quantize and reduce_op == ReduceOp.SUM, (should_quantize, reduce_op)
+        assert reduce_op == ReduceOp.SUM, reduce_op
         self.cluster.rounds.setdefault(self.calls, []).append(buffer)
         self.calls += 1
         return Work(self.cluster, self.calls - 1, self)

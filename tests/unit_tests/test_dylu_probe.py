@@ -286,7 +286,7 @@ def test_a_starting_group_that_meets_a_probe_does_not_use_that_quorum(healed_the
         reporter=SimpleNamespace(agreement=None),
         announce=announced.append,
         heal=SimpleNamespace(replay_failed="", take_heal=lambda: None, shape_refused=""),
-        sync=SimpleNamespace(heartbeat=7, set_members=lambda keys: None),
+        sync=SimpleNamespace(heartbeat=7, set_members=lambda keys: None, collective_timeout=None),
         shape=CollectiveShape(1, 1, 100, 300, 0, 5),
     )
     start_up = StartUp(FRESH, peer=dict(peer) if healed_there else None)

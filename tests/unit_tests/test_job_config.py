@@ -873,14 +873,6 @@ def test_local_sgd_is_an_alias(alias: str) -> None:
         (
             [
                 *FT_ON,
-                "--fault_tolerance.semi_sync_method=localsgd",
-                "--fault_tolerance.should_quantize",
-            ],
-            "fault_tolerance.should_quantize",
-        ),
-        (
-            [
-                *FT_ON,
                 "--fault_tolerance.semi_sync_method=diloco",
                 "--fault_tolerance.sync_quorum_timeout_s=0",
             ],
@@ -1013,14 +1005,6 @@ def test_local_sgd_is_an_alias(alias: str) -> None:
             ],
             "fault_tolerance.outer_momentum_every",
         ),
-        (
-            [
-                *FT_ON,
-                "--fault_tolerance.semi_sync_method=async_diloco",
-                "--fault_tolerance.should_quantize",
-            ],
-            "fault_tolerance.should_quantize",
-        ),
         (  # sparse without error feedback would drop 98 % of every pseudo-gradient for good
             [
                 *FT_ON,
@@ -1141,22 +1125,6 @@ def test_async_diloco_parses_with_its_fields() -> None:
     assert ft.outer_momentum_every == 3  # type: ignore[attr-defined]
 
 
-def test_should_quantize_needs_cuda_and_triton() -> None:
-    import importlib.util
-
-    import torch
-
-    if torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
-        pytest.skip("this machine can quantize")
-    with pytest.raises(ConfigError) as info:
-        parse_semi_sync(
-            *FT_ON,
-            "--fault_tolerance.semi_sync_method=diloco",
-            "--fault_tolerance.should_quantize",
-        )
-    assert info.value.field == "fault_tolerance.should_quantize"
-
-
 def test_semi_sync_edge_values_pass() -> None:
     ft = parse_semi_sync(
         *FT_ON,
@@ -1221,26 +1189,6 @@ def test_compressed_pseudo_gradients_parse_with_error_feedback(method: str, dtyp
     assert (ft.pseudo_grad_dtype, ft.error_feedback) == (dtype, True)  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4", "sparse"])
-def test_should_quantize_is_refused_with_a_compressed_dtype_on_a_gpu_machine_too(
-    monkeypatch: pytest.MonkeyPatch, dtype: str
-) -> None:
-    """Not only because this machine lacks CUDA: the two compressions do not combine."""
-    from torchtitan.experiments.fault_tolerance import job_config as semi_sync
-
-    monkeypatch.setattr(semi_sync, "_missing_for_quantization", lambda ft, config: "")
-    with pytest.raises(ConfigError) as info:
-        parse_semi_sync(
-            *FT_ON,
-            "--fault_tolerance.semi_sync_method=diloco",
-            f"--fault_tolerance.pseudo_grad_dtype={dtype}",
-            "--fault_tolerance.error_feedback",
-            "--fault_tolerance.outer_momentum=0",
-            "--fault_tolerance.should_quantize",
-        )
-    assert info.value.field == "fault_tolerance.should_quantize"
-
-
 @pytest.mark.parametrize(("dtype", "decay"), [("int8", 1.0), ("int4", 1.0), ("sparse", 0.9)])
 def test_only_sparse_residuals_fade(dtype: str, decay: float) -> None:
     """sparse_residual_decay (default 0.9) is sparse's: the other dtypes owe every value."""
@@ -1256,15 +1204,14 @@ def test_only_sparse_residuals_fade(dtype: str, decay: float) -> None:
     assert residual_decay(ft) == decay  # type: ignore[arg-type]
 
 
-def test_should_quantize_is_refused_with_async_diloco_on_a_gpu_machine_too(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Not only because this machine lacks CUDA: async DiLoCo sends full precision."""
-    from torchtitan.experiments.fault_tolerance import job_config as semi_sync
+def test_torchfts_fp8_all_reduce_is_gone(capsys: pytest.CaptureFixture[str]) -> None:
+    """``should_quantize`` (torchft's fp8 all-reduce) waited on the training stream and bypassed
+    the transport's buckets, peer watch and finite checks: removed, and refused by name."""
+    from torchtitan.experiments.fault_tolerance.job_config import FaultTolerance
 
-    monkeypatch.setattr(semi_sync, "_missing_for_quantization", lambda ft, config: "")
-    with pytest.raises(ConfigError, match="async_diloco sends full precision"):
+    assert "should_quantize" not in {f.name for f in dataclasses.fields(FaultTolerance)}
+    with pytest.raises(SystemExit):
         parse_semi_sync(
-            *FT_ON, "--fault_tolerance.semi_sync_method=async_diloco",
-            "--fault_tolerance.should_quantize",
-        )  # fmt: skip
+            *FT_ON, "--fault_tolerance.semi_sync_method=diloco", "--fault_tolerance.should_quantize"
+        )
+    assert "Unrecognized options: --fault_tolerance.should_quantize" in capsys.readouterr().err

@@ -82,7 +82,14 @@ def test_the_nccl_group_gets_its_timeouts(monkeypatch: pytest.MonkeyPatch) -> No
     # torchft's nccl group cannot be built without CUDA: the wrapper it extends stands in.
     monkeypatch.setattr(tft, "reconfigurable_group_class", lambda backend: ProcessGroupWrapper)
     built: list[tuple[Any, ...]] = []
-    monkeypatch.setattr(tft, "build_nccl_group", lambda *args: built.append(args) or "group")
+    store_timeout_at_build: list[timedelta] = []
+
+    def build(*args: Any) -> str:
+        built.append(args)
+        store_timeout_at_build.append(args[0].timeout)
+        return "group"
+
+    monkeypatch.setattr(tft, "build_nccl_group", build)
     timeouts = ReplicaTimeouts.of(5_000, 1800.0, 300.0)
     pg = fresh_rendezvous_process_group("nccl", timeouts)
     import os
@@ -99,7 +106,10 @@ def test_the_nccl_group_gets_its_timeouts(monkeypatch: pytest.MonkeyPatch) -> No
     assert options.config.blocking is False
     assert options.global_ranks_in_group == [1, 3]
     assert options.group_name == "torchft_quorum_7_rank_1"
-    assert store.timeout == timedelta(seconds=5)  # a member that never joins the group
+    # A member that never joins the group: the rendezvous's timeout while the group is built;
+    # then the store only pairs a heal's point-to-point communicators, on the heal's timeout.
+    assert store_timeout_at_build == [timedelta(seconds=5)]
+    assert store.timeout == timedelta(seconds=1800) == timeouts.operation
     work = pg._wrap_work(object(), dist.AllreduceOptions())
     assert work._timeout == timedelta(seconds=300)  # the quorum's exchange, say
     monkeypatch.setenv(NONBLOCKING_TIMEOUT_ENV, "42")  # the user's value stays
@@ -147,6 +157,12 @@ class _Issued:
     def wait(self, timeout: Any = None) -> bool:
         self.log.append(("waited", self.number))
         return True
+
+    def is_completed(self) -> bool:  # gloo's: done once waited for
+        return True
+
+    def exception(self) -> None:
+        return None
 
 
 def test_a_heal_waits_for_its_oldest_piece_before_it_issues_another() -> None:

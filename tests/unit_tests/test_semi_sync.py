@@ -359,10 +359,12 @@ def test_digests_agree_or_name_a_majority() -> None:
 
 
 class SummingManager:
-    """One member's view of a SUM all-reduce with other members whose rows are known."""
+    """One member's view of a SUM all-reduce with other members whose rows are known (its
+    replica process group adds theirs, done at once, as gloo's)."""
 
     def __init__(self, rank: int, others: dict[int, Member]) -> None:
         self.rank, self.others = rank, others
+        self._pg = SimpleNamespace(allreduce=self._allreduce)
 
     def num_participants(self) -> int:
         return len(self.others) + 1
@@ -370,12 +372,19 @@ class SummingManager:
     def participating_rank(self) -> int:
         return self.rank
 
-    def allreduce(self, buffer: torch.Tensor, reduce_op: Any = None) -> Any:
+    def is_participating(self) -> bool:
+        return True
+
+    def wait_quorum(self) -> None:
+        pass
+
+    def _allreduce(self, tensors: list[torch.Tensor], options: Any) -> Any:
+        (buffer,) = tensors
         width = buffer.numel() // self.num_participants()
         for rank, member in self.others.items():
             row = torch.tensor(astuple(member), dtype=torch.int64)
             buffer[rank * width : (rank + 1) * width] += row
-        return SimpleNamespace(wait=lambda: None)
+        return SimpleNamespace(wait=lambda: True, is_completed=lambda: True, exception=lambda: None)
 
     def errored(self) -> None:
         return None
@@ -848,7 +857,7 @@ class RecordingManager(FakeManager):
     def start_quorum(self, accept: Any) -> None:
         pass
 
-    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False) -> Any:
+    def allreduce(self, tensor: torch.Tensor) -> Any:
         self.sent.append(tensor)
         return SimpleNamespace(wait=lambda: None)
 

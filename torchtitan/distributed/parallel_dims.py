@@ -59,6 +59,14 @@ def pick_device(job_config: JobConfig) -> torch.device:
     return torch.device("cpu")
 
 
+#: With fault tolerance on nccl, for every nccl group of the process: no heartbeat monitor. The
+#: monitor of the process's first group ends the process a few minutes after any group of it
+#: saw an error: a survivor's replicate group seeing a peer's death would then kill the survivor
+#: (``components/ft/build.py`` has the replicate group's own modes). A rank's death inside its
+#: replica group still ends the group: that group's watchdog tears the process down.
+FAULT_TOLERANT_NCCL_ENVIRONMENT = {"TORCH_NCCL_ENABLE_MONITORING": "0"}
+
+
 def init_distributed(job_config: JobConfig) -> ParallelDims:
     """Start the job's process group (when launched with more than one rank) and its mesh.
 
@@ -71,6 +79,8 @@ def init_distributed(job_config: JobConfig) -> ParallelDims:
     require_shard_degree(job_config.parallelism.data_parallel_shard_degree, world_size)
     ft = job_config.fault_tolerance
     replica_id, groups = (ft.replica_id, ft.group_size) if ft.enable else (0, 1)
+    if ft.enable and device.type == "cuda":
+        os.environ.update(FAULT_TOLERANT_NCCL_ENVIRONMENT)  # before any nccl group is built
     if world_size == 1:
         return ParallelDims(device, 0, 1, None, replica_id, groups)
 

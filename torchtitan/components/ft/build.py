@@ -4,6 +4,7 @@ the torchft Manager with its replicate process group when the group is ready to 
 from __future__ import annotations
 
 import math
+import os
 import sys
 import threading
 import time
@@ -38,6 +39,19 @@ MANAGER_STARTED = EventKind(
 )
 
 
+#: What c10d reads when it builds an nccl backend, set for the replicate group's (and any built
+#: after it; the groups inside the replica group are built before, in ``init_distributed``):
+#: on an asynchronous error (a peer's closed connection, its own timeout) the watchdog only
+#: aborts the communicator (2, "CleanUpOnly": the process lives on, the work records the error
+#: and torchft fails the step or sync), where c10d's default (3) ends the process, so a peer's
+#: death would kill the survivors; and it signals no flight-recorder dump, whose process-wide
+#: flag would make the first group's heartbeat monitor end the process minutes later.
+REPLICA_NCCL_ENVIRONMENT = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+}
+
+
 def fresh_rendezvous_address(store_addr: str, world_size: int, timeout: timedelta) -> str:
     """``store_addr`` (torchft's ``host:port/torchft/<quorum id>/<rank>``) with one more prefix
     level that no earlier rendezvous of the same quorum id used.
@@ -61,11 +75,14 @@ def fresh_rendezvous_process_group(backend: str, timeouts: ReplicaTimeouts) -> A
     at every quorum on fresh rendezvous keys (:func:`fresh_rendezvous_address`), with every
     timeout c10d and torchft apply to it from ``timeouts`` (``timeouts.py``).
 
-    On nccl: c10d's watchdog (the communicator's options) is ``timeouts.watchdog``;
+    On nccl: c10d's watchdog (the communicator's options) is ``timeouts.watchdog``, and on an
+    error it only aborts the communicator (:data:`REPLICA_NCCL_ENVIRONMENT`);
     torchft's abort timer around issuing an operation and ``TORCH_NCCL_NONBLOCKING_TIMEOUT``
     (unless set) are ``timeouts.operation``; a wait that names no timeout (the quorum's
     exchange, queued on the communicator's stream behind what is in flight) gets
-    ``timeouts.collective``; a new group's rendezvous ``timeouts.rendezvous``.
+    ``timeouts.collective``; a new group's rendezvous ``timeouts.rendezvous``, and the store
+    that later pairs a heal's point-to-point communicators ``timeouts.operation``. Whatever
+    reads a result waits with ``delivery.wait_delivered``.
 
     On gloo, the group of the last quorum is released on a thread of its own, not aborted in
     the quorum: gloo's ``abort`` and its destructor both wait for every collective in flight,
@@ -74,6 +91,9 @@ def fresh_rendezvous_process_group(backend: str, timeouts: ReplicaTimeouts) -> A
     nccl = backend == "nccl"
     if nccl:
         timeouts.apply_nccl_environment()  # before torchft's group reads it
+        # Here, on the main thread before torchft's threads start (not around each build on
+        # its quorum thread: setenv beside another thread's getenv can crash the process).
+        os.environ.update(REPLICA_NCCL_ENVIRONMENT)
     base = torchft_adapter.reconfigurable_group_class(backend)
 
     class FreshRendezvous(base):  # type: ignore[valid-type,misc]  # a class chosen at run time
@@ -104,7 +124,12 @@ def fresh_rendezvous_process_group(backend: str, timeouts: ReplicaTimeouts) -> A
                 options = torchft_adapter.nccl_options(
                     timeouts.watchdog, self.__dict__.get("_global_ranks"), self._quorum_group_name()
                 )
-                return torchft_adapter.build_nccl_group(store, rank, world_size, options)
+                group = torchft_adapter.build_nccl_group(store, rank, world_size, options)
+                # From now on the store only pairs the point-to-point communicators a heal
+                # creates on its first send: the peer publishes its id when its send starts,
+                # which may be a heal's whole wait later, not a rendezvous's.
+                store.set_timeout(timeouts.operation)
+                return group
 
             def _wrap_work(self, work: Any, opts: object) -> Any:
                 if not self._use_abort:  # NCCL < 2.25: c10d's own timeouts, as torchft does

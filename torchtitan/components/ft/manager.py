@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from torchtitan.components.ft.delivery import all_reduce_across_groups
 from torchtitan.components.ft.errors import FaultToleranceError
 from torchtitan.components.ft.healing import register_healing_state
 from torchtitan.components.ft.network import lighthouse_address, lighthouse_reachable
@@ -388,7 +389,8 @@ class FTManager:
         """Average the gradients of this rank's shard across the replica groups in the quorum.
 
         Gradients are flattened into one buffer per dtype so a step costs one collective. A
-        failure (a peer died) does not raise: torchft records it and ``should_commit`` says no.
+        failure (a peer died) does not raise: torchft records it and ``should_commit`` says no
+        (``delivery.all_reduce_across_groups``: also on nccl, where only the work may know).
         """
         grads = [
             p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
@@ -400,7 +402,8 @@ class FTManager:
             by_dtype.setdefault(grad.dtype, []).append(grad)
         for group in by_dtype.values():
             flat = torch.cat([g.reshape(-1) for g in group])
-            self.manager.allreduce(flat).wait()
+            if not all_reduce_across_groups(self.manager, flat, average=True):
+                return  # not committed: the gradients stay as they are
             offset = 0
             for g in group:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))

@@ -63,14 +63,6 @@ def check_version() -> None:
         )
 
 
-def quantization_available() -> bool:
-    """Whether torchft's fp8 all-reduce path (Triton) is importable: without it torchft
-    silently sends full precision."""
-    import torchft.manager
-
-    return bool(torchft.manager.IS_TRITON_AVAILABLE)
-
-
 # ---- the Manager's construction ----------------------------------------------------------
 
 
@@ -204,6 +196,32 @@ def accelerator_timeout_work(pg: Any, work: Any, timeout: timedelta) -> Any:
     from torchft.process_group import _WorkAcceleratorTimeout
 
     return _WorkAcceleratorTimeout(pg, work, timeout)
+
+
+def backend_work(work: Any) -> Any:
+    """The c10d work under torchft's nccl wrapper (``_WorkAcceleratorTimeout``, whose ``wait``
+    arms torchft's abort timer and, given a timeout, synchronizes the whole device), or
+    ``work`` itself."""
+    from torchft.process_group import _WorkAcceleratorTimeout
+
+    return work._work if isinstance(work, _WorkAcceleratorTimeout) else work
+
+
+def work_timeout(work: Any) -> timedelta | None:
+    """The timeout torchft's nccl wrapper gave ``work`` (the operation's, or its group's); None
+    for any other work (gloo's carries its own)."""
+    from torchft.process_group import _WorkAcceleratorTimeout
+
+    return work._timeout if isinstance(work, _WorkAcceleratorTimeout) else None
+
+
+def group_generation(pg: Any) -> object:
+    """What ``pg`` (torchft's reconfigurable group) runs on now: its c10d group, replaced at
+    every reconfiguration and dropped by an abort. A collective whose group's generation
+    changed while it was waited for did not deliver, even where its work says nothing. Any
+    other group is its own generation."""
+    found: dict[str, Any] = getattr(pg, "__dict__", {})
+    return found.get("_pg", pg)
 
 
 def heartbeat_id(manager: Manager) -> str:

@@ -138,7 +138,7 @@ class HealExchange:
         if self.replayer is None:
             return f"{self.loop.method} cannot replay"
         if self.history.capacity <= 0:
-            return "fault_tolerance.heal_history_syncs=0, or should_quantize"
+            return "fault_tolerance.heal_history_syncs=0"
         return "it keeps one"
 
     def set_basis(self, sync: int | None) -> None:

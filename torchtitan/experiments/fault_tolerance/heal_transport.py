@@ -4,6 +4,8 @@ peer sends: what is sent, and what the joiner does with it, is ``heal_exchange``
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -13,6 +15,7 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup
 
+from torchtitan.components.ft.streams import side_stream
 from torchtitan.experiments.fault_tolerance.heal_exchange import (
     HEAL_KEY,
     HealAnswer,
@@ -35,6 +38,31 @@ _PAYLOAD_TAG = 1 << 20
 _REFUSED = 0x5EA1_0BAD
 
 
+def all_at_once(jobs: list[Callable[[], None]], device: torch.device) -> None:
+    """Run ``jobs`` at the same time, each on a thread and a stream of its own (one alone on
+    this thread); raise the first error any of them raised, once all have ended."""
+    if len(jobs) <= 1:
+        for job in jobs:
+            job()
+        return
+    errors: list[BaseException] = []
+
+    def run(job: Callable[[], None]) -> None:
+        try:
+            with side_stream(device):
+                job()
+        except BaseException as e:  # raised below, in the caller's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(job,), daemon=True) for job in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
 def build_history_transport(exchange_of: Callable[[], HealExchange]) -> Callable[..., Any]:
     """The factory ``build_ft_manager`` takes; ``exchange_of()`` gives this rank's
     :class:`HealExchange` (asked at each heal: the Manager is built before the method)."""
@@ -50,7 +78,9 @@ def build_history_transport(exchange_of: Callable[[], HealExchange]) -> Callable
             self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta
         ) -> None:
             # Every joiner's request first (a few numbers each), then one send per distinct
-            # answer to all the joiners it is for, as torchft sends one state to all of them.
+            # answer to all the joiners it is for, as torchft sends one state to all of them;
+            # distinct answers at once, so that no joiner's first piece waits for another's
+            # whole transfer (each piece's wait is bounded by the heal's timeout).
             answers: dict[str, tuple[HealAnswer, list[int]]] = {}
             with self._pg.heal():
                 for dst in dst_ranks:
@@ -61,9 +91,17 @@ def build_history_transport(exchange_of: Callable[[], HealExchange]) -> Callable
                     basis = ReplayBasis.from_tensor(request)
                     answer = exchange_of().answer(basis, step, state_dict)
                     answers.setdefault(repr(answer.key), (answer, []))[1].append(dst)
-                for answer, dsts in answers.values():
-                    super().send_checkpoint(dsts, step, answer.state, timeout)
-                    self._send_payloads(dsts, answer.payloads, timeout)
+                all_at_once(
+                    [functools.partial(self._send_answer, answer, dsts, step, timeout)
+                     for answer, dsts in answers.values()],
+                    self._device,
+                )  # fmt: skip
+
+        def _send_answer(
+            self, answer: HealAnswer, dsts: list[int], step: int, timeout: timedelta
+        ) -> None:
+            super().send_checkpoint(dsts, step, answer.state, timeout)
+            self._send_payloads(dsts, answer.payloads, timeout)
 
         def _send_payloads(
             self, dsts: list[int], payloads: list[torch.Tensor], timeout: timedelta

@@ -198,10 +198,6 @@ class FaultTolerance(CoreFaultTolerance):
     as sent: 4 per parameter in float32, ~1 in int8, ~0.5 in int4, ~0.03 per group in sparse.
     0: always heal in full."""
 
-    should_quantize: bool = False
-    """DiLoCo: torchft's own fp8 all-reduce (Triton). Needs CUDA, nccl and triton, refused
-    elsewhere; ``pseudo_grad_dtype`` works on every device, and the two do not combine."""
-
     @property
     def method(self) -> str | None:
         """``semi_sync_method`` with its aliases resolved (``local_sgd`` -> ``localsgd``)."""
@@ -284,15 +280,6 @@ class FaultTolerance(CoreFaultTolerance):
                 "fault_tolerance.outer_momentum", self.outer_momentum, "must be in [0, 1)"
             )
         self._validate_compression()
-        if self.should_quantize:
-            missing = _missing_for_quantization(self, config)
-            if missing:
-                raise ConfigError(
-                    "fault_tolerance.should_quantize",
-                    True,
-                    f"torchft's fp8 all-reduce needs CUDA, the nccl process group and triton; "
-                    f"{missing}, and torchft would silently send full precision instead",
-                )
 
     def _validate_compression(self) -> None:
         compressed = self.pseudo_grad_dtype != "float32"
@@ -302,13 +289,6 @@ class FaultTolerance(CoreFaultTolerance):
                 True,
                 "needs a compressed fault_tolerance.pseudo_grad_dtype (bfloat16, int8, int4 "
                 "or sparse)",
-            )
-        if compressed and self.should_quantize:
-            raise ConfigError(
-                "fault_tolerance.should_quantize",
-                True,
-                f"pseudo_grad_dtype={self.pseudo_grad_dtype} compresses already; use one of "
-                "the two (should_quantize is torchft's fp8, CUDA and Triton only)",
             )
         if self.pseudo_grad_dtype != "sparse":
             for name in self._changed(SPARSE_FIELDS):
@@ -363,7 +343,6 @@ class FaultTolerance(CoreFaultTolerance):
             "fragment_sync_delay": "async_diloco overlaps each all-reduce with a whole period "
             "already; fragment_sync_delay is blocking Streaming DiLoCo's shorter overlap",
             "fragment_update_alpha": "async_diloco takes the global parameters (alpha 0)",
-            "should_quantize": "async_diloco sends full precision",
         }
         for name in self._changed(tuple(not_async)):
             raise ConfigError(f"fault_tolerance.{name}", getattr(self, name), not_async[name])
@@ -506,7 +485,6 @@ OUTER_FIELDS = (
     "outer_lr",
     "outer_momentum",
     "outer_nesterov",
-    "should_quantize",
     "pseudo_grad_dtype",
     "error_feedback",
     "sparse_chunk",
@@ -541,21 +519,6 @@ SEMI_SYNC_FIELDS = (
     "fragment_update_alpha",
     *ASYNC_FIELDS,
 )
-
-
-def _missing_for_quantization(ft: FaultTolerance, config: CoreJobConfig) -> str:
-    """What this machine and config lack for torchft's fp8 all-reduce ('' when nothing)."""
-    import torch
-
-    if not torch.cuda.is_available() or config.training.device == "cpu":
-        return "this run has no CUDA device"
-    if ft.process_group == "gloo":
-        return "fault_tolerance.process_group is gloo"
-    from torchtitan.components.ft.torchft_adapter import quantization_available
-
-    if not quantization_available():
-        return "torchft's Triton kernels cannot be imported (pip install triton)"
-    return ""
 
 
 def _how_to_run(method: str) -> str:

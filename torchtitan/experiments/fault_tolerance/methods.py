@@ -69,7 +69,6 @@ def build_method(
         period=ft.sync_steps // len(fragments),
         delay=ft.fragment_sync_delay,
         alpha=ft.fragment_update_alpha,
-        should_quantize=ft.should_quantize,
         history=history,
     )
 
@@ -104,10 +103,8 @@ def build_sync_manager(
 
 def heal_history(ft: FaultTolerance) -> HealHistory:
     """The last committed syncs, which a group restarted from its own checkpoint replays
-    instead of receiving the full state: none for LocalSGD (cannot replay) or with
-    ``should_quantize`` (torchft's fp8 all-reduce bypasses the transport that keeps them)."""
-    keeps = ft.method != "localsgd" and not ft.should_quantize
-    return HealHistory(ft.heal_history_syncs if keeps else 0)
+    instead of receiving the full state: none for LocalSGD (cannot replay)."""
+    return HealHistory(ft.heal_history_syncs if ft.method != "localsgd" else 0)
 
 
 def build_speed_exchange(

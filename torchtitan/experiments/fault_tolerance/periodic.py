@@ -120,14 +120,12 @@ class DiLoCo(GlobalCopyMethod[Fragment]):
         period: int,
         delay: int = 0,
         alpha: float = 0.0,
-        should_quantize: bool = False,
         history: HealHistory | None = None,
     ) -> None:
         """``make_outer``: builds a fragment's outer optimizer over its global copy; ``period``:
         inner steps between sync points; ``delay``: steps from a fragment's all-reduce to its
-        outer step (< ``period``); ``alpha``: ``fragment_update_alpha``; ``should_quantize``:
-        torchft's fp8 all-reduce (CUDA and Triton only) for the pseudo-gradients; ``history``:
-        the heal history (``GlobalCopyMethod``)."""
+        outer step (< ``period``); ``alpha``: ``fragment_update_alpha``; ``history``: the heal
+        history (``GlobalCopyMethod``)."""
         if not 0 <= delay < period:
             raise ValueError(f"delay must be in [0, period={period}), not {delay}")
         if not 0.0 <= alpha <= 1.0:
@@ -136,7 +134,6 @@ class DiLoCo(GlobalCopyMethod[Fragment]):
         super().__init__(manager, inner_optimizer, period, fragments, states, history)
         self.delay = delay
         self.alpha = alpha
-        self.should_quantize = should_quantize
 
     # ---- the sync ----------------------------------------------------------------------------
 
@@ -150,10 +147,7 @@ class DiLoCo(GlobalCopyMethod[Fragment]):
         assert not state.works, f"fragment {index}'s last all-reduce was never waited for"
         for name, local in state.locals().items():
             state.grads[name] = torch.sub(state.global_copy[name], local)
-        state.works = [
-            self.manager.allreduce(grad, should_quantize=self.should_quantize)
-            for grad in state.grads.values()
-        ]
+        state.works = [self.manager.allreduce(grad) for grad in state.grads.values()]
 
     @torch.no_grad()
     def apply_sync(self) -> None:

@@ -159,7 +159,7 @@ class QuorumExchange:
             mine.has_digest, mine.digest = 1, digest
         if self.speeds is not None:
             self.speeds.fill(mine)
-        members = exchange(manager, mine, self.rank.device)
+        members = exchange(manager, mine, self.rank.device, self.sync.collective_timeout)
         self.sync.set_members([m.heartbeat for m in members or []])
         # A prober's record comes from the probe's own exchange: no shapes (nor a sync, below).
         shapes = [(f"replica group {m.replica}", m.shape()) for m in members or [] if not m.probe]

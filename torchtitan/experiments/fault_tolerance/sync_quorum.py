@@ -25,6 +25,9 @@ from torch.distributed import ReduceOp
 
 from torchtitan.components.ft import FaultToleranceError, FTManager, QuorumPurpose
 from torchtitan.components.ft import torchft_adapter as tft
+from torchtitan.components.ft.delivery import all_reduce_across_groups
+from torchtitan.components.ft.streams import side_stream
+from torchtitan.components.ft.timeouts import WATCHDOG_MARGIN
 from torchtitan.experiments.fault_tolerance import events
 from torchtitan.experiments.fault_tolerance.compression import Delivered
 from torchtitan.experiments.fault_tolerance.fragment_residuals import FragmentResiduals
@@ -33,7 +36,6 @@ from torchtitan.experiments.fault_tolerance.shapes import CollectiveShape
 from torchtitan.experiments.fault_tolerance.transport import SyncTransport, TransferWork
 
 if TYPE_CHECKING:
-    from torch.distributed import Work
     from torchft.manager import Manager
 
 #: Roles in a quorum: at its sync point; (re)started with no checkpoint; resumed from one.
@@ -145,15 +147,19 @@ class Member:
             setattr(self, name, value)
 
 
-def exchange(manager: Manager, mine: Member, device: torch.device) -> list[Member] | None:
+def exchange(
+    manager: Manager, mine: Member, device: torch.device, timeout: timedelta | None = None
+) -> list[Member] | None:
     """Every member's :class:`Member`, in quorum order (an all-gather as one SUM all-reduce).
-    None when the collective failed (a member died): torchft then fails this quorum's commit."""
+    None when the collective failed (a member died): the Manager is told, so this quorum is
+    not committed. The records are read only once they have arrived
+    (``delivery.all_reduce_across_groups``: on nccl ``wait`` returns before they are there);
+    ``timeout``: the longest the exchange may take (a sync's collective timeout)."""
     fields = len(astuple(mine))
     size, rank = manager.num_participants(), manager.participating_rank()
     buffer = torch.zeros(size * fields, dtype=torch.int64, device=device)
     buffer[rank * fields : (rank + 1) * fields] = torch.tensor(astuple(mine), dtype=torch.int64)
-    manager.allreduce(buffer, reduce_op=ReduceOp.SUM).wait()
-    if manager.errored() is not None:
+    if not all_reduce_across_groups(manager, buffer, average=False, timeout=timeout):
         return None
     return [Member(*row) for row in buffer.view(size, fields).tolist()]
 
@@ -179,6 +185,16 @@ def compare_digests(members: list[Member]) -> Verdict:
     return Verdict(digests, majority)
 
 
+def in_group_wait(quorum_s: float, heal_s: float, collective_s: float) -> timedelta:
+    """How long :meth:`RankInGroup.most` waits for the group's other ranks: how far one rank's
+    work across groups may run past another's between two decisions. That is at most a sync
+    quorum (``sync_quorum_timeout_s``) and, after it, two operations only that rank still
+    waits for, each a heal's piece (``timeout_s``) or a sync's transfer
+    (``sync_collective_timeout_s``), plus c10d's margin (``timeouts.WATCHDOG_MARGIN``)."""
+    longest = max(heal_s, collective_s)
+    return timedelta(seconds=quorum_s + 2 * longest) + WATCHDOG_MARGIN
+
+
 @dataclass(frozen=True)
 class RankInGroup:
     """This rank within its replica group: the device its exchanges run on, and how many ranks
@@ -186,14 +202,28 @@ class RankInGroup:
 
     device: torch.device
     ranks: int = 1
+    #: The group's ranks' own host process group for :meth:`most` (None: one rank).
+    host_group: dist.ProcessGroup | None = None
+
+    @classmethod
+    def build(cls, device: torch.device, ranks: int, wait: timedelta) -> RankInGroup:
+        """Collective over the replica group's ranks (all call it, at start-up). Each rank
+        decides right after its own work across groups (a heal, the quorum's exchange, a
+        sync's transfers), and ranks sharing one link finish it minutes apart: the decision
+        runs on a gloo group of its own whose timeout, ``wait``, outlasts that work, never on
+        the device's group, whose watchdog counts from the queueing (and whose collectives
+        training's stream would wait for)."""
+        if ranks == 1:
+            return cls(device)
+        return cls(device, ranks, dist.new_group(backend="gloo", timeout=wait))
 
     def most(self, values: list[int]) -> list[int]:
         """Element by element, the largest of the group's ranks' ``values`` (one MAX
-        all-reduce in the group's default process group; a group of one rank decides alone)."""
+        all-reduce on :attr:`host_group`; a group of one rank decides alone)."""
         if self.ranks == 1:
             return list(values)
-        found = torch.tensor(values, dtype=torch.int64, device=self.device)
-        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        found = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.host_group)
         return [int(v) for v in found.tolist()]
 
 
@@ -219,7 +249,11 @@ class ProbeInFlight:
         try:
             if device is not None:
                 torch.accelerator.set_device_index(device)
-            run()
+            on = torch.device("cpu") if device is None else torch.device(device)
+            # Not the training stream (every thread starts on it): on nccl the next inner
+            # step would otherwise wait for every probing group's exchange.
+            with side_stream(on):
+                run()
         except BaseException as e:  # raised in the training thread, by finish()
             self._error = e
 
@@ -288,6 +322,11 @@ class SyncManager:
         return self.transport.dtype
 
     @property
+    def collective_timeout(self) -> timedelta:
+        """``sync_collective_timeout_s``: the longest one collective across groups may take."""
+        return self.transport.timeout
+
+    @property
     def residuals(self) -> FragmentResiduals | None:
         """The error-feedback residuals by fragment (None: no error feedback)."""
         return self.transport.residuals
@@ -295,18 +334,14 @@ class SyncManager:
     def allreduce(
         self,
         tensor: torch.Tensor,
-        should_quantize: bool = False,
         reduce_op: ReduceOp.RedOpType = ReduceOp.AVG,
         *,
         exact: bool = False,
-    ) -> TransferWork | Work:
+    ) -> TransferWork:
         """Through the sync's transport; ``exact``: as fp32 without error feedback (e.g. token
-        counts), in order with the rest. ``should_quantize``: torchft's own fp8 all-reduce."""
-        manager = self.ft.manager
-        if should_quantize:
-            return manager.allreduce(tensor, should_quantize=True, reduce_op=reduce_op)
+        counts), in order with the rest."""
         return self.transport.allreduce(
-            manager, tensor, average=reduce_op == ReduceOp.AVG, exact=exact
+            self.ft.manager, tensor, average=reduce_op == ReduceOp.AVG, exact=exact
         )
 
     def flush(self) -> None:

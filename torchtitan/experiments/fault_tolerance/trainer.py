@@ -58,7 +58,7 @@ from torchtitan.experiments.fault_tolerance.quorum_exchange import QuorumExchang
 from torchtitan.experiments.fault_tolerance.quorum_protocol import JoinAtSync, QuorumProtocol
 from torchtitan.experiments.fault_tolerance.reporting import SyncReporter
 from torchtitan.experiments.fault_tolerance.shapes import CollectiveShape
-from torchtitan.experiments.fault_tolerance.sync_quorum import RankInGroup
+from torchtitan.experiments.fault_tolerance.sync_quorum import RankInGroup, in_group_wait
 from torchtitan.tools import host_memory
 from torchtitan.tools.digest import tensor_digest
 from torchtitan.tools.logging import logger
@@ -91,7 +91,8 @@ class SemiSyncTrainer(Trainer):
         super().__init__(job_config)
         assert self.ft is not None
         ranks = self.parallel_dims.world_size
-        rank = RankInGroup(self.device, ranks)
+        wait = in_group_wait(ft.sync_quorum_timeout_s, ft.timeout_s, ft.sync_collective_timeout_s)
+        rank = RankInGroup.build(self.device, ranks, wait)
         history = heal_history(ft)
         self.sync = build_sync_manager(ft, self.ft, history, rank)
         self.algorithm: OuterLoop = build_method(

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
+from torchtitan.components.ft.delivery import wait_delivered
 from torchtitan.experiments.fault_tolerance.compression.codecs import (
     BLOCK,
     Codec,
@@ -117,17 +118,12 @@ def _sync(t: torch.Tensor) -> None:
         torch.cuda.current_stream(t.device).synchronize()
 
 
-def _wait(work: dist.Work) -> None:
-    """Wait for a collective without a device-wide synchronize.
-
-    Given a timeout, torchft's nccl wrapper (``_WorkAcceleratorTimeout``) would call
-    ``torch.accelerator.synchronize()``, waiting for the training kernels queued on the device
-    too. Without one, the wait only orders this thread's stream after the collective, and the
-    collective's timeout (``sync_collective_timeout_s``) still holds: gloo takes it in the
-    collective's options; torchft's nccl wrapper as its own timeout (``build.py``'s
-    ``_wrap_work``), aborting the communicator; the runner then fails the sync naming the
-    field."""
-    work.wait()
+def _wait(work: dist.Work, pg: dist.ProcessGroup, timeout: timedelta | None) -> None:
+    """Wait until the collective's result is in its buffers, at most ``timeout`` (default: the
+    group's): ``delivery.wait_delivered`` raises when it failed, also on nccl, where a failure
+    never raises in ``wait``, without a device-wide synchronize (the training kernels queued
+    meanwhile are not waited for). The runner then fails the sync naming the field."""
+    wait_delivered(work, pg, timeout)
 
 
 def _options(options: _Options, timeout: timedelta | None) -> _Options:
@@ -147,7 +143,7 @@ def _all_gather(
     gathered = [torch.empty_like(mine) for _ in range(pg.size())]
     with issuing():
         work = pg.allgather([gathered], [mine], _options(AllgatherOptions(), timeout))
-    _wait(work)
+    _wait(work, pg, timeout)
     _sync(mine)  # this thread's stream only: decoding is timed alone
     return gathered
 
@@ -200,7 +196,7 @@ def compressed_all_reduce(
             opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
             with issuing():
                 work = pg.allreduce([tensor], opts)
-            _wait(work)
+            _wait(work, pg, timeout)
             stats.bytes_sent = 2 * (n - 1) * 4 * math.ceil(numel / n)
         if error_feedback is not None:
             _stage(error_feedback, key, torch.zeros_like(tensor), stats, stage)  # nothing dropped
@@ -311,7 +307,7 @@ def _reduce_chunk(
         work = pg.alltoall_base(
             recv, send, splits, splits, _options(dist.AllToAllOptions(), timeout)
         )
-    _wait(work)
+    _wait(work, pg, timeout)
     _sync(recv)  # this thread's stream only: the decode's time below is not the wire's
 
     # In rank order, so that a rerun gives the same bytes.
