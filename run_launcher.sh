@@ -12,4 +12,4 @@ cd "$(dirname "$0")"
 if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
-exec "$PYTHON" -m torchtitan.experiments.fault_tolerance.launcher "$@"
+exec "$PYTHON" -m torchtitan.experiments.fault_tolerance.launch.launcher "$@"

@@ -79,7 +79,7 @@ class _Arrived:
 
 
 class OneGroup:
-    """The sync Manager as async DiLoCo uses it, for a group alone: every quorum is this group,
+    """The sync quorum as async DiLoCo uses it, for a group alone: every quorum is this group,
     every all-reduce has arrived (its sum is its own values), every sync commits, and the
     committed sync's result is kept for the heal history as the transport keeps it."""
 
@@ -171,9 +171,18 @@ def measure_one(numel: int, repeats: int, device_name: str, threads: int) -> dic
     import torch
     from torch import nn
 
-    from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
-    from torchtitan.experiments.fault_tolerance.compression import Delivered
-    from torchtitan.experiments.fault_tolerance.heal_history import HealHistory
+    try:
+        from torchtitan.experiments.fault_tolerance.heal.history import HealHistory
+        from torchtitan.experiments.fault_tolerance.methods.async_diloco import AsyncDiLoCo
+        from torchtitan.experiments.fault_tolerance.transport.collective import Delivered
+    except ImportError:  # code before the layer packages (a baseline)
+        from torchtitan.experiments.fault_tolerance.async_diloco import (  # type: ignore
+            AsyncDiLoCo,
+        )
+        from torchtitan.experiments.fault_tolerance.compression import Delivered  # type: ignore
+        from torchtitan.experiments.fault_tolerance.heal_history import (  # type: ignore
+            HealHistory,
+        )
 
     torch.set_num_threads(1)  # as torchrun starts a rank
     device = torch.device(device_name)
@@ -189,7 +198,7 @@ def measure_one(numel: int, repeats: int, device_name: str, threads: int) -> dic
     if "history" in inspect.signature(AsyncDiLoCo).parameters:
         options["history"] = HealHistory(1)
     loop = AsyncDiLoCo(
-        manager,  # type: ignore[arg-type]  # the part of the sync Manager it uses
+        manager,  # type: ignore[arg-type]  # the part of the sync quorum it uses
         [model],
         inner,
         sync_steps=1,
@@ -202,9 +211,11 @@ def measure_one(numel: int, repeats: int, device_name: str, threads: int) -> dic
         **options,
     )
     if "history" not in options:  # older code: the heal history's hook on the Manager
-        from torchtitan.experiments.fault_tolerance.heal_transport import HealExchange
+        from torchtitan.experiments.fault_tolerance.heal_transport import (  # type: ignore
+            HealExchange,
+        )
 
-        heal = HealExchange(HealHistory(1), 0, loop, ft=None)  # type: ignore[arg-type]
+        heal = HealExchange(HealHistory(1), 0, loop, ft=None)  # type: ignore[arg-type,call-arg]
         manager.on_committed = heal.record  # type: ignore[attr-defined]
     # Every quorum is this group alone (older code asked its Manager for it, with no argument).
     quorums = (SimpleNamespace(sync_quorum=lambda: None),)
@@ -320,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure_one(numel, repeats, args.device, args.outer_step_threads)))
         return 0
     from benchmarks import provenance
-    from torchtitan.experiments.fault_tolerance.piece_workers import cores_per_rank
+    from torchtitan.experiments.fault_tolerance.methods.piece_workers import cores_per_rank
 
     out = args.json or provenance.default_output("outer_step.json", args.smoke)
     # name -> (code, outer_step_threads)

@@ -342,7 +342,7 @@ def two_groups(spec: dict, out: Path, python: str, budget: Budget, dry: bool) ->
         *(["--metrics.log_param_digest"] if spec.get("digests", True) else []),
         *spec.get("train_args", []),
     ]  # fmt: skip
-    cmd = [python, "-m", "torchtitan.experiments.fault_tolerance.launcher", "--groups", "2",
+    cmd = [python, "-m", "torchtitan.experiments.fault_tolerance.launch.launcher", "--groups", "2",
            *spec.get("launcher_args", []), "--", *train]  # fmt: skip
     row: dict[str, Any] = dict(spec)
     row.update(run(name, cmd, out, budget.limit(spec["timeout_s"])))

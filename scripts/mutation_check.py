@@ -42,7 +42,7 @@ TESTS = [
     "tests/unit_tests/test_peer_watch.py",
     "tests/unit_tests/test_replica_timeouts.py",
     "tests/unit_tests/test_ft_manager.py",
-    "tests/unit_tests/test_outer_passes.py",
+    "tests/unit_tests/test_host_passes.py",
     "tests/unit_tests/test_exact_division.py",
     "tests/unit_tests/test_step_clock.py",
     "tests/unit_tests/test_torchft_oracle.py",
@@ -100,49 +100,49 @@ class Mutant:
 MUTANTS = [
     Mutant(
         "engine: DiLoCo's pseudo-gradient has the wrong sign",
-        f"{PACKAGE}/periodic.py",
+        f"{PACKAGE}/methods/periodic.py",
         "torch.sub(state.global_copy[name], local)",
         "torch.sub(local, state.global_copy[name])",
     ),
     Mutant(
         "engine: DiLoCo's pseudo-gradient is all-reduced in the model's own storage",
-        f"{PACKAGE}/periodic.py",
+        f"{PACKAGE}/methods/periodic.py",
         "torch.sub(state.global_copy[name], local)",
         "torch.sub(state.global_copy[name], local, out=local)",
     ),
     Mutant(
         "engine: DiLoCo's outer step is taken after a failed sync too",
-        f"{PACKAGE}/periodic.py",
+        f"{PACKAGE}/methods/periodic.py",
         "        if self._committed:\n            self._keep(index)\n",
         "        if True:\n            self._keep(index)\n",
     ),
     Mutant(
         "engine: fragment_update_alpha mixes in the global copy's share",
-        f"{PACKAGE}/periodic.py",
+        f"{PACKAGE}/methods/periodic.py",
         "local.lerp_(own[name], self.alpha)",
         "local.lerp_(own[name], 1 - self.alpha)",
     ),
     Mutant(
         "engine: Streaming DiLoCo syncs the first fragment at every sync point",
-        f"{PACKAGE}/global_copy.py",
-        "return self.manager.current_step() % len(self.fragments)",
+        f"{PACKAGE}/methods/global_copy.py",
+        "return self.sync.current_step() % len(self.fragments)",
         "return 0",
     ),
     Mutant(
         "engine: fragment_sync_delay is ignored (the all-reduce starts at the sync point)",
-        f"{PACKAGE}/outer_loop.py",
+        f"{PACKAGE}/methods/outer_loop.py",
         "self._local_step == self.steps_this_period() - self.delay",
         "self._local_step == self.steps_this_period()",
     ),
     Mutant(
         "engine: a group joining a delayed Streaming DiLoCo sync applies it at once",
-        f"{PACKAGE}/outer_loop.py",
+        f"{PACKAGE}/methods/outer_loop.py",
         "if self.delay or self.applies_next:",
         "if self.applies_next:",
     ),
     Mutant(
         "engine: async DiLoCo's sync is applied at its own sync point",
-        f"{PACKAGE}/outer_loop.py",
+        f"{PACKAGE}/methods/outer_loop.py",
         "        self.apply_sync()\n        self._local_step = 0\n        if self.applies_next:\n"
         "            self.start_sync(quorums)",
         "        if self.applies_next:\n            self.start_sync(quorums)\n"
@@ -150,96 +150,96 @@ MUTANTS = [
     ),
     Mutant(
         "engine: LocalSGD's average replaces the model after a failed sync too",
-        f"{PACKAGE}/periodic.py",
+        f"{PACKAGE}/methods/periodic.py",
         "        if self._committed:\n            for p, (mean, _)",
         "        if True:\n            for p, (mean, _)",
     ),
     Mutant(
         "engine: a replayed average is read from the start for every tensor",
-        f"{PACKAGE}/global_copy.py",
+        f"{PACKAGE}/methods/global_copy.py",
         "views[name] = flat[offset : offset + t.numel()].view_as(t)",
         "views[name] = flat[: t.numel()].view_as(t)",
         tests=(*TESTS, "tests/unit_tests/test_heal_history.py"),
     ),
     Mutant(
         "engine: a healing peer's outer momentum is not taken",
-        f"{PACKAGE}/global_copy.py",
+        f"{PACKAGE}/methods/global_copy.py",
         '        self.outer.load_state_dict(saved["outer_optimizer"])',
         "        pass",
     ),
     Mutant(
         "engine: the heal history's basis is the global copy after the outer step",
-        f"{PACKAGE}/periodic.py",
+        f"{PACKAGE}/methods/periodic.py",
         "            self._keep(index)\n            state.outer_step(grads)",
         "            state.outer_step(grads)\n            self._keep(index)",
         tests=(*TESTS, "tests/unit_tests/test_heal_history.py"),
     ),
     Mutant(
         "engine: the heal history keeps every sync under fragment 0",
-        f"{PACKAGE}/global_copy.py",
+        f"{PACKAGE}/methods/global_copy.py",
         "HistoryEntry.of(number, index, kept, basis, divisor)",
         "HistoryEntry.of(number, 0, kept, basis, divisor)",
         tests=(*TESTS, "tests/unit_tests/test_heal_history.py"),
     ),
     Mutant(
         "engine: a sync loaded as arrived is kept as what this process's transfers delivered",
-        f"{PACKAGE}/async_diloco.py",
+        f"{PACKAGE}/methods/async_diloco.py",
         "flight.buffer[:-1] if flight.loaded else None",
         "None",
         tests=(*TESTS, "tests/unit_tests/test_heal_history.py"),
     ),
     Mutant(
         "transport: an average is not divided by the number of groups",
-        f"{PACKAGE}/transport.py",
+        f"{PACKAGE}/transport/sync_transport.py",
         "divide_by = manager.num_participants() if average else 1",
         "divide_by = 1",
     ),
     Mutant(
         "transport: an average is divided by 2, whatever the number of groups",
-        f"{PACKAGE}/transport.py",
+        f"{PACKAGE}/transport/sync_transport.py",
         "divide_by = manager.num_participants() if average else 1",
         "divide_by = 2 if average else 1",
     ),
     Mutant(
         "transport: a healing group sends its own values instead of zeros",
-        f"{PACKAGE}/transport.py",
+        f"{PACKAGE}/transport/sync_transport.py",
         "tensor.zero_()  # a healing group sends nothing",
         "pass  # a healing group sends nothing",
     ),
     Mutant(
         "transport: an exact tensor travels compressed",
-        f"{PACKAGE}/transport.py",
+        f"{PACKAGE}/transport/sync_transport.py",
         "self._submit(tensor.view(-1), divide_by, exact=True)",
         "self._submit(tensor.view(-1), divide_by, exact=False)",
     ),
     Mutant(
         "transport: error-feedback residuals are kept after a failed sync",
-        f"{PACKAGE}/transport.py",
+        f"{PACKAGE}/transport/sync_transport.py",
         "            if committed:\n                self.residuals.commit()",
         "            if True:\n                self.residuals.commit()",
     ),
     Mutant(
         "async DiLoCo: the local copy follows the global one with the wrong sign",
-        f"{PACKAGE}/async_state.py",
+        f"{PACKAGE}/methods/async_diloco.py",
         "shift = self.global_copy[name] - self.period_start[name]",
         "shift = self.period_start[name] - self.global_copy[name]",
     ),
     Mutant(
         "async DiLoCo: the period's start does not move with the global copy",
-        f"{PACKAGE}/async_state.py",
+        f"{PACKAGE}/methods/async_diloco.py",
         "            self.period_start[name].copy_(self.global_copy[name])\n"
         "        wait_for_copies(self.model_device)  # the shifts",
         "            pass\n        wait_for_copies(self.model_device)  # the shifts",
     ),
     Mutant(
         "agreement: a tie counts as a majority",
-        f"{PACKAGE}/sync_quorum.py",
+        f"{PACKAGE}/sync/quorum.py",
         "2 * counts[top] > len(digests)",
         "2 * counts[top] >= len(digests)",
     ),
     Mutant(
         "agreement: the majority steps back instead of the minority",
-        f"{PACKAGE}/quorum_exchange.py",
+        f"{PACKAGE}/join/exchange.py",
         "        if minority:\n            events.DIFFERS_FROM_MAJORITY",
         "        if not minority:\n            events.DIFFERS_FROM_MAJORITY",
     ),
@@ -251,20 +251,20 @@ MUTANTS = [
     ),
     Mutant(
         "async DiLoCo: a failed in-flight sync is checkpointed as arrived",
-        f"{PACKAGE}/async_state.py",
-        "self.arrived = not agree(int(manager.sync_failed()))",
+        f"{PACKAGE}/methods/async_diloco.py",
+        "self.arrived = not agree(int(sync.sync_failed()))",
         "self.arrived = True",
     ),
     Mutant(
         "heal: a running group keeps its error-feedback residuals",
-        f"{PACKAGE}/quorum_protocol.py",
+        f"{PACKAGE}/join/protocol.py",
         "self.sync.reset_error_feedback()  # owed for state this group no longer has",
         "pass  # owed for state this group no longer has",
     ),
     Mutant(
         "heal: async DiLoCo keeps its error-feedback residuals",
-        f"{PACKAGE}/async_diloco.py",
-        "        self.manager.reset_error_feedback()\n        for state in self._states:",
+        f"{PACKAGE}/methods/async_diloco.py",
+        "        self.sync.reset_error_feedback()\n        for state in self._states:",
         "        pass\n        for state in self._states:",
     ),
     Mutant(
@@ -281,51 +281,51 @@ MUTANTS = [
     ),
     Mutant(
         "async DiLoCo: the checkpoint asks the group but not its Manager whether a sync failed",
-        f"{PACKAGE}/async_state.py",
-        "self.arrived = not agree(int(manager.sync_failed()))",
+        f"{PACKAGE}/methods/async_diloco.py",
+        "self.arrived = not agree(int(sync.sync_failed()))",
         "self.arrived = not agree(0)",
     ),
     Mutant(
         "DyLU's probe: the timed steps include the first",
-        f"{PACKAGE}/dylu.py",
+        f"{PACKAGE}/methods/dylu.py",
         "        self._warm = True\n        if self._planned_from < taken:",
         "        self._warm = True\n        if False:",
     ),
     Mutant(
         "DyLU's probe: the rest of the first period is planned as a whole period",
-        f"{PACKAGE}/speed_exchange.py",
+        f"{PACKAGE}/join/speeds.py",
         "        rest = self.period - taken",
         "        rest = self.period",
     ),
     Mutant(
         "async DiLoCo: eager_share's own share assumes two groups",
-        f"{PACKAGE}/async_diloco.py",
-        "1 / max(1, self.manager.num_participants())",
+        f"{PACKAGE}/methods/async_diloco.py",
+        "1 / max(1, self.sync.num_participants())",
         "1 / 2",
     ),
     Mutant(
         "transport: a wait never asks whether a peer of the sync is gone",
-        f"{PACKAGE}/transport.py",
+        f"{PACKAGE}/transport/sync_transport.py",
         "if peers is None or len(self._participants) < 2:",
         "if True:",
     ),
     Mutant(
         "runner: an abandoned collective still reports and stages when it returns",
-        f"{PACKAGE}/compression/runner.py",
+        f"{PACKAGE}/transport/runner.py",
         "if lane.abandoned:  # the sync ended without this collective: touch nothing shared",
         "if False:",
     ),
     Mutant(
         "shapes: groups whose ranks match pass whatever else differs",
-        f"{PACKAGE}/shapes.py",
+        f"{PACKAGE}/transport/shapes.py",
         "if other == mine:",
         "if other.ranks == mine.ranks:",
     ),
     Mutant(
         "heal pieces: one piece more than allowed is queued",
-        f"{PACKAGE}/heal_pieces.py",
-        "while len(self._queued) >= self.in_flight:",
-        "while len(self._queued) > self.in_flight:",
+        f"{PACKAGE}/heal/pieces.py",
+        "if self._in_use < self.in_flight:",
+        "if self._in_use <= self.in_flight:",
     ),
     Mutant(
         "timeouts: c10d's watchdog is no longer than torchft's own timer",
@@ -341,50 +341,50 @@ MUTANTS = [
     ),
     Mutant(
         "collective: a sync's wait names its timeout (torchft then synchronizes the device)",
-        f"{PACKAGE}/compression/collective.py",
-        "    work.wait()\n",
-        "    work.wait(timedelta(seconds=300))\n",
+        f"{PACKAGE}/transport/collective.py",
+        "    wait_delivered(work, pg, timeout)\n",
+        "    work.wait(timeout)\n",
     ),
     Mutant(
         "codecs: a block's scale is divided by a Python number (CUDA: a reciprocal)",
-        f"{PACKAGE}/compression/codecs.py",
+        f"{PACKAGE}/transport/codecs.py",
         "divide_(scales, self.qmax)",
         "scales.div_(self.qmax)",
     ),
     Mutant(
         "async state: the tokens' total divides as a Python number",
-        f"{PACKAGE}/async_state.py",
+        f"{PACKAGE}/methods/async_diloco.py",
         "self.outer_step(self.views(divide_(sums, total)))",
         "self.outer_step(self.views(sums.div_(total)))",
     ),
     Mutant(
         "passes: the local start is not moved to the global copy after the outer step",
-        f"{PACKAGE}/outer_passes.py",
+        f"{PACKAGE}/methods/host_passes.py",
         "                torch.sub(piece.glob, piece.start, out=piece.out)\n"
         "            piece.start.copy_(piece.glob)\n",
         "                torch.sub(piece.glob, piece.start, out=piece.out)\n",
     ),
     Mutant(
         "passes: the global copy's digest is kept after the copy changed",
-        f"{PACKAGE}/outer_passes.py",
+        f"{PACKAGE}/methods/host_passes.py",
         "if self._hashes is None or self._hashes[0] != self._versions():",
         "if self._hashes is None:",
     ),
     Mutant(
         "passes: the eager start steps the optimizer's own momentum, not a copy",
-        f"{PACKAGE}/outer_passes.py",
+        f"{PACKAGE}/methods/host_passes.py",
         "out=piece.start, momentum_out=scratch.t1,",
         "out=piece.start, momentum_out=None,",
     ),
     Mutant(
         "async DiLoCo: a failed sync's buffer carries the next sync",
-        f"{PACKAGE}/async_diloco.py",
+        f"{PACKAGE}/methods/async_diloco.py",
         "reuse = decided.buffer if decided is not None and decided.sums is not None else None",
         "reuse = decided.buffer if decided is not None else None",
     ),
     Mutant(
         "DyLU: a process's first inner step counts in its measured speed",
-        f"{PACKAGE}/async_diloco.py",
+        f"{PACKAGE}/methods/dylu.py",
         "        self.plan.skip_warm_up(self._local_step, self.clock)\n",
         "",
     ),
@@ -397,156 +397,156 @@ MUTANTS = [
     ),
     Mutant(
         "non-finite: only NaN fails a sync, an inf passes",
-        f"{PACKAGE}/compression/collective.py",
+        f"{PACKAGE}/transport/collective.py",
         "return bool(torch.isfinite(torch.linalg.vector_norm(t, ord=math.inf)))",
         "return not bool(torch.isnan(torch.linalg.vector_norm(t, ord=math.inf)))",
     ),
     Mutant(
         "restart: a loaded residual's offset advances by its own size only (3+ transfers)",
-        f"{PACKAGE}/fragment_residuals.py",
+        f"{PACKAGE}/transport/residuals.py",
         "self._loaded[fragment] = (flat, offset + numel)",
         "self._loaded[fragment] = (flat, numel)",
     ),
     Mutant(
         "restart: a checkpointed residual's offset advances by its own size only (3+ transfers)",
-        f"{PACKAGE}/fragment_residuals.py",
+        f"{PACKAGE}/transport/residuals.py",
         "            offset += residual.numel()",
         "            offset = residual.numel()",
     ),
     Mutant(
         "sparse: a decode that adds to a sum overwrites the kept positions instead",
-        f"{PACKAGE}/compression/sparse.py",
+        f"{PACKAGE}/transport/codecs.py",
         "decoded = torch.gather(blocks, 1, index).add_(decoded)",
         "decoded = decoded.clone()",
         SPARSE_TESTS,
     ),
     Mutant(
         "sparse: a kept value's quantization error is not owed",
-        f"{PACKAGE}/compression/sparse.py",
+        f"{PACKAGE}/transport/codecs.py",
         "dropped.scatter_(1, index, kept - decoded)",
         "dropped.scatter_(1, index, torch.zeros_like(kept))",
         SPARSE_TESTS,
     ),
     Mutant(
         "sparse: a level is the mean of all kept magnitudes, not of its bin's",
-        f"{PACKAGE}/compression/sparse.py",
+        f"{PACKAGE}/transport/codecs.py",
         "means = sums / counts.clamp(min=1)",
         "means = sums.sum(dim=1, keepdim=True) / self.keep",
         SPARSE_TESTS,
     ),
     Mutant(
         "sparse: an index gets log2(chunk) bits rounded down",
-        f"{PACKAGE}/compression/sparse.py",
+        f"{PACKAGE}/transport/codecs.py",
         "self.index_bits = math.ceil(math.log2(chunk))",
         "self.index_bits = int(math.log2(chunk))",
         SPARSE_TESTS,
     ),
     Mutant(
         "sparse all-gather: every encoding is added to what the tensor held",
-        f"{PACKAGE}/compression/collective.py",
+        f"{PACKAGE}/transport/collective.py",
         "codec.decode_into(packed, numel, out, accumulate=i > 0, scratch=scratch)",
         "codec.decode_into(packed, numel, out, accumulate=True, scratch=scratch)",
         SPARSE_TESTS,
     ),
     Mutant(
         "sparse all-gather: a rank counts its encoding sent to itself too",
-        f"{PACKAGE}/compression/collective.py",
+        f"{PACKAGE}/transport/collective.py",
         "stats.bytes_sent = (n - 1) * mine.numel()",
         "stats.bytes_sent = n * mine.numel()",
         SPARSE_TESTS,
     ),
     Mutant(
         "error feedback: the residual's decay is not applied",
-        f"{PACKAGE}/compression/error_feedback.py",
+        f"{PACKAGE}/transport/error_feedback.py",
         "return x.add_(residual * self.decay)",
         "return x.add_(residual)",
         SPARSE_TESTS,
     ),
     Mutant(
-        "sync Manager: a method's state is not registered for heals",
-        f"{PACKAGE}/sync_quorum.py",
+        "sync quorum: a method's state is not registered for heals",
+        f"{PACKAGE}/sync/quorum.py",
         "        self.ft.register_state_dict_fn(key, load, save)\n",
         "        pass\n",
     ),
     Mutant(
         "DyLU cap: a corrected period's 2 x period leaves out the steps before it was timed",
-        f"{PACKAGE}/dylu.py",
+        f"{PACKAGE}/methods/dylu.py",
         "        self.steps = agree(min(2 * self.period, steps))",
         "        self.steps = agree(steps)",
     ),
     Mutant(
         "DyLU cap: the probe's plan of the rest leaves out the steps taken before it",
-        f"{PACKAGE}/dylu.py",
+        f"{PACKAGE}/methods/dylu.py",
         "min(2 * self.period - taken, steps)",
         "min(2 * self.period, steps)",
     ),
     # ---- bits the groups agree on (docs/design.md): the same on every CPU's kernels --------
     Mutant(
         "outer step: SGD's update contracted to a fused multiply-add (add with alpha)",
-        f"{PACKAGE}/outer_optimizer.py",
+        f"{PACKAGE}/methods/outer_optimizer.py",
         "torch.sub(param, step, out=param if out is None else out)",
         "torch.add(param, direction, alpha=-lr, out=param if out is None else out)",
         HOST_ARITHMETIC,
     ),
     Mutant(
         "outer step: Nesterov's direction contracted to a fused multiply-add",
-        f"{PACKAGE}/outer_optimizer.py",
+        f"{PACKAGE}/methods/outer_optimizer.py",
         "direction = torch.mul(updated, momentum, out=scratch).add_(grad)",
         "direction = grad.add(updated, alpha=momentum)",
         HOST_ARITHMETIC,
     ),
     Mutant(
         "outer step: Delayed Nesterov's direction contracted to a fused multiply-add",
-        f"{PACKAGE}/outer_optimizer.py",
+        f"{PACKAGE}/methods/outer_optimizer.py",
         "return scaled.add_(pulled_by * weight), new_momentum",
         "return scaled.add_(pulled_by, alpha=weight), new_momentum",
         HOST_ARITHMETIC,
     ),
     Mutant(
         "outer step: the token-weighted sums divided by multiplying with the reciprocal",
-        f"{PACKAGE}/outer_passes.py",
+        f"{PACKAGE}/methods/host_passes.py",
         "            torch.div(grad, divide_by, out=grad)",
         "            grad.mul_(1.0 / divide_by)",
         HOST_ARITHMETIC,
     ),
     Mutant(
         "initial model: a new job's group keeps the one its host drew",
-        f"{PACKAGE}/quorum_exchange.py",
+        f"{PACKAGE}/join/exchange.py",
         "differs_from_first=bool(own is not None and first.has_digest and own != first.digest),",
         "differs_from_first=False,",
         MIXED_HOSTS,
     ),
     Mutant(
         "initial model: a new job's groups stop over their hosts' draws, as over a bug",
-        f"{PACKAGE}/quorum_exchange.py",
+        f"{PACKAGE}/join/exchange.py",
         "if found.disagree and start_up is not None and all(m.role == FRESH for m in members):",
         "if False:",
         MIXED_HOSTS,
     ),
     Mutant(
         "initial model: the source is the lowest replica id, whatever most groups run",
-        f"{PACKAGE}/quorum_exchange.py",
+        f"{PACKAGE}/join/exchange.py",
         "return min((m for m in members if hosts[m.host()] == most), key=lambda m: m.replica)",
         "return min(members, key=lambda m: m.replica)",
         MIXED_HOSTS,
     ),
     Mutant(
         "initial model: the source is the highest replica id of the commonest host",
-        f"{PACKAGE}/quorum_exchange.py",
+        f"{PACKAGE}/join/exchange.py",
         "return min((m for m in members if hosts[m.host()] == most), key=lambda m: m.replica)",
         "return max((m for m in members if hosts[m.host()] == most), key=lambda m: m.replica)",
         MIXED_HOSTS,
     ),
     Mutant(
         "initial model: a group whose checkpoints were rejected starts as a new job's",
-        f"{PACKAGE}/quorum_protocol.py",
+        f"{PACKAGE}/join/protocol.py",
         "restarted = true_step > 0 or self.train_state.step > 0 or bool(heal_in_full)",
         "restarted = true_step > 0 or self.train_state.step > 0",
         MIXED_HOSTS,
     ),
     Mutant(
         "member record: a group's host is not sent",
-        f"{PACKAGE}/quorum_exchange.py",
+        f"{PACKAGE}/join/exchange.py",
         "        mine.give_host(Host.this())\n",
         "",
         MIXED_HOSTS,
@@ -554,14 +554,14 @@ MUTANTS = [
     # ---- issue 62: behaviours of failure detection, shapes, heals, DyLU and the planner ----
     Mutant(
         "peer watch: a sync watches the quorum without knowing its own group's key",
-        f"{PACKAGE}/sync_quorum.py",
+        f"{PACKAGE}/sync/quorum.py",
         "            self.heartbeat if members else 0,\n",
         "            0,\n",
         ("tests/unit_tests/test_peer_watch.py",),
     ),
     Mutant(
         "non-finite: the last transfer of a sync decides whether it was finite",
-        f"{PACKAGE}/transport.py",
+        f"{PACKAGE}/transport/sync_transport.py",
         "            found = found or work.non_finite",
         "            found = work.non_finite",
         ("tests/unit_tests/test_transport.py",),
@@ -575,21 +575,21 @@ MUTANTS = [
     ),
     Mutant(
         "heal pieces: the oldest piece leaves the queue without being waited for",
-        f"{PACKAGE}/heal_pieces.py",
-        "                self._queued.popleft().wait(self.timeout)",
-        "                self._queued.popleft()",
+        f"{PACKAGE}/heal/pieces.py",
+        "            self._queued.popleft().wait(self.timeout)",
+        "            self._queued.popleft()",
         ("tests/unit_tests/test_replica_timeouts.py",),
     ),
     Mutant(
         "shapes: the wire dtype's code leaves out the sparse chunk",
-        f"{PACKAGE}/shapes.py",
+        f"{PACKAGE}/transport/shapes.py",
         'PSEUDO_GRAD_DTYPES.index("sparse") | bits << 4 | keep << 8 | chunk << 32',
         'PSEUDO_GRAD_DTYPES.index("sparse") | bits << 4 | keep << 8',
         ("tests/unit_tests/test_semi_sync.py",),
     ),
     Mutant(
         "shapes: the layout key flattens the fragments' tensors into one list",
-        f"{PACKAGE}/shapes.py",
+        f"{PACKAGE}/transport/shapes.py",
         "            [tuple(local_tensor(p).shape) for p in fragment.parameters()] for fragment in "
         "fragments",
         "            tuple(local_tensor(p).shape) for fragment in fragments for p in "
@@ -598,7 +598,7 @@ MUTANTS = [
     ),
     Mutant(
         "report: a delayed sync's time is the applying step's alone",
-        f"{PACKAGE}/reporting.py",
+        f"{PACKAGE}/report/sync_reporter.py",
         "        self.seconds += time.perf_counter() - self._clock",
         "        self.seconds = time.perf_counter() - self._clock",
         ("tests/unit_tests/test_semi_sync.py", "tests/unit_tests/test_async_diloco.py"),
@@ -622,25 +622,25 @@ MUTANTS = [
         "torchtitan/tools/digest.py",
         "        index = first // _CHUNK",
         "        index = start // _CHUNK",
-        ("tests/unit_tests/test_semi_sync.py", "tests/unit_tests/test_outer_passes.py"),
+        ("tests/unit_tests/test_semi_sync.py", "tests/unit_tests/test_host_passes.py"),
     ),
     Mutant(
         "replay: the average divided by a Python number (a reciprocal on CUDA)",
-        f"{PACKAGE}/heal_history.py",
+        f"{PACKAGE}/heal/history.py",
         "            divide_(flat, self.scale)",
         "            flat.div_(self.scale)",
         ("tests/unit_tests/test_exact_division.py",),
     ),
     Mutant(
         "DyLU: the period's clock starts before the sync quorum, its wait counted as steps",
-        f"{PACKAGE}/async_diloco.py",
+        f"{PACKAGE}/methods/async_diloco.py",
         "        self._healed = False\n"
         "        quorums.sync_quorum()\n"
         "        if self._healed:  # this group's progress was replaced by a peer's state\n"
         "            self.start_transfer()\n"
         "        else:\n"
         "            self._in_flight = InFlightSync.start(\n"
-        "                self.manager, index, buffer, steps, tokens, scaled=True\n"
+        "                self.sync, index, buffer, steps, tokens, scaled=True\n"
         "            )\n"
         "            self.plan.begin(self.clock())\n",
         "        self._healed = False\n"
@@ -650,20 +650,20 @@ MUTANTS = [
         "            self.start_transfer()\n"
         "        else:\n"
         "            self._in_flight = InFlightSync.start(\n"
-        "                self.manager, index, buffer, steps, tokens, scaled=True\n"
+        "                self.sync, index, buffer, steps, tokens, scaled=True\n"
         "            )\n",
         ("tests/unit_tests/test_async_diloco.py",),
     ),
     Mutant(
         "DyLU: a period that ends before a late probe keeps the probe's one-step estimate",
-        f"{PACKAGE}/async_diloco.py",
+        f"{PACKAGE}/methods/dylu.py",
         "                self.plan.measure(self._local_step, self.clock())",
         "                pass",
         ("tests/unit_tests/test_async_diloco.py", "tests/unit_tests/test_dylu_probe.py"),
     ),
     Mutant(
         "sparse: with kept zeros the bins start at zero, not the smallest nonzero magnitude",
-        f"{PACKAGE}/compression/sparse.py",
+        f"{PACKAGE}/transport/codecs.py",
         "        base = torch.where(keeps_zeros, torch.where(nonzero, top, hi).amin(dim=1, "
         "keepdim=True), lo)",
         "        base = lo",
@@ -679,56 +679,56 @@ MUTANTS = [
     # ---- ten written by a reviewer who had not seen the tests (issue 62's check) -------
     Mutant(
         "outer step: plain momentum's update scaled in place, into the buffer",
-        f"{PACKAGE}/outer_optimizer.py",
+        f"{PACKAGE}/methods/outer_optimizer.py",
         "step = direction.mul_(lr) if temporary else torch.mul(direction, lr, out=scratch)",
         "step = direction.mul_(lr) if momentum != 0 else torch.mul(direction, lr, out=scratch)",
         FRESH_REVIEW_TESTS,
     ),
     Mutant(
         "Delayed Nesterov: a window's last step weighs the momentum by 1 - N c",
-        f"{PACKAGE}/outer_optimizer.py",
+        f"{PACKAGE}/methods/outer_optimizer.py",
         "weight = momentum * (1.0 - c * (delay - 1))",
         "weight = momentum * (1.0 - c * delay)",
         FRESH_REVIEW_TESTS,
     ),
     Mutant(
         "passes: eager_share scales the pseudo-gradient to be sent in place",
-        f"{PACKAGE}/outer_passes.py",
+        f"{PACKAGE}/methods/host_passes.py",
         "grad = pseudo if share == 1.0 else torch.mul(pseudo, share, out=scratch.grad)",
         "grad = pseudo if share == 1.0 else pseudo.mul_(share)",
         FRESH_REVIEW_TESTS,
     ),
     Mutant(
         "eager estimate: the (host) pseudo-gradient scaled in place by its share",
-        f"{PACKAGE}/async_state.py",
+        f"{PACKAGE}/methods/async_diloco.py",
         "grad = grads[name] if scale == 1.0 else grads[name] * scale",
         "grad = grads[name] if scale == 1.0 else grads[name].mul_(scale)",
         FRESH_REVIEW_TESTS,
     ),
     Mutant(
         "initial model: the job stops one start-up quorum early",
-        f"{PACKAGE}/quorum_exchange.py",
+        f"{PACKAGE}/join/exchange.py",
         "if start_up.initial_models_differed > MAX_INITIAL_MODEL_ROUNDS:",
         "if start_up.initial_models_differed >= MAX_INITIAL_MODEL_ROUNDS:",
         FRESH_REVIEW_TESTS,
     ),
     Mutant(
         "initial model: the source is the highest replica id (a reviewer's)",
-        f"{PACKAGE}/quorum_exchange.py",
+        f"{PACKAGE}/join/exchange.py",
         "return min((m for m in members if hosts[m.host()] == most), key=lambda m: m.replica)",
         "return max((m for m in members if hosts[m.host()] == most), key=lambda m: m.replica)",
         FRESH_REVIEW_TESTS,
     ),
     Mutant(
         "quorum findings: shapes_differ and differs_from_first swapped",
-        f"{PACKAGE}/quorum_exchange.py",
+        f"{PACKAGE}/join/exchange.py",
         "replay_failed, replayed, full, shapes_differ, differs_from_first = (",
         "replay_failed, replayed, full, differs_from_first, shapes_differ = (",
         FRESH_REVIEW_TESTS,
     ),
     Mutant(
         "member record: the kernels and the GPU packed in each other's place",
-        f"{PACKAGE}/sync_quorum.py",
+        f"{PACKAGE}/sync/quorum.py",
         "return _pack(self.machine), version, _pack(self.kernels), _pack(self.gpu)",
         "return _pack(self.machine), version, _pack(self.gpu), _pack(self.kernels)",
         FRESH_REVIEW_TESTS,
@@ -742,7 +742,7 @@ MUTANTS = [
     ),
     Mutant(
         "initial model: a rejected-checkpoint group is fresh (a reviewer's)",
-        f"{PACKAGE}/quorum_protocol.py",
+        f"{PACKAGE}/join/protocol.py",
         "restarted = true_step > 0 or self.train_state.step > 0 or bool(heal_in_full)",
         "restarted = true_step > 0 or self.train_state.step > 0",
         FRESH_REVIEW_TESTS,
@@ -805,7 +805,7 @@ MUTANTS = [
     ),
     Mutant(
         "nccl: the quorum's exchange waits without its timeout",
-        f"{PACKAGE}/sync_quorum.py",
+        f"{PACKAGE}/sync/quorum.py",
         "all_reduce_across_groups(manager, buffer, average=False, timeout=timeout)",
         "all_reduce_across_groups(manager, buffer, average=False)",
         NCCL_TESTS,
@@ -820,28 +820,28 @@ MUTANTS = [
     ),
     Mutant(
         "nccl: DyLU's probe exchanges on the training stream",
-        f"{PACKAGE}/sync_quorum.py",
+        f"{PACKAGE}/sync/quorum.py",
         "            with side_stream(on):\n                run()",
         "            run()",
         NCCL_TESTS,
     ),
     Mutant(
         "nccl: a group's ranks decide on the device's group",
-        f"{PACKAGE}/sync_quorum.py",
+        f"{PACKAGE}/sync/quorum.py",
         "found = torch.tensor(values, dtype=torch.int64)",
         "found = torch.tensor(values, dtype=torch.int64, device=self.device)",
         NCCL_TESTS,
     ),
     Mutant(
         "nccl: the in-group wait covers one operation after the quorum, not two",
-        f"{PACKAGE}/sync_quorum.py",
+        f"{PACKAGE}/sync/quorum.py",
         "return timedelta(seconds=quorum_s + 2 * longest) + WATCHDOG_MARGIN",
         "return timedelta(seconds=quorum_s + longest) + WATCHDOG_MARGIN",
         NCCL_TESTS,
     ),
     Mutant(
         "nccl: a sync's all-reduce bypasses the transport (as torchft's fp8 path did)",
-        f"{PACKAGE}/sync_quorum.py",
+        f"{PACKAGE}/sync/quorum.py",
         "        return self.transport.allreduce(\n            self.ft.manager, tensor,",
         "        return self.ft.manager.allreduce(tensor) or self.transport.allreduce(\n"
         "            self.ft.manager, tensor,",
@@ -862,21 +862,21 @@ MUTANTS = [
     ),
     Mutant(
         "nccl: a heal piece cut off by a peer's death is loaded",
-        f"{PACKAGE}/heal_pieces.py",
+        f"{PACKAGE}/heal/pieces.py",
         "wait_delivered(self.work, self.pg, timeout)",
         "self.work.wait() if timeout is None else self.work.wait(timeout)",
         NCCL_TESTS,
     ),
     Mutant(
         "nccl: each thread of a heal queues its own pieces in flight",
-        f"{PACKAGE}/heal_pieces.py",
+        f"{PACKAGE}/heal/pieces.py",
         "if self._in_use < self.in_flight:",
         "if self._in_use < 3 * self.in_flight:",
         NCCL_TESTS,
     ),
     Mutant(
         "nccl: a sender answers several joiners one after another",
-        f"{PACKAGE}/heal_transport.py",
+        f"{PACKAGE}/heal/checkpoint_transport.py",
         "    if len(jobs) <= 1:",
         "    if True:",
         NCCL_TESTS,
@@ -903,21 +903,21 @@ MUTANTS = [
     ),
     Mutant(
         "nccl review: the in-group wait uses the shorter of the heal and sync timeouts",
-        f"{PACKAGE}/sync_quorum.py",
+        f"{PACKAGE}/sync/quorum.py",
         "longest = max(heal_s, collective_s)",
         "longest = min(heal_s, collective_s)",
         NCCL_TESTS,
     ),
     Mutant(
         "nccl review: the in-group decision runs on the default (device) group",
-        f"{PACKAGE}/sync_quorum.py",
+        f"{PACKAGE}/sync/quorum.py",
         "dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.host_group)",
         "dist.all_reduce(found, op=dist.ReduceOp.MAX)",
         NCCL_TESTS,
     ),
     Mutant(
         "nccl review: one failed answer of several sent at once is ignored",
-        f"{PACKAGE}/heal_transport.py",
+        f"{PACKAGE}/heal/checkpoint_transport.py",
         "    if errors:\n        raise errors[0]",
         "    if len(errors) > 1:\n        raise errors[0]",
         NCCL_TESTS,
@@ -935,6 +935,114 @@ MUTANTS = [
         "stop = _reported_stop(e)",
         "stop = None",
         ("tests/unit_tests/test_loopback_torchrun.py",),
+    ),
+    # Ten bugs written for the layers refactor by a reviewer who had not seen the tests, and
+    # two more for what review found.
+    Mutant(
+        "residuals: a claimed slice starts at the fragment's offset 0 again",
+        f"{PACKAGE}/transport/residuals.py",
+        "return flat[offset : offset + numel]",
+        "return flat[:numel]",
+    ),
+    Mutant(
+        (
+            "error_feedback: holds looks at the staged residuals, so a retried sync claims "
+            "the next loaded slice over the one its key already owes"
+        ),
+        f"{PACKAGE}/transport/error_feedback.py",
+        "return key in self._residuals",
+        "return key in self._staged",
+    ),
+    Mutant(
+        (
+            "async_diloco: last_outcome takes the stepped squares twice, so the "
+            "pseudo-gradient norm is never reported"
+        ),
+        f"{PACKAGE}/methods/async_diloco.py",
+        "return dataclasses.replace(self._outcome, pseudo_grad_squares=squares)",
+        (
+            "return dataclasses.replace(self._outcome, "
+            "pseudo_grad_squares=self.take_stepped_squares())"
+        ),
+    ),
+    Mutant(
+        "protocol: a group joining at a sync point reports no wait for the others",
+        f"{PACKAGE}/join/protocol.py",
+        "            self.sync.joined_sync(joined.waited_s)\n",
+        "",
+    ),
+    Mutant(
+        "exchange: a quorum that checked no digests keeps the last quorum's agreement",
+        f"{PACKAGE}/join/exchange.py",
+        "self.agreement = None if not verdict.digests else",
+        "self.agreement = self.agreement if not verdict.digests else",
+    ),
+    Mutant(
+        (
+            "heal: a refused peer's shape mismatch is not kept in shape_refused, so the "
+            "group does not stop at its quorum"
+        ),
+        f"{PACKAGE}/heal/exchange.py",
+        "self.shape_refused = why",
+        "pass",
+    ),
+    Mutant(
+        "heal: a reported replay failure is not cleared, so every later quorum fails it again",
+        f"{PACKAGE}/heal/exchange.py",
+        'self.replay_failed = ""\n        self.drop_basis(problem)',
+        "self.drop_basis(problem)",
+    ),
+    Mutant(
+        (
+            "exchange: a start-up quorum's record is made as a running group's, so its "
+            "pending speed probe is not cancelled"
+        ),
+        f"{PACKAGE}/join/exchange.py",
+        "mine.step_us = self.speeds.step_us(mine.role)",
+        "mine.step_us = self.speeds.step_us(RUNNING)",
+    ),
+    Mutant(
+        "quorum: agree_in_group ignores the group's other ranks (each rank decides alone)",
+        f"{PACKAGE}/sync/quorum.py",
+        "return value if self.rank is None else self.rank.most([value])[0]",
+        "return value",
+    ),
+    Mutant(
+        "piece_workers: a piece's t1 temporary shares the grad scratch buffer",
+        f"{PACKAGE}/methods/piece_workers.py",
+        't1=get("t1", numel, torch.float32),',
+        't1=get("grad", numel, torch.float32),',
+    ),
+    Mutant(
+        "global copy: a replay's last outer step is reported as the next sync's norm",
+        f"{PACKAGE}/methods/global_copy.py",
+        (
+            "        self._stepped_squares = None  # a replay's outer steps are no sync's: "
+            "none is reported\n"
+        ),
+        "",
+    ),
+    Mutant(
+        (
+            "transport: a checkpoint's residual of another size stops training instead of "
+            "failing the sync"
+        ),
+        f"{PACKAGE}/transport/sync_transport.py",
+        (
+            "            except ValueError as e:  # a checkpoint's residuals of another "
+            "size: the sync fails\n                manager.report_error(e)"
+        ),
+        (
+            "            except ValueError:  # a checkpoint's residuals of another size: the "
+            "sync fails\n                raise"
+        ),
+    ),
+    Mutant(
+        "train: a custom module's run_instead(argv) is ignored, its command line run as typed",
+        "torchtitan/train.py",
+        'if module is not None and hasattr(module, "run_instead"):',
+        'if module is not None and hasattr(module, "run_instead_"):',
+        ("tests/unit_tests/test_ft_launcher.py",),
     ),
 ]
 

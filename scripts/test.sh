@@ -3,11 +3,13 @@
 #   lint        ruff check .
 #   format      ruff format --check .
 #   typecheck   mypy (on torchtitan/, as configured in pyproject.toml)
+#   layers      scripts/arch_check.py: imports go down the layers, no cycles, no calls back
+#               up, few forwarding methods (limits in the script)
 #   compile     byte-compile torchtitan/, tests/ and benchmarks/ (see below)
 #   tests       pytest tests (unit + integration) in TEST_WORKERS processes (default 2,
 #               pytest-xdist; one file's tests stay in one process); no tests is a failure;
 #               the 30 slowest tests are listed at the end (where the suite's time goes)
-# Extra args go to pytest, e.g. scripts/test.sh tests/unit_tests -k config; the three checks
+# Extra args go to pytest, e.g. scripts/test.sh tests/unit_tests -k config; the four checks
 # run then too (seconds, once mypy's cache is warm).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +30,7 @@ check() {  # step name, command...
 check lint .venv/bin/ruff check .
 check format .venv/bin/ruff format --check .
 check typecheck .venv/bin/mypy
+check layers .venv/bin/python scripts/arch_check.py
 
 # Byte-compile the repository's own modules once: with PYTHONDONTWRITEBYTECODE set (as on
 # this project's sandboxes) each of the hundreds of processes the tests start compiles them

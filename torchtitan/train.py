@@ -5,7 +5,8 @@ The trainer class is ``torchtitan.trainer.Trainer`` unless the custom args modul
 module attribute ``TRAINER``) returns ``"package.module:ClassName"``. That is how an
 experiment swaps in its trainer subclass, chosen by the config.
 
-A custom args module may name a command to run instead (``run_instead``, see
+A custom args module may name a function that gives a command to run instead
+(``RUN_INSTEAD = "package.module:function"``, see
 :func:`command_instead`): the fault-tolerance experiment's semi-sync method without fault
 tolerance runs one replica group against a lighthouse started for it.
 
@@ -50,16 +51,23 @@ def resolve_trainer_class(custom_module: ModuleType | None, config: Any) -> type
         from torchtitan.trainer import Trainer
 
         return Trainer
-    module_name, _, class_name = path.partition(":")
+    return named_in(custom_module, "TRAINER", path)
+
+
+def named_in(custom_module: ModuleType, attribute: str, path: str) -> Any:
+    """What the custom module's ``attribute`` names by ``path`` (``"package.module:name"``)."""
+    module_name, _, name = path.partition(":")
     try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as e:
+        return getattr(importlib.import_module(module_name), name)
+    except (ModuleNotFoundError, AttributeError) as e:
+        missing = getattr(e, "name", None) if isinstance(e, ModuleNotFoundError) else None
+        if missing and not f"{module_name}.".startswith(f"{missing}."):
+            raise  # the named module is there; something it imports is not
         raise ConfigError(
             "job.custom_args_module",
             custom_module.__name__,
-            f"its TRAINER = {path!r} does not name a class ({e}); write 'package.module:Class'",
+            f"its {attribute} = {path!r} does not name anything ({e}); write 'package.module:name'",
         ) from e
-    return cls
 
 
 #: ``check_config``'s exit status when another command should run in place of this one; it
@@ -69,15 +77,22 @@ RUN_INSTEAD_STATUS = 3
 
 def command_instead(argv: list[str]) -> list[str] | None:
     """Extension point: the command to run in place of this one, from the custom args module's
-    ``run_instead(argv)`` (a job that needs something started first, e.g. a lighthouse),
-    decided from the flags and the TOML before anything is parsed; None to run as asked (and
-    for ``--help``, which is this command's)."""
+    ``RUN_INSTEAD`` function, given ``argv`` (a job that needs something started first, e.g. a
+    lighthouse), decided from the flags and the TOML before anything is parsed; None to run as
+    asked (and for ``--help``, which is this command's)."""
     if any(arg in ("-h", "--help") for arg in argv):
         return None
     config_file = flag_value(argv, "job.config_file")
     module = custom_module(argv, load_toml(config_file) if config_file else {})
-    run_instead = getattr(module, "run_instead", None)
-    return run_instead(argv) if run_instead is not None else None
+    if module is not None and hasattr(module, "run_instead"):
+        raise ConfigError(
+            "job.custom_args_module",
+            module.__name__,
+            "it defines run_instead(argv); name that function instead, as "
+            "RUN_INSTEAD = 'package.module:function'",
+        )
+    path = getattr(module, "RUN_INSTEAD", None)
+    return named_in(module, "RUN_INSTEAD", path)(argv) if module and path else None
 
 
 def check_config(argv: list[str] | None = None) -> int:

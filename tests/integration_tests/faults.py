@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from torchtitan.config.job_config import JobConfig as CoreJobConfig
-from torchtitan.experiments.fault_tolerance.heal_exchange import HealAnswer
-from torchtitan.experiments.fault_tolerance.heal_history import HistoryEntry
+from torchtitan.experiments.fault_tolerance.heal.exchange import HealAnswer
+from torchtitan.experiments.fault_tolerance.heal.history import HistoryEntry
 from torchtitan.experiments.fault_tolerance.job_config import JobConfig as SemiSyncJobConfig
 from torchtitan.experiments.fault_tolerance.trainer import SemiSyncTrainer
 from torchtitan.tools.events import EventKind

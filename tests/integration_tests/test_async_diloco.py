@@ -32,7 +32,7 @@ from torchtitan.experiments.fault_tolerance.events import (
     SPEED_PROBE,
     SYNC,
 )
-from torchtitan.experiments.fault_tolerance.lineage import job_model
+from torchtitan.experiments.fault_tolerance.sync.lineage import job_model
 from torchtitan.tools.cluster import signal_pids
 from torchtitan.trainer import TRAINING_FINISHED
 

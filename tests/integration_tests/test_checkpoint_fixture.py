@@ -39,7 +39,7 @@ from tests.integration_tests.test_semi_sync import args, global_digests
 from torchtitan.components.checkpoint import CHECKPOINT_RESUMED
 from torchtitan.components.metrics import TRAIN_STEP
 from torchtitan.experiments.fault_tolerance.events import FINAL_DIGEST, GLOBAL_DIGEST
-from torchtitan.experiments.fault_tolerance.sync_quorum import Host
+from torchtitan.experiments.fault_tolerance.sync.quorum import Host
 from torchtitan.tools.events import Event
 
 FOLDER = Path(__file__).resolve().parents[1] / "assets" / "checkpoints"

@@ -1,8 +1,8 @@
-"""The local launcher (``python -m torchtitan.experiments.fault_tolerance.launcher``), run as a
-user runs it: it prefixes every line with its source, exits 0 when all groups finish and 1 when a
-group fails for good, kills and restarts a group on ``--kill R@S``, listens on 127.0.0.1 only,
-and leaves no process behind. What the groups did is read from their event files (under the
-``--job.dump_folder`` every group is given), what the launcher did from its own output."""
+"""The local launcher (``./run_launcher.sh``), run as a user runs it: it prefixes every line with
+its source, exits 0 when all groups finish and 1 when a group fails for good, kills and restarts a
+group on ``--kill R@S``, listens on 127.0.0.1 only, and leaves no process behind. What the groups
+did is read from their event files (under the ``--job.dump_folder`` every group is given), what the
+launcher did from its own output."""
 
 from __future__ import annotations
 
@@ -39,7 +39,12 @@ class LauncherRun:
     def __init__(self, job: LocalJob, args: list[str]) -> None:
         self.job = job
         self.events_folder = job.folder / "dump" / EVENTS_FOLDER
-        cmd = [sys.executable, "-m", "torchtitan.experiments.fault_tolerance.launcher", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torchtitan.experiments.fault_tolerance.launch.launcher",
+            *args,
+        ]
         self.process = job.start_process(
             "launcher", cmd, {"OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
         )

@@ -1,4 +1,4 @@
-"""Healing without the WAN (``heal_history``), with a real lighthouse and real replica groups.
+"""Healing without the WAN (``heal.history``), with a real lighthouse and real replica groups.
 
 Group 1 checkpoints at step 8 (sync #2), is killed after step 9, and group 0 goes on alone for
 two more syncs (#3 and #4). Group 1 is then restarted from its own checkpoint while group 0 is

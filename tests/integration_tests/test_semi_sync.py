@@ -59,7 +59,7 @@ METHODS = {
         "--fault_tolerance.async_update=delayed",
         "--fault_tolerance.num_fragments=2",
     ],
-    # Compressed pseudo-gradients (compression/): blocking DiLoCo through torchft, and async.
+    # Compressed pseudo-gradients (transport/): blocking DiLoCo through torchft, and async.
     "diloco_int8": [
         "--fault_tolerance.semi_sync_method=diloco",
         "--fault_tolerance.pseudo_grad_dtype=int8",

@@ -1,6 +1,6 @@
 """Replica groups in one process, one thread each, joined by a real gloo process group.
 
-The semi-sync methods and their sync Manager run unchanged on top: what differs from a real job
+The semi-sync methods and their sync quorum run unchanged on top: what differs from a real job
 is only torchft's Manager, replaced by :class:`LoopbackManager`, which does what semi-sync asks
 of it (quorum, step, commit, error, state registration) for one group of one rank, over the
 real process group. Collectives, buckets, compression, timeouts and failures are the real ones.
@@ -16,9 +16,9 @@ from typing import Any
 import torch.distributed as dist
 from torchft.manager import REPLICA_ID_KEY
 
-from torchtitan.experiments.fault_tolerance.peer_watch import PeerWatch
-from torchtitan.experiments.fault_tolerance.sync_quorum import SyncManager
-from torchtitan.experiments.fault_tolerance.transport import SyncTransport
+from torchtitan.experiments.fault_tolerance.sync.quorum import SyncQuorum
+from torchtitan.experiments.fault_tolerance.transport.peer_watch import PeerWatch
+from torchtitan.experiments.fault_tolerance.transport.sync_transport import SyncTransport
 
 
 def heartbeat_id(rank: int) -> str:
@@ -94,7 +94,7 @@ def accept_all() -> bool:
 
 
 class OpenQuorums:
-    """``outer_loop.Quorums`` over a sync Manager (or a test's stand-in for one), with no
+    """``outer_loop.Quorums`` over a sync quorum (or a test's stand-in for one), with no
     exchange in them (:func:`accept_all`); a probe plans nothing."""
 
     def __init__(self, manager: Any) -> None:
@@ -108,7 +108,7 @@ class OpenQuorums:
 
 
 class OneGroupFT:
-    """The core ``FTManager`` as the sync Manager uses it: a quorum of every group, at once."""
+    """The core ``FTManager`` as the sync quorum uses it: a quorum of every group, at once."""
 
     def __init__(self, manager: LoopbackManager) -> None:
         self.manager = manager
@@ -141,8 +141,8 @@ def sync_manager(
     fragments: int = 1,
     peers: PeerWatch | None = None,
     keep_delivered: bool = False,
-) -> SyncManager:
-    """The trainer's sync Manager over ``manager``, with buckets of ``bucket_numel`` values;
+) -> SyncQuorum:
+    """The trainer's sync quorum over ``manager``, with buckets of ``bucket_numel`` values;
     ``peers``: what it asks whether a group of the quorum is gone; ``keep_delivered``: the
     transport keeps what each sync delivered (for a heal history)."""
     transport = SyncTransport(
@@ -154,7 +154,7 @@ def sync_manager(
         keep_delivered=keep_delivered,
     )
     ft: Any = OneGroupFT(manager)
-    return SyncManager(ft, 1, 60.0, transport=transport, fragments=fragments)
+    return SyncQuorum(ft, 1, 60.0, transport=transport, fragments=fragments)
 
 
 def run_groups(

@@ -20,14 +20,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchtitan.experiments.fault_tolerance.async_state import FragmentState
-from torchtitan.experiments.fault_tolerance.compression import Delivered, chunk_numel, get_codec
-from torchtitan.experiments.fault_tolerance.compression.sparse import sparse_name
-from torchtitan.experiments.fault_tolerance.heal_history import HistoryEntry
-from torchtitan.experiments.fault_tolerance.outer_optimizer import (
+from torchtitan.experiments.fault_tolerance.heal.history import HistoryEntry
+from torchtitan.experiments.fault_tolerance.methods.async_diloco import FragmentState
+from torchtitan.experiments.fault_tolerance.methods.outer_optimizer import (
     DelayedNesterov,
     OuterSGD,
     outer_optimizer,
+)
+from torchtitan.experiments.fault_tolerance.transport.codecs import get_codec, sparse_name
+from torchtitan.experiments.fault_tolerance.transport.collective import (
+    Delivered,
+    chunk_numel,
 )
 from torchtitan.tools.digest import tensor_digest
 from torchtitan.tools.exact_division import divide_, divided

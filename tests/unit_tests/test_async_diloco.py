@@ -16,20 +16,24 @@ from torch import nn
 from torch.distributed import ReduceOp
 
 from tests.unit_tests.gloo_groups import OpenQuorums
-from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
-from torchtitan.experiments.fault_tolerance.async_state import FragmentState
-from torchtitan.experiments.fault_tolerance.dylu import (
+from torchtitan.experiments.fault_tolerance.method_state import SemiSyncState
+from torchtitan.experiments.fault_tolerance.methods.async_diloco import AsyncDiLoCo, FragmentState
+from torchtitan.experiments.fault_tolerance.methods.dylu import (
     dylu_inner_steps,
     dylu_next_correction,
     dylu_period_seconds,
     dylu_steps_to_deadline,
 )
-from torchtitan.experiments.fault_tolerance.lineage import Lineage
-from torchtitan.experiments.fault_tolerance.method_state import SemiSyncState
-from torchtitan.experiments.fault_tolerance.outer_optimizer import OuterSGD, outer_optimizer
+from torchtitan.experiments.fault_tolerance.methods.outer_optimizer import OuterSGD, outer_optimizer
+from torchtitan.experiments.fault_tolerance.sync.lineage import Lineage
 
-#: The trainer's sync Manager as the checkpoint sees it when nothing is compressed.
-NO_COMPRESSION = SimpleNamespace(residuals=None, wait_for_transfers=lambda: None)
+#: The trainer's sync quorum as the checkpoint sees it when nothing is compressed.
+NO_COMPRESSION = SimpleNamespace(residuals=None, wait=lambda: None)
+
+
+def parts(trainer: Any) -> tuple[Any, Any, Any]:
+    """What SemiSyncState is built with, from ``as_trainer``'s view of a trainer."""
+    return trainer.algorithm, trainer.sync, trainer.lineage
 
 
 def as_trainer(group: Group) -> Any:
@@ -71,11 +75,11 @@ class Cluster:
 
 
 class FakeManager:
-    """What AsyncDiLoCo asks of the sync Manager, for one group in a quorum of every group of
+    """What AsyncDiLoCo asks of the sync quorum, for one group in a quorum of every group of
     its cluster: ``num_participants`` is the size of the last quorum (every group of the
     cluster when it formed; the start-up quorum's before the first sync), an error recorded by
     a failed collective makes ``errored``, ``sync_failed`` and ``should_commit`` say so until
-    the next quorum, as the trainer's ``SyncManager`` over torchft's Manager does."""
+    the next quorum, as the trainer's ``SyncQuorum`` over torchft's Manager does."""
 
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
@@ -427,21 +431,27 @@ def test_a_committed_syncs_buffer_carries_the_next_sync_and_a_failed_ones_never_
 
 def test_an_average_the_passes_step_with_is_reported_by_its_sum_of_squares():
     """The sync point's passes step the outer state without ``optimizer.step()``, whose
-    pre-hook measures the average for the sync's report: its observers are told instead."""
+    pre-hook measures the average for the sync's report: the outcome carries it instead."""
     cluster = Cluster()
     groups = [Group(cluster, seed) for seed in (1, 2)]
-    seen: list[tuple[float, float]] = []
-
-    def observe(squares: float) -> None:  # told before the pass overwrites the sums
-        average = flight.buffer[:-1].double() / float(flight.buffer[-1])
-        seen.append((squares, float(average.square().sum())))
-
-    groups[0].loop.observe_averages(0, observe)
     run(groups, 4)  # sync 1 started
     flight = groups[0].loop._in_flight
-    assert flight is not None and seen == []
+    assert flight is not None
+    seen: list[float] = []
+    decide = flight.decide
+
+    def deciding(manager: Any) -> Any:
+        decided = decide(manager)  # the average, before the pass overwrites the sums
+        seen.append(float((flight.buffer[:-1].double() / float(flight.buffer[-1])).square().sum()))
+        return decided
+
+    flight.decide = deciding  # type: ignore[method-assign]
     run(groups, 4)  # sync 1 committed: its average is the summed buffer / its tokens
-    assert len(seen) == 1 and seen[0][0] == pytest.approx(seen[0][1], rel=1e-5)
+    outcome = groups[0].loop.last_outcome(groups[0].manager)
+    assert outcome is not None and outcome.committed and outcome.pseudo_grad_squares is not None
+    assert len(seen) == 1 and float(outcome.pseudo_grad_squares) == pytest.approx(seen[0], rel=1e-5)
+    # Taken once: the next report of no outer step has none.
+    assert groups[0].loop.take_stepped_squares() is None
 
 
 def test_a_group_that_heals_sends_weight_zero_and_takes_the_global_copy():
@@ -481,7 +491,7 @@ def _save(group: Group, folder: Any) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     dcp.save(
-        {"semi_sync": SemiSyncState(as_trainer(group))},
+        {"semi_sync": SemiSyncState(*parts(as_trainer(group)))},
         checkpoint_id=folder,
     )
     return {
@@ -494,7 +504,7 @@ def _save(group: Group, folder: Any) -> dict[str, Any]:
 def _load(group: Group, folder: Any, rest: dict[str, Any]) -> None:
     import torch.distributed.checkpoint as dcp
 
-    state = SemiSyncState(as_trainer(group))
+    state = SemiSyncState(*parts(as_trainer(group)))
     dcp.load({"semi_sync": state}, checkpoint_id=folder)
     group.model.load_state_dict(rest["model"])
     group.manager.step = rest["step"]
@@ -542,7 +552,7 @@ def test_a_sync_loaded_as_arrived_goes_into_the_heal_history_as_its_fp32_sums(tm
     commits at the next sync point, the heal history keeps its summed values in fp32 (what a
     replay decodes), divided by its tokens (the outer step's divisor), before its outer step
     (the basis digest)."""
-    from torchtitan.experiments.fault_tolerance.heal_history import HealHistory
+    from torchtitan.experiments.fault_tolerance.heal.history import HealHistory
     from torchtitan.tools.digest import device_digest
 
     cluster = Cluster()
@@ -576,7 +586,7 @@ def test_delayed_nesterov_groups_agree_and_eager_starts_where_its_next_step_goes
     seen = run(groups, 20)
     for a, b in zip(*seen, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-    from torchtitan.experiments.fault_tolerance.outer_optimizer import DelayedNesterov
+    from torchtitan.experiments.fault_tolerance.methods.outer_optimizer import DelayedNesterov
 
     assert isinstance(groups[0].loop.outer_optimizer(0), DelayedNesterov)
     alone = Group(Cluster(), 1, outer_momentum_every=2)
@@ -650,7 +660,7 @@ def test_a_period_slower_than_planned_is_shortened_halfway():
     group.loop.period = group.loop.plan.period = 8
     asked: list[int] = []
     group.loop.agree_in_group = lambda n: asked.append(n) or 6
-    group.loop.plan_period(8, seconds=8.0)
+    group.loop.plan.plan(8, seconds=8.0)
     with training([group]):
         steps = 0
         while True:
@@ -661,7 +671,7 @@ def test_a_period_slower_than_planned_is_shortened_halfway():
                 break
         # After step 4 it asks for 4 (on time), after step 5 for 5 (late): both raised to 6.
         assert (asked, steps) == ([4, 5], 6)
-        group.loop.plan_period(3)
+        group.loop.plan.plan(3)
         for _ in range(3):
             clock.now += 5.0
             group.step()
@@ -679,7 +689,7 @@ def test_a_period_much_faster_than_planned_takes_twice_the_period_in_all_at_most
     group.loop.period = group.loop.plan.period = 8
     asked: list[int] = []
     group.loop.agree_in_group = lambda n: asked.append(n) or n
-    group.loop.plan_period(8, seconds=8.0)
+    group.loop.plan.plan(8, seconds=8.0)
     with training([group]):
         for steps in range(1, 4 * 8):
             clock.now += 1.0 if steps == 1 else 0.01
@@ -702,7 +712,7 @@ def test_a_period_that_slows_down_late_is_corrected_again():
     group.loop.period = group.loop.plan.period = 16
     asked: list[int] = []
     group.loop.agree_in_group = lambda n: asked.append(n) or n
-    group.loop.plan_period(16, seconds=16.0)
+    group.loop.plan.plan(16, seconds=16.0)
     with training([group]):
         steps = 0
         while True:
@@ -759,7 +769,7 @@ def test_the_warm_up_step_counts_against_the_period_s_length_but_not_in_its_spee
         return n
 
     group.loop.agree_in_group = agree
-    group.loop.plan_period(8, seconds=8.0)
+    group.loop.plan.plan(8, seconds=8.0)
     with training([group]):
         steps = 0
         while True:
@@ -850,7 +860,7 @@ def test_groups_taking_different_inner_steps_agree_and_weigh_by_tokens(update):
     together, hold identical global copies after each, and group 1 weighs 1/3 in the average."""
     cluster = Cluster()
     groups = [Group(cluster, seed, update=update) for seed in (1, 2)]
-    groups[1].loop.plan_period(2)
+    groups[1].loop.plan.plan(2)
     seen = run_periods(groups, 5)
     for a, b in zip(*seen, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
@@ -860,7 +870,7 @@ def test_groups_taking_different_inner_steps_agree_and_weigh_by_tokens(update):
     weights = [o.weight for o in outcomes if o is not None]
     assert weights == pytest.approx([2 / 3, 1 / 3])
     with pytest.raises(ValueError, match="1 to 8 inner steps"):
-        groups[0].loop.plan_period(9)
+        groups[0].loop.plan.plan(9)
 
 
 def test_a_group_healed_in_the_sync_quorum_all_reduces_the_fragment_its_peer_syncs() -> None:
@@ -924,7 +934,7 @@ def test_outer_state_kept_on_the_cpu_is_saved_from_the_cpu(tmp_path) -> None:
                 for name, p in fragment.params.items()
             }
         group.loop.fragment_parameters = lambda i: group.loop._states[i].params  # type: ignore[method-assign]
-        saved = SemiSyncState(as_trainer(group)).state_dict()
+        saved = SemiSyncState(*parts(as_trainer(group))).state_dict()
         tensors = [t for t in _leaves(saved) if isinstance(t, torch.Tensor)]
         assert tensors and all(isinstance(t, DTensor) for t in tensors)
         assert {t.to_local().device.type for t in tensors} == {"cpu"}
@@ -959,15 +969,15 @@ def test_a_period_dylu_ends_early_reports_the_sync_s_own_time_with_gradients_fre
     trainer's hooks cannot know before the method's own hook decides it. The sync reported is
     the 0.5 s the sync point took (not the period since the last sync), and the inner
     gradients are already freed when the sync runs."""
-    from torchtitan.experiments.fault_tolerance import reporting
-    from torchtitan.experiments.fault_tolerance.reporting import SyncReporter
+    from torchtitan.experiments.fault_tolerance.report import sync_reporter as reporting
+    from torchtitan.experiments.fault_tolerance.report.sync_reporter import SyncReporter
     from torchtitan.experiments.fault_tolerance.trainer import SemiSyncTrainer
 
     clock = FakeClock()
     monkeypatch.setattr(reporting, "time", clock)
     group = Group(Cluster(), 1, clock=clock.perf_counter)
     group.loop.period = group.loop.plan.period = 8
-    group.loop.plan_period(8, seconds=8.0)
+    group.loop.plan.plan(8, seconds=8.0)
     grads_at_sync: list[bool] = []
     start_quorum = group.manager.start_quorum
 
@@ -979,7 +989,10 @@ def test_a_period_dylu_ends_early_reports_the_sync_s_own_time_with_gradients_fre
     group.manager.start_quorum = slow_quorum  # type: ignore[method-assign]
     reported: list[float] = []
     reporter = SyncReporter.__new__(SyncReporter)  # its hooks only: no events, no metrics
-    reporter.loop, reporter.sync = group.loop, SimpleNamespace(flush=lambda: None)
+    reporter.loop, reporter.sync = (
+        group.loop,
+        SimpleNamespace(transport=SimpleNamespace(flush=lambda: None)),
+    )
     reporter.seconds, reporter.pseudo_grad_norm, reporter._clock = 0.0, None, 0.0
     reporter.report = lambda step: reported.append(reporter.seconds)  # type: ignore[method-assign]
     stub = SimpleNamespace(optimizer=group.optimizer, reporter=reporter)
@@ -1103,7 +1116,7 @@ def _probing_group() -> tuple[Group, _ProbingManager]:
     group = Group(Cluster(), 1)
     manager = _ProbingManager(Cluster())
     group.manager = manager
-    group.loop.manager = manager  # type: ignore[assignment]
+    group.loop.sync = manager  # type: ignore[assignment]
     group.loop.period = group.loop.plan.period = group.loop.plan.steps = 8
     group.loop.plan.probe_after(1)
     return group, manager
@@ -1165,7 +1178,7 @@ def test_the_device_clock_is_read_only_where_dylu_decides() -> None:
     group = Group(Cluster(), 1, sync_steps=40, clock=clock.perf_counter)
     manager = _ProbingManager(Cluster())
     group.manager = manager
-    group.loop.manager = manager  # type: ignore[assignment]
+    group.loop.sync = manager  # type: ignore[assignment]
     group.loop.plan.probe_after(2)
     manager.after_probe = lambda: group.loop.plan_rest_of_period(36, 36.0)
     with training([group]):

@@ -17,16 +17,22 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torchtitan.experiments.fault_tolerance.compression import (
+from torchtitan.experiments.fault_tolerance.job_config import PSEUDO_GRAD_DTYPES
+from torchtitan.experiments.fault_tolerance.transport.codecs import (
     BLOCK,
-    PSEUDO_GRAD_DTYPES,
     SMALLEST_SCALE,
-    AsyncCompressedAllReduce,
     BlockQuantCodec,
-    ErrorFeedback,
-    Packed,
-    compressed_all_reduce,
     get_codec,
+)
+from torchtitan.experiments.fault_tolerance.transport.collective import (
+    compressed_all_reduce,
+)
+from torchtitan.experiments.fault_tolerance.transport.error_feedback import (
+    ErrorFeedback,
+)
+from torchtitan.experiments.fault_tolerance.transport.runner import (
+    AsyncCompressedAllReduce,
+    Packed,
 )
 
 QUANTIZED = ("int8", "int4")
@@ -646,7 +652,7 @@ def test_a_dead_peer_goes_to_on_error_and_the_work_still_completes(tmp_path: Pat
 @pytest.mark.parametrize("dtype", PSEUDO_GRAD_DTYPES)
 @pytest.mark.parametrize("numel", [1, BLOCK, 5 * BLOCK + 3, NUMEL])
 def test_working_in_pieces_gives_the_results_of_one_pass(monkeypatch, dtype: str, numel: int):
-    from torchtitan.experiments.fault_tolerance.compression import codecs
+    from torchtitan.experiments.fault_tolerance.transport import codecs
 
     codec = get_codec(dtype)
     x = _varied(numel, seed=11)
@@ -660,9 +666,9 @@ def test_working_in_pieces_gives_the_results_of_one_pass(monkeypatch, dtype: str
         codec.decode_into(packed, numel, summed, accumulate=True)
         return packed, residual, codec.decode(packed, numel), summed
 
-    monkeypatch.setattr(codecs, "PIECE", 10**9)
+    monkeypatch.setattr(codecs, "ENCODE_PIECE_VALUES", 10**9)
     whole = run()
-    monkeypatch.setattr(codecs, "PIECE", 2 * BLOCK)
+    monkeypatch.setattr(codecs, "ENCODE_PIECE_VALUES", 2 * BLOCK)
     for expected, got in zip(whole, run(), strict=True):
         assert torch.equal(got, expected)
 

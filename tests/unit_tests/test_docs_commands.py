@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from torchtitan.config import job_config as core_config
-from torchtitan.experiments.fault_tolerance import launcher
+from torchtitan.experiments.fault_tolerance.launch import launcher
 from torchtitan.tools.cluster import RUN_TRAIN_CONFIG
 from torchtitan.train import RUN_INSTEAD_STATUS, check_config
 
@@ -35,7 +35,7 @@ DOCS = [
 #: Files the docs ask the user for, as the docs spell them.
 PLACEHOLDERS = ("PATH/TO/tokenizer.json", "/shared/llama3/tokenizer.json")
 TRAIN = "torchtitan.train"
-LAUNCHER = "torchtitan.experiments.fault_tolerance.launcher"
+LAUNCHER = "torchtitan.experiments.fault_tolerance.launch.launcher"
 #: The launcher as the docs type it (it runs LAUNCHER with the project's .venv).
 LAUNCHER_SCRIPT = "./run_launcher.sh"
 

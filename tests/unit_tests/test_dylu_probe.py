@@ -1,5 +1,5 @@
-"""DyLU's first period: the speed probe plans it (``dylu.PeriodPlan``, ``speed_exchange``) from
-a quorum that forms while the groups train on (``sync_quorum.ProbeInFlight``), and a group
+"""DyLU's first period: the speed probe plans it (``dylu.PeriodPlan``, ``join.speeds``) from
+a quorum that forms while the groups train on (``sync.quorum.ProbeInFlight``), and a group
 that meets a probe in its own start-up quorum does not use that quorum."""
 
 from __future__ import annotations
@@ -13,12 +13,11 @@ import torch
 
 from tests.unit_tests.test_semi_sync import SummingManager
 from torchtitan.components.ft import FaultToleranceError
-from torchtitan.experiments.fault_tolerance.dylu import PeriodPlan
 from torchtitan.experiments.fault_tolerance.events import SPEED_PROBE
-from torchtitan.experiments.fault_tolerance.quorum_exchange import QuorumExchange, StartUp
-from torchtitan.experiments.fault_tolerance.shapes import CollectiveShape
-from torchtitan.experiments.fault_tolerance.speed_exchange import SpeedExchange
-from torchtitan.experiments.fault_tolerance.sync_quorum import (
+from torchtitan.experiments.fault_tolerance.join.exchange import QuorumExchange, StartUp
+from torchtitan.experiments.fault_tolerance.join.speeds import SpeedExchange
+from torchtitan.experiments.fault_tolerance.methods.dylu import PeriodPlan
+from torchtitan.experiments.fault_tolerance.sync.quorum import (
     FRESH,
     RESUMED,
     RUNNING,
@@ -26,6 +25,7 @@ from torchtitan.experiments.fault_tolerance.sync_quorum import (
     ProbeInFlight,
     RankInGroup,
 )
+from torchtitan.experiments.fault_tolerance.transport.shapes import CollectiveShape
 from torchtitan.tools.events import Event
 
 
@@ -244,10 +244,10 @@ def test_a_start_up_record_clears_a_probe_decided_by_an_earlier_quorum() -> None
     method = _Method(20, 0, 0.0)
     exchange = _exchange(method, 0, {})
     assert method.plan.probe_at == 2
-    exchange.fill(Member(FRESH))
+    exchange.step_us(FRESH)
     assert method.plan.probe_at is None
     exchange.probe_if_new_job([Member(FRESH), Member(FRESH)])
-    exchange.fill(Member(RUNNING))  # a running group's record leaves it
+    exchange.step_us(RUNNING)  # a running group's record leaves it
     assert method.plan.probe_at == 2
 
 
@@ -283,10 +283,11 @@ def test_a_starting_group_that_meets_a_probe_does_not_use_that_quorum(healed_the
         _tell_torch_versions=lambda members: None,
         speeds=None,
         rank=RankInGroup(torch.device("cpu")),
-        reporter=SimpleNamespace(agreement=None),
         announce=announced.append,
         heal=SimpleNamespace(replay_failed="", take_heal=lambda: None, shape_refused=""),
-        sync=SimpleNamespace(heartbeat=7, set_members=lambda keys: None, collective_timeout=None),
+        sync=SimpleNamespace(
+            heartbeat=7, set_members=lambda keys: None, transport=SimpleNamespace(timeout=None)
+        ),
         shape=CollectiveShape(1, 1, 100, 300, 0, 5),
     )
     start_up = StartUp(FRESH, peer=dict(peer) if healed_there else None)

@@ -61,7 +61,7 @@ def run(rank: int, pg: Any, method: str) -> tuple[bool | None, list[Any]]:
                 if len(manager.commits) > len(records):
                     records.append((step, global_parameters()))
     finally:
-        sync.shutdown()
+        sync.transport.shutdown()
     assert all(manager.commits)
     return joined, records
 

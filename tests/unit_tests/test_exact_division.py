@@ -19,10 +19,10 @@ from torch.overrides import TorchFunctionMode
 
 from tests.unit_tests.test_async_diloco import Cluster, Group, run
 from tests.unit_tests.test_compression import NUMEL, _varied
-from torchtitan.experiments.fault_tolerance.compression import (
+from torchtitan.experiments.fault_tolerance.transport.codecs import get_codec
+from torchtitan.experiments.fault_tolerance.transport.collective import Delivered
+from torchtitan.experiments.fault_tolerance.transport.runner import (
     AsyncCompressedAllReduce,
-    Delivered,
-    get_codec,
 )
 from torchtitan.tools.exact_division import divide_, divided
 
@@ -181,7 +181,7 @@ def test_a_replayed_sync_divides_as_the_live_one_did_on_any_device(dtype: str) -
     total (1,792: no power of two) and by the groups, as the live sync's outer step did with
     ``divide_``. Under CUDA's scalar division the replay's average is the same bits as the
     live one computed on the CPU, and no division of the project's took a reciprocal."""
-    from torchtitan.experiments.fault_tolerance.heal_history import HistoryEntry
+    from torchtitan.experiments.fault_tolerance.heal.history import HistoryEntry
 
     sums = _varied(NUMEL, 3) * 1792
     payload = sums if dtype == "float32" else get_codec(dtype).encode(sums)

@@ -4,12 +4,13 @@ and acting on the steps they report."""
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import pytest
 
 from torchtitan.components.metrics import TRAIN_STEP
-from torchtitan.experiments.fault_tolerance import job_supervisor, launcher
+from torchtitan.experiments.fault_tolerance.launch import launcher, supervisor
 from torchtitan.tools.cluster import REPO_ROOT
 from torchtitan.tools.events import attach_event_file, detach_event_file
 from torchtitan.tools.logging import logger
@@ -40,7 +41,7 @@ def test_parse_args_rejects_bad_values(argv, capsys):
 
 
 def test_the_groups_dump_folder_is_the_one_their_trainer_takes(tmp_path: Path) -> None:
-    folder = job_supervisor.groups_dump_folder
+    folder = supervisor.groups_dump_folder
     assert folder(["--job.dump_folder=/a", "--job.dump-folder", "/b"], env={}) == Path("/b")
     assert folder(["--job.dump_folder=out/x"], env={}) == REPO_ROOT / "out/x"
     # No flag: run_train.sh's TOML (the debug model's) says ./outputs.
@@ -57,10 +58,10 @@ def test_kill_at_a_step_acts_on_the_step_events_of_the_latest_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The kind's name, without importing torch into the launcher.
-    assert job_supervisor.STEP_EVENT == TRAIN_STEP.name
+    assert supervisor.STEP_EVENT == TRAIN_STEP.name
     args = launcher.parse_args(["--groups", "2", "--kill", "1@3", "--",
                                 f"--job.dump_folder={tmp_path}"])  # fmt: skip
-    run = job_supervisor.Supervisor(args, tmp_path / "logs")
+    run = supervisor.Supervisor(args, tmp_path / "logs")
     kills: list[tuple[int, str]] = []
     monkeypatch.setattr(run, "kill", lambda group, why: kills.append((group.replica_id, why)))
     group = run.groups[1]
@@ -97,7 +98,7 @@ def test_a_semi_sync_command_for_several_groups_without_a_lighthouse_is_still_re
 ) -> None:
     """group_size 2 and no TORCHFT_LIGHTHOUSE: two such commands must not each start a
     lighthouse and train apart, so nothing is run in place of it (the config's error stays)."""
-    from torchtitan.experiments.fault_tolerance.launcher import command_for_one_group
+    from torchtitan.experiments.fault_tolerance.launch.launcher import command_for_one_group
 
     semi_sync = [
         "--job.custom_args_module=torchtitan.experiments.fault_tolerance.job_config",
@@ -168,3 +169,37 @@ def test_help_is_never_run_elsewhere() -> None:
     assert command_instead(semi_sync) is not None
     assert command_instead([*semi_sync, "--help"]) is None
     assert command_instead(["--training.steps=3"]) is None  # no custom module: nothing else
+
+
+def test_a_custom_module_names_its_command_instead_by_path_and_is_told_when_it_cannot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``RUN_INSTEAD = "package.module:function"`` is called with the command line; a path
+    that names nothing, or the function given directly (``run_instead``), is one error naming
+    the field, not a command line run as typed."""
+    from torchtitan.config import ConfigError
+    from torchtitan.train import command_instead
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cases = {
+        "names_it": 'RUN_INSTEAD = "names_it:run"\ndef run(argv):\n    return ["echo", *argv]\n',
+        "names_nothing": 'RUN_INSTEAD = "names_nothing:missing"\n',
+        "no_such_module": 'RUN_INSTEAD = "no_such_module_anywhere:f"\n',
+        "gives_a_function": "def run_instead(argv):\n    return ['echo']\n",
+    }
+    config = "import dataclasses\n\n@dataclasses.dataclass\nclass JobConfig:\n    pass\n"
+    for name, text in cases.items():
+        (tmp_path / f"{name}.py").write_text(config + text)
+    flags = ["--training.steps=3"]
+    assert command_instead(["--job.custom_args_module=names_it", *flags]) == [
+        "echo",
+        *(["--job.custom_args_module=names_it", *flags]),
+    ]
+    for name, expected in [
+        ("names_nothing", "RUN_INSTEAD = 'names_nothing:missing' does not name anything"),
+        ("no_such_module", "does not name anything (No module named 'no_such_module_anywhere')"),
+        ("gives_a_function", "name that function instead, as RUN_INSTEAD"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(expected)) as raised:
+            command_instead([f"--job.custom_args_module={name}", *flags])
+        assert "job.custom_args_module" in str(raised.value)

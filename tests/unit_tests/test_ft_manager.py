@@ -415,7 +415,7 @@ def test_a_heal_reads_the_state_only_after_the_compute_that_writes_it(
     import torch
 
     from torchtitan.components.ft.build import SendsAfterWrites
-    from torchtitan.experiments.fault_tolerance.sync_quorum import SyncManager
+    from torchtitan.experiments.fault_tolerance.sync.quorum import SyncQuorum
 
     log: list[str] = []
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
@@ -434,13 +434,13 @@ def test_a_heal_reads_the_state_only_after_the_compute_that_writes_it(
     if path == "step":
         ft.start_step()
     elif path in ("sync", "probe"):
-        sync = SyncManager(ft, 1, 60.0, transport=None)  # type: ignore[arg-type]
+        sync = SyncQuorum(ft, 1, 60.0, transport=None)  # type: ignore[arg-type]
         sync.begin_sync = lambda: None  # type: ignore[method-assign]  # no transfers here
         sync.start_quorum(lambda: True) if path == "sync" else sync.probe_quorum(lambda: True)
     else:
         # Async DiLoCo while DyLU's probe quorum waits for its state: once the training thread
         # lets peers read it (``_finish_probe``), the quorum thread sends it.
-        sync = SyncManager(ft, 1, 60.0, transport=None)  # type: ignore[arg-type]
+        sync = SyncQuorum(ft, 1, 60.0, transport=None)  # type: ignore[arg-type]
 
         def send_once_allowed() -> None:
             with _on_stream(None, "recovery"):

@@ -1,4 +1,4 @@
-"""The heal history (``heal_history``): what a peer keeps of each committed sync, when it can
+"""The heal history (``heal.history``): what a peer keeps of each committed sync, when it can
 serve a joiner, and that a replay of it gives the joiner the peers' global copies and outer
 momentum bit for bit.
 
@@ -24,13 +24,7 @@ from tests.unit_tests.toy_task import (
     inner_step,
     make_model,
 )
-from torchtitan.experiments.fault_tolerance.compression import (
-    PSEUDO_GRAD_DTYPES,
-    Delivered,
-    chunk_numel,
-    get_codec,
-)
-from torchtitan.experiments.fault_tolerance.heal_history import (
+from torchtitan.experiments.fault_tolerance.heal.history import (
     BASIS_SLOTS,
     HealHistory,
     HistoryEntry,
@@ -38,6 +32,14 @@ from torchtitan.experiments.fault_tolerance.heal_history import (
     job_fingerprint,
     plan_replay,
     replay,
+)
+from torchtitan.experiments.fault_tolerance.job_config import PSEUDO_GRAD_DTYPES
+from torchtitan.experiments.fault_tolerance.transport.codecs import (
+    get_codec,
+)
+from torchtitan.experiments.fault_tolerance.transport.collective import (
+    Delivered,
+    chunk_numel,
 )
 from torchtitan.tools.digest import device_digest
 
@@ -93,7 +95,7 @@ def train_with_history(rank: int, pg: Any, method: str, dtype: str, groups: int)
                 if manager.current_step() == CHECKPOINT_SYNC and snapshot is None:
                     snapshot = outer_state(loop)
     finally:
-        sync.shutdown()
+        sync.transport.shutdown()
     return {"history": history, "snapshot": snapshot, "final": outer_state(loop)}
 
 
@@ -180,7 +182,7 @@ def test_a_replay_of_the_missed_syncs_gives_the_peers_outer_state_bit_for_bit(
         assert held == sum(e.nbytes for e in entries)
         mine = outer_state(loop)
     finally:
-        sync.shutdown()
+        sync.transport.shutdown()
     for i in range(count):
         assert_bitwise_equal(mine[i], peer["final"][i])
     # The history holds what travelled: the encoded bytes every group decoded (one encoding
@@ -329,7 +331,7 @@ def test_the_fingerprint_tells_jobs_apart() -> None:
 
 
 def _exchange_of(loop: Any, history: HealHistory, user_state: dict[str, Any]) -> Any:
-    from torchtitan.experiments.fault_tolerance.heal_exchange import HealExchange
+    from torchtitan.experiments.fault_tolerance.heal.exchange import HealExchange
 
     kept: list[str] = []
     manager = SimpleNamespace(
@@ -337,7 +339,7 @@ def _exchange_of(loop: Any, history: HealHistory, user_state: dict[str, Any]) ->
         current_step=lambda: 3,  # torchft loaded the peer's step before the user states
     )
     ft = SimpleNamespace(manager=manager, keep_own=kept.extend, kept=kept)
-    return HealExchange(history, FP, loop, ft)  # type: ignore[arg-type]
+    return HealExchange(history, FP, loop.method, loop.replayer(), ft)  # type: ignore[arg-type]
 
 
 def _diloco_loop() -> tuple[Any, Any]:
@@ -355,7 +357,7 @@ def test_a_peer_sends_only_the_missed_averages_and_the_joiner_replays_them() -> 
     global copy; the joiner keeps its own model and optimizer (KEEP_OWN), reloads its own
     fragment state, replays 2..3 and ends on the peer's global copy and momentum."""
     from torchtitan.components.ft.healing import KEEP_OWN
-    from torchtitan.experiments.fault_tolerance.heal_exchange import HEAL_KEY, HealTransferError
+    from torchtitan.experiments.fault_tolerance.heal.exchange import HEAL_KEY, HealTransferError
 
     numel = sum(p.numel() for p in make_model().parameters())
     averages = [torch.randn(numel, generator=torch.Generator().manual_seed(s)) for s in (1, 2, 3)]
@@ -473,8 +475,8 @@ def test_a_peer_sends_only_the_missed_averages_and_the_joiner_replays_them() -> 
             "its replay of the syncs it missed stopped part-way (payload 2 of 2"
         )
     finally:
-        peer_sync.shutdown()
-        joiner_sync.shutdown()
+        peer_sync.transport.shutdown()
+        joiner_sync.transport.shutdown()
 
 
 def test_a_committed_sync_without_tokens_is_replayed_as_nothing() -> None:
@@ -489,7 +491,7 @@ def test_a_committed_sync_without_tokens_is_replayed_as_nothing() -> None:
 
 
 def test_the_quorum_findings_carry_the_replay_verdicts_through_the_group() -> None:
-    from torchtitan.experiments.fault_tolerance.quorum_exchange import QuorumFindings
+    from torchtitan.experiments.fault_tolerance.join.exchange import QuorumFindings
 
     found = QuorumFindings(False, False, False, False, 7, True, False, True)
     assert QuorumFindings.from_ints(found.as_ints()) == found

@@ -22,7 +22,7 @@ import torch
 
 from tests.kernel_sets import kernel_sets, run_python
 from tests.unit_tests.host_arithmetic import CASES, make_inputs
-from torchtitan.experiments.fault_tolerance.outer_optimizer import DelayedNesterov, OuterSGD
+from torchtitan.experiments.fault_tolerance.methods.outer_optimizer import DelayedNesterov, OuterSGD
 
 Results = dict[str, dict[str, str]]
 
@@ -76,7 +76,7 @@ def test_async_diloco_passes_give_the_bits_of_the_whole_fragment_operations(
 
 _TORCH_SGD = """
 import torch
-from torchtitan.experiments.fault_tolerance.outer_optimizer import OuterSGD
+from torchtitan.experiments.fault_tolerance.methods.outer_optimizer import OuterSGD
 assert torch.backends.cpu.get_cpu_capability() == "DEFAULT"
 gen = torch.Generator().manual_seed(0)
 n = (1 << 18) + 4099

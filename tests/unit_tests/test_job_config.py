@@ -1192,7 +1192,7 @@ def test_compressed_pseudo_gradients_parse_with_error_feedback(method: str, dtyp
 @pytest.mark.parametrize(("dtype", "decay"), [("int8", 1.0), ("int4", 1.0), ("sparse", 0.9)])
 def test_only_sparse_residuals_fade(dtype: str, decay: float) -> None:
     """sparse_residual_decay (default 0.9) is sparse's: the other dtypes owe every value."""
-    from torchtitan.experiments.fault_tolerance.methods import residual_decay
+    from torchtitan.experiments.fault_tolerance.methods.build import residual_decay
 
     ft = parse_semi_sync(
         *FT_ON,

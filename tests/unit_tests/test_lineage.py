@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from tests.unit_tests.test_benchmarks_ft_smoke import event_file
-from torchtitan.experiments.fault_tolerance import events, job_supervisor, launcher
-from torchtitan.experiments.fault_tolerance.lineage import Lineage, job_model
+from torchtitan.experiments.fault_tolerance import events
+from torchtitan.experiments.fault_tolerance.launch import launcher, supervisor
+from torchtitan.experiments.fault_tolerance.sync.lineage import Lineage, job_model
 
 
 def test_a_shared_sync_resets_the_solo_count_and_a_solo_one_counts() -> None:
@@ -58,9 +59,9 @@ def _finish(dump: Path, replica: int, **fields: object) -> None:
 def test_the_launcher_names_the_job_model_when_final_models_differ(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert job_supervisor.FINAL_MODEL_EVENT == events.FINAL_MODEL.name  # without importing torch
+    assert supervisor.FINAL_MODEL_EVENT == events.FINAL_MODEL.name  # without importing torch
     args = launcher.parse_args(["--groups", "2", "--", f"--job.dump_folder={tmp_path}"])
-    run = job_supervisor.Supervisor(args, tmp_path / "logs")
+    run = supervisor.Supervisor(args, tmp_path / "logs")
     for group in run.groups:
         group.done = True
         group.process = type("Start", (), {"started_at": 0.0})()  # type: ignore[assignment]

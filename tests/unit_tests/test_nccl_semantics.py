@@ -28,18 +28,20 @@ from torchtitan.components.ft import torchft_adapter as tft
 from torchtitan.components.ft.build import fresh_rendezvous_process_group
 from torchtitan.components.ft.delivery import CollectiveFailed, wait_delivered
 from torchtitan.components.ft.timeouts import ReplicaTimeouts
-from torchtitan.experiments.fault_tolerance.compression import AsyncCompressedAllReduce
-from torchtitan.experiments.fault_tolerance.heal_exchange import HEAL_KEY, HealAnswer
-from torchtitan.experiments.fault_tolerance.heal_history import ReplayBasis
-from torchtitan.experiments.fault_tolerance.heal_pieces import PiecewiseGroup
-from torchtitan.experiments.fault_tolerance.heal_transport import build_history_transport
-from torchtitan.experiments.fault_tolerance.sync_quorum import (
+from torchtitan.experiments.fault_tolerance.heal.checkpoint_transport import build_history_transport
+from torchtitan.experiments.fault_tolerance.heal.exchange import HEAL_KEY, HealAnswer
+from torchtitan.experiments.fault_tolerance.heal.history import ReplayBasis
+from torchtitan.experiments.fault_tolerance.heal.pieces import PiecewiseGroup
+from torchtitan.experiments.fault_tolerance.sync.quorum import (
     RUNNING,
     Member,
     ProbeInFlight,
     RankInGroup,
     exchange,
     in_group_wait,
+)
+from torchtitan.experiments.fault_tolerance.transport.runner import (
+    AsyncCompressedAllReduce,
 )
 
 CPU = torch.device("cpu")
@@ -435,7 +437,7 @@ def test_a_side_stream_on_cuda_makes_a_new_stream_current_after_what_was_queued(
 
 
 def test_answers_sent_at_once_fail_the_heal_when_any_one_fails() -> None:
-    from torchtitan.experiments.fault_tolerance.heal_transport import all_at_once
+    from torchtitan.experiments.fault_tolerance.heal.checkpoint_transport import all_at_once
 
     ran: list[int] = []
 
@@ -486,7 +488,7 @@ def test_answers_sent_at_once_share_the_heals_pieces_in_flight() -> None:
         with heal.heal():
             heal.send([torch.zeros(100, dtype=torch.uint8)], 1, tag=0).wait()
 
-    from torchtitan.experiments.fault_tolerance.heal_transport import all_at_once
+    from torchtitan.experiments.fault_tolerance.heal.checkpoint_transport import all_at_once
 
     all_at_once([answer, answer, answer], CPU)
     assert most[0] == 2 and heal.most_queued == 2

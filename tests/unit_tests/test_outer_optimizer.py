@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from torchtitan.experiments.fault_tolerance.outer_optimizer import (
+from torchtitan.experiments.fault_tolerance.methods.outer_optimizer import (
     DelayedNesterov,
     OuterSGD,
     delayed_nesterov_direction,

@@ -39,7 +39,7 @@ def _trained(method: str) -> Any:
                 for _ in range(3 * PERIOD):
                     inner_step(model, optimizer, data, lambda x: x[:, :1])
         finally:
-            sync.shutdown()
+            sync.transport.shutdown()
         return loop
 
     return run_groups(2, run)[0]

@@ -21,8 +21,12 @@ from torchtitan.components.ft.network import listen_store
 from torchtitan.components.ft.timeouts import ReplicaTimeouts
 from torchtitan.components.ft.torchft_adapter import lighthouse_heartbeats
 from torchtitan.experiments.fault_tolerance import events
-from torchtitan.experiments.fault_tolerance.peer_watch import Gone, PeerWatch, heartbeat_key
-from torchtitan.experiments.fault_tolerance.transport import PeerGone
+from torchtitan.experiments.fault_tolerance.transport.peer_watch import (
+    Gone,
+    PeerWatch,
+    heartbeat_key,
+)
+from torchtitan.experiments.fault_tolerance.transport.sync_transport import PeerGone
 from torchtitan.tools.events import event_of
 
 
@@ -124,19 +128,19 @@ def test_a_peer_the_lighthouse_dropped_ends_the_sync_in_seconds(peer: str, caplo
             sync.allreduce(x).wait()
             waited = time.monotonic() - started
             committed = sync.should_commit()
-            assert sync.residuals is not None
+            assert sync.transport.residuals is not None
             return {
                 "waited": waited,
                 "committed": committed,
                 "gone": sync.transport.peer_gone,
                 "x": x,
-                "feedback": sync.residuals.feedback,
+                "feedback": sync.transport.residuals.feedback,
                 "manager": manager,
             }
         finally:
             if rank == 0:
                 released.set()
-            sync.shutdown()
+            sync.transport.shutdown()
 
     first, _ = run_groups(2, group, timeout_s=60)
     if peer in ("late_but_alive", "this_group_dropped_but_alive"):
@@ -219,7 +223,9 @@ def test_a_collective_taken_up_as_its_sync_is_abandoned_still_completes(
     abandoned (a waiter would otherwise wait for ever)."""
     import queue
 
-    from torchtitan.experiments.fault_tolerance.compression import runner as runner_module
+    from torchtitan.experiments.fault_tolerance.transport import (
+        runner as runner_module,
+    )
 
     taken = threading.Event()
 

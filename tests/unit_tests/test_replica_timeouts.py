@@ -16,7 +16,7 @@ from tests.unit_tests.gloo_groups import run_groups
 from torchtitan.components.ft import torchft_adapter as tft
 from torchtitan.components.ft.build import fresh_rendezvous_process_group
 from torchtitan.components.ft.timeouts import NONBLOCKING_TIMEOUT_ENV, ReplicaTimeouts
-from torchtitan.experiments.fault_tolerance.heal_pieces import MAX_PIECES, PiecewiseGroup
+from torchtitan.experiments.fault_tolerance.heal.pieces import MAX_PIECES, PiecewiseGroup
 
 
 def test_each_timeout_comes_from_the_field_that_governs_it() -> None:
@@ -141,7 +141,7 @@ def test_a_heal_travels_in_pieces_with_few_queued() -> None:
     assert all(torch.equal(a, b) for a, b in zip(sent, got, strict=True))
     assert issued == issued_1 == 11 + 5
     assert most <= 2 and most_1 <= 2
-    from torchtitan.experiments.fault_tolerance.heal_pieces import pieces_of
+    from torchtitan.experiments.fault_tolerance.heal.pieces import pieces_of
 
     big = torch.empty(MAX_PIECES * 10 + 1, dtype=torch.uint8)
     assert len(pieces_of(big, 4)) <= MAX_PIECES

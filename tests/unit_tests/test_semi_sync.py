@@ -21,20 +21,21 @@ from torchtitan.components.ft import FaultToleranceError
 from torchtitan.config import ConfigManager
 from torchtitan.experiments.fault_tolerance import events as events_module
 from torchtitan.experiments.fault_tolerance.events import HEALED
-from torchtitan.experiments.fault_tolerance.fragments import build_model_fragments
-from torchtitan.experiments.fault_tolerance.lineage import Lineage
-from torchtitan.experiments.fault_tolerance.method_state import SemiSyncState
-from torchtitan.experiments.fault_tolerance.periodic import DiLoCo, LocalSGD
-from torchtitan.experiments.fault_tolerance.quorum_exchange import (
+from torchtitan.experiments.fault_tolerance.join.exchange import (
     MAX_INITIAL_MODEL_ROUNDS,
     QuorumExchange,
     QuorumFindings,
     StartUp,
     initial_model_source,
 )
-from torchtitan.experiments.fault_tolerance.quorum_protocol import QuorumProtocol
-from torchtitan.experiments.fault_tolerance.reporting import SyncReporter
-from torchtitan.experiments.fault_tolerance.sync_quorum import (
+from torchtitan.experiments.fault_tolerance.join.protocol import QuorumProtocol
+from torchtitan.experiments.fault_tolerance.method_state import SemiSyncState
+from torchtitan.experiments.fault_tolerance.methods.fragments import build_model_fragments
+from torchtitan.experiments.fault_tolerance.methods.global_copy import GlobalCopyMethod
+from torchtitan.experiments.fault_tolerance.methods.periodic import DiLoCo, LocalSGD
+from torchtitan.experiments.fault_tolerance.report.sync_reporter import SyncReporter
+from torchtitan.experiments.fault_tolerance.sync.lineage import Lineage
+from torchtitan.experiments.fault_tolerance.sync.quorum import (
     FRESH,
     RESUMED,
     RUNNING,
@@ -142,11 +143,16 @@ def diloco(model: nn.Module, fragments: int, delay: int = 0) -> tuple[DiLoCo, Fa
     return loop, manager
 
 
+def parts(trainer: Any) -> tuple[Any, Any, Any]:
+    """What SemiSyncState is built with, from ``as_trainer``'s view of a trainer."""
+    return trainer.algorithm, trainer.sync, trainer.lineage
+
+
 def as_trainer(loop: DiLoCo) -> Any:
     """What SemiSyncState sees of the trainer: its outer loop."""
     return SimpleNamespace(
         algorithm=loop,
-        sync=SimpleNamespace(residuals=None, wait_for_transfers=lambda: None),
+        sync=SimpleNamespace(residuals=None, wait=lambda: None),
         lineage=Lineage(),
     )
 
@@ -172,12 +178,12 @@ def test_semi_sync_state_round_trips_through_dcp_into_a_fresh_process(tmp_path: 
         ]
         for i in range(2)
     ]
-    dcp.save({"semi_sync": SemiSyncState(as_trainer(loop))}, checkpoint_id=tmp_path)
+    dcp.save({"semi_sync": SemiSyncState(*parts(as_trainer(loop)))}, checkpoint_id=tmp_path)
 
     # A new process: same model init, an outer optimizer that never stepped (no momentum).
     fresh, _ = diloco(small_model(), fragments=2)
     assert not fresh.outer_optimizer(0).state
-    dcp.load({"semi_sync": SemiSyncState(as_trainer(fresh))}, checkpoint_id=tmp_path)
+    dcp.load({"semi_sync": SemiSyncState(*parts(as_trainer(fresh)))}, checkpoint_id=tmp_path)
     assert fresh.local_step() == 1
     for i in range(2):
         for name, value in fresh.global_parameters(i).items():
@@ -190,7 +196,7 @@ def test_semi_sync_state_round_trips_through_dcp_into_a_fresh_process(tmp_path: 
 def test_error_feedback_residuals_come_back_with_a_restart(tmp_path: Path) -> None:
     """What each rank's compression still owed is in the checkpoint and owed again after a
     restart, per fragment, committed and staged alike."""
-    from torchtitan.experiments.fault_tolerance.fragment_residuals import FragmentResiduals
+    from torchtitan.experiments.fault_tolerance.transport.residuals import FragmentResiduals
 
     loop, _ = diloco(small_model(), fragments=2)
     numels = [sum(p.numel() for p in f.parameters()) for f in loop.fragments]
@@ -200,12 +206,12 @@ def test_error_feedback_residuals_come_back_with_a_restart(tmp_path: Path) -> No
     owed.load(1, torch.full((numels[1],), 0.5), staged=True)
     trainer = as_trainer(loop)
     trainer.sync.residuals = owed
-    dcp.save({"semi_sync": SemiSyncState(trainer)}, checkpoint_id=tmp_path)
+    dcp.save({"semi_sync": SemiSyncState(*parts(trainer))}, checkpoint_id=tmp_path)
 
     fresh, _ = diloco(small_model(), fragments=2)
     restarted = as_trainer(fresh)
     restarted.sync.residuals = FragmentResiduals()
-    dcp.load({"semi_sync": SemiSyncState(restarted)}, checkpoint_id=tmp_path)
+    dcp.load({"semi_sync": SemiSyncState(*parts(restarted))}, checkpoint_id=tmp_path)
     again = restarted.sync.residuals
     for i, numel in enumerate(numels):
         assert torch.equal(again.flat(i, numel), owed.flat(i, numel))
@@ -216,9 +222,9 @@ def test_error_feedback_residuals_come_back_with_a_restart(tmp_path: Path) -> No
 
 def test_checkpoint_without_outer_momentum_loads_none(tmp_path: Path) -> None:
     loop, _ = diloco(small_model(), fragments=1)
-    dcp.save({"s": SemiSyncState(as_trainer(loop))}, checkpoint_id=tmp_path)
+    dcp.save({"s": SemiSyncState(*parts(as_trainer(loop)))}, checkpoint_id=tmp_path)
     fresh, _ = diloco(small_model(), fragments=1)
-    dcp.load({"s": SemiSyncState(as_trainer(fresh))}, checkpoint_id=tmp_path)
+    dcp.load({"s": SemiSyncState(*parts(as_trainer(fresh)))}, checkpoint_id=tmp_path)
     assert not fresh.outer_optimizer(0).state
 
 
@@ -226,17 +232,17 @@ def test_a_checkpoint_from_a_longer_period_is_refused_with_the_fields_to_change(
     """Written with a larger ``sync_steps``: its inner step is past this job's period, where
     no sync would start again. Loading says which fields to keep instead."""
     loop, _ = diloco(small_model(), fragments=1)  # period 4
-    saved = SemiSyncState(as_trainer(loop)).state_dict()
+    saved = SemiSyncState(*parts(as_trainer(loop))).state_dict()
     saved["local_step"] = 5
     with pytest.raises(ValueError, match="inner step 5 .* period of 4 .*sync_steps"):
-        SemiSyncState(as_trainer(loop)).load_state_dict(saved)
+        SemiSyncState(*parts(as_trainer(loop))).load_state_dict(saved)
     # At the period's length itself a sync point would have reset it to 0: refused too, with
     # the same line, not loaded to fail later.
     saved["local_step"] = 4
     with pytest.raises(ValueError, match="inner step 4 .* period of 4 .*num_fragments"):
-        SemiSyncState(as_trainer(loop)).load_state_dict(saved)
+        SemiSyncState(*parts(as_trainer(loop))).load_state_dict(saved)
     saved["local_step"] = 3
-    SemiSyncState(as_trainer(loop)).load_state_dict(saved)
+    SemiSyncState(*parts(as_trainer(loop))).load_state_dict(saved)
     assert loop.local_step() == 3
 
 
@@ -251,7 +257,7 @@ def test_checkpoint_taken_with_a_sync_in_flight_drops_that_sync() -> None:
             p.add_(1.0)  # inner steps moved the model away from the global copies
     loop.set_local_step(1)
     loop._states[1].works = ["in flight"]  # what a started all-reduce leaves behind
-    state = SemiSyncState(as_trainer(loop))
+    state = SemiSyncState(*parts(as_trainer(loop)))
     saved = state.state_dict()
     assert saved["in_flight_fragment"] == 1
 
@@ -400,10 +406,13 @@ def test_exchange_gathers_every_member_in_quorum_order() -> None:
 def test_pseudo_gradient_norm_is_the_norm_of_the_outer_gradients() -> None:
     a, b = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2, 2))
     a.grad, b.grad = torch.tensor([3.0, 0.0, 0.0]), torch.tensor([[0.0, 4.0], [0.0, 0.0]])
+    method = SimpleNamespace(_states=[SimpleNamespace(model_device=torch.device("cpu"))])
+    GlobalCopyMethod._measure_outer_step(method, torch.optim.SGD([a, b], lr=1.0))  # type: ignore[arg-type]
+    squares = GlobalCopyMethod.take_stepped_squares(method)  # type: ignore[arg-type]
+    assert GlobalCopyMethod.take_stepped_squares(method) is None  # type: ignore[arg-type]  # taken once
     stub = SimpleNamespace(device=torch.device("cpu"), group_ranks=1)
-    SyncReporter.measure_pseudo_gradient(stub, torch.optim.SGD([a, b], lr=1.0))  # type: ignore[arg-type]
-    assert SyncReporter._pseudo_grad_norm(stub) == pytest.approx(5.0)  # type: ignore[arg-type]
-    assert SyncReporter._pseudo_grad_norm(stub) is None  # type: ignore[arg-type]  # reported once
+    assert SyncReporter._pseudo_grad_norm(stub, squares) == pytest.approx(5.0)  # type: ignore[arg-type]
+    assert SyncReporter._pseudo_grad_norm(stub, None) is None  # type: ignore[arg-type]
 
 
 def test_device_digest_sees_one_changed_element_and_not_the_device_order() -> None:
@@ -714,9 +723,9 @@ def test_every_method_implements_its_whole_interface() -> None:
     raise at run time), and only the methods with global copies are GlobalCopyMethods."""
     import inspect
 
-    from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
-    from torchtitan.experiments.fault_tolerance.global_copy import GlobalCopyMethod
-    from torchtitan.experiments.fault_tolerance.outer_loop import OuterLoop
+    from torchtitan.experiments.fault_tolerance.methods.async_diloco import AsyncDiLoCo
+    from torchtitan.experiments.fault_tolerance.methods.global_copy import GlobalCopyMethod
+    from torchtitan.experiments.fault_tolerance.methods.outer_loop import OuterLoop
 
     assert inspect.isabstract(OuterLoop) and inspect.isabstract(GlobalCopyMethod)
     for cls in (LocalSGD, DiLoCo, AsyncDiLoCo):
@@ -728,7 +737,7 @@ def test_every_method_implements_its_whole_interface() -> None:
 def test_a_mismatch_of_the_collectives_shapes_names_both_groups_and_the_field() -> None:
     """What fixes a sync's collectives (ranks, fragments, shards, buckets, dtype) is compared
     field by field; the first difference names both groups' values and the field to change."""
-    from torchtitan.experiments.fault_tolerance.shapes import CollectiveShape, mismatch
+    from torchtitan.experiments.fault_tolerance.transport.shapes import CollectiveShape, mismatch
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
     mine = CollectiveShape.of([model], 1, 300, "int8")
@@ -766,8 +775,8 @@ def test_groups_whose_sparse_settings_differ_are_refused_before_any_collective(
     size and meaning, so the shapes the trainer compares in every quorum differ, and the line
     names the dtype and the sparse fields."""
     from torchtitan.experiments.fault_tolerance.job_config import semi_sync_config
-    from torchtitan.experiments.fault_tolerance.methods import wire_dtype
-    from torchtitan.experiments.fault_tolerance.shapes import CollectiveShape, mismatch
+    from torchtitan.experiments.fault_tolerance.methods.build import wire_dtype
+    from torchtitan.experiments.fault_tolerance.transport.shapes import CollectiveShape, mismatch
 
     model = small_model()
 
@@ -784,7 +793,7 @@ def test_groups_that_cut_the_model_into_other_fragments_are_refused() -> None:
     """The same three layers in two fragments each, cut after the first layer in one group and
     after the second in the other: as many fragments, the same values on the rank, the same
     buckets and dtype, yet the fragments' transfers would pair different tensors."""
-    from torchtitan.experiments.fault_tolerance.shapes import CollectiveShape, mismatch
+    from torchtitan.experiments.fault_tolerance.transport.shapes import CollectiveShape, mismatch
 
     layers = [nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)]
     mine = CollectiveShape.of(
@@ -806,7 +815,7 @@ def test_a_delayed_syncs_time_adds_the_step_that_starts_it_to_the_step_that_appl
     starts it (its quorum, handing over its pseudo-gradient) and 0.5 s at the step that applies
     it; the inner step between takes 10 s. The sync line's time is 3.5 s: both hooks, not the
     applying step's alone, and not the inner compute."""
-    from torchtitan.experiments.fault_tolerance import reporting
+    from torchtitan.experiments.fault_tolerance.report import sync_reporter as reporting
 
     now = [100.0]
     monkeypatch.setattr(reporting, "time", SimpleNamespace(perf_counter=lambda: now[0]))
@@ -816,7 +825,10 @@ def test_a_delayed_syncs_time_adds_the_step_that_starts_it_to_the_step_that_appl
     )
     reported: list[float] = []
     reporter = SyncReporter.__new__(SyncReporter)
-    reporter.loop, reporter.sync = cast(Any, loop), cast(Any, SimpleNamespace(flush=lambda: None))
+    reporter.loop, reporter.sync = (
+        cast(Any, loop),
+        cast(Any, SimpleNamespace(transport=SimpleNamespace(flush=lambda: None))),
+    )
     reporter.new_sync()
     reporter.report = lambda step: reported.append(reporter.seconds)  # type: ignore[method-assign]
     reporter.start_clock()  # inner step 3 of 4: the sync starts in its hook
@@ -835,14 +847,14 @@ def test_a_delayed_syncs_time_adds_the_step_that_starts_it_to_the_step_that_appl
 def test_a_digest_taken_piece_by_piece_equals_the_one_pass_digest_past_a_chunk() -> None:
     """A parameter of 2^21 + 7 fp32 values (its bytes span two digest chunks of 2^20 words)
     hashed in the passes' pieces, in any order, gives the chunk hashes of one pass over it."""
-    from torchtitan.experiments.fault_tolerance.piece_workers import PIECE
+    from torchtitan.experiments.fault_tolerance.methods.piece_workers import PASS_PIECE_VALUES
     from torchtitan.tools.digest import PieceHashes, chunk_hashes
 
     t = torch.randn(2**21 + 7, generator=torch.Generator().manual_seed(4))
     hashes = PieceHashes(t.numel(), 4, torch.device("cpu"))
-    starts = list(range(0, t.numel(), PIECE))
+    starts = list(range(0, t.numel(), PASS_PIECE_VALUES))
     for start in reversed(starts):
-        hashes.add(start, t[start : start + PIECE])
+        hashes.add(start, t[start : start + PASS_PIECE_VALUES])
     assert hashes.hashes == chunk_hashes(t) and len(hashes.hashes) == 2
 
 

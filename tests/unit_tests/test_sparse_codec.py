@@ -11,11 +11,14 @@ import math
 import pytest
 import torch
 
-from torchtitan.experiments.fault_tolerance.compression import ErrorFeedback, get_codec
-from torchtitan.experiments.fault_tolerance.compression.sparse import (
+from torchtitan.experiments.fault_tolerance.transport.codecs import (
     SparseCodec,
+    get_codec,
     parse_sparse_name,
     sparse_name,
+)
+from torchtitan.experiments.fault_tolerance.transport.error_feedback import (
+    ErrorFeedback,
 )
 
 

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from torchtitan.experiments.fault_tolerance.step_clock import StepClock
+from torchtitan.experiments.fault_tolerance.methods.step_clock import StepClock
 
 
 def test_on_the_cpu_the_clock_is_the_host_s() -> None:

@@ -6,7 +6,7 @@ Two replica groups, and three for a few cases (real gloo process groups, one thr
 LocalSGD the mean of their parameters, for DiLoCo and async DiLoCo the mean of their pseudo-
 gradients, which for DiLoCo and async ``delayed`` (periods that start from the global copy)
 makes the global parameters the mean of the groups' local ones. Exact up to fp32 rounding for
-float32, within the codec's stated bound otherwise (``compression/codecs.py``: half a quantization
+float32, within the codec's stated bound otherwise (``transport/codecs.py``: half a quantization
 step, ``absmax / qmax / 2``, per encoding; bfloat16: 2^-8 relative). Sparse keeps most of a
 pseudo-gradient back: with its error feedback, what a group sent is its input plus what it owed
 less what it owes after the sync, and the sync moves the globals by the mean of exactly that.
@@ -25,8 +25,11 @@ import torch.nn.functional as F
 from tests.unit_tests.gloo_groups import LoopbackManager, OpenQuorums, run_groups, sync_manager
 from tests.unit_tests.toy_task import BUCKET, PERIOD, fragment_count, inner_step, make_model
 from tests.unit_tests.toy_task import build_method as build
-from torchtitan.experiments.fault_tolerance.async_state import FragmentState
-from torchtitan.experiments.fault_tolerance.compression import PSEUDO_GRAD_DTYPES, get_codec
+from torchtitan.experiments.fault_tolerance.job_config import PSEUDO_GRAD_DTYPES
+from torchtitan.experiments.fault_tolerance.methods.async_diloco import FragmentState
+from torchtitan.experiments.fault_tolerance.transport.codecs import (
+    get_codec,
+)
 
 GROUPS = 2
 
@@ -64,8 +67,8 @@ def train_and_record(
 
     def owed(index: int) -> torch.Tensor:
         """This group's residuals of fragment ``index``, flat, in parameter order."""
-        assert sync.residuals is not None
-        return sync.residuals.flat(index, flat(fragment_params(index)).numel())
+        assert sync.transport.residuals is not None
+        return sync.transport.residuals.flat(index, flat(fragment_params(index)).numel())
 
     def spy_allreduce(tensor: torch.Tensor, *args: Any, exact: bool = False, **kw: Any) -> Any:
         if not exact:
@@ -108,7 +111,7 @@ def train_and_record(
 
         def spy_both(
             state: FragmentState, sums: Any, total: float, out: torch.Tensor, *args: Any
-        ) -> None:  # the one pass, as its two halves (test_outer_passes: the same bits)
+        ) -> None:  # the one pass, as its two halves (test_host_passes: the same bits)
             spy_finish(state, sums, total)
             spy_start(state, out, *args)
 
@@ -144,7 +147,7 @@ def train_and_record(
                     if feedback:
                         record["owed_after"].append(owed(record["fragment"][-1]))
     finally:
-        sync.shutdown()
+        sync.transport.shutdown()
     record["commits"] = manager.commits
     if feedback:
         # What the group really sent (decoded): its input plus what it owed, less what it owes
@@ -270,11 +273,13 @@ def test_error_feedback_keeps_a_residual_per_transfer_renewed_by_every_committed
                 for _ in range(3 * PERIOD):
                     inner_step(model, optimizer, data, lambda x: x[:, :1])
                     if loop.local_step() == 0:
-                        feedback = sync.residuals.feedback if sync.residuals else None
+                        feedback = (
+                            sync.transport.residuals.feedback if sync.transport.residuals else None
+                        )
                         assert feedback is not None
                         owed.append(feedback.state_dict())
         finally:
-            sync.shutdown()
+            sync.transport.shutdown()
         assert manager.commits == [True] * 3
         return owed
 

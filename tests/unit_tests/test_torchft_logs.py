@@ -21,7 +21,7 @@ _START_TORCHFT = """
 from datetime import timedelta
 import torchtitan
 from torchft._torchft import LighthouseServer, ManagerServer
-from torchtitan.components.ft.torchft_adapter import lighthouse_status
+from torchtitan.tools.cluster.lighthouse import lighthouse_status
 lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
 port = lighthouse.address().rsplit(":", 1)[1]
 # Served only once its server task runs, which logs first that it listens: that line is out
@@ -103,7 +103,7 @@ def test_the_lighthouse_logs_info_unless_the_user_chose_a_level(
 @pytest.mark.parametrize(
     "module, instead",
     [("torchtitan.train", "./run_train.sh"),
-     ("torchtitan.experiments.fault_tolerance.launcher", "./run_launcher.sh"),
+     ("torchtitan.experiments.fault_tolerance.launch.launcher", "./run_launcher.sh"),
      ("torchtitan.experiments.fault_tolerance.plan",
       ".venv/bin/python -m torchtitan.experiments.fault_tolerance.plan")],
 )  # fmt: skip

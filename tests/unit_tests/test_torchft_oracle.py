@@ -6,7 +6,7 @@ Each case runs twice on the same model, data and real gloo groups (2 and 3, one 
   ``allreduce`` is torchft's own ``Manager.allreduce`` (a SUM all-reduce of each tensor, then a
   division by the participants), per tensor, without torchft's bucketing (which sends zeros for
   a tensor larger than a bucket);
-* **ours**: the method as the trainer builds it, syncing through the sync Manager's transport
+* **ours**: the method as the trainer builds it, syncing through the sync quorum's transport
   (buckets of 300 values: a tensor in pieces, small tensors packed, float32 on the wire).
 
 After every sync both must hold the same local and global parameters: bit for bit with 2
@@ -37,9 +37,11 @@ from torchft.manager import Manager
 
 from tests.unit_tests.gloo_groups import LoopbackManager, OpenQuorums, run_groups, sync_manager
 from tests.unit_tests.toy_task import BUCKET, PERIOD, fragments_of, inner_step, make_model
-from torchtitan.experiments.fault_tolerance.outer_optimizer import outer_optimizer as build_outer
-from torchtitan.experiments.fault_tolerance.periodic import DiLoCo as OurDiLoCo
-from torchtitan.experiments.fault_tolerance.periodic import LocalSGD as OurLocalSGD
+from torchtitan.experiments.fault_tolerance.methods.outer_optimizer import (
+    outer_optimizer as build_outer,
+)
+from torchtitan.experiments.fault_tolerance.methods.periodic import DiLoCo as OurDiLoCo
+from torchtitan.experiments.fault_tolerance.methods.periodic import LocalSGD as OurLocalSGD
 
 SYNCS = 4
 
@@ -189,7 +191,7 @@ def run(
                         heal.exchange(rank, groups, model, optimizer, manager, loop)
     finally:
         if sync is not None:
-            sync.shutdown()
+            sync.transport.shutdown()
     return records
 
 

@@ -17,10 +17,13 @@ from tests.unit_tests.gloo_groups import LoopbackManager, accept_all, run_groups
 from tests.unit_tests.test_compression import _varied
 from torchtitan.components.ft import FaultToleranceError, torchft_adapter
 from torchtitan.experiments.fault_tolerance import events
-from torchtitan.experiments.fault_tolerance.compression import get_codec
-from torchtitan.experiments.fault_tolerance.fragment_residuals import FragmentResiduals
 from torchtitan.experiments.fault_tolerance.job_config import PSEUDO_GRAD_DTYPES
-from torchtitan.experiments.fault_tolerance.transport import CollectiveTimeout, bucket_numel
+from torchtitan.experiments.fault_tolerance.transport.codecs import get_codec
+from torchtitan.experiments.fault_tolerance.transport.residuals import FragmentResiduals
+from torchtitan.experiments.fault_tolerance.transport.sync_transport import (
+    CollectiveTimeout,
+    bucket_numel,
+)
 from torchtitan.tools.events import event_of
 
 
@@ -57,7 +60,7 @@ def test_every_tensor_is_averaged_in_buckets_of_its_own_and_the_transfers_are_co
             assert held == [300, 300, 100, 0, 0], held
             return tensors, len(sync.transport.works), transfers
         finally:
-            sync.shutdown()
+            sync.transport.shutdown()
 
     (got0, count, transfers), (got1, _, _) = run_groups(2, group)
     assert count == 5 and transfers == [300, 300, 100, 250, 121]
@@ -90,7 +93,7 @@ def test_an_exact_tensor_travels_as_it_is_and_a_healing_group_sends_zeros() -> N
                 work.wait()
             return exact, pseudo
         finally:
-            sync.shutdown()
+            sync.transport.shutdown()
 
     (exact0, pseudo0), (exact1, pseudo1) = run_groups(2, group)
     assert torch.equal(exact0, torch.tensor([12345.678, 0.001]))  # group 1 sent zeros
@@ -116,7 +119,7 @@ def test_a_residual_changes_only_when_its_sync_commits() -> None:
     def group(rank: int, pg: Any) -> list[torch.Tensor | None]:
         manager = LoopbackManager(pg, rank, 2)
         sync = sync_manager(manager, "int8", error_feedback=True, bucket_numel=300)
-        feedback = sync.residuals.feedback if sync.residuals else None
+        feedback = sync.transport.residuals.feedback if sync.transport.residuals else None
         assert feedback is not None
         seen: list[torch.Tensor | None] = []
         try:
@@ -127,7 +130,7 @@ def test_a_residual_changes_only_when_its_sync_commits() -> None:
                 seen.append(torch.cat([r.reshape(-1) for r in feedback.state_dict().values()]))
                 assert len(feedback.state_dict()) == 3  # three transfers of 300, 300, 150
         finally:
-            sync.shutdown()
+            sync.transport.shutdown()
         return seen
 
     mine, theirs = run_groups(2, group)
@@ -150,7 +153,7 @@ def test_a_non_finite_pseudo_gradient_fails_the_sync_on_every_group(
     def group(rank: int, pg: Any) -> dict[str, Any]:
         manager = LoopbackManager(pg, rank, 2)
         sync = sync_manager(manager, dtype, error_feedback=compressed, bucket_numel=300)
-        feedback = sync.residuals.feedback if sync.residuals else None
+        feedback = sync.transport.residuals.feedback if sync.transport.residuals else None
         assert (feedback is not None) == compressed
         out: dict[str, Any] = {"committed": [], "residuals": [], "results": []}
         try:
@@ -163,7 +166,7 @@ def test_a_non_finite_pseudo_gradient_fails_the_sync_on_every_group(
                     out["residuals"].append(feedback.residual("fragment_0/0").clone())
                 out["results"].append(x)
         finally:
-            sync.shutdown()
+            sync.transport.shutdown()
         return out
 
     with caplog.at_level(logging.INFO, logger="torchtitan"):
@@ -200,7 +203,7 @@ def test_a_non_finite_value_in_an_early_transfer_fails_the_sync_whatever_follows
             committed = _sync_once(sync, manager, x)
             return committed, len(sync.transport.works)
         finally:
-            sync.shutdown()
+            sync.transport.shutdown()
 
     with caplog.at_level(logging.INFO, logger="torchtitan"):
         first, second = run_groups(2, group)
@@ -237,7 +240,7 @@ def test_a_collective_past_the_timeout_fails_the_sync_naming_the_field(group_gon
                     outcomes.append(str(e))
                 outcomes.append(manager.errored())
         finally:
-            sync.shutdown()
+            sync.transport.shutdown()
         return outcomes
 
     started = time.monotonic()
@@ -273,7 +276,7 @@ def test_after_an_error_the_rest_of_a_sync_sends_nothing() -> None:
                 quick,
             )
         finally:
-            sync.shutdown()
+            sync.transport.shutdown()
 
     assert run_groups(2, group) == [(True, 0, True)] * 2
 
@@ -288,6 +291,8 @@ def test_a_fragments_residuals_checkpoint_as_one_flat_tensor_and_continue_exactl
 
     def sync(residuals: FragmentResiduals, seed: int) -> list[torch.Tensor]:
         feedback = residuals.feedback
+        residuals.claim(key(0, 0), 300)  # as the transport does before each transfer
+        residuals.claim(key(0, 1), 200)
         return [
             feedback.encode(key(0, 0), _varied(300, seed), codec),
             feedback.encode(key(0, 1), _varied(200, seed + 100), codec),
@@ -314,6 +319,7 @@ def test_a_fragments_residuals_checkpoint_as_one_flat_tensor_and_continue_exactl
     failed = FragmentResiduals()
     failed.load(0, flat)
     x = _varied(300, seed=5)
+    failed.claim(key(0, 0), 300)
     assert torch.equal(failed.feedback.correct_(key(0, 0), x.clone()), x + flat[:300])
     assert torch.equal(failed.flat(0, 500), flat)
     short = FragmentResiduals()
@@ -339,21 +345,23 @@ def test_a_fragment_sent_in_three_transfers_gets_each_residual_back_at_its_offse
         try:
             for number in range(3):
                 if restart and number == 1:
-                    assert sync.residuals is not None
-                    saved = sync.residuals.flat(0, numel)  # the checkpoint's tensor
-                    sync.shutdown()
+                    assert sync.transport.residuals is not None
+                    saved = sync.transport.residuals.flat(0, numel)  # the checkpoint's tensor
+                    sync.transport.shutdown()
                     manager = LoopbackManager(pg, rank, 2)
                     sync = sync_manager(manager, "int4", error_feedback=True, bucket_numel=300)
-                    assert sync.residuals is not None
-                    sync.residuals.load(0, saved)
+                    assert sync.transport.residuals is not None
+                    sync.transport.residuals.load(0, saved)
                 x = _varied(numel, seed=number + 10 * rank)
                 assert _sync_once(sync, manager, x)
                 assert [w.numel for w in sync.transport.works] == [300, 300, 100]
                 results.append(x)
-            assert sync.residuals is not None
-            return results, [sync.residuals.feedback.residual(key(0, n)) for n in range(3)]
+            assert sync.transport.residuals is not None
+            return results, [
+                sync.transport.residuals.feedback.residual(key(0, n)) for n in range(3)
+            ]
         finally:
-            sync.shutdown()
+            sync.transport.shutdown()
 
     never_stopped = run_groups(2, lambda rank, pg: group(rank, pg, restart=False))
     restarted = run_groups(2, lambda rank, pg: group(rank, pg, restart=True))
@@ -373,7 +381,7 @@ def test_a_rank_whose_collectives_no_longer_line_up_stops_at_its_next_sync() -> 
                 sync.begin_sync()
             return str(raised.value)
         finally:
-            sync.shutdown()
+            sync.transport.shutdown()
 
     (message,) = run_groups(1, group)
     assert "a bucket could not be packed" in message and "restart the group" in message
@@ -449,7 +457,7 @@ def test_a_sync_waits_without_synchronizing_the_device_and_still_times_out(
                     work.wait()
                 outcomes += [sync.should_commit(), manager.errored()]
             finally:
-                sync.shutdown()
+                sync.transport.shutdown()
         return [*outcomes, wrapped.aborted]
 
     started = time.monotonic()

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.experiments.fault_tolerance.async_diloco import AsyncDiLoCo
-from torchtitan.experiments.fault_tolerance.fragments import ModelFragment
-from torchtitan.experiments.fault_tolerance.heal_history import HealHistory
-from torchtitan.experiments.fault_tolerance.periodic import DiLoCo, LocalSGD
+from torchtitan.experiments.fault_tolerance.heal.history import HealHistory
+from torchtitan.experiments.fault_tolerance.methods.async_diloco import AsyncDiLoCo
+from torchtitan.experiments.fault_tolerance.methods.fragments import ModelFragment
+from torchtitan.experiments.fault_tolerance.methods.periodic import DiLoCo, LocalSGD
 
 BUCKET = 300
 PERIOD = 3

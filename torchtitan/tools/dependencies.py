@@ -11,7 +11,9 @@ REQUIRED = ("torch", "tyro", "torchft")
 #: What to type instead, per module run with ``python -m``.
 INSTEAD = {
     "torchtitan.train": "./run_train.sh [--section.field=value ...]",
-    "torchtitan.experiments.fault_tolerance.launcher": "./run_launcher.sh [options] -- [flags]",
+    "torchtitan.experiments.fault_tolerance.launch.launcher": (
+        "./run_launcher.sh [options] -- [flags]"
+    ),
     "torchtitan.experiments.fault_tolerance.plan": (
         ".venv/bin/python -m torchtitan.experiments.fault_tolerance.plan --help"
     ),

@@ -17,7 +17,8 @@ gloo and nccl fail differently, and code written against one is wrong on the oth
 the c10d work's own ``wait``, with the operation's timeout, so the thread blocks (without the
 GIL, and without waiting for the training kernels queued meanwhile) until the result is in its
 buffers, and :class:`CollectiveFailed` when it is not, on either backend.
-:func:`all_reduce_across_groups` is torchft's ``Manager.allreduce`` built on it.
+:func:`all_reduce_across_groups` is torchft's ``Manager.allreduce`` built on it;
+:class:`AllWorks` is several works waited for as one.
 """
 
 from __future__ import annotations
@@ -45,6 +46,22 @@ FINISHED = timedelta(milliseconds=1)
 
 class CollectiveFailed(RuntimeError):
     """A collective across replica groups did not deliver its whole result."""
+
+
+class AllWorks:
+    """Works waited for in order, as one work (torchft's ``Work``: ``wait`` returns True); each
+    is waited for as it waits itself, with ``timeout`` if one is given."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        for work in self.works:
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout)
+        return True
 
 
 def wait_delivered(work: Any, pg: Any = None, timeout: timedelta | None = None) -> None:

@@ -33,7 +33,7 @@ class ReplicaTimeouts:
     #: One collective: semi-sync's ``sync_collective_timeout_s`` (a bucket of a sync, the
     #: quorum's exchange), else ``process_group_timeout_ms`` (a step's all-reduce).
     collective: timedelta
-    #: ``timeout_s``: each piece of a heal's transfer (``heal_transport`` sends bounded pieces).
+    #: ``timeout_s``: each piece of a heal's transfer (sent in bounded pieces).
     heal: timedelta
 
     @classmethod

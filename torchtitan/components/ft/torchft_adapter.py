@@ -25,8 +25,6 @@ import contextlib
 import importlib.metadata
 import logging
 import re
-import urllib.parse
-import urllib.request
 import warnings
 from collections.abc import Iterator
 from datetime import timedelta
@@ -37,6 +35,7 @@ from torch.distributed import ProcessGroup
 
 from torchtitan.components.ft.errors import FaultToleranceError
 from torchtitan.components.ft.network import host_port
+from torchtitan.tools.cluster.lighthouse import lighthouse_status
 
 if TYPE_CHECKING:  # torchft ships no type information: these name what each accessor takes
     from torchft.manager import Manager
@@ -234,15 +233,6 @@ def heartbeat_id(manager: Manager) -> str:
 
 
 # ---- the lighthouse's status page ----------------------------------------------------------
-
-
-def lighthouse_status(address: str, timeout_s: float) -> str:
-    """The lighthouse's HTML status page (``http://host:port``); raises ``OSError`` when it
-    cannot be reached within ``timeout_s``."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    url = address if "://" in address else f"http://{address}"
-    with opener.open(urllib.parse.urljoin(url, "/status"), timeout=timeout_s) as response:
-        return str(response.read().decode())
 
 
 # One heartbeat of the page's "Heartbeats" list: its CSS class says "old" once the heartbeat is

@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from torch import nn
 
 SEMI_SYNC_TRAINER = "torchtitan.experiments.fault_tolerance.trainer:SemiSyncTrainer"
+#: The core's ``RUN_INSTEAD`` extension point: a semi-sync method typed without fault tolerance
+#: runs as one replica group of a job the launcher starts.
+RUN_INSTEAD = "torchtitan.experiments.fault_tolerance.launch.launcher:command_for_one_group"
 CORE_TRAINER = "torchtitan.trainer:Trainer"
 MODULE = "torchtitan.experiments.fault_tolerance.job_config"
 
@@ -36,15 +39,6 @@ SEMI_SYNC_METHODS = {
 }
 ASYNC_UPDATES: tuple[str, ...] = get_args(AsyncUpdate)
 PSEUDO_GRAD_DTYPES: tuple[str, ...] = get_args(PseudoGradDtype)
-
-
-def run_instead(argv: list[str]) -> list[str] | None:
-    """The core's ``command_instead`` hook: a semi-sync method typed without fault tolerance
-    runs as one replica group of a job the launcher starts (see
-    ``launcher.command_for_one_group``)."""
-    from torchtitan.experiments.fault_tolerance.launcher import command_for_one_group
-
-    return command_for_one_group(argv)
 
 
 def trainer_for(config: CoreJobConfig) -> str:

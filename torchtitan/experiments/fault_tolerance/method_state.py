@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 
+from torchtitan.distributed.tensors import local_tensor
 from torchtitan.experiments.fault_tolerance import events
-from torchtitan.experiments.fault_tolerance.outer_loop import (
-    OuterLoop,
-    local_tensor,
-)
-
-if TYPE_CHECKING:
-    from torchtitan.experiments.fault_tolerance.trainer import SemiSyncTrainer
+from torchtitan.experiments.fault_tolerance.methods.outer_loop import OuterLoop
+from torchtitan.experiments.fault_tolerance.sync.lineage import Lineage
+from torchtitan.experiments.fault_tolerance.transport.sync_transport import SyncTransport
 
 
 class SemiSyncState:
@@ -28,24 +25,26 @@ class SemiSyncState:
     and the inner-step position travels with ``semi_sync_position``.
     """
 
-    def __init__(self, trainer: SemiSyncTrainer) -> None:
-        self.trainer = trainer
+    def __init__(self, loop: OuterLoop, transport: SyncTransport, lineage: Lineage) -> None:
+        self.loop = loop
+        self.transport = transport
+        self.lineage = lineage
         self.loaded = False
 
     def state_dict(self) -> dict[str, Any]:
-        loop: OuterLoop = self.trainer.algorithm
+        loop = self.loop
         extra = loop.extra_state()  # first: it may take in a sync's result
         # A sync's transfers stage residuals on the background thread: let them finish first.
-        self.trainer.sync.wait_for_transfers()
+        self.transport.wait()
         in_flight = [i for i in range(len(loop.fragments)) if loop.in_flight(i)]
         state: dict[str, Any] = {
             "local_step": loop.local_step(),
             "in_flight_fragment": in_flight[0] if in_flight else -1,
-            "lineage": self.trainer.lineage.state_dict(),
+            "lineage": self.lineage.state_dict(),
         }
         if extra:
             state["extra"] = extra
-        residuals = self.trainer.sync.residuals
+        residuals = self.transport.residuals
         if residuals is not None:
             # Each rank's residuals under its own key, plus those staged by an arrived, undecided
             # sync (async DiLoCo decides it at the next sync point, after a restart too).
@@ -64,7 +63,7 @@ class SemiSyncState:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        loop: OuterLoop = self.trainer.algorithm
+        loop = self.loop
         step = int(state["local_step"])
         if not loop.applies_next and step >= loop.period:  # a sync point would have reset it
             raise ValueError(
@@ -73,13 +72,13 @@ class SemiSyncState:
                 "fault_tolerance.sync_steps and num_fragments it was written with"
             )
         loop.set_local_step(step)
-        self.trainer.lineage.load_state_dict(state["lineage"])
+        self.lineage.load_state_dict(state["lineage"])
         for i in range(len(loop.fragments)):
             if f"fragment_{i}" in state:
                 loop.load_fragment_state(i, state[f"fragment_{i}"])
         if "extra" in state:  # after the outer state above, which it may add to
             loop.load_extra_state(state["extra"])
-        residuals = self.trainer.sync.residuals
+        residuals = self.transport.residuals
         if residuals is not None and "error_feedback" in state:
             mine = state["error_feedback"][f"rank_{_group_rank()}"]
             for i in range(len(loop.fragments)):

@@ -31,7 +31,10 @@ import sys
 import textwrap
 from dataclasses import dataclass
 
-from torchtitan.experiments.fault_tolerance.compression import PSEUDO_GRAD_DTYPES, get_codec
+from torchtitan.experiments.fault_tolerance.job_config import PSEUDO_GRAD_DTYPES
+from torchtitan.experiments.fault_tolerance.transport.codecs import (
+    get_codec,
+)
 
 #: Values per sample when asking a codec for its wire size per value (a multiple of its blocks).
 _SAMPLE = 2**20

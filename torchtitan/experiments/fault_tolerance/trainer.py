@@ -5,7 +5,7 @@
 
 * ``train_step`` is a plain local step: the sync runs inside ``optimizer.step()``, from the
   method's optimizer hooks (``outer_loop.OuterLoop``), entered in ``train_context`` with the
-  quorum protocol's quorums. The method's Manager is a :class:`~.sync_quorum.SyncManager`: a
+  quorum protocol's quorums. The method syncs through a :class:`~.sync.quorum.SyncQuorum`: a
   sync's quorum needs ``min_replica_size`` groups and has its own timeout
   (``sync_quorum_timeout_s``).
 * ``join_replica_groups``: a group starts its torchft Manager (and so becomes visible to the
@@ -34,31 +34,31 @@ from torchtitan.components.ft import torchft_adapter as tft
 from torchtitan.components.lr_scheduler import move_schedule_to
 from torchtitan.config.job_config import ConfigError, JobConfig
 from torchtitan.experiments.fault_tolerance import events
-from torchtitan.experiments.fault_tolerance.fragments import describe_fragments
-from torchtitan.experiments.fault_tolerance.heal_exchange import (
+from torchtitan.experiments.fault_tolerance.heal.checkpoint_transport import build_history_transport
+from torchtitan.experiments.fault_tolerance.heal.exchange import (
     HEAL_KEY,
     HealExchange,
     job_fingerprint_parts,
 )
-from torchtitan.experiments.fault_tolerance.heal_history import job_fingerprint
-from torchtitan.experiments.fault_tolerance.heal_transport import build_history_transport
+from torchtitan.experiments.fault_tolerance.heal.history import job_fingerprint
 from torchtitan.experiments.fault_tolerance.job_config import SEMI_SYNC_METHODS, semi_sync_config
-from torchtitan.experiments.fault_tolerance.lineage import Lineage
+from torchtitan.experiments.fault_tolerance.join.exchange import QuorumExchange
+from torchtitan.experiments.fault_tolerance.join.protocol import JoinAtSync, QuorumProtocol
+from torchtitan.experiments.fault_tolerance.join.speeds import build_speed_exchange
 from torchtitan.experiments.fault_tolerance.method_state import SemiSyncState
-from torchtitan.experiments.fault_tolerance.methods import (
+from torchtitan.experiments.fault_tolerance.methods.build import (
     build_method,
-    build_speed_exchange,
-    build_sync_manager,
+    build_sync_quorum,
     describe,
     heal_history,
     wire_dtype,
 )
-from torchtitan.experiments.fault_tolerance.outer_loop import OuterLoop
-from torchtitan.experiments.fault_tolerance.quorum_exchange import QuorumExchange
-from torchtitan.experiments.fault_tolerance.quorum_protocol import JoinAtSync, QuorumProtocol
-from torchtitan.experiments.fault_tolerance.reporting import SyncReporter
-from torchtitan.experiments.fault_tolerance.shapes import CollectiveShape
-from torchtitan.experiments.fault_tolerance.sync_quorum import RankInGroup, in_group_wait
+from torchtitan.experiments.fault_tolerance.methods.fragments import describe_fragments
+from torchtitan.experiments.fault_tolerance.methods.outer_loop import OuterLoop
+from torchtitan.experiments.fault_tolerance.report.sync_reporter import SyncReporter
+from torchtitan.experiments.fault_tolerance.sync.lineage import Lineage
+from torchtitan.experiments.fault_tolerance.sync.quorum import RankInGroup, in_group_wait
+from torchtitan.experiments.fault_tolerance.transport.shapes import CollectiveShape
 from torchtitan.tools import host_memory
 from torchtitan.tools.digest import tensor_digest
 from torchtitan.tools.logging import logger
@@ -94,7 +94,7 @@ class SemiSyncTrainer(Trainer):
         wait = in_group_wait(ft.sync_quorum_timeout_s, ft.timeout_s, ft.sync_collective_timeout_s)
         rank = RankInGroup.build(self.device, ranks, wait)
         history = heal_history(ft)
-        self.sync = build_sync_manager(ft, self.ft, history, rank)
+        self.sync = build_sync_quorum(ft, self.ft, history, rank)
         self.algorithm: OuterLoop = build_method(
             job_config, self.sync, self.model, self.optimizer, self.device,
             group_ranks=ranks, history=history,
@@ -109,20 +109,22 @@ class SemiSyncTrainer(Trainer):
         fragments = self.algorithm.fragments
         bucket = self.sync.transport.bucket_numel
         shape = CollectiveShape.of(fragments, ranks, bucket, wire_dtype(ft))
-        self.heal = HealExchange(history, fingerprint, self.algorithm, self.ft, shape)
+        self.heal = HealExchange(
+            history, fingerprint, self.algorithm.method, self.algorithm.replayer(), self.ft, shape
+        )
         self.lineage = Lineage()
-        self.reporter = SyncReporter(
-            job_config, self.algorithm, self.sync, self.ft, self.metrics, self.lineage,
-            rank,
-        )  # fmt: skip
-        self.state = SemiSyncState(self)
+        self.state = SemiSyncState(self.algorithm, self.sync.transport, self.lineage)
         #: Why every checkpoint of this group failed its checksums ("": none did).
         self._checkpoint_rejected = ""
         self.register_state("semi_sync", self.state, heal=False)
         speeds = build_speed_exchange(job_config, self.algorithm, self.ft, self.train_state, rank)
         exchange = QuorumExchange(
-            job_config, self.ft, self.sync, self.algorithm, self.reporter, self.train_state,
-            rank, self.heal, shape, speeds,
+            job_config, self.ft, self.sync, self.algorithm, self.train_state, rank, self.heal,
+            shape, speeds,
+        )  # fmt: skip
+        self.reporter = SyncReporter(
+            job_config, self.algorithm, self.sync, self.ft, self.metrics, self.lineage, rank,
+            exchange,
         )  # fmt: skip
         self.protocol = QuorumProtocol(exchange, self.lineage)
         # Healing state besides the checkpointed one: where in its period the sending group
@@ -251,11 +253,10 @@ class SemiSyncTrainer(Trainer):
             **self.heal.event_fields(),
         )
         self.reporter.new_sync()
-        self.sync.last_wait = joined.waited_s  # this group's wait for the others' sync point
         start = time.perf_counter()
         performed = self.algorithm.join_sync()
-        self.sync.flush()  # the running groups flushed theirs after the same hook
-        self.reporter.seconds = time.perf_counter() - start
+        self.sync.transport.flush()  # the running groups flushed theirs after the same hook
+        self.reporter.took(time.perf_counter() - start)
         # The running groups are inside this step's optimizer.step(); finish it as they will.
         self._advance_schedule()
         last = self._last_step_taken(self.train_state.step + 1)
@@ -273,7 +274,7 @@ class SemiSyncTrainer(Trainer):
     def close(self) -> None:
         sync = getattr(self, "sync", None)  # None: __init__ stopped before building it
         if sync is not None:
-            sync.shutdown()
+            sync.transport.shutdown()
         super().close()
 
     def _finish(self) -> None:
@@ -285,7 +286,7 @@ class SemiSyncTrainer(Trainer):
         start = time.perf_counter()
         ending = self.algorithm.finish(self.protocol)
         self.sync.discard_undecided()  # a sync dropped on the way leaves no residual
-        self.reporter.seconds = time.perf_counter() - start
+        self.reporter.took(time.perf_counter() - start)
         if ending.synced:
             self.reporter.report(self.train_state.step + 1)
         step = self.train_state.step + 1

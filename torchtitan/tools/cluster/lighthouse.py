@@ -5,16 +5,26 @@ from __future__ import annotations
 import re
 import sys
 import time
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from torchtitan.components.ft.torchft_adapter import lighthouse_status
 from torchtitan.tools.cluster.listeners import listening_sockets
 from torchtitan.tools.cluster.ports import LOOPBACK
 from torchtitan.tools.cluster.process import Process
 from torchtitan.tools.cluster.process_tree import process_tree
 
 _RUN_LIGHTHOUSE = Path(__file__).with_name("run_lighthouse.py")
+
+
+def lighthouse_status(address: str, timeout_s: float) -> str:
+    """The lighthouse's HTML status page (``http://host:port``); raises ``OSError`` when it
+    cannot be reached within ``timeout_s``."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    url = address if "://" in address else f"http://{address}"
+    with opener.open(urllib.parse.urljoin(url, "/status"), timeout=timeout_s) as response:
+        return str(response.read().decode())
 
 
 @dataclass

@@ -1,0 +1,492 @@
+"""The sync quorum of semi-synchronous training: :class:`SyncQuorum`, what the methods sync
+through (torchft's Manager, gated), and the few numbers the groups of a quorum exchange
+(:func:`exchange`).
+
+A sync's quorum is the core's bounded quorum wait (``FTManager.join_quorum``): at least
+``min_replica_size`` groups (a survivor left with fewer waits and says so, rather than train
+alone), and ``sync_quorum_timeout_s``, which ends in one error line naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import platform
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import astuple, dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from torchtitan.components.ft import FaultToleranceError, FTManager, QuorumPurpose
+from torchtitan.components.ft import torchft_adapter as tft
+from torchtitan.components.ft.delivery import all_reduce_across_groups
+from torchtitan.components.ft.streams import side_stream
+from torchtitan.components.ft.timeouts import WATCHDOG_MARGIN
+from torchtitan.experiments.fault_tolerance import events
+from torchtitan.experiments.fault_tolerance.transport.collective import Delivered
+from torchtitan.experiments.fault_tolerance.transport.peer_watch import heartbeat_key
+from torchtitan.experiments.fault_tolerance.transport.shapes import CollectiveShape
+from torchtitan.experiments.fault_tolerance.transport.sync_transport import (
+    SyncTransport,
+    TransferWork,
+)
+
+if TYPE_CHECKING:
+    from torchft.manager import Manager
+
+#: Roles in a quorum: at its sync point; (re)started with no checkpoint; resumed from one.
+RUNNING, FRESH, RESUMED = 0, 1, 2
+
+
+def _pack(text: str) -> int:
+    """Up to 8 ASCII characters as one int64 (the exchange carries integers)."""
+    return int.from_bytes(text.encode("ascii", "replace")[:8].ljust(8, b"\0"), "little")
+
+
+def _unpack(value: int) -> str:
+    return value.to_bytes(8, "little", signed=True).rstrip(b"\0").decode("ascii", "replace")
+
+
+@dataclass(frozen=True)
+class Host:
+    """What a group computes with, beyond its code: the machine, torch's version, the ATen CPU
+    kernels torch picked (``ATEN_CPU_CAPABILITY``) and the GPU (``<arch>x<SMs>``: its number
+    of multiprocessors sizes the launch grid that places random draws; ``none``). Groups
+    agree bit for bit on any mix (``docs/design.md``, "Bits the groups agree on"); when they
+    do not, this tells a user hardware from a bug."""
+
+    machine: str
+    torch: str
+    kernels: str
+    gpu: str = "none"
+
+    @classmethod
+    @functools.cache
+    def this(cls) -> Host:
+        # "2.13.0+cpu", "2.14.0a0+git1234": the release's numbers only
+        numbers = re.findall(r"\d+", torch.__version__.split("+")[0])
+        release = ".".join((numbers + ["0", "0", "0"])[:3])
+        gpu = "none"
+        if torch.cuda.is_available():
+            found = torch.cuda.get_device_properties(torch.cuda.current_device())
+            gpu = f"{found.major}{found.minor}x{found.multi_processor_count}"  # 8 characters
+        return cls(platform.machine(), release, torch.backends.cpu.get_cpu_capability(), gpu)
+
+    def torch_minor(self) -> str:
+        return ".".join(self.torch.split(".")[:2])
+
+    def __str__(self) -> str:
+        gpu = "" if self.gpu == "none" else f", GPU sm{self.gpu}"
+        return f"{self.machine}, torch {self.torch}, {self.kernels} kernels{gpu}"
+
+    def as_ints(self) -> tuple[int, int, int, int]:
+        major, minor, patch = (int(n) for n in self.torch.split("."))
+        version = major * 1_000_000 + minor * 1_000 + patch
+        return _pack(self.machine), version, _pack(self.kernels), _pack(self.gpu)
+
+    @classmethod
+    def from_ints(cls, machine: int, version: int, kernels: int, gpu: int) -> Host:
+        torch_version = f"{version // 1_000_000}.{version // 1_000 % 1_000}.{version % 1_000}"
+        return cls(_unpack(machine), torch_version, _unpack(kernels), _unpack(gpu))
+
+
+@dataclass
+class Member:
+    """What one group tells the others of its quorum."""
+
+    role: int
+    #: A starting group that healed from a running group in this start-up (it holds their state).
+    joined: int = 0
+    #: Quorums this group has asked for since it started (alike on all its ranks).
+    attempts: int = 0
+    #: 1 when ``digest`` is given: a 64-bit digest of the global parameters of the last sync.
+    has_digest: int = 0
+    digest: int = 0
+    #: DyLU: this group's microseconds per inner step in its last period (0: not measured).
+    step_us: int = 0
+    #: 1 in DyLU's speed probe (a quorum that is no sync): a group meeting it does not use it.
+    probe: int = 0
+    #: 1 when this group's replay of its missed syncs failed on arrival: nobody commits this
+    #: quorum's sync, and the group heals in full at the next one.
+    replay_failed: int = 0
+    #: The key this group heartbeats under (``peer_watch``): a sync ends once one is dropped.
+    heartbeat: int = 0
+    #: This group's ``fault_tolerance.replica_id``.
+    replica: int = 0
+    #: What fixes the shapes of its collectives (``shapes.CollectiveShape``), field by field.
+    ranks: int = 0
+    fragments: int = 0
+    shard_values: int = 0
+    bucket_values: int = 0
+    dtype: int = 0
+    layout: int = 0
+    #: The group's :class:`Host`, packed (0: not given, e.g. a speed probe's record).
+    machine: int = 0
+    torch_version: int = 0
+    kernels: int = 0
+    gpu: int = 0
+
+    def host(self) -> Host | None:
+        if not self.torch_version:
+            return None
+        return Host.from_ints(self.machine, self.torch_version, self.kernels, self.gpu)
+
+    def give_host(self, host: Host) -> None:
+        self.machine, self.torch_version, self.kernels, self.gpu = host.as_ints()
+
+    def shape(self) -> CollectiveShape:
+        names = [f.name for f in dataclasses.fields(CollectiveShape)]
+        return CollectiveShape(**{name: getattr(self, name) for name in names})
+
+    def give_shape(self, shape: CollectiveShape) -> None:
+        for name, value in dataclasses.asdict(shape).items():
+            setattr(self, name, value)
+
+
+def exchange(
+    manager: Manager, mine: Member, device: torch.device, timeout: timedelta | None = None
+) -> list[Member] | None:
+    """Every member's :class:`Member`, in quorum order (an all-gather as one SUM all-reduce).
+    None when the collective failed (a member died): the Manager is told, so this quorum is
+    not committed. The records are read only once they have arrived
+    (``delivery.all_reduce_across_groups``: on nccl ``wait`` returns before they are there);
+    ``timeout``: the longest the exchange may take (a sync's collective timeout)."""
+    fields = len(astuple(mine))
+    size, rank = manager.num_participants(), manager.participating_rank()
+    buffer = torch.zeros(size * fields, dtype=torch.int64, device=device)
+    buffer[rank * fields : (rank + 1) * fields] = torch.tensor(astuple(mine), dtype=torch.int64)
+    if not all_reduce_across_groups(manager, buffer, average=False, timeout=timeout):
+        return None
+    return [Member(*row) for row in buffer.view(size, fields).tolist()]
+
+
+@dataclass
+class Verdict:
+    """What the digests of a quorum say."""
+
+    digests: list[int]
+    #: The digest held by more than half of the members that gave one, if any.
+    majority: int | None
+
+    @property
+    def agree(self) -> bool:
+        return len(set(self.digests)) <= 1
+
+
+def compare_digests(members: list[Member]) -> Verdict:
+    digests = [m.digest for m in members if m.has_digest]
+    counts = {d: digests.count(d) for d in digests}
+    top = max(counts, key=counts.__getitem__) if counts else None
+    majority = top if top is not None and 2 * counts[top] > len(digests) else None
+    return Verdict(digests, majority)
+
+
+def in_group_wait(quorum_s: float, heal_s: float, collective_s: float) -> timedelta:
+    """How long :meth:`RankInGroup.most` waits for the group's other ranks: how far one rank's
+    work across groups may run past another's between two decisions. That is at most a sync
+    quorum (``sync_quorum_timeout_s``) and, after it, two operations only that rank still
+    waits for, each a heal's piece (``timeout_s``) or a sync's transfer
+    (``sync_collective_timeout_s``), plus c10d's margin (``timeouts.WATCHDOG_MARGIN``)."""
+    longest = max(heal_s, collective_s)
+    return timedelta(seconds=quorum_s + 2 * longest) + WATCHDOG_MARGIN
+
+
+@dataclass(frozen=True)
+class RankInGroup:
+    """This rank within its replica group: the device its exchanges run on, and how many ranks
+    the group has; they decide alike by taking the largest of each number (:meth:`most`)."""
+
+    device: torch.device
+    ranks: int = 1
+    #: The group's ranks' own host process group for :meth:`most` (None: one rank).
+    host_group: dist.ProcessGroup | None = None
+
+    @classmethod
+    def build(cls, device: torch.device, ranks: int, wait: timedelta) -> RankInGroup:
+        """Collective over the replica group's ranks (all call it, at start-up). Each rank
+        decides right after its own work across groups (a heal, the quorum's exchange, a
+        sync's transfers), and ranks sharing one link finish it minutes apart: the decision
+        runs on a gloo group of its own whose timeout, ``wait``, outlasts that work, never on
+        the device's group, whose watchdog counts from the queueing (and whose collectives
+        training's stream would wait for)."""
+        if ranks == 1:
+            return cls(device)
+        return cls(device, ranks, dist.new_group(backend="gloo", timeout=wait))
+
+    def most(self, values: list[int]) -> list[int]:
+        """Element by element, the largest of the group's ranks' ``values`` (one MAX
+        all-reduce on :attr:`host_group`; a group of one rank decides alone)."""
+        if self.ranks == 1:
+            return list(values)
+        found = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.host_group)
+        return [int(v) for v in found.tolist()]
+
+
+class ProbeInFlight:
+    """DyLU's speed probe under way: ``run`` (its quorum and exchange) in a daemon thread while
+    the training thread takes its inner steps. Nothing else uses the replica process group
+    meanwhile: the first period has no sync, and the next quorum waits for this one. A peer
+    that heals in the probe's quorum reads this group's state only while the training thread
+    waits in :meth:`finish` (async DiLoCo disallows reads until then)."""
+
+    def __init__(self, run: Callable[[], None], after: Callable[[], None]) -> None:
+        self._after = after
+        self._error: BaseException | None = None
+        # A new thread starts on device 0: torchft's quorum takes the caller's device.
+        accelerator = torch.accelerator.is_available()
+        device = torch.accelerator.current_device_index() if accelerator else None
+        self._thread = threading.Thread(
+            target=self._run, args=(run, device), name="dylu-speed-probe", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, run: Callable[[], None], device: int | None) -> None:
+        try:
+            if device is not None:
+                torch.accelerator.set_device_index(device)
+            on = torch.device("cpu") if device is None else torch.device(device)
+            # Not the training stream (every thread starts on it): on nccl the next inner
+            # step would otherwise wait for every probing group's exchange.
+            with side_stream(on):
+                run()
+        except BaseException as e:  # raised in the training thread, by finish()
+            self._error = e
+
+    def done(self) -> bool:
+        """Whether the probe's quorum and exchange are over (this rank's)."""
+        return not self._thread.is_alive()
+
+    def finish(self) -> None:
+        """Wait for the probe, raise what it raised (e.g. its quorum timed out), then run
+        ``after`` in the training thread."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        self._after()
+
+
+class SyncQuorum:
+    """torchft's Manager as the methods see it: ``start_quorum`` is the gated sync quorum,
+    ``allreduce`` goes through the sync's :class:`~.sync_transport.SyncTransport`,
+    ``should_commit`` counts in the core's failure accounting; the rest is forwarded to
+    torchft's Manager, typed.
+
+    A quorum's ``accept`` runs in every member of a quorum with enough groups and returns
+    whether it is used, alike in all (``QuorumExchange.on_quorum``). A sync is for fragment
+    ``step mod fragments`` (the Manager's step after its quorum: a heal in it moves this group
+    to its peer's sync). ``rank``: this rank in its group, whose ranks decide alike (None: a
+    group of one)."""
+
+    def __init__(
+        self,
+        ft: FTManager,
+        min_groups: int,
+        timeout_s: float,
+        *,
+        transport: SyncTransport,
+        fragments: int = 1,
+        rank: RankInGroup | None = None,
+    ) -> None:
+        self.ft = ft
+        self.min_groups = min_groups
+        self.timeout_s = timeout_s
+        self.transport = transport
+        self.fragments = fragments
+        #: Inside a sync quorum (a peer healing from it then gets the state of a sync point).
+        self.in_quorum = False
+        #: Seconds the last sync quorum took (waiting for the others, healing a joiner).
+        self.last_wait = 0.0
+        #: Syncs in a row that failed on a collective timeout, and the quorum size then.
+        self._timeouts_in_a_row = 0
+        self._timeout_groups = 0
+        self.rank = rank
+        self._members: tuple[int, ...] = ()
+        self._heartbeat: int | None = None
+
+    def agree_in_group(self, value: int) -> int:
+        """The most of this group's ranks' ``value`` (one MAX all-reduce in the group)."""
+        return value if self.rank is None else self.rank.most([value])[0]
+
+    @property
+    def heartbeat(self) -> int:
+        """The key this group heartbeats to the lighthouse under (``peer_watch``)."""
+        if self._heartbeat is None:
+            self._heartbeat = heartbeat_key(tft.heartbeat_id(self.ft.manager))
+        return self._heartbeat
+
+    def set_members(self, heartbeats: list[int]) -> None:
+        """The heartbeat keys of the quorum just formed: the sync it starts watches them."""
+        self._members = tuple(heartbeats)
+
+    def allreduce(
+        self,
+        tensor: torch.Tensor,
+        reduce_op: ReduceOp.RedOpType = ReduceOp.AVG,
+        *,
+        exact: bool = False,
+    ) -> TransferWork:
+        """Through the sync's transport; ``exact``: as fp32 without error feedback (e.g. token
+        counts), in order with the rest."""
+        return self.transport.allreduce(
+            self.ft.manager, tensor, average=reduce_op == ReduceOp.AVG, exact=exact
+        )
+
+    def flush(self) -> None:
+        """Send what the transport still holds of this sync's tensors."""
+        self.transport.flush()
+
+    def sync_stats(self) -> tuple[int, float | None]:
+        """Bytes sent in the last sync and, compressed, seconds spent (de)compressing."""
+        return self.transport.stats()
+
+    def delivered(self) -> list[Delivered]:
+        """After a committed sync: what its transfers delivered, as every group received it."""
+        return self.transport.delivered()
+
+    def sync_squares(self) -> float | None:
+        """The sum of squares of this sync's result, this rank's (``SyncTransport.squares``)."""
+        return self.transport.squares()
+
+    def sync_failed(self) -> bool:
+        """Whether the sync in progress is known to fail: an error, or a non-finite value."""
+        return self.ft.manager.errored() is not None or self.transport.non_finite() is not None
+
+    def reset_error_feedback(self) -> None:
+        """Forget the residuals (after a heal: they belong to state this group no longer has)."""
+        if self.transport.residuals is not None:
+            self.transport.residuals.reset()
+
+    def discard_undecided(self) -> None:
+        """A sync never to be decided (dropped at the end of training): what it staged is void."""
+        self.transport.end_sync(False)
+
+    def start_quorum(self, accept: Callable[[], bool]) -> None:
+        """The sync's quorum, with ``accept``, the exchange its members run."""
+        sync = self.ft.manager.current_step() + 1
+        self.in_quorum = True
+        start = time.perf_counter()
+        try:
+            self._join(accept, QuorumPurpose(f"sync #{sync}", sync=sync))
+        finally:
+            self.last_wait = time.perf_counter() - start
+            self.in_quorum = False
+        self.begin_sync()
+
+    def start_probe(self, accept: Callable[[], bool], after: Callable[[], None]) -> ProbeInFlight:
+        """:meth:`probe_quorum` in a thread of its own, while the group takes its next inner
+        steps; ``ProbeInFlight.finish`` then runs ``after`` in the training thread."""
+        return ProbeInFlight(lambda: self.probe_quorum(accept), after)
+
+    def probe_quorum(self, accept: Callable[[], bool]) -> None:
+        """DyLU's speed probe: a quorum that is no sync (nothing committed, the Manager's step
+        stays), in which ``accept`` exchanges the groups' speeds."""
+        self._join(accept, QuorumPurpose("DyLU's speed probe"))
+
+    def _join(self, accept: Callable[[], bool], purpose: QuorumPurpose) -> None:
+        """A quorum of at least ``min_groups``, bounded by ``sync_quorum_timeout_s``."""
+        self.ft.join_quorum(
+            needed=self.min_groups,
+            timeout_s=self.timeout_s,
+            timeout_field="fault_tolerance.sync_quorum_timeout_s",
+            accept=accept,
+            purpose=purpose,
+        )
+
+    def joined_sync(self, waited_s: float) -> None:
+        """This group joins the running groups' sync at their sync point, after waiting
+        ``waited_s`` for them: the wait its report gives (``last_wait``)."""
+        self.last_wait = waited_s
+
+    def begin_sync(self) -> None:
+        """A sync's quorum is in (or a starting group's first): its transfers are numbered from
+        0, for the fragment it syncs, and watched for a member gone."""
+        members = self._members
+        self.transport.begin_sync(
+            self.ft.manager,
+            self.current_step() % self.fragments,
+            members,
+            self.heartbeat if members else 0,
+        )
+
+    def should_commit(self, timeout: timedelta | None = None) -> bool:
+        """torchft's verdict, after the sync's transfers are done. A sync that carried a value
+        that is not finite fails on every group; a collective that failed or ended past
+        ``sync_collective_timeout_s`` is said in an error line, and stops the run the second
+        time in a row with every group still in the quorum (the timeout is too small, not a
+        peer gone). The group's ranks agree on the latter first."""
+        manager = self.ft.manager
+        found = self.transport.non_finite()
+        if found is not None:
+            sync = manager.current_step() + 1
+            events.NON_FINITE.emit(
+                sync=sync,
+                fragment=self.transport.fragment,
+                origin="this group" if found == "sent" else "another group",
+                group=self.ft.replica_id if found == "sent" else None,
+            )
+            if manager.errored() is None:
+                manager.report_error(
+                    FloatingPointError(f"sync #{sync}: a pseudo-gradient was not finite")
+                )
+        groups = manager.num_participants()
+        gone = self.transport.peer_gone
+        if gone is not None:
+            events.PEER_GONE.emit(sync=manager.current_step() + 1, message=str(gone))
+        committed = False
+        try:
+            committed = self.ft.should_commit(unit="sync")
+        finally:
+            self.transport.end_sync(committed)
+        timed_out = self.transport.timed_out
+        if not self.agree_in_group(int(timed_out is not None)):
+            self._timeouts_in_a_row = 0
+            return committed
+        message = str(timed_out or "a transfer timed out on another rank of this group")
+        same_groups = self._timeouts_in_a_row > 0 and groups >= self._timeout_groups
+        self._timeouts_in_a_row += 1
+        self._timeout_groups = groups
+        events.COLLECTIVE_TIMEOUT.emit(
+            sync=manager.current_step() + 1, message=message, in_a_row=self._timeouts_in_a_row
+        )
+        if same_groups:
+            raise FaultToleranceError(
+                f"[semi-sync] {self._timeouts_in_a_row} syncs in a row timed out with all "
+                f"{groups} groups still in the quorum: {message}"
+            )
+        return committed
+
+    # ---- the rest of what the methods ask of a Manager: torchft's answers ------------------
+
+    def register_state_dict_fn(
+        self, key: str, load: Callable[[Any], None], save: Callable[[], Any]
+    ) -> None:
+        self.ft.register_state_dict_fn(key, load, save)
+
+    def current_step(self) -> int:
+        return int(self.ft.manager.current_step())
+
+    def num_participants(self) -> int:
+        return int(self.ft.manager.num_participants())
+
+    def errored(self) -> Exception | None:
+        return self.ft.manager.errored()
+
+    def report_error(self, error: Exception) -> None:
+        self.ft.manager.report_error(error)
+
+    def allow_state_dict_read(self) -> None:
+        """Peers may read this group's state for a heal again: a heal sends what the kernels
+        queued so far write (``FTManager``'s write point)."""
+        self.ft.note_state_written()
+        self.ft.manager.allow_state_dict_read()
+
+    def disallow_state_dict_read(self) -> None:
+        self.ft.manager.disallow_state_dict_read()
