@@ -322,6 +322,11 @@ def test_a_fragments_residuals_checkpoint_as_one_flat_tensor_and_continue_exactl
     failed.claim(key(0, 0), 300)
     assert torch.equal(failed.feedback.correct_(key(0, 0), x.clone()), x + flat[:300])
     assert torch.equal(failed.flat(0, 500), flat)
+    # Its retry claims again: the key keeps what it owes, the next slice stays for the next key.
+    failed.claim(key(0, 0), 300)
+    failed.claim(key(0, 1), 200)
+    assert torch.equal(failed.feedback.correct_(key(0, 0), x.clone()), x + flat[:300])
+    assert torch.equal(failed.feedback.correct_(key(0, 1), x[:200].clone()), x[:200] + flat[300:])
     short = FragmentResiduals()
     short.load(0, flat[:250])
     with pytest.raises(ValueError, match="has 250 values, 0 taken; this tensor needs 300"):
