@@ -985,12 +985,17 @@ MUTANTS = [
         f"{PACKAGE}/heal/exchange.py",
         "self.shape_refused = why",
         "pass",
+        (
+            "tests/integration_tests/test_failure_detection.py::"
+            "test_a_group_restarted_with_another_shape_is_refused_before_its_heal",
+        ),
     ),
     Mutant(
         "heal: a reported replay failure is not cleared, so every later quorum fails it again",
         f"{PACKAGE}/heal/exchange.py",
         'self.replay_failed = ""\n        self.drop_basis(problem)',
         "self.drop_basis(problem)",
+        ("tests/unit_tests/test_heal_history.py",),
     ),
     Mutant(
         (

@@ -271,6 +271,7 @@ def test_a_starting_group_that_meets_a_probe_does_not_use_that_quorum(healed_the
     peer and announces a step below its own again, so that it is healed once more at the
     sync point, where it takes part in the sync."""
     announced: list[int] = []
+    roles: list[int] = []
     manager = SummingManager(1, {0: Member(RUNNING, probe=1)})
     manager.current_step = lambda: 0  # type: ignore[attr-defined]  # after the heal: the peer's
     peer = {"starting": 0, "at_sync": 0, "local_step": 2, "replica_id": 0}
@@ -281,7 +282,11 @@ def test_a_starting_group_that_meets_a_probe_does_not_use_that_quorum(healed_the
         ),
         _digest_if_due=lambda starting: None,
         _tell_torch_versions=lambda members: None,
-        speeds=None,
+        # DyLU's record of this group: made for its role (a start-up's cancels a probe).
+        speeds=SimpleNamespace(
+            step_us=lambda role: roles.append(role) or 1000,
+            planned_steps=lambda members, mine: 0,
+        ),
         rank=RankInGroup(torch.device("cpu")),
         announce=announced.append,
         heal=SimpleNamespace(replay_failed="", take_heal=lambda: None, shape_refused=""),
@@ -294,6 +299,7 @@ def test_a_starting_group_that_meets_a_probe_does_not_use_that_quorum(healed_the
     assert QuorumExchange.on_quorum(cast(Any, quorum), start_up) is False
     assert start_up.peer is None
     assert announced == ([-1] if healed_there else [])
+    assert roles == [FRESH]
 
 
 def test_the_probe_forms_beside_training_and_its_plan_is_taken_in_the_training_thread() -> None:

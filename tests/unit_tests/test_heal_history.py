@@ -510,3 +510,17 @@ def test_keep_own_leaves_a_state_untouched() -> None:
     assert loaded == [] and notes == []
     fns["model"]({"w": 2})
     assert loaded == [{"w": 2}] and notes == ["model"]
+
+
+def test_a_replay_failure_the_group_agreed_on_is_told_once_and_the_next_heal_is_full() -> None:
+    """The quorum's exchange reports a joiner's failed replay (``replay_reported``): the
+    failure is consumed (the next quorum does not fail it again) and the next heal is a full
+    one that says why."""
+    loop, _ = _diloco_loop()
+    exchange = _exchange_of(loop, HealHistory(3), {})
+    exchange.set_basis(2)
+    exchange.replay_failed = "an entry arrived damaged"
+    exchange.replay_reported("an entry arrived damaged")
+    assert exchange.replay_failed == ""
+    assert exchange.basis == ReplayBasis.none()
+    assert "its replay failed before (an entry arrived damaged)" in exchange._why_no_basis

@@ -42,6 +42,7 @@ from torchtitan.experiments.fault_tolerance.sync.quorum import (
     Host,
     Member,
     RankInGroup,
+    SyncQuorum,
     compare_digests,
     exchange,
 )
@@ -610,6 +611,33 @@ def test_a_group_whose_checkpoints_were_all_rejected_starts_as_a_restarted_one()
     assert roles == [RESUMED]
 
 
+def test_a_group_healed_at_the_others_sync_point_reports_its_wait_for_them() -> None:
+    """A group that heals from a running group at its sync point joins that sync without a
+    sync quorum of its own: the sync's report gives its wait for the others (its start-up
+    quorum), not a sync quorum's."""
+    manager = SimpleNamespace(current_step=lambda: 4, errored=lambda: None)
+    waits: list[float] = []
+
+    def on_quorum(start_up: StartUp) -> bool:
+        start_up.peer = peer(local_step=0, replica_id=1, at_sync=1)
+        return True
+
+    stub = SimpleNamespace(
+        job_config=config(),
+        ft=SimpleNamespace(manager=manager, join_quorum=lambda **kwargs: kwargs["accept"]()),
+        train_state=SimpleNamespace(step=8),
+        algorithm=SimpleNamespace(note_joined=lambda: None),
+        exchange=SimpleNamespace(announce=lambda step: None, on_quorum=on_quorum),
+        sync=SimpleNamespace(begin_sync=lambda: None, joined_sync=waits.append),
+        heal=SimpleNamespace(own_state_lost=""),
+        rank=RankInGroup(torch.device("cpu")),
+        start_up=None,
+    )
+    joined = QuorumProtocol.start(cast(Any, stub))
+    assert joined is not None and joined.peer == 1
+    assert waits == [joined.waited_s]
+
+
 def test_the_host_travels_in_the_member_record() -> None:
     """Machine, torch release and kernels survive the int64 exchange (a local version
     suffix is dropped); a record without them (a speed probe's) has no host."""
@@ -904,3 +932,14 @@ def test_diloco_hands_the_transport_its_own_tensors_never_the_models(delay: int)
     assert not {t.untyped_storage().data_ptr() for t in manager.sent} & owned
     for p, before in zip(model.parameters(), start, strict=True):
         assert torch.equal(p, before)  # the failed sync dropped the period
+
+
+def test_a_rank_decides_what_the_most_of_its_groups_ranks_say() -> None:
+    """A sync quorum's decisions in a group of several ranks (a transfer that timed out on
+    one rank, DyLU's plan) take the most over the group's ranks, not this rank's alone."""
+    others_say = [1]
+    rank = SimpleNamespace(most=lambda values: [max(values[0], *others_say)])
+    assert SyncQuorum.agree_in_group(cast(Any, SimpleNamespace(rank=rank)), 0) == 1
+    others_say[0] = 0
+    assert SyncQuorum.agree_in_group(cast(Any, SimpleNamespace(rank=rank)), 0) == 0
+    assert SyncQuorum.agree_in_group(cast(Any, SimpleNamespace(rank=None)), 3) == 3
