@@ -524,3 +524,19 @@ def test_a_replay_failure_the_group_agreed_on_is_told_once_and_the_next_heal_is_
     assert exchange.replay_failed == ""
     assert exchange.basis == ReplayBasis.none()
     assert "its replay failed before (an entry arrived damaged)" in exchange._why_no_basis
+
+
+def test_a_replays_outer_steps_are_no_syncs_norm() -> None:
+    """The outer steps a joiner replays are measured like training's (the same optimizer
+    pre-hook) but are no sync of its own: none of them is reported as the next sync's
+    pseudo-gradient norm."""
+    loop, sync = _diloco_loop()
+    try:
+        numel = sum(t.numel() for t in loop.global_parameters(0).values())
+        average = torch.full((numel,), 0.5)
+        loop.replay_outer_step(0, average.clone())  # one step, as training takes it
+        assert loop.take_stepped_squares() is not None
+        loop.replay_outer_steps([(0, average.clone()), (0, average.clone())])
+        assert loop.take_stepped_squares() is None
+    finally:
+        sync.transport.shutdown()
