@@ -479,3 +479,24 @@ def test_a_sync_waits_without_synchronizing_the_device_and_still_times_out(
         assert aborted == 0
     else:
         assert results == [True, None, True, None, 0]
+
+
+def test_a_checkpoints_residual_of_another_size_fails_the_sync_not_the_training() -> None:
+    """Residuals loaded from a checkpoint that does not cover the fragment (written with other
+    shards): the transfer that claims them fails the sync, as a failed collective does, and
+    says why; the training thread goes on (the next syncs, uncommitted, stop the run)."""
+
+    def group(rank: int, pg: Any) -> tuple[bool, str]:
+        manager = LoopbackManager(pg, rank, 2)
+        sync = sync_manager(manager, "int4", error_feedback=True, bucket_numel=300)
+        try:
+            assert sync.transport.residuals is not None
+            sync.transport.residuals.load(0, torch.zeros(250))  # the fragment has 700 values
+            committed = _sync_once(sync, manager, _varied(700, seed=rank))
+            return committed, str(manager.errored())
+        finally:
+            sync.transport.shutdown()
+
+    for committed, error in run_groups(2, group):
+        assert not committed
+        assert "has 250 values, 0 taken; this tensor needs 300" in error
