@@ -1023,11 +1023,10 @@ MUTANTS = [
         f"{PACKAGE}/methods/global_copy.py",
         (
             "        self._stepped_squares = None  # a replay's outer steps are no sync's: "
-            "none is reported\n"(
-                "tests/unit_tests/test_heal_history.py",
-            ),
+            "none is reported\n"
         ),
         "",
+        ("tests/unit_tests/test_heal_history.py",),
     ),
     Mutant(
         (
