@@ -114,6 +114,14 @@ class OneGroup:
             self.on_committed(self.step, 0, self.kept)
         return True
 
+    def decide(self) -> Any:
+        """A committed sync's record, as ``SyncQuorum.decide`` gives it (older code asks
+        ``should_commit`` and the questions below one by one)."""
+        from torchtitan.experiments.fault_tolerance.sync.quorum import SyncDecision
+
+        self.should_commit()
+        return SyncDecision(True, self.step, 1, 0, None, self.squares, self.kept)
+
     def current_step(self) -> int:
         return self.step
 
@@ -218,7 +226,7 @@ def measure_one(numel: int, repeats: int, device_name: str, threads: int) -> dic
         heal = HealExchange(HealHistory(1), 0, loop, ft=None)  # type: ignore[arg-type,call-arg]
         manager.on_committed = heal.record  # type: ignore[attr-defined]
     # Every quorum is this group alone (older code asked its Manager for it, with no argument).
-    quorums = (SimpleNamespace(sync_quorum=lambda: None),)
+    quorums = (SimpleNamespace(sync_quorum=lambda: False),)
     if not inspect.signature(loop.sync_point).parameters:
         quorums = ()
     keep = getattr(Delivered, "kept", None)  # the checksum on the transport's thread

@@ -113,8 +113,8 @@ MUTANTS = [
     Mutant(
         "engine: DiLoCo's outer step is taken after a failed sync too",
         f"{PACKAGE}/methods/periodic.py",
-        "        if self._committed:\n            self._keep(index)\n",
-        "        if True:\n            self._keep(index)\n",
+        "        if decision.committed:\n            self._keep(index, decision.delivered)\n",
+        "        if True:\n            self._keep(index, decision.delivered)\n",
     ),
     Mutant(
         "engine: fragment_update_alpha mixes in the global copy's share",
@@ -151,8 +151,8 @@ MUTANTS = [
     Mutant(
         "engine: LocalSGD's average replaces the model after a failed sync too",
         f"{PACKAGE}/methods/periodic.py",
-        "        if self._committed:\n            for p, (mean, _)",
-        "        if True:\n            for p, (mean, _)",
+        "        if self.decide(0).committed:\n            for p, (mean, _)",
+        "        if self.decide(0).committed or True:\n            for p, (mean, _)",
     ),
     Mutant(
         "engine: a replayed average is read from the start for every tensor",
@@ -170,22 +170,22 @@ MUTANTS = [
     Mutant(
         "engine: the heal history's basis is the global copy after the outer step",
         f"{PACKAGE}/methods/periodic.py",
-        "            self._keep(index)\n            state.outer_step(grads)",
-        "            state.outer_step(grads)\n            self._keep(index)",
+        "            self._keep(index, decision.delivered)\n            state.outer_step(grads)",
+        "            state.outer_step(grads)\n            self._keep(index, decision.delivered)",
         tests=(*TESTS, "tests/unit_tests/test_heal_history.py"),
     ),
     Mutant(
         "engine: the heal history keeps every sync under fragment 0",
         f"{PACKAGE}/methods/global_copy.py",
-        "HistoryEntry.of(number, index, kept, basis, divisor)",
-        "HistoryEntry.of(number, 0, kept, basis, divisor)",
+        "HistoryEntry.of(number, index, delivered, basis, divisor)",
+        "HistoryEntry.of(number, 0, delivered, basis, divisor)",
         tests=(*TESTS, "tests/unit_tests/test_heal_history.py"),
     ),
     Mutant(
         "engine: a sync loaded as arrived is kept as what this process's transfers delivered",
         f"{PACKAGE}/methods/async_diloco.py",
-        "flight.buffer[:-1] if flight.loaded else None",
-        "None",
+        "delivered = self.buffer[:-1] if self.loaded else decision.delivered",
+        "delivered = decision.delivered",
         tests=(*TESTS, "tests/unit_tests/test_heal_history.py"),
     ),
     Mutant(
@@ -634,19 +634,15 @@ MUTANTS = [
     Mutant(
         "DyLU: the period's clock starts before the sync quorum, its wait counted as steps",
         f"{PACKAGE}/methods/async_diloco.py",
-        "        self._healed = False\n"
-        "        quorums.sync_quorum()\n"
-        "        if self._healed:  # this group's progress was replaced by a peer's state\n"
+        "        if quorums.sync_quorum():  # healed: this group's progress is a peer's now\n"
         "            self.start_transfer()\n"
         "        else:\n"
         "            self._in_flight = InFlightSync.start(\n"
         "                self.sync, index, buffer, steps, tokens, scaled=True\n"
         "            )\n"
         "            self.plan.begin(self.clock())\n",
-        "        self._healed = False\n"
         "        self.plan.begin(self.clock())\n"
-        "        quorums.sync_quorum()\n"
-        "        if self._healed:  # this group's progress was replaced by a peer's state\n"
+        "        if quorums.sync_quorum():  # healed: this group's progress is a peer's now\n"
         "            self.start_transfer()\n"
         "        else:\n"
         "            self._in_flight = InFlightSync.start(\n"
@@ -820,7 +816,7 @@ MUTANTS = [
     ),
     Mutant(
         "nccl: DyLU's probe exchanges on the training stream",
-        f"{PACKAGE}/sync/quorum.py",
+        f"{PACKAGE}/join/speeds.py",
         "            with side_stream(on):\n                run()",
         "            run()",
         NCCL_TESTS,
@@ -955,10 +951,10 @@ MUTANTS = [
     ),
     Mutant(
         (
-            "async_diloco: last_outcome takes the stepped squares twice, so the "
+            "outer_loop: last_outcome takes the stepped squares twice, so the "
             "pseudo-gradient norm is never reported"
         ),
-        f"{PACKAGE}/methods/async_diloco.py",
+        f"{PACKAGE}/methods/outer_loop.py",
         "return dataclasses.replace(self._outcome, pseudo_grad_squares=squares)",
         (
             "return dataclasses.replace(self._outcome, "

@@ -28,8 +28,10 @@ trainers; the sync-level ones with the semi-sync trainer only. Use with
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -206,10 +208,11 @@ class StallingTrainer(StepFaults, SemiSyncTrainer):
     def __init__(self, job_config: CoreJobConfig) -> None:
         super().__init__(job_config)
         self.faults: FaultInjection = job_config.fault_injection  # type: ignore[attr-defined]
-        start_quorum = self.sync.start_quorum
+        sync_rounds = self.sync.sync_rounds
         quorums = 0
 
-        def start_quorum_with_faults(*args: Any, **kwargs: Any) -> None:
+        @contextlib.contextmanager
+        def sync_rounds_with_faults() -> Iterator[Any]:
             nonlocal quorums
             hold = (
                 Path(self.faults.hold_before_sync_file)
@@ -222,7 +225,8 @@ class StallingTrainer(StepFaults, SemiSyncTrainer):
                 while hold.exists():
                     time.sleep(0.1)
                 RELEASED.emit(sync=manager.current_step() + 1)
-            start_quorum(*args, **kwargs)
+            with sync_rounds() as rounds:
+                yield rounds
             quorums += 1
             if quorums == self.faults.stall_after_quorum:
                 STALLED_IN_SYNC.emit(
@@ -232,17 +236,17 @@ class StallingTrainer(StepFaults, SemiSyncTrainer):
                 )
                 time.sleep(self.faults.stall_seconds)
 
-        self.sync.start_quorum = start_quorum_with_faults  # type: ignore[method-assign]
-        should_commit = self.sync.should_commit
+        self.sync.sync_rounds = sync_rounds_with_faults  # type: ignore[method-assign]
+        decide = self.sync.decide
 
-        def should_commit_with_faults(*args: Any, **kwargs: Any) -> bool:
+        def decide_with_faults() -> Any:
             manager = self.ft.manager  # type: ignore[union-attr]
             first = self.faults.fail_syncs_from
             if first and manager.current_step() + 1 >= first:
                 manager.report_error(RuntimeError("injected sync failure"))
-            return should_commit(*args, **kwargs)
+            return decide()
 
-        self.sync.should_commit = should_commit_with_faults  # type: ignore[method-assign]
+        self.sync.decide = decide_with_faults  # type: ignore[method-assign]
         allreduce = self.sync.allreduce
         poisoned: set[int] = set()
 

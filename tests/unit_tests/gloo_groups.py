@@ -8,14 +8,17 @@ real process group. Collectives, buckets, compression, timeouts and failures are
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import torch.distributed as dist
 from torchft.manager import REPLICA_ID_KEY
 
+from torchtitan.experiments.fault_tolerance.join.speeds import ProbeInFlight
 from torchtitan.experiments.fault_tolerance.sync.quorum import SyncQuorum
 from torchtitan.experiments.fault_tolerance.transport.peer_watch import PeerWatch
 from torchtitan.experiments.fault_tolerance.transport.sync_transport import SyncTransport
@@ -88,23 +91,29 @@ class LoopbackManager:
         pass
 
 
-def accept_all() -> bool:
-    """The exchange of a quorum that needs none: every group is in it, and none is starting."""
-    return True
+def open_quorum(sync: SyncQuorum) -> None:
+    """A sync quorum with no exchange in it: every group is in it, and none is starting."""
+    with sync.sync_rounds() as rounds:
+        rounds.form()
 
 
 class OpenQuorums:
-    """``outer_loop.Quorums`` over a sync quorum (or a test's stand-in for one), with no
-    exchange in them (:func:`accept_all`); a probe plans nothing."""
+    """``outer_loop.Quorums`` over a sync quorum, with no exchange in them (:func:`open_quorum`);
+    a probe plans nothing."""
 
-    def __init__(self, manager: Any) -> None:
-        self.manager = manager
+    def __init__(self, sync: SyncQuorum) -> None:
+        self.sync = sync
 
-    def sync_quorum(self) -> None:
-        self.manager.start_quorum(accept_all)
+    def sync_quorum(self) -> bool:
+        open_quorum(self.sync)
+        return False  # no group heals here
 
-    def start_probe(self) -> Any:
-        return self.manager.start_probe(accept_all, lambda: None)
+    def start_probe(self) -> ProbeInFlight:
+        return ProbeInFlight(self._probe, lambda: None)
+
+    def _probe(self) -> None:
+        with self.sync.probe_rounds() as rounds:
+            rounds.form()
 
 
 class OneGroupFT:
@@ -115,11 +124,13 @@ class OneGroupFT:
         self.replica_id = manager.rank
         self.uncommitted_in_a_row = 0
 
-    def join_quorum(self, *args: Any, accept: Callable[[], bool] | None = None, **kw: Any) -> float:
+    @contextlib.contextmanager
+    def quorum_rounds(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        yield SimpleNamespace(form=self._form)
+
+    def _form(self) -> int:
         self.manager.start_quorum()
-        if accept is not None:
-            assert accept()
-        return 0.0
+        return self.manager.size
 
     def should_commit(self, unit: str = "step") -> bool:
         return self.manager.should_commit()

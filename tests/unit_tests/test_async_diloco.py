@@ -15,7 +15,6 @@ import torch
 from torch import nn
 from torch.distributed import ReduceOp
 
-from tests.unit_tests.gloo_groups import OpenQuorums
 from torchtitan.experiments.fault_tolerance.method_state import SemiSyncState
 from torchtitan.experiments.fault_tolerance.methods.async_diloco import AsyncDiLoCo, FragmentState
 from torchtitan.experiments.fault_tolerance.methods.dylu import (
@@ -26,6 +25,7 @@ from torchtitan.experiments.fault_tolerance.methods.dylu import (
 )
 from torchtitan.experiments.fault_tolerance.methods.outer_optimizer import OuterSGD, outer_optimizer
 from torchtitan.experiments.fault_tolerance.sync.lineage import Lineage
+from torchtitan.experiments.fault_tolerance.sync.quorum import SyncDecision
 
 #: The trainer's sync quorum as the checkpoint sees it when nothing is compressed.
 NO_COMPRESSION = SimpleNamespace(residuals=None, wait=lambda: None)
@@ -102,14 +102,18 @@ class FakeManager:
     def register_state_dict_fn(self, key: str, load: Any, save: Any) -> None:
         self.fns[key] = (load, save)
 
-    def start_quorum(self, accept: Any) -> None:
+    def start_quorum(self, accept: Any) -> bool:
+        """The quorum of every group of the cluster; returns whether this group healed in it
+        (from :attr:`heal_from`)."""
         self.error = None
         self._quorum_size = len(self.cluster.members)
-        if self.heal_from is not None:
-            for key, (load, _) in self.fns.items():  # a copy, as the transport delivers
-                load(copy.deepcopy(self.heal_from.fns[key][1]()))
-            self.step = self.heal_from.step
-            self.heal_from = None
+        if self.heal_from is None:
+            return False
+        for key, (load, _) in self.fns.items():  # a copy, as the transport delivers
+            load(copy.deepcopy(self.heal_from.fns[key][1]()))
+        self.step = self.heal_from.step
+        self.heal_from = None
+        return True
 
     def allreduce(
         self,
@@ -123,25 +127,19 @@ class FakeManager:
         self.calls += 1
         return Work(self.cluster, self.calls - 1, self)
 
-    def flush(self) -> None:
-        pass
-
-    def sync_stats(self) -> tuple[int, float | None]:
-        return 0, None
-
     def sync_failed(self) -> bool:
         return self.error is not None
-
-    def sync_squares(self) -> float | None:
-        return None  # as a transport that took none: the sync point takes them
 
     def reset_error_feedback(self) -> None:
         self.feedback_resets += 1
 
-    def should_commit(self) -> bool:
+    def decide(self) -> SyncDecision:
+        """The verdict; no bytes counted, and no squares (as a transport that took none: the
+        sync point takes them)."""
+        groups = self.num_participants()
         committed = self.commit and self.error is None
         self.step += committed
-        return committed
+        return SyncDecision(committed, self.step + (not committed), groups, 0, None, None, [])
 
     def current_step(self) -> int:
         return self.step
@@ -159,6 +157,19 @@ class FakeManager:
 
     def disallow_state_dict_read(self) -> None:
         pass
+
+
+class FakeQuorums:
+    """``outer_loop.Quorums`` over a :class:`FakeManager`: its quorum, and its probes."""
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
+
+    def sync_quorum(self) -> bool:
+        return self.manager.start_quorum(None)
+
+    def start_probe(self) -> Any:
+        return self.manager.start_probe(None, None)
 
 
 class Group:
@@ -202,7 +213,7 @@ def training(groups: list[Group]) -> Iterator[None]:
     """Every group's outer-loop hooks installed, with gradients on."""
     with torch.enable_grad(), contextlib.ExitStack() as stack:
         for g in groups:
-            stack.enter_context(g.loop.hooks(OpenQuorums(g.manager)))
+            stack.enter_context(g.loop.hooks(FakeQuorums(g.manager)))
         yield
 
 
@@ -230,7 +241,7 @@ def test_groups_hold_identical_global_parameters_after_every_sync(update, fragme
     first, last = seen[0][0], seen[0][-1]
     assert not all(torch.equal(x, y) for x, y in zip(first, last, strict=True))  # they did train
     for g in groups:
-        g.loop.finish(OpenQuorums(g.manager))
+        g.loop.finish(FakeQuorums(g.manager))
     final = [torch.cat([p.detach().flatten() for p in g.model.parameters()]) for g in groups]
     assert torch.equal(final[0], final[1]) and torch.equal(final[0], final[2])
 
@@ -262,7 +273,7 @@ def test_delayed_parameter_averaging_is_local_sgd_one_period_late():
     for g in groups:
         assert all(torch.equal(p, s) for p, s in zip(g.model.parameters(), start, strict=True))
         assert g.loop.in_flight(0)
-    assert all(g.loop.finish(OpenQuorums(g.manager)).synced for g in groups)
+    assert all(g.loop.finish(FakeQuorums(g.manager)).synced for g in groups)
     for g in groups:
         for p, a, b in zip(g.model.parameters(), ends[0][0], ends[1][0], strict=True):
             torch.testing.assert_close(p.detach(), (a + b) / 2, rtol=0, atol=1e-6)
@@ -279,7 +290,7 @@ def test_pseudo_gradients_are_weighted_by_tokens():
     ends = [models_at_sync_points(g) for g in groups]
     run(groups, 4)
     for g in groups:
-        g.loop.finish(OpenQuorums(g.manager))
+        g.loop.finish(FakeQuorums(g.manager))
         for p, a, b in zip(g.model.parameters(), ends[0][0], ends[1][0], strict=True):
             torch.testing.assert_close(p.detach(), 0.75 * a + 0.25 * b, rtol=0, atol=1e-6)
 
@@ -365,7 +376,7 @@ def test_an_uncommitted_sync_is_dropped_alike_and_the_local_copy_follows():
     run(groups, 4)  # sync point 2: sync 1 not committed, sync 2 started
     for g, b in zip(groups, before, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(g.globals_(), b, strict=True))
-        outcome = g.loop.last_outcome(g.manager)
+        outcome = g.loop.last_outcome()
         assert outcome is not None and outcome.committed is False
         g.manager.commit = True
     seen = run(groups, 8)
@@ -391,14 +402,14 @@ def test_a_failed_all_reduce_in_flight_is_dropped_by_every_group_and_never_saved
         assert g.loop.in_flight(0)
     run(groups, 3)  # sync point 2: sync 1 dropped, sync 2 started
     for g, b in zip(groups, before, strict=True):
-        outcome = g.loop.last_outcome(g.manager)
+        outcome = g.loop.last_outcome()
         assert outcome is not None and outcome.committed is False and outcome.groups == 3
         assert all(torch.equal(x, y) for x, y in zip(g.globals_(), b, strict=True))
         assert g.manager.errored() is None  # the quorum of sync 2 cleared it
     run(groups, 4)  # sync point 3: sync 2 committed by all
     seen = [g.globals_() for g in groups]
     for g in groups:
-        outcome = g.loop.last_outcome(g.manager)
+        outcome = g.loop.last_outcome()
         assert outcome is not None and outcome.committed and g.manager.step == 1
     assert not all(torch.equal(x, y) for x, y in zip(seen[0], before[0], strict=True))
     for other in seen[1:]:
@@ -425,7 +436,7 @@ def test_a_committed_syncs_buffer_carries_the_next_sync_and_a_failed_ones_never_
     run(groups, 4)  # sync 2 dropped, sync 3 started in a new buffer
     assert all(buffer_of(g) != f for g, f in zip(groups, first, strict=True))
     for g in groups:
-        outcome = g.loop.last_outcome(g.manager)
+        outcome = g.loop.last_outcome()
         assert outcome is not None and not outcome.committed
 
 
@@ -447,7 +458,7 @@ def test_an_average_the_passes_step_with_is_reported_by_its_sum_of_squares():
 
     flight.decide = deciding  # type: ignore[method-assign]
     run(groups, 4)  # sync 1 committed: its average is the summed buffer / its tokens
-    outcome = groups[0].loop.last_outcome(groups[0].manager)
+    outcome = groups[0].loop.last_outcome()
     assert outcome is not None and outcome.committed and outcome.pseudo_grad_squares is not None
     assert len(seen) == 1 and float(outcome.pseudo_grad_squares) == pytest.approx(seen[0], rel=1e-5)
     # Taken once: the next report of no outer step has none.
@@ -791,9 +802,9 @@ def test_dylu_s_period_clock_starts_after_the_sync_quorum() -> None:
     group = Group(Cluster(), 1, clock=clock.perf_counter)
     start_quorum = group.manager.start_quorum
 
-    def waiting_quorum(accept: Any) -> None:
+    def waiting_quorum(accept: Any) -> bool:
         clock.now += 10.0
-        start_quorum(accept)
+        return start_quorum(accept)
 
     group.manager.start_quorum = waiting_quorum  # type: ignore[method-assign]
     with training([group]):
@@ -865,7 +876,7 @@ def test_groups_taking_different_inner_steps_agree_and_weigh_by_tokens(update):
     for a, b in zip(*seen, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert [g.loop.sync_points for g in groups] == [5, 5]
-    outcomes = [g.loop.last_outcome(g.manager) for g in groups]
+    outcomes = [g.loop.last_outcome() for g in groups]
     assert [o.inner_steps for o in outcomes if o is not None] == [4, 2]
     weights = [o.weight for o in outcomes if o is not None]
     assert weights == pytest.approx([2 / 3, 1 / 3])
@@ -981,10 +992,10 @@ def test_a_period_dylu_ends_early_reports_the_sync_s_own_time_with_gradients_fre
     grads_at_sync: list[bool] = []
     start_quorum = group.manager.start_quorum
 
-    def slow_quorum(accept: Any) -> None:
+    def slow_quorum(accept: Any) -> bool:
         grads_at_sync.append(any(p.grad is not None for p in group.model.parameters()))
         clock.now += 0.5
-        start_quorum(accept)
+        return start_quorum(accept)
 
     group.manager.start_quorum = slow_quorum  # type: ignore[method-assign]
     reported: list[float] = []

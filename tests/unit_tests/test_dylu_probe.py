@@ -1,5 +1,5 @@
 """DyLU's first period: the speed probe plans it (``dylu.PeriodPlan``, ``join.speeds``) from
-a quorum that forms while the groups train on (``sync.quorum.ProbeInFlight``), and a group
+a quorum that forms while the groups train on (``join.speeds.ProbeInFlight``), and a group
 that meets a probe in its own start-up quorum does not use that quorum."""
 
 from __future__ import annotations
@@ -15,14 +15,13 @@ from tests.unit_tests.test_semi_sync import SummingManager
 from torchtitan.components.ft import FaultToleranceError
 from torchtitan.experiments.fault_tolerance.events import SPEED_PROBE
 from torchtitan.experiments.fault_tolerance.join.exchange import QuorumExchange, StartUp
-from torchtitan.experiments.fault_tolerance.join.speeds import SpeedExchange
+from torchtitan.experiments.fault_tolerance.join.speeds import ProbeInFlight, SpeedExchange
 from torchtitan.experiments.fault_tolerance.methods.dylu import PeriodPlan
 from torchtitan.experiments.fault_tolerance.sync.quorum import (
     FRESH,
     RESUMED,
     RUNNING,
     Member,
-    ProbeInFlight,
     RankInGroup,
 )
 from torchtitan.experiments.fault_tolerance.transport.shapes import CollectiveShape
@@ -134,7 +133,7 @@ def test_after_the_probe_both_groups_plan_to_reach_the_first_sync_point_together
         them = Member(RUNNING, probe=1, step_us=round(speeds[other] * 1e6))
         exchange = _exchange(method, rank, {other: them})
         exchange.clock = lambda: 0.0
-        assert exchange.on_probe() is True
+        exchange.on_probe()
         assert method.plan.steps == 20  # planned by the training thread, not in the quorum
         exchange.after_probe()
     rest = [m.plan.steps - 2 for m in methods]
@@ -186,7 +185,7 @@ def test_the_probe_s_plan_of_the_rest_counts_the_steps_before_it_in_the_cap(
     them = Member(RUNNING, probe=1, step_us=1_000_000)
     exchange = _exchange(method, 0, {1: them}, most_in_group=None)
     exchange.clock = lambda: 0.0
-    assert exchange.on_probe() is True
+    exchange.on_probe()
     exchange.after_probe()
     assert method.plan.steps == 40
     probes = [e for e in events if e.name == SPEED_PROBE.name]
@@ -231,7 +230,7 @@ def test_a_probe_that_is_not_the_start_up_groups_leaves_the_period_as_planned(ca
     else:
         exchange = _exchange(method, 0, {1: peer}, most_in_group=lambda v: [1, *v[1:]])
     assert not method.plan.probe_due(1, lambda: 0.0) and method.plan.probe_due(2, lambda: 1.0)
-    assert exchange.on_probe() is True
+    exchange.on_probe()
     exchange.after_probe()
     assert method.plan.steps == 20 and method.plan.probe_at is None
     method.plan.end(20, now=68.0)  # 18 steps after the probe's end (50 s): 1 s each

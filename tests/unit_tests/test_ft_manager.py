@@ -436,7 +436,8 @@ def test_a_heal_reads_the_state_only_after_the_compute_that_writes_it(
     elif path in ("sync", "probe"):
         sync = SyncQuorum(ft, 1, 60.0, transport=None)  # type: ignore[arg-type]
         sync.begin_sync = lambda: None  # type: ignore[method-assign]  # no transfers here
-        sync.start_quorum(lambda: True) if path == "sync" else sync.probe_quorum(lambda: True)
+        with sync.sync_rounds() if path == "sync" else sync.probe_rounds() as rounds:
+            rounds.form()
     else:
         # Async DiLoCo while DyLU's probe quorum waits for its state: once the training thread
         # lets peers read it (``_finish_probe``), the quorum thread sends it.

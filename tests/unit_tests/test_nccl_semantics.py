@@ -32,10 +32,10 @@ from torchtitan.experiments.fault_tolerance.heal.checkpoint_transport import bui
 from torchtitan.experiments.fault_tolerance.heal.exchange import HEAL_KEY, HealAnswer
 from torchtitan.experiments.fault_tolerance.heal.history import ReplayBasis
 from torchtitan.experiments.fault_tolerance.heal.pieces import PiecewiseGroup
+from torchtitan.experiments.fault_tolerance.join.speeds import ProbeInFlight
 from torchtitan.experiments.fault_tolerance.sync.quorum import (
     RUNNING,
     Member,
-    ProbeInFlight,
     RankInGroup,
     exchange,
     in_group_wait,

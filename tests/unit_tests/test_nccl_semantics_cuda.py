@@ -33,10 +33,10 @@ from torchtitan.components.ft import torchft_adapter as tft
 from torchtitan.components.ft.build import REPLICA_NCCL_ENVIRONMENT, fresh_rendezvous_process_group
 from torchtitan.components.ft.delivery import wait_delivered
 from torchtitan.components.ft.timeouts import ReplicaTimeouts
+from torchtitan.experiments.fault_tolerance.join.speeds import ProbeInFlight
 from torchtitan.experiments.fault_tolerance.sync.quorum import (
     RUNNING,
     Member,
-    ProbeInFlight,
     exchange,
 )
 from torchtitan.experiments.fault_tolerance.transport.sync_transport import (

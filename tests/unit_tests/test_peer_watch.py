@@ -117,7 +117,9 @@ def test_a_peer_the_lighthouse_dropped_ends_the_sync_in_seconds(peer: str, caplo
         )
 
         try:
-            sync.start_quorum(lambda: (sync.set_members(keys), True)[1])
+            with sync.sync_rounds() as rounds:
+                rounds.form()
+                sync.set_members(keys)
             if rank == 1:
                 time.sleep(3.0)
                 if peer == "gone":  # dropped: it never sends; its group lives until the end
@@ -127,7 +129,7 @@ def test_a_peer_the_lighthouse_dropped_ends_the_sync_in_seconds(peer: str, caplo
             started = time.monotonic()
             sync.allreduce(x).wait()
             waited = time.monotonic() - started
-            committed = sync.should_commit()
+            committed = sync.decide().committed
             assert sync.transport.residuals is not None
             return {
                 "waited": waited,

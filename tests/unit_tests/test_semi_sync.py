@@ -3,9 +3,11 @@ checkpoint carries, healing positions, the digest exchange and the pseudo-gradie
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import re
+from collections.abc import Iterator
 from dataclasses import astuple
 from pathlib import Path
 from types import SimpleNamespace
@@ -42,6 +44,7 @@ from torchtitan.experiments.fault_tolerance.sync.quorum import (
     Host,
     Member,
     RankInGroup,
+    SyncDecision,
     SyncQuorum,
     compare_digests,
     exchange,
@@ -595,11 +598,11 @@ def test_a_group_whose_checkpoints_were_all_rejected_starts_as_a_restarted_one()
     manager = SimpleNamespace(current_step=lambda: 0, errored=lambda: None)
     stub = SimpleNamespace(
         job_config=config(),
-        ft=SimpleNamespace(manager=manager, join_quorum=lambda **kwargs: kwargs["accept"]()),
+        ft=SimpleNamespace(manager=manager, quorum_rounds=lambda **_: contextlib.nullcontext()),
         train_state=SimpleNamespace(step=0),
         algorithm=SimpleNamespace(note_joined=lambda: None),
         exchange=SimpleNamespace(
-            announce=lambda step: None, on_quorum=lambda up: roles.append(up.role) or True
+            announce=lambda step: None, settle=lambda rounds, up: roles.append(up.role)
         ),
         sync=SimpleNamespace(begin_sync=lambda: None),
         heal=SimpleNamespace(own_state_lost=""),
@@ -618,16 +621,15 @@ def test_a_group_healed_at_the_others_sync_point_reports_its_wait_for_them() -> 
     manager = SimpleNamespace(current_step=lambda: 4, errored=lambda: None)
     waits: list[float] = []
 
-    def on_quorum(start_up: StartUp) -> bool:
+    def settle(rounds: Any, start_up: StartUp) -> None:
         start_up.peer = peer(local_step=0, replica_id=1, at_sync=1)
-        return True
 
     stub = SimpleNamespace(
         job_config=config(),
-        ft=SimpleNamespace(manager=manager, join_quorum=lambda **kwargs: kwargs["accept"]()),
+        ft=SimpleNamespace(manager=manager, quorum_rounds=lambda **_: contextlib.nullcontext()),
         train_state=SimpleNamespace(step=8),
         algorithm=SimpleNamespace(note_joined=lambda: None),
-        exchange=SimpleNamespace(announce=lambda step: None, on_quorum=on_quorum),
+        exchange=SimpleNamespace(announce=lambda step: None, settle=settle),
         sync=SimpleNamespace(begin_sync=lambda: None, joined_sync=waits.append),
         heal=SimpleNamespace(own_state_lost=""),
         rank=RankInGroup(torch.device("cpu")),
@@ -894,15 +896,16 @@ class RecordingManager(FakeManager):
         super().__init__()
         self.sent: list[torch.Tensor] = []
 
-    def start_quorum(self, accept: Any) -> None:
-        pass
+    @contextlib.contextmanager
+    def sync_rounds(self) -> Iterator[Any]:
+        yield SimpleNamespace(form=lambda: 2)
 
     def allreduce(self, tensor: torch.Tensor) -> Any:
         self.sent.append(tensor)
         return SimpleNamespace(wait=lambda: None)
 
-    def should_commit(self) -> bool:
-        return False
+    def decide(self) -> SyncDecision:
+        return SyncDecision(False, 1, 2, 0, None, None, [])
 
     def allow_state_dict_read(self) -> None:
         pass

@@ -120,16 +120,16 @@ def train_and_record(
         state.finish = lambda sums, total: spy_finish(state, sums, total)  # type: ignore[method-assign]
         state.finish_and_start = lambda *args: spy_both(state, *args)  # type: ignore[method-assign]
     else:
-        start_quorum = sync.start_quorum
+        begin_sync = sync.begin_sync
 
-        def spy_quorum(*args: Any, **kwargs: Any) -> None:
-            start_quorum(*args, **kwargs)
+        def spy_quorum() -> None:  # the end of a sync quorum
+            begin_sync()
             index = loop.current_fragment()
             record["fragment"] = record.get("fragment", []) + [index]
             record["local"].append(flat(fragment_params(index)))
             record["before"].append(globals_of(index))
 
-        sync.start_quorum = spy_quorum  # type: ignore[method-assign]
+        sync.begin_sync = spy_quorum  # type: ignore[method-assign]
 
     data = torch.Generator().manual_seed(100 + rank)
     syncs = 4 if method.startswith("async_") else 3

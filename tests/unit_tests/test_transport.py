@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.distributed import ReduceOp
 
-from tests.unit_tests.gloo_groups import LoopbackManager, accept_all, run_groups, sync_manager
+from tests.unit_tests.gloo_groups import LoopbackManager, open_quorum, run_groups, sync_manager
 from tests.unit_tests.test_compression import _varied
 from torchtitan.components.ft import FaultToleranceError, torchft_adapter
 from torchtitan.experiments.fault_tolerance import events
@@ -104,11 +104,11 @@ def test_an_exact_tensor_travels_as_it_is_and_a_healing_group_sends_zeros() -> N
 def _sync_once(
     sync: Any, manager: LoopbackManager, tensor: torch.Tensor, fail: bool = False
 ) -> bool:
-    sync.start_quorum(accept_all)
+    open_quorum(sync)
     sync.allreduce(tensor).wait()
     if fail:
         manager.report_error(RuntimeError("another rank of this group failed"))
-    return sync.should_commit()
+    return sync.decide().committed
 
 
 def test_a_residual_changes_only_when_its_sync_commits() -> None:
@@ -263,7 +263,7 @@ def test_after_an_error_the_rest_of_a_sync_sends_nothing() -> None:
         manager = LoopbackManager(pg, rank, 2)
         sync = sync_manager(manager, "int8", bucket_numel=300)
         try:
-            sync.start_quorum(accept_all)
+            open_quorum(sync)
             manager.report_error(RuntimeError("a peer died"))
             x = torch.arange(500, dtype=torch.float32)
             started = time.monotonic()
@@ -457,10 +457,10 @@ def test_a_sync_waits_without_synchronizing_the_device_and_still_times_out(
                 if rank == 1:
                     time.sleep(late_s)
                 tensors = _tensors(rank)
-                sync.start_quorum(accept_all)
+                open_quorum(sync)
                 for work in [sync.allreduce(t) for t in tensors]:
                     work.wait()
-                outcomes += [sync.should_commit(), manager.errored()]
+                outcomes += [sync.decide().committed, manager.errored()]
             finally:
                 sync.transport.shutdown()
         return [*outcomes, wrapped.aborted]

@@ -4,9 +4,10 @@ a restarted group do is written in ``docs/fault_tolerance.md``."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -258,81 +259,63 @@ class FTManager:
         needed: int | None = None,
         timeout_s: float | None = None,
         timeout_field: str = "fault_tolerance.quorum_timeout_s",
-        accept: Callable[[], bool] | None = None,
         purpose: QuorumPurpose | None = None,
     ) -> float:
-        """Join a quorum with at least ``needed`` groups (default: all groups before the
-        job's first commit, ``min_replica_size`` after) for which ``accept()`` (a check every
-        member makes alike, e.g. after exchanging a few numbers) holds; return the wait.
+        """Join a quorum with at least ``needed`` groups (default: all groups before the job's
+        first commit, ``min_replica_size`` after) and use it; return the wait. The bounds and
+        ``purpose`` are :meth:`quorum_rounds`'."""
+        with self.quorum_rounds(needed, timeout_s, timeout_field, purpose) as rounds:
+            rounds.form()
+        return rounds.waited
 
-        A quorum that is too small or not accepted is skipped by all its members alike: no
-        collective is started in it, and it is closed with a failed ``should_commit`` (which
-        also applies any state a joiner received in it). Waiting is bounded by ``timeout_s``
-        (``timeout_field``, named in the error): a lighthouse that is down is retried within
-        that time (torchft's quorum retries), so a restarted lighthouse is picked up again.
-        ``purpose``: what the quorum is for, as the wait's reports and events say it (default:
-        the next step).
-        """
-        self._purpose = purpose
-        try:
-            return self._join_quorum(needed, timeout_s, timeout_field, accept)
-        finally:
-            self._purpose = None
-
-    def _join_quorum(
+    @contextlib.contextmanager
+    def quorum_rounds(
         self,
-        needed: int | None,
-        timeout_s: float | None,
-        timeout_field: str,
-        accept: Callable[[], bool] | None,
-    ) -> float:
+        needed: int | None = None,
+        timeout_s: float | None = None,
+        timeout_field: str = "fault_tolerance.quorum_timeout_s",
+        purpose: QuorumPurpose | None = None,
+    ) -> Iterator[QuorumRounds]:
+        """One bounded wait for a quorum the caller uses: inside the block,
+        ``QuorumRounds.form`` joins the next quorum with at least ``needed`` groups (see
+        :meth:`join_quorum`), each member checks it alike (e.g. after exchanging a few numbers)
+        and forms another if it does not use it; the quorum formed last is used when the block
+        ends without an error. A quorum that is too small or not used is skipped by all its
+        members alike: no collective is started in it, and it is closed with a failed
+        ``should_commit`` (which also applies any state a joiner received in it). Waiting is
+        bounded by ``timeout_s`` (``timeout_field``, named in the error): a lighthouse that is
+        down is retried within that time (torchft's quorum retries), so a restarted
+        lighthouse is picked up again. ``purpose``: what the quorum is for, as the wait's
+        reports and events say it (default: the next step)."""
+        self._purpose = purpose
         self._timeout_s = self.quorum_timeout_s if timeout_s is None else timeout_s
+        self._timeout_field = timeout_field
         # A peer healing in this quorum reads the state written by the kernels queued so far.
         self.note_state_written()
-        self._timeout_field = timeout_field
         start = time.monotonic()
-        deadline = start + self._timeout_s
         self._healed.clear()
         self._kept_own.clear()
         self.watchdog.begin()
-        while True:
+        rounds = QuorumRounds(self, needed, start + self._timeout_s)
+        try:
             try:
-                remaining = max(deadline - time.monotonic(), 1.0)
-                self.manager.start_quorum(timeout=timedelta(seconds=remaining))
-                self.manager.wait_quorum()
-            except FaultToleranceError:  # a check of the healed state failed: say that
-                self.watchdog.end()
-                raise
-            except Exception as e:
-                self.watchdog.end()
-                raise FaultToleranceError(self._quorum_failure(e)) from e
-            size = self.manager.num_participants()
-            self._last_quorum_size = size
-            self._needed = self._groups_needed() if needed is None else needed
-            try:
-                if size >= self._needed and (accept is None or accept()):
-                    break
+                yield rounds
             except BaseException:
                 self.watchdog.end()
                 raise
-            self.manager.report_error(RuntimeError(f"quorum of {size} not used"))
-            self.manager.should_commit()
-            if time.monotonic() >= deadline:
-                self.watchdog.end()
-                raise FaultToleranceError(self._too_few_groups(size))
-            time.sleep(self.poll_s)
-        waited = self.watchdog.end()
-        subject = self._subject()
-        if waited >= QuorumWaitWatchdog.SCHEDULE_S[0]:
-            QUORUM_FORMED.emit(**subject, groups=size, waited_s=waited)
-        if self._healed or self._kept_own:
-            HEALED.emit(
-                **subject,
-                states=[s for s in dict.fromkeys(self._healed) if s not in self._kept_own],
-                kept_own=sorted(self._kept_own),
-                seconds=time.monotonic() - start,
-            )
-        return waited
+            rounds.waited = waited = self.watchdog.end()
+            subject = self._subject()
+            if waited >= QuorumWaitWatchdog.SCHEDULE_S[0]:
+                QUORUM_FORMED.emit(**subject, groups=rounds.size, waited_s=waited)
+            if self._healed or self._kept_own:
+                HEALED.emit(
+                    **subject,
+                    states=[s for s in dict.fromkeys(self._healed) if s not in self._kept_own],
+                    kept_own=sorted(self._kept_own),
+                    seconds=time.monotonic() - start,
+                )
+        finally:
+            self._purpose = None
 
     def _quorum_failure(self, error: Exception) -> str:
         what = self._subject()["what"]
@@ -484,3 +467,49 @@ class FTManager:
         self.watchdog.stop()
         if self._manager is not None:
             self._manager.shutdown(wait=False)
+
+
+class QuorumRounds:
+    """The quorums of one bounded wait (:meth:`FTManager.quorum_rounds`), formed one by one."""
+
+    def __init__(self, ft: FTManager, needed: int | None, deadline: float) -> None:
+        self._ft = ft
+        self._needed = needed
+        self._deadline = deadline
+        #: The size of the quorum formed last (0: none formed yet).
+        self.size = 0
+        #: Once the wait is over: how long it took (``QuorumWaitWatchdog``'s measure).
+        self.waited = 0.0
+
+    def form(self) -> int:
+        """Close the quorum formed before, if any, unused; join the next one with enough
+        groups and return its size."""
+        if self.size:
+            self._skip(self.size)
+        ft = self._ft
+        while True:
+            try:
+                remaining = max(self._deadline - time.monotonic(), 1.0)
+                ft.manager.start_quorum(timeout=timedelta(seconds=remaining))
+                ft.manager.wait_quorum()
+            except FaultToleranceError:  # a check of the healed state failed: say that
+                raise
+            except Exception as e:
+                raise FaultToleranceError(ft._quorum_failure(e)) from e
+            size = ft._last_quorum_size = ft.manager.num_participants()
+            ft._needed = ft._groups_needed() if self._needed is None else self._needed
+            if size >= ft._needed:
+                self.size = size
+                return size
+            self._skip(size)
+
+    def _skip(self, size: int) -> None:
+        """Close a quorum of ``size`` groups unused, alike in all its members; past the
+        deadline, stop with the error that names the bound."""
+        self.size = 0
+        manager = self._ft.manager
+        manager.report_error(RuntimeError(f"quorum of {size} not used"))
+        manager.should_commit()
+        if time.monotonic() >= self._deadline:
+            raise FaultToleranceError(self._ft._too_few_groups(size))
+        time.sleep(self._ft.poll_s)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from torchtitan.components.ft import FaultToleranceError, FTManager
 from torchtitan.components.ft import torchft_adapter as tft
+from torchtitan.components.ft.manager import QuorumRounds
 from torchtitan.config.job_config import JobConfig
 from torchtitan.experiments.fault_tolerance import events
 from torchtitan.experiments.fault_tolerance.heal.exchange import HealExchange
@@ -134,6 +135,13 @@ class QuorumExchange:
         """Give torchft ``step`` as this group's: below the others', it heals from them."""
         manager = self.ft.manager
         manager.load_state_dict({"step": step, "batches_committed": manager.batches_committed()})
+
+    def settle(self, rounds: QuorumRounds, start_up: StartUp | None = None) -> None:
+        """Form quorums in ``rounds`` until its members use one (:meth:`on_quorum`, alike in
+        every member); ``start_up``: this group is asking for its first quorum."""
+        rounds.form()
+        while not self.on_quorum(start_up):
+            rounds.form()
 
     def on_quorum(self, start_up: StartUp | None = None) -> bool:
         """Exchange roles and digests, and decide alike whether to use the quorum (a starting

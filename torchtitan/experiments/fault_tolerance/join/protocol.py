@@ -16,8 +16,9 @@ from torchtitan.components.ft import FaultToleranceError, QuorumPurpose
 from torchtitan.experiments.fault_tolerance import events
 from torchtitan.experiments.fault_tolerance.job_config import semi_sync_config
 from torchtitan.experiments.fault_tolerance.join.exchange import QuorumExchange, StartUp
+from torchtitan.experiments.fault_tolerance.join.speeds import ProbeInFlight
 from torchtitan.experiments.fault_tolerance.sync.lineage import Lineage
-from torchtitan.experiments.fault_tolerance.sync.quorum import FRESH, RESUMED, ProbeInFlight
+from torchtitan.experiments.fault_tolerance.sync.quorum import FRESH, RESUMED
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class QuorumProtocol:
         self.period = self.algorithm.period
         #: While this group asks for its first quorum (None: it is in the job).
         self.start_up: StartUp | None = None
+        #: Whether torchft loaded a peer's state into this group since the quorum began.
+        self._peer_loaded = False
 
     # ---- joining the job ---------------------------------------------------------------------
 
@@ -91,13 +94,13 @@ class QuorumProtocol:
         start = time.perf_counter()
         try:
             while True:
-                self.ft.join_quorum(
+                with self.ft.quorum_rounds(
                     needed=ft.min_replica_size,
                     timeout_s=timeout_s,
                     timeout_field=timeout_field,
-                    accept=lambda: self.exchange.on_quorum(start_up),
                     purpose=purpose,
-                )
+                ) as rounds:
+                    self.exchange.settle(rounds, start_up)
                 if manager.errored() is None:
                     break
                 # The quorum failed on purpose (a disagreement) or a member died: go again.
@@ -154,14 +157,18 @@ class QuorumProtocol:
 
     # ---- the quorums a method asks for -------------------------------------------------------
 
-    def sync_quorum(self) -> None:
-        """A sync's quorum, with ``QuorumExchange.on_quorum`` in it (``outer_loop.Quorums``)."""
-        self.sync.start_quorum(self.exchange.on_quorum)
+    def sync_quorum(self) -> bool:
+        """A sync's quorum, settled by the exchange (``outer_loop.Quorums``): whether this group
+        healed in it (torchft loaded a peer's state, :meth:`load_peer` among it)."""
+        self._peer_loaded = False
+        with self.sync.sync_rounds() as rounds:
+            self.exchange.settle(rounds)
+        return self._peer_loaded
 
     def start_probe(self) -> ProbeInFlight:
-        """DyLU's speed probe, with the speed exchange in it (``outer_loop.Quorums``)."""
+        """DyLU's speed probe (``outer_loop.Quorums``)."""
         assert self.speeds is not None, "a speed probe without DyLU"
-        return self.sync.start_probe(self.speeds.on_probe, self.speeds.after_probe)
+        return self.speeds.start_probe()
 
     # ---- healing -----------------------------------------------------------------------------
 
@@ -181,6 +188,7 @@ class QuorumProtocol:
         starting group takes the peer's position (:meth:`start`). A running group must be at
         the same inner step as its peer, or the sync that follows would pair different
         operations (a hang, or a wrong average): stop loudly instead."""
+        self._peer_loaded = True
         self.algorithm.forget_global()  # a digest of parameters this group no longer holds
         self.sync.reset_error_feedback()  # owed for state this group no longer has
         self.lineage.load_state_dict(

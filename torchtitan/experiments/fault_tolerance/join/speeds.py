@@ -12,12 +12,16 @@ finish the period unplanned.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from torchtitan.components.ft import FTManager
+from torchtitan.components.ft.streams import side_stream
 from torchtitan.config.job_config import JobConfig
 from torchtitan.experiments.fault_tolerance import events
 from torchtitan.experiments.fault_tolerance.job_config import semi_sync_config
@@ -95,11 +99,21 @@ class SpeedExchange:
             self.method.plan.probe_after(self.probe_steps)
             self._probe_groups = len(members)
 
-    def on_probe(self) -> bool:
-        """The probe's exchange, on the sync quorum's own thread while the group trains on:
-        every group's speed up to the probe, and the rest of the first period's length planned
-        from them, from when the exchange ended. Kept for :meth:`after_probe`; returns True
-        (the quorum is done either way)."""
+    def start_probe(self) -> ProbeInFlight:
+        """The speed probe: its quorum and exchange (:meth:`on_probe`) in a thread of their
+        own while this group trains on; ``ProbeInFlight.finish`` then plans the rest of the
+        period (:meth:`after_probe`)."""
+        return ProbeInFlight(self._probe_quorum, self.after_probe)
+
+    def _probe_quorum(self) -> None:
+        with self.method.sync.probe_rounds() as rounds:
+            rounds.form()
+            self.on_probe()  # the quorum is used either way
+
+    def on_probe(self) -> None:
+        """The probe's exchange, on the probe's own thread while the group trains on: every
+        group's speed up to the probe, and the rest of the first period's length planned from
+        them, from when the exchange ended. Kept for :meth:`after_probe`."""
         method = self.method
         # Read now: the training thread may end the period meanwhile and measure all of it.
         mine = Member(RUNNING, probe=1, step_us=round(method.plan.probed_seconds * 1e6))
@@ -119,7 +133,6 @@ class SpeedExchange:
             fastest=min(speeds, default=0.0),
             at=self.clock(),
         )
-        return True
 
     def after_probe(self) -> None:
         """In the training thread, once the probe's quorum is done (all the group's ranks at
@@ -160,6 +173,49 @@ class SpeedExchange:
             ms_per_step=found.step_seconds * 1e3,
             fastest_ms_per_step=found.fastest * 1e3,
         )
+
+
+class ProbeInFlight:
+    """DyLU's speed probe under way: ``run`` (its quorum and exchange) in a daemon thread while
+    the training thread takes its inner steps. Nothing else uses the replica process group
+    meanwhile: the first period has no sync, and the next quorum waits for this one. A peer
+    that heals in the probe's quorum reads this group's state only while the training thread
+    waits in :meth:`finish` (async DiLoCo disallows reads until then)."""
+
+    def __init__(self, run: Callable[[], None], after: Callable[[], None]) -> None:
+        self._after = after
+        self._error: BaseException | None = None
+        # A new thread starts on device 0: torchft's quorum takes the caller's device.
+        accelerator = torch.accelerator.is_available()
+        device = torch.accelerator.current_device_index() if accelerator else None
+        self._thread = threading.Thread(
+            target=self._run, args=(run, device), name="dylu-speed-probe", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, run: Callable[[], None], device: int | None) -> None:
+        try:
+            if device is not None:
+                torch.accelerator.set_device_index(device)
+            on = torch.device("cpu") if device is None else torch.device(device)
+            # Not the training stream (every thread starts on it): on nccl the next inner
+            # step would otherwise wait for every probing group's exchange.
+            with side_stream(on):
+                run()
+        except BaseException as e:  # raised in the training thread, by finish()
+            self._error = e
+
+    def done(self) -> bool:
+        """Whether the probe's quorum and exchange are over (this rank's)."""
+        return not self._thread.is_alive()
+
+    def finish(self) -> None:
+        """Wait for the probe, raise what it raised (e.g. its quorum timed out), then run
+        ``after`` in the training thread."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        self._after()
 
 
 @dataclass(frozen=True)

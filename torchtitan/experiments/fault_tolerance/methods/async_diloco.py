@@ -2,11 +2,11 @@
 
 A group starts its pseudo-gradient all-reduce at a sync point and goes straight on with its
 inner steps; the average is applied at the next sync point, a period later. torchft's Manager
-does what it does for blocking DiLoCo (quorum, all-reduce, ``should_commit``, heals).
+does what it does for blocking DiLoCo (quorum, all-reduce, commit vote, heals).
 
 One sync point ``j`` (every ``period`` inner steps; with fragments, fragment ``j mod F``):
 
-1. finish sync ``j - 1``: wait, ``should_commit``; if committed, the outer step with the
+1. finish sync ``j - 1``: wait, decide (torchft's vote); if committed, the outer step with the
    token-weighted average, else the sync is dropped alike in every group. The fragment's
    local copy then moves by how far the global copy moved from this period's start: inner
    progress is kept, the estimate (3.) is replaced by the truth;
@@ -79,6 +79,7 @@ from torchtitan.tools.exact_division import divide_
 
 if TYPE_CHECKING:
     from torchtitan.experiments.fault_tolerance.sync.quorum import SyncQuorum
+    from torchtitan.experiments.fault_tolerance.transport.collective import Delivered
 
 
 class FragmentState(Fragment):
@@ -309,41 +310,43 @@ class InFlightSync:
             if not scaled:
                 buffer[:-1].mul_(tokens)
             buffer[-1] = tokens
-        # The token count exact (fp32, no error feedback); both sent now, to arrive meanwhile.
+        # The token count exact (fp32, no error feedback), sent after the pseudo-gradient's
+        # last bucket: both on their way now, to arrive meanwhile.
         works = [
             sync.allreduce(buffer[:-1], reduce_op=ReduceOp.SUM),
             sync.allreduce(buffer[-1:], reduce_op=ReduceOp.SUM, exact=True),
         ]
-        sync.flush()
         return cls(fragment, buffer, AllWorks(works), steps, tokens)
 
-    def decide(self, sync: SyncQuorum) -> tuple[SyncOutcome, torch.Tensor | None, float]:
-        """Wait, commit or not (alike in every group): the outcome, the sums to average (None:
-        nothing to apply) and their total of tokens; the average's sum of squares goes into
-        :attr:`average_squares`."""
+    def decide(
+        self, sync: SyncQuorum
+    ) -> tuple[SyncOutcome, list[Delivered] | torch.Tensor, torch.Tensor | None, float]:
+        """Wait, commit or not (alike in every group): the outcome, what the transfers
+        delivered (a loaded sync: its sums), the sums to average (None: nothing to apply) and
+        their total of tokens; the average's sum of squares goes into :attr:`average_squares`."""
         self.work.wait()  # a failed all-reduce is recorded by the Manager, not raised
-        committed = bool(sync.should_commit())
+        decision = sync.decide()
+        if self.loaded:  # its bytes: its payload (the process that saved it sent it)
+            decision = dataclasses.replace(
+                decision, bytes_sent=self.buffer.numel() * 4, compression_s=None, squares=None
+            )
+        committed = decision.committed
         total = float(self.buffer[-1])
         sums = self.buffer[:-1] if committed and total > 0 else None
         if sums is not None:
             # Taken by the transport where the sums arrived; a loaded sync's here.
-            found = None if self.loaded else sync.sync_squares()
+            found = decision.squares
             found = float(torch.dot(sums, sums)) if found is None else found
             self.average_squares = found / total**2
-        # A loaded sync's bytes: its payload (the process that saved it sent it).
-        sent, compression_s = (self.buffer.numel() * 4, None) if self.loaded else sync.sync_stats()
-        outcome = SyncOutcome(
-            sync.current_step() + (0 if committed else 1),
+        outcome = SyncOutcome.of(
+            decision,
             self.fragment,
-            committed,
-            sent,
-            sync.num_participants(),
-            compression_s=compression_s,
             inner_steps=self.inner_steps,
             tokens=self.tokens,
             weight=self.tokens / total if committed and total > 0 else None,
         )
-        return outcome, sums, total
+        delivered = self.buffer[:-1] if self.loaded else decision.delivered
+        return outcome, delivered, sums, total
 
     def wait_for_checkpoint(self, sync: SyncQuorum, agree: Callable[[int], int]) -> None:
         """Wait for the result and mark it arrived unless the all-reduce failed; ``agree``: the
@@ -465,7 +468,6 @@ class AsyncDiLoCo(DyLUPeriods, GlobalCopyMethod[FragmentState]):
         self._in_flight: InFlightSync | None = None
         #: The sync a sync point decided, until its average is applied in the same sync point.
         self._decided: Decided | None = None
-        self._outcome: SyncOutcome | None = None
         self._probe = None
         sync.register_state_dict_fn("async_diloco_progress", self._load_progress, self._progress)
 
@@ -510,9 +512,7 @@ class AsyncDiLoCo(DyLUPeriods, GlobalCopyMethod[FragmentState]):
             if decided is not None:
                 self._states[decided.fragment].finish(decided.sums, decided.total)
             state.start(buffer[:-1], share, tokens)
-        self._healed = False
-        quorums.sync_quorum()
-        if self._healed:  # this group's progress was replaced by a peer's state
+        if quorums.sync_quorum():  # healed: this group's progress is a peer's now
             self.start_transfer()
         else:
             self._in_flight = InFlightSync.start(
@@ -535,9 +535,9 @@ class AsyncDiLoCo(DyLUPeriods, GlobalCopyMethod[FragmentState]):
         if flight is None:
             self._outcome = None
             return None
-        self._outcome, sums, total = flight.decide(self.sync)
+        self._outcome, delivered, sums, total = flight.decide(self.sync)
         if self._outcome.committed:  # ``total``: the buffer's token count, read once
-            self._keep(flight.fragment, flight.buffer[:-1] if flight.loaded else None, total)
+            self._keep(flight.fragment, delivered, total)
         # An average the passes step with (``optimizer.step()``'s pre-hooks see the others).
         if flight.average_squares is not None and self._states[flight.fragment].passes.usable():
             self.note_stepped_squares(flight.average_squares)
@@ -566,7 +566,6 @@ class AsyncDiLoCo(DyLUPeriods, GlobalCopyMethod[FragmentState]):
         groups'): every fragment's local period starts there and nothing this group did before
         counts (nor what its compression owed). The peer may be a sync ahead: take part in the
         all-reduce it starts, of its fragment, with weight 0."""
-        self._healed = False
         self.sync.reset_error_feedback()
         for state in self._states:
             state.start_period(None)
@@ -627,12 +626,6 @@ class AsyncDiLoCo(DyLUPeriods, GlobalCopyMethod[FragmentState]):
 
     def restore_global_copies(self, index: int) -> None:
         self._states[index].start_period(None)
-
-    def last_outcome(self, sync: SyncQuorum) -> SyncOutcome | None:
-        squares = self.take_stepped_squares()
-        if self._outcome is None:
-            return None
-        return dataclasses.replace(self._outcome, pseudo_grad_squares=squares)
 
     def finish(self, quorums: Quorums) -> Ending:
         """Finish the sync in flight (the job's last average counts), then every fragment's

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from torchtitan.experiments.fault_tolerance.methods.outer_loop import Quorums
-    from torchtitan.experiments.fault_tolerance.sync.quorum import ProbeInFlight, SyncQuorum
+    from torchtitan.experiments.fault_tolerance.methods.outer_loop import Probe, Quorums
+    from torchtitan.experiments.fault_tolerance.sync.quorum import SyncQuorum
 
 
 def dylu_inner_steps(period: int, step_seconds: list[float], mine: float) -> int:
@@ -192,7 +192,7 @@ class DyLUPeriods:
     #: The most of this group's ranks' numbers (a MAX all-reduce over the group).
     agree_in_group: Callable[[int], int]
     #: DyLU's speed probe while its quorum forms (None: none under way).
-    _probe: ProbeInFlight | None
+    _probe: Probe | None
 
     def _plan_after_step(self, quorums: Quorums) -> None:
         """After each inner step: probe, take the probe's plan or correct the period's step

@@ -6,7 +6,6 @@ over them (healing state, heal history, digests, replay of missed syncs).
 
 from __future__ import annotations
 
-import functools
 from abc import abstractmethod
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -155,37 +154,30 @@ class GlobalCopyMethod(OuterLoop, Generic[F]):
         self.fragments = fragments
         self._states = states
         self.history = history if history is not None else HealHistory(0)
-        #: Set when torchft loaded a peer's state into this group (cleared by the method).
-        self._healed = False
         #: See :meth:`take_stepped_squares`.
         self._stepped_squares: torch.Tensor | None = None
         for index, state in enumerate(states):
             state.outer.register_step_pre_hook(self._measure_outer_step)
             state.take_model()
             sync.register_state_dict_fn(
-                self.heal_key.format(index),
-                functools.partial(self._load_heal_state, index),
-                state.heal_state,
+                self.heal_key.format(index), state.load_heal_state, state.heal_state
             )
 
-    def _load_heal_state(self, index: int, saved: dict[str, Any]) -> None:
-        self._states[index].load_heal_state(saved)
-        self._healed = True
-
-    def _keep(self, index: int, loaded: torch.Tensor | None = None, divisor: float = 1.0) -> None:
+    def _keep(
+        self, index: int, delivered: list[Delivered] | torch.Tensor, divisor: float = 1.0
+    ) -> None:
         """Fragment ``index``'s sync committed (outer step not yet taken): record what its
-        transfers delivered, or ``loaded`` (fp32 sums from a checkpoint or peer, when no
-        transfer here carried them); ``divisor``: what the outer step divides the sums by."""
+        transfers ``delivered`` (``SyncDecision.delivered``), or the fp32 sums a checkpoint or
+        peer gave (a tensor: no transfer here carried them); ``divisor``: what the outer step
+        divides the sums by."""
         if self.history.capacity <= 0:
             return
-        if loaded is None:
-            kept = self.sync.delivered()
-        else:
-            sums = loaded.detach().to("cpu", copy=True)
-            kept = [Delivered("float32", sums.numel(), 1, 1, sums)]
+        if isinstance(delivered, torch.Tensor):
+            sums = delivered.detach().to("cpu", copy=True)
+            delivered = [Delivered("float32", sums.numel(), 1, 1, sums)]
         number = self.sync.current_step()
         basis = self.global_digest(index)
-        self.history.record(HistoryEntry.of(number, index, kept, basis, divisor))
+        self.history.record(HistoryEntry.of(number, index, delivered, basis, divisor))
 
     def current_fragment(self) -> int:
         return self.sync.current_step() % len(self.fragments)

@@ -9,6 +9,7 @@ the last two through ``global_copy.GlobalCopyMethod``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,18 +22,29 @@ from torchtitan.distributed.tensors import local_tensor
 
 if TYPE_CHECKING:
     from torchtitan.experiments.fault_tolerance.heal.exchange import Replayer
-    from torchtitan.experiments.fault_tolerance.sync.quorum import ProbeInFlight, SyncQuorum
+    from torchtitan.experiments.fault_tolerance.sync.quorum import SyncDecision, SyncQuorum
+
+
+class Probe(Protocol):
+    """DyLU's speed probe under way, its quorum forming while the group trains on."""
+
+    def done(self) -> bool:
+        """Whether its quorum and exchange are over (this rank's)."""
+
+    def finish(self) -> None:
+        """Wait for it and take its plan, in the training thread; raise what it raised."""
 
 
 class Quorums(Protocol):
     """The quorums a method asks for, each with the exchange its members run: given to the
     method by whoever drives it (``QuorumProtocol`` in a job), for the time it trains."""
 
-    def sync_quorum(self) -> None:
-        """A sync's quorum (``SyncQuorum.start_quorum``)."""
+    def sync_quorum(self) -> bool:
+        """A sync's quorum, used once its members accept it (``SyncQuorum.sync_rounds``).
+        Returns whether this group healed in it (its state is now a peer's)."""
 
-    def start_probe(self) -> ProbeInFlight:
-        """DyLU's speed probe (``SyncQuorum.start_probe``)."""
+    def start_probe(self) -> Probe:
+        """DyLU's speed probe (``join.speeds.ProbeInFlight``)."""
 
 
 @contextlib.contextmanager
@@ -72,6 +84,19 @@ class SyncOutcome:
     #: the reporter sums the group's ranks'). None: no outer step since the last outcome.
     pseudo_grad_squares: torch.Tensor | None = None
 
+    @classmethod
+    def of(cls, decision: SyncDecision, fragment: int, **weights: Any) -> SyncOutcome:
+        """The outcome of ``decision``, a sync of ``fragment``; ``weights``: its token fields."""
+        return cls(
+            decision.number,
+            fragment,
+            decision.committed,
+            decision.bytes_sent,
+            decision.groups,
+            compression_s=decision.compression_s,
+            **weights,
+        )
+
 
 @dataclass
 class Ending:
@@ -109,8 +134,8 @@ class OuterLoop(ABC):
         self.inner_optimizer = inner_optimizer
         self.period = period
         self._local_step = 0
-        #: The verdict of the last sync point's sync (None: it decided none).
-        self._committed: bool | None = None
+        #: The sync the last sync point decided (None: none), its squares not yet taken.
+        self._outcome: SyncOutcome | None = None
 
     def hooks(self, quorums: Quorums) -> contextlib.AbstractContextManager:
         """The optimizer hooks that sync in ``quorums``, entered around the training loop."""
@@ -272,20 +297,17 @@ class OuterLoop(ABC):
     def forget_global(self) -> None:  # noqa: B027 (a no-op by default)
         """This group healed from a peer: what it knew of the global parameters is void."""
 
-    def last_outcome(self, sync: SyncQuorum) -> SyncOutcome | None:
-        """The sync the last sync point decided, right after it (None: it decided none);
-        ``sync``: the sync quorum, whose transport carried it."""
+    def decide(self, fragment: int) -> SyncDecision:
+        """Decide the sync of ``fragment`` in progress (``SyncQuorum.decide``); its outcome is
+        kept for :meth:`last_outcome`."""
+        decision = self.sync.decide()
+        self._outcome = SyncOutcome.of(decision, fragment)
+        return decision
+
+    def last_outcome(self) -> SyncOutcome | None:
+        """The sync the last sync point decided, right after it (None: it decided none), with
+        the sum of squares of the average its outer step took."""
         squares = self.take_stepped_squares()
-        if self._committed is None:
+        if self._outcome is None:
             return None
-        number = sync.current_step() + (0 if self._committed else 1)
-        sent, compression_s = sync.sync_stats()
-        return SyncOutcome(
-            number,
-            (number - 1) % len(self.fragments),
-            self._committed,
-            sent,
-            sync.num_participants(),
-            compression_s=compression_s,
-            pseudo_grad_squares=squares,
-        )
+        return dataclasses.replace(self._outcome, pseudo_grad_squares=squares)

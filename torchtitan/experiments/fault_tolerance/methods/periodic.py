@@ -77,8 +77,7 @@ class LocalSGD(OuterLoop):
         works, self._works = self._works, []
         for _, work in works:
             work.wait()
-        self._committed = bool(self.sync.should_commit())
-        if self._committed:
+        if self.decide(0).committed:
             for p, (mean, _) in zip(self.fragments[0].parameters(), works, strict=True):
                 local_tensor(p.data).copy_(mean)
 
@@ -157,12 +156,12 @@ class DiLoCo(GlobalCopyMethod[Fragment]):
         state = self._states[index]
         grads = state.settle()
         own = {n: t.clone() for n, t in state.locals().items()} if self.alpha > 0 else None
-        self._committed = bool(self.sync.should_commit())
-        if self._committed:
-            self._keep(index)
+        decision = self.decide(index)
+        if decision.committed:
+            self._keep(index, decision.delivered)
             state.outer_step(grads)
         state.restore()
-        if self._committed and own is not None:
+        if decision.committed and own is not None:
             for name, local in state.locals().items():
                 local.lerp_(own[name], self.alpha)
 

@@ -108,7 +108,7 @@ class SyncReporter:
 
     def report(self, step: int) -> None:
         """The sync the method decided last, as of train step ``step``."""
-        outcome = self.loop.last_outcome(self.sync)
+        outcome = self.loop.last_outcome()
         if outcome is None:  # async DiLoCo's first sync point: it only started a sync
             return
         committed, number = outcome.committed, outcome.number

@@ -9,13 +9,13 @@ alone), and ``sync_quorum_timeout_s``, which ends in one error line naming the f
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import platform
 import re
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import astuple, dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -27,7 +27,7 @@ from torch.distributed import ReduceOp
 from torchtitan.components.ft import FaultToleranceError, FTManager, QuorumPurpose
 from torchtitan.components.ft import torchft_adapter as tft
 from torchtitan.components.ft.delivery import all_reduce_across_groups
-from torchtitan.components.ft.streams import side_stream
+from torchtitan.components.ft.manager import QuorumRounds
 from torchtitan.components.ft.timeouts import WATCHDOG_MARGIN
 from torchtitan.experiments.fault_tolerance import events
 from torchtitan.experiments.fault_tolerance.transport.collective import Delivered
@@ -230,57 +230,33 @@ class RankInGroup:
         return [int(v) for v in found.tolist()]
 
 
-class ProbeInFlight:
-    """DyLU's speed probe under way: ``run`` (its quorum and exchange) in a daemon thread while
-    the training thread takes its inner steps. Nothing else uses the replica process group
-    meanwhile: the first period has no sync, and the next quorum waits for this one. A peer
-    that heals in the probe's quorum reads this group's state only while the training thread
-    waits in :meth:`finish` (async DiLoCo disallows reads until then)."""
+@dataclass(frozen=True)
+class SyncDecision:
+    """A decided sync (:meth:`SyncQuorum.decide`): the verdict, alike in every group, and what
+    this rank's transfers carried."""
 
-    def __init__(self, run: Callable[[], None], after: Callable[[], None]) -> None:
-        self._after = after
-        self._error: BaseException | None = None
-        # A new thread starts on device 0: torchft's quorum takes the caller's device.
-        accelerator = torch.accelerator.is_available()
-        device = torch.accelerator.current_device_index() if accelerator else None
-        self._thread = threading.Thread(
-            target=self._run, args=(run, device), name="dylu-speed-probe", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, run: Callable[[], None], device: int | None) -> None:
-        try:
-            if device is not None:
-                torch.accelerator.set_device_index(device)
-            on = torch.device("cpu") if device is None else torch.device(device)
-            # Not the training stream (every thread starts on it): on nccl the next inner
-            # step would otherwise wait for every probing group's exchange.
-            with side_stream(on):
-                run()
-        except BaseException as e:  # raised in the training thread, by finish()
-            self._error = e
-
-    def done(self) -> bool:
-        """Whether the probe's quorum and exchange are over (this rank's)."""
-        return not self._thread.is_alive()
-
-    def finish(self) -> None:
-        """Wait for the probe, raise what it raised (e.g. its quorum timed out), then run
-        ``after`` in the training thread."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        self._after()
+    committed: bool
+    #: The sync's number: the Manager step a commit makes (a failed one's is retried under it).
+    number: int
+    #: Replica groups in the sync's quorum.
+    groups: int
+    #: Bytes this rank sent and, compressed, its seconds (de)compressing (None: uncompressed).
+    bytes_sent: int
+    compression_s: float | None
+    #: The sum of squares of the sync's result, this rank's (None: a transfer has none).
+    squares: float | None
+    #: Committed, with ``keep_delivered``: the results as every group received them, in order.
+    delivered: list[Delivered]
 
 
 class SyncQuorum:
-    """torchft's Manager as the methods see it: ``start_quorum`` is the gated sync quorum,
-    ``allreduce`` goes through the sync's :class:`~.sync_transport.SyncTransport`,
-    ``should_commit`` counts in the core's failure accounting; the rest is forwarded to
-    torchft's Manager, typed.
+    """torchft's Manager as the methods see it: ``sync_rounds`` is the bounded sync quorum,
+    ``allreduce`` goes through the sync's :class:`~.sync_transport.SyncTransport`, ``decide``
+    counts in the core's failure accounting and returns the sync's record; the rest is
+    torchft's Manager's answers, typed.
 
-    A quorum's ``accept`` runs in every member of a quorum with enough groups and returns
-    whether it is used, alike in all (``QuorumExchange.on_quorum``). A sync is for fragment
+    The members of a quorum use it once each has accepted it alike (``join.exchange``, which
+    forms another otherwise). A sync is for fragment
     ``step mod fragments`` (the Manager's step after its quorum: a heal in it moves this group
     to its peer's sync). ``rank``: this rank in its group, whose ranks decide alike (None: a
     group of one)."""
@@ -339,22 +315,6 @@ class SyncQuorum:
             self.ft.manager, tensor, average=reduce_op == ReduceOp.AVG, exact=exact
         )
 
-    def flush(self) -> None:
-        """Send what the transport still holds of this sync's tensors."""
-        self.transport.flush()
-
-    def sync_stats(self) -> tuple[int, float | None]:
-        """Bytes sent in the last sync and, compressed, seconds spent (de)compressing."""
-        return self.transport.stats()
-
-    def delivered(self) -> list[Delivered]:
-        """After a committed sync: what its transfers delivered, as every group received it."""
-        return self.transport.delivered()
-
-    def sync_squares(self) -> float | None:
-        """The sum of squares of this sync's result, this rank's (``SyncTransport.squares``)."""
-        return self.transport.squares()
-
     def sync_failed(self) -> bool:
         """Whether the sync in progress is known to fail: an error, or a non-finite value."""
         return self.ft.manager.errored() is not None or self.transport.non_finite() is not None
@@ -368,35 +328,33 @@ class SyncQuorum:
         """A sync never to be decided (dropped at the end of training): what it staged is void."""
         self.transport.end_sync(False)
 
-    def start_quorum(self, accept: Callable[[], bool]) -> None:
-        """The sync's quorum, with ``accept``, the exchange its members run."""
+    @contextlib.contextmanager
+    def sync_rounds(self) -> Iterator[QuorumRounds]:
+        """The sync's quorum: in the block, ``QuorumRounds.form`` joins one of at least
+        ``min_groups`` groups, bounded by ``sync_quorum_timeout_s``, until its members accept
+        one alike (``join.exchange``); the one formed last is the sync's, whose transfers
+        start when the block ends."""
         sync = self.ft.manager.current_step() + 1
         self.in_quorum = True
         start = time.perf_counter()
         try:
-            self._join(accept, QuorumPurpose(f"sync #{sync}", sync=sync))
+            with self._rounds(QuorumPurpose(f"sync #{sync}", sync=sync)) as rounds:
+                yield rounds
         finally:
             self.last_wait = time.perf_counter() - start
             self.in_quorum = False
         self.begin_sync()
 
-    def start_probe(self, accept: Callable[[], bool], after: Callable[[], None]) -> ProbeInFlight:
-        """:meth:`probe_quorum` in a thread of its own, while the group takes its next inner
-        steps; ``ProbeInFlight.finish`` then runs ``after`` in the training thread."""
-        return ProbeInFlight(lambda: self.probe_quorum(accept), after)
+    def probe_rounds(self) -> contextlib.AbstractContextManager[QuorumRounds]:
+        """DyLU's speed probe: quorums as :meth:`sync_rounds`' that are no sync (nothing is
+        committed, the Manager's step stays), in which the groups exchange their speeds."""
+        return self._rounds(QuorumPurpose("DyLU's speed probe"))
 
-    def probe_quorum(self, accept: Callable[[], bool]) -> None:
-        """DyLU's speed probe: a quorum that is no sync (nothing committed, the Manager's step
-        stays), in which ``accept`` exchanges the groups' speeds."""
-        self._join(accept, QuorumPurpose("DyLU's speed probe"))
-
-    def _join(self, accept: Callable[[], bool], purpose: QuorumPurpose) -> None:
-        """A quorum of at least ``min_groups``, bounded by ``sync_quorum_timeout_s``."""
-        self.ft.join_quorum(
+    def _rounds(self, purpose: QuorumPurpose) -> contextlib.AbstractContextManager[QuorumRounds]:
+        return self.ft.quorum_rounds(
             needed=self.min_groups,
             timeout_s=self.timeout_s,
             timeout_field="fault_tolerance.sync_quorum_timeout_s",
-            accept=accept,
             purpose=purpose,
         )
 
@@ -416,12 +374,27 @@ class SyncQuorum:
             self.heartbeat if members else 0,
         )
 
-    def should_commit(self, timeout: timedelta | None = None) -> bool:
-        """torchft's verdict, after the sync's transfers are done. A sync that carried a value
-        that is not finite fails on every group; a collective that failed or ended past
-        ``sync_collective_timeout_s`` is said in an error line, and stops the run the second
-        time in a row with every group still in the quorum (the timeout is too small, not a
-        peer gone). The group's ranks agree on the latter first."""
+    def decide(self) -> SyncDecision:
+        """torchft's verdict, after the sync's transfers are done, and what they carried. A sync
+        that carried a value that is not finite fails on every group; a collective that failed
+        or ended past ``sync_collective_timeout_s`` is said in an error line, and stops the run
+        the second time in a row with every group still in the quorum (the timeout is too
+        small, not a peer gone). The group's ranks agree on the latter first."""
+        groups = self.num_participants()
+        committed = self._verdict()
+        transport = self.transport
+        sent, compression_s = transport.stats()
+        return SyncDecision(
+            committed,
+            self.current_step() + (0 if committed else 1),
+            groups,
+            sent,
+            compression_s,
+            transport.squares(),
+            transport.delivered() if committed and transport.keep_delivered else [],
+        )
+
+    def _verdict(self) -> bool:
         manager = self.ft.manager
         found = self.transport.non_finite()
         if found is not None:
@@ -475,12 +448,6 @@ class SyncQuorum:
 
     def num_participants(self) -> int:
         return int(self.ft.manager.num_participants())
-
-    def errored(self) -> Exception | None:
-        return self.ft.manager.errored()
-
-    def report_error(self, error: Exception) -> None:
-        self.ft.manager.report_error(error)
 
     def allow_state_dict_read(self) -> None:
         """Peers may read this group's state for a heal again: a heal sends what the kernels
