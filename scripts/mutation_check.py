@@ -143,16 +143,16 @@ MUTANTS = [
     Mutant(
         "engine: async DiLoCo's sync is applied at its own sync point",
         f"{PACKAGE}/methods/outer_loop.py",
-        "        self.apply_sync()\n        self._local_step = 0\n        if self.applies_next:\n"
+        "        self.decide_sync()\n        self._local_step = 0\n        if self.applies_next:\n"
         "            self.start_sync(quorums)",
         "        if self.applies_next:\n            self.start_sync(quorums)\n"
-        "        self.apply_sync()\n        self._local_step = 0",
+        "        self.decide_sync()\n        self._local_step = 0",
     ),
     Mutant(
         "engine: LocalSGD's average replaces the model after a failed sync too",
         f"{PACKAGE}/methods/periodic.py",
-        "        if self.decide(0).committed:\n            for p, (mean, _)",
-        "        if self.decide(0).committed or True:\n            for p, (mean, _)",
+        "        if self.take_verdict(0).committed:\n            for p, (mean, _)",
+        "        if self.take_verdict(0).committed or True:\n            for p, (mean, _)",
     ),
     Mutant(
         "engine: a replayed average is read from the start for every tensor",
@@ -1045,6 +1045,74 @@ MUTANTS = [
         'if module is not None and hasattr(module, "run_instead"):',
         'if module is not None and hasattr(module, "run_instead_"):',
         ("tests/unit_tests/test_ft_launcher.py",),
+    ),
+    # Ten more from a reviewer who had not seen the tests (issue 64: the sync's record and
+    # the quorum rounds), and one for what their tests showed.
+    Mutant(
+        "quorum: a decision numbers its sync one off (a commit one ahead, a failure at its own)",
+        f"{PACKAGE}/sync/quorum.py",
+        "self.current_step() + (0 if committed else 1),",
+        "self.current_step() + (1 if committed else 0),",
+    ),
+    Mutant(
+        "quorum: a failed sync's decision keeps what its transfers delivered",
+        f"{PACKAGE}/sync/quorum.py",
+        "transport.delivered() if committed and transport.keep_delivered else [],",
+        "transport.delivered() if transport.keep_delivered else [],",
+    ),
+    Mutant(
+        "rounds: a quorum its members do not use is dropped without being closed",
+        "torchtitan/components/ft/manager.py",
+        "        if self.size:\n            self._skip(self.size)\n",
+        "        if self.size:\n            self.size = 0\n",
+    ),
+    Mutant(
+        "rounds: the wait is bounded by quorum_timeout_s, not the caller's timeout",
+        "torchtitan/components/ft/manager.py",
+        "rounds = QuorumRounds(self, needed, start + self._timeout_s)",
+        "rounds = QuorumRounds(self, needed, start + self.quorum_timeout_s)",
+    ),
+    Mutant(
+        "rounds: the wait's length is not kept, so join_quorum returns 0",
+        "torchtitan/components/ft/manager.py",
+        "rounds.waited = waited = self.watchdog.end()",
+        "waited = self.watchdog.end()",
+    ),
+    Mutant(
+        "rounds: an error in the caller's block other than the core's leaves the watchdog running",
+        "torchtitan/components/ft/manager.py",
+        "            except BaseException:\n                self.watchdog.end()\n",
+        "            except FaultToleranceError:\n                self.watchdog.end()\n",
+    ),
+    Mutant(
+        "protocol: a heal in an earlier sync quorum is reported for every later one",
+        f"{PACKAGE}/join/protocol.py",
+        "        self._peer_loaded = False\n        with self.sync.sync_rounds() as rounds:\n",
+        "        with self.sync.sync_rounds() as rounds:\n",
+    ),
+    Mutant(
+        "speeds: the probe's quorum is formed as a sync's",
+        f"{PACKAGE}/join/speeds.py",
+        "with self.method.sync.probe_rounds() as rounds:",
+        "with self.method.sync.sync_rounds() as rounds:",
+    ),
+    Mutant(
+        "async_diloco: a loaded sync's bytes leave out its token count",
+        f"{PACKAGE}/methods/async_diloco.py",
+        "bytes_sent=self.buffer.numel() * 4,",
+        "bytes_sent=self.buffer[:-1].numel() * 4,",
+    ),
+    Mutant(
+        "async_diloco: a loaded sync keeps the transport's squares (0) for its average",
+        f"{PACKAGE}/methods/async_diloco.py",
+        "compression_s=None, squares=None",
+        "compression_s=None",
+    ),
+    Mutant(
+        "protocol: a peer's state loaded in a sync quorum is not told as a heal",
+        f"{PACKAGE}/join/protocol.py",
+        "        self._peer_loaded = True\n",
+        "",
     ),
 ]
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from torchtitan.experiments.fault_tolerance.heal.history import HistoryEntry
-from torchtitan.experiments.fault_tolerance.methods.async_diloco import FragmentState
+from torchtitan.experiments.fault_tolerance.methods.async_diloco import AsyncOuterState
 from torchtitan.experiments.fault_tolerance.methods.outer_optimizer import (
     DelayedNesterov,
     OuterSGD,
@@ -106,7 +106,7 @@ def _sync_point(update: str, threads: int, passes: bool) -> Callable:
     def case(inputs: dict[str, Any]) -> str:
         model = _model(inputs)
         make = outer_optimizer(0.7, 0.9, True)
-        state = FragmentState(model, torch.device("cpu"), make, host_threads=threads)
+        state = AsyncOuterState(model, torch.device("cpu"), make, host_threads=threads)
         with torch.no_grad():
             state.global_copy["weight"].copy_(inputs["param"])
             state.period_start["weight"].copy_(inputs["param"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any, cast
@@ -16,7 +17,7 @@ from torch import nn
 from torch.distributed import ReduceOp
 
 from torchtitan.experiments.fault_tolerance.method_state import SemiSyncState
-from torchtitan.experiments.fault_tolerance.methods.async_diloco import AsyncDiLoCo, FragmentState
+from torchtitan.experiments.fault_tolerance.methods.async_diloco import AsyncDiLoCo, AsyncOuterState
 from torchtitan.experiments.fault_tolerance.methods.dylu import (
     dylu_inner_steps,
     dylu_next_correction,
@@ -580,12 +581,23 @@ def test_a_sync_loaded_as_arrived_goes_into_the_heal_history_as_its_fp32_sums(tm
         _load(g, tmp_path / f"group{i}", saved[i])
         g.loop.set_local_step(2)
     basis = device_digest(fresh[0].loop.global_parameters(0).values())
+    # This process's transport carried none of it: a real one's record then sums no squares.
+    decide = fresh[0].manager.decide
+    fresh[0].manager.decide = lambda: dataclasses.replace(decide(), squares=0.0)  # type: ignore[method-assign]
     run(fresh, 2)  # the next sync point decides sync 1
     (entry,) = history.after(0)
     assert (entry.sync, entry.fragment, entry.scale) == (1, 0, tokens) and tokens == 80
     (kept,) = entry.transfers
     assert kept.dtype == "float32" and torch.equal(kept.payload, sums)
     assert entry.basis_digest == basis
+    # Its report: the payload the process that saved it sent (the sums and the token count),
+    # and the sum of squares of the average it applied, from the loaded sums.
+    outcome = fresh[0].loop.last_outcome()
+    assert outcome is not None and outcome.committed and outcome.compression_s is None
+    assert outcome.bytes_sent == (sums.numel() + 1) * 4
+    assert outcome.pseudo_grad_squares is not None
+    expected = float(torch.dot(sums, sums)) / tokens**2
+    assert float(outcome.pseudo_grad_squares) == pytest.approx(expected, rel=1e-6)
 
 
 def test_delayed_nesterov_groups_agree_and_eager_starts_where_its_next_step_goes():
@@ -1032,7 +1044,7 @@ def test_on_cuda_non_blocking_copies_to_pinned_host_state_match_blocking_ones(up
     with every copy blocking."""
 
     def globals_of_run(non_blocking: bool) -> list[list[torch.Tensor]]:
-        monkeypatch.setattr(FragmentState, "non_blocking", non_blocking)
+        monkeypatch.setattr(AsyncOuterState, "non_blocking", non_blocking)
         cluster = Cluster()
         groups = [Group(cluster, seed, update=update) for seed in (1, 2)]
         for g in groups:
@@ -1068,7 +1080,7 @@ def test_follow_global_moves_the_local_copy_by_the_global_change_and_restarts_th
 
     torch.manual_seed(0)
     module = nn.Linear(3, 2)
-    fragment = FragmentState(module, torch.device("cpu"), outer_optimizer(0.7, 0.0, False, 1))
+    fragment = AsyncOuterState(module, torch.device("cpu"), outer_optimizer(0.7, 0.0, False, 1))
     fragment.non_blocking = False
     start = {n: p.detach().clone() for n, p in module.named_parameters()}
     progress = {n: torch.randn_like(p) for n, p in start.items()}  # inner steps since start

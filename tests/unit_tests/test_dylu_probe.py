@@ -11,6 +11,7 @@ from typing import Any, cast
 import pytest
 import torch
 
+from tests.unit_tests.test_ft_manager import ScriptedManager, make_ft
 from tests.unit_tests.test_semi_sync import SummingManager
 from torchtitan.components.ft import FaultToleranceError
 from torchtitan.experiments.fault_tolerance.events import SPEED_PROBE
@@ -23,6 +24,7 @@ from torchtitan.experiments.fault_tolerance.sync.quorum import (
     RUNNING,
     Member,
     RankInGroup,
+    SyncQuorum,
 )
 from torchtitan.experiments.fault_tolerance.transport.shapes import CollectiveShape
 from torchtitan.tools.events import Event
@@ -118,6 +120,27 @@ def _exchange(
     if groups:
         exchange.probe_if_new_job([Member(FRESH) for _ in range(groups)])
     return exchange
+
+
+def test_the_probe_forms_a_quorum_that_is_no_sync() -> None:
+    """The probe's quorum, on its own thread, is DyLU's speed probe's, not a sync's: its
+    exchange runs in it, outside the sync quorum (a peer healing there is not told it is at
+    a sync point), no sync begins, and the plan is taken in the thread that finishes it."""
+    manager = ScriptedManager([(2, 5)], step=5)
+    ft = make_ft(manager)
+    sync = SyncQuorum(ft, 2, 5.0, transport=cast(Any, None))
+    began: list[int] = []
+    sync.begin_sync = lambda: began.append(1)  # type: ignore[method-assign]
+    method = _Method(20, 2, 0.1)
+    method.sync = sync  # type: ignore[attr-defined]
+    exchange = _exchange(method, 0, {})
+    seen: list[tuple[bool, str]] = []
+    exchange.on_probe = lambda: seen.append((sync.in_quorum, threading.current_thread().name))
+    exchange.after_probe = lambda: seen.append((False, threading.current_thread().name))
+    exchange.start_probe().finish()
+    ft.shutdown()
+    assert seen == [(False, "dylu-speed-probe"), (False, threading.current_thread().name)]
+    assert began == [] and manager.calls == ["quorum"] and manager.step == 5
 
 
 def test_after_the_probe_both_groups_plan_to_reach_the_first_sync_point_together(
@@ -287,7 +310,7 @@ def test_a_starting_group_that_meets_a_probe_does_not_use_that_quorum(healed_the
             planned_steps=lambda members, mine: 0,
         ),
         rank=RankInGroup(torch.device("cpu")),
-        announce=announced.append,
+        set_manager_step=announced.append,
         heal=SimpleNamespace(replay_failed="", take_heal=lambda: None, shape_refused=""),
         sync=SimpleNamespace(
             heartbeat=7, set_members=lambda keys: None, transport=SimpleNamespace(timeout=None)

@@ -195,6 +195,56 @@ def test_a_wait_for_a_quorum_of_another_purpose_says_so(events, monkeypatch, pur
     assert after["what"] == "step 6" and after.step == 6
 
 
+def test_a_quorum_its_members_do_not_use_is_closed_before_the_next_forms():
+    """The caller (an exchange) uses the third quorum of two groups: the two before are closed
+    with a failed commit, no collective in them, each before the next forms; the wait it
+    returns is the whole of it."""
+    manager = ScriptedManager([(2, 5)], step=5)
+    ft = make_ft(manager)
+    with ft.quorum_rounds(needed=2, timeout_s=5.0, purpose=QuorumPurpose("sync #6")) as rounds:
+        for _ in range(3):
+            assert rounds.form() == 2
+            time.sleep(0.05)
+    assert manager.calls == ["quorum", "skip", "quorum", "skip", "quorum"]
+    assert rounds.waited >= 0.15
+    assert ft.join_quorum(needed=2) >= 0.0 and manager.calls[-1] == "quorum"
+    ft.shutdown()
+
+
+def test_a_caller_that_uses_no_quorum_stops_at_its_own_bound():
+    """Quorums of enough groups that the caller never uses (its members disagree each time):
+    the wait ends at the caller's ``timeout_s``, not the job's ``quorum_timeout_s``, in an
+    error naming the caller's field."""
+    manager = ScriptedManager([(2, 5)], step=5)
+    ft = make_ft(manager, quorum_timeout_s=20)
+    start = time.monotonic()
+    with pytest.raises(FaultToleranceError, match=r"sync_quorum_timeout_s\).*had 2 groups but"):
+        with ft.quorum_rounds(
+            needed=2, timeout_s=0.3, timeout_field="fault_tolerance.sync_quorum_timeout_s"
+        ) as rounds:
+            while True:
+                rounds.form()
+    assert time.monotonic() - start < 10
+    assert "commit" not in manager.calls
+    ft.shutdown()
+
+
+def test_an_error_in_a_callers_quorum_ends_the_wait_and_its_reports(events, monkeypatch):
+    """The caller's exchange raises in the quorum: the error reaches the caller, and the wait's
+    watchdog stops (no report of a wait that is over); the next wait is measured afresh."""
+    monkeypatch.setattr(QuorumWaitWatchdog, "SCHEDULE_S", (0.1,))
+    manager = ScriptedManager([(2, 5)], step=5)
+    ft = make_ft(manager)
+    with pytest.raises(ValueError, match="the exchange failed"):
+        with ft.quorum_rounds(needed=2) as rounds:
+            rounds.form()
+            raise ValueError("the exchange failed")
+    time.sleep(0.6)
+    assert not [e for e in events if e.name == QUORUM_WAITING.name]
+    assert ft.join_quorum(needed=2) < 0.5
+    ft.shutdown()
+
+
 def test_the_documented_report_schedule() -> None:
     """5 s, then 10, 20, 40, 60 s, then every 60 s: what docs/design.md says."""
     due = report_times(QuorumWaitWatchdog.SCHEDULE_S, QuorumWaitWatchdog.THEN_EVERY_S)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from torchtitan.experiments.fault_tolerance.methods import host_passes, piece_workers
-from torchtitan.experiments.fault_tolerance.methods.async_diloco import FragmentState
+from torchtitan.experiments.fault_tolerance.methods.async_diloco import AsyncOuterState
 from torchtitan.experiments.fault_tolerance.methods.host_passes import SyncPointPasses
 from torchtitan.experiments.fault_tolerance.methods.outer_optimizer import outer_optimizer
 from torchtitan.experiments.fault_tolerance.methods.piece_workers import PASS_PIECE_VALUES
@@ -32,16 +32,16 @@ def _model() -> nn.Module:
     return model
 
 
-def _state(passes: bool, momentum: float, nesterov: bool) -> tuple[nn.Module, FragmentState]:
+def _state(passes: bool, momentum: float, nesterov: bool) -> tuple[nn.Module, AsyncOuterState]:
     model = _model()
-    state = FragmentState(model, torch.device("cpu"), outer_optimizer(0.7, momentum, nesterov, 1))
+    state = AsyncOuterState(model, torch.device("cpu"), outer_optimizer(0.7, momentum, nesterov, 1))
     state.take_model()
     if not passes:
         state.passes.usable = lambda: False  # type: ignore[method-assign]
     return model, state
 
 
-def _snapshot(model: nn.Module, state: FragmentState, out: torch.Tensor) -> list[torch.Tensor]:
+def _snapshot(model: nn.Module, state: AsyncOuterState, out: torch.Tensor) -> list[torch.Tensor]:
     momentum = [
         state.outer.state.get(t, {}).get("momentum_buffer") for t in state.global_copy.values()
     ]
@@ -184,7 +184,7 @@ def test_the_outer_state_is_pinned_at_its_exact_size(monkeypatch) -> None:
     )
     before = pinned.registered_bytes
     model = _model()
-    state = FragmentState(model, torch.device("cpu"), outer_optimizer(0.7, 0.9, True, 1))
+    state = AsyncOuterState(model, torch.device("cpu"), outer_optimizer(0.7, 0.9, True, 1))
     sizes = sorted(size for _, size in registered)
     expected = sorted(2 * [4 * p.numel() for p in model.parameters()])
     assert sizes == expected
@@ -194,11 +194,11 @@ def test_the_outer_state_is_pinned_at_its_exact_size(monkeypatch) -> None:
 
 def test_passes_apply_only_to_plain_sgd_with_the_state_on_the_host() -> None:
     model = _model()
-    delayed = FragmentState(
+    delayed = AsyncOuterState(
         model, torch.device("cpu"), outer_optimizer(0.7, 0.9, True, 2)
     )  # Delayed Nesterov
     assert not delayed.passes.usable()
-    plain = FragmentState(model, torch.device("cpu"), outer_optimizer(0.7, 0.9, True, 1))
+    plain = AsyncOuterState(model, torch.device("cpu"), outer_optimizer(0.7, 0.9, True, 1))
     assert plain.passes.usable()
     assert isinstance(delayed.passes, SyncPointPasses)
 
@@ -231,7 +231,7 @@ def test_empty_shards_and_a_bf16_model_give_the_bits_of_the_whole_fragment_opera
     runs = []
     for passes in (True, False):
         model = _odd_model(dtype)
-        state = FragmentState(model, torch.device("cpu"), outer_optimizer(0.7, 0.9, True, 1))
+        state = AsyncOuterState(model, torch.device("cpu"), outer_optimizer(0.7, 0.9, True, 1))
         state.take_model()
         if not passes:
             state.passes.usable = lambda: False  # type: ignore[method-assign]

@@ -343,6 +343,23 @@ def test_a_running_group_heals_at_its_peer_s_position(caplog: pytest.LogCaptureF
     assert stub.lineage == Lineage(last_shared_sync=6, solo_syncs=2, solo_since=1234.5)
 
 
+def test_a_sync_quorum_says_whether_this_group_healed_in_it() -> None:
+    """torchft loads a peer's state into this group (``load_peer`` among it) in the first of
+    two sync quorums: the first says the group healed, the second not (a heal belongs to the
+    quorum it happened in, not to every one after it)."""
+    stub = _stub(4)
+    heals = [True, False]
+
+    def settle(rounds: Any) -> None:
+        if heals.pop(0):
+            QuorumProtocol.load_peer(cast(Any, stub), peer(4))
+
+    stub.exchange = SimpleNamespace(settle=settle)
+    stub.sync.sync_rounds = contextlib.nullcontext
+    assert QuorumProtocol.sync_quorum(cast(Any, stub)) is True
+    assert QuorumProtocol.sync_quorum(cast(Any, stub)) is False
+
+
 def test_a_running_group_healed_at_another_position_stops() -> None:
     with pytest.raises(FaultToleranceError, match="inner step 3 of its sync period"):
         QuorumProtocol.load_peer(_stub(4), peer(3, replica_id=1))  # type: ignore[arg-type]
@@ -479,7 +496,7 @@ class _Disagreeing:
         self.train_state = SimpleNamespace(step=0)
         self.heal = SimpleNamespace(expect_full=self.full_because.append)
 
-    def announce(self, step: int) -> None:
+    def set_manager_step(self, step: int) -> None:
         self.announced.append(step)
 
 
@@ -602,7 +619,7 @@ def test_a_group_whose_checkpoints_were_all_rejected_starts_as_a_restarted_one()
         train_state=SimpleNamespace(step=0),
         algorithm=SimpleNamespace(note_joined=lambda: None),
         exchange=SimpleNamespace(
-            announce=lambda step: None, settle=lambda rounds, up: roles.append(up.role)
+            set_manager_step=lambda step: None, settle=lambda rounds, up: roles.append(up.role)
         ),
         sync=SimpleNamespace(begin_sync=lambda: None),
         heal=SimpleNamespace(own_state_lost=""),
@@ -629,7 +646,7 @@ def test_a_group_healed_at_the_others_sync_point_reports_its_wait_for_them() -> 
         ft=SimpleNamespace(manager=manager, quorum_rounds=lambda **_: contextlib.nullcontext()),
         train_state=SimpleNamespace(step=8),
         algorithm=SimpleNamespace(note_joined=lambda: None),
-        exchange=SimpleNamespace(announce=lambda step: None, settle=settle),
+        exchange=SimpleNamespace(set_manager_step=lambda step: None, settle=settle),
         sync=SimpleNamespace(begin_sync=lambda: None, joined_sync=waits.append),
         heal=SimpleNamespace(own_state_lost=""),
         rank=RankInGroup(torch.device("cpu")),

@@ -26,7 +26,7 @@ from tests.unit_tests.gloo_groups import LoopbackManager, OpenQuorums, run_group
 from tests.unit_tests.toy_task import BUCKET, PERIOD, fragment_count, inner_step, make_model
 from tests.unit_tests.toy_task import build_method as build
 from torchtitan.experiments.fault_tolerance.job_config import PSEUDO_GRAD_DTYPES
-from torchtitan.experiments.fault_tolerance.methods.async_diloco import FragmentState
+from torchtitan.experiments.fault_tolerance.methods.async_diloco import AsyncOuterState
 from torchtitan.experiments.fault_tolerance.transport.codecs import (
     get_codec,
 )
@@ -92,15 +92,15 @@ def train_and_record(
 
     if method.startswith("async_"):
         # The average of the sync started at one sync point is applied at the next one.
-        original_finish = FragmentState.finish
-        original_start = FragmentState.start
+        original_finish = AsyncOuterState.finish
+        original_start = AsyncOuterState.start
 
-        def spy_start(state: FragmentState, out: torch.Tensor, *args: Any) -> None:
+        def spy_start(state: AsyncOuterState, out: torch.Tensor, *args: Any) -> None:
             record["local"].append(flat(model.parameters()))
             record["start"] = record.get("start", []) + [flat(state.period_start.values())]
             original_start(state, out, *args)
 
-        def spy_finish(state: FragmentState, sums: torch.Tensor | None, total: float) -> None:
+        def spy_finish(state: AsyncOuterState, sums: torch.Tensor | None, total: float) -> None:
             if sums is not None:
                 record["before"].append(flat(state.global_copy.values()))
             original_finish(state, sums, total)
@@ -110,7 +110,7 @@ def train_and_record(
                     record["owed_after"].append(owed(0))
 
         def spy_both(
-            state: FragmentState, sums: Any, total: float, out: torch.Tensor, *args: Any
+            state: AsyncOuterState, sums: Any, total: float, out: torch.Tensor, *args: Any
         ) -> None:  # the one pass, as its two halves (test_host_passes: the same bits)
             spy_finish(state, sums, total)
             spy_start(state, out, *args)

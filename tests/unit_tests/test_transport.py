@@ -140,6 +140,43 @@ def test_a_residual_changes_only_when_its_sync_commits() -> None:
     assert not torch.equal(theirs[1], theirs[0])  # the other group committed
 
 
+def test_a_decision_numbers_its_sync_and_keeps_what_only_a_committed_one_delivered() -> None:
+    """Three fp32 syncs of 750 values (transfers of 300, 300 and 150) whose results are kept
+    for a heal history; group 0 fails the second after its transfers arrived (another rank
+    of the group failed). Each decision numbers its sync by the step a commit makes (a failed
+    one by the number it is retried under), counts the quorum's groups, this rank's bytes and
+    the sum of squares of the result, and keeps what a committed sync delivered, as received;
+    a failed one keeps nothing."""
+
+    def group(rank: int, pg: Any) -> list[Any]:
+        manager = LoopbackManager(pg, rank, 2)
+        sync = sync_manager(manager, "float32", bucket_numel=300, keep_delivered=True)
+        decisions = []
+        try:
+            for number in range(3):
+                open_quorum(sync)
+                sync.allreduce(torch.full((750,), float(rank + 1 + number))).wait()
+                if rank == 0 and number == 1:
+                    manager.report_error(RuntimeError("another rank of this group failed"))
+                decisions.append(sync.decide())
+        finally:
+            sync.transport.shutdown()
+        return decisions
+
+    mine, theirs = run_groups(2, group)
+    assert [(d.committed, d.number) for d in mine] == [(True, 1), (False, 2), (True, 2)]
+    assert [(d.committed, d.number) for d in theirs] == [(True, 1), (True, 2), (True, 3)]
+    assert mine[1].delivered == []
+    for number, decision in enumerate(theirs):
+        average = 1.5 + number  # the mean of group 0's 1 + n and group 1's 2 + n
+        assert (decision.groups, decision.bytes_sent) == (2, 750 * 4)
+        assert decision.compression_s is None
+        assert decision.squares == pytest.approx(750 * average**2)
+        assert [d.numel for d in decision.delivered] == [300, 300, 150]
+        received = torch.cat([d.payload.reshape(-1) for d in decision.delivered])
+        assert torch.equal(received, torch.full((750,), average))
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("dtype", PSEUDO_GRAD_DTYPES)
 def test_a_non_finite_pseudo_gradient_fails_the_sync_on_every_group(

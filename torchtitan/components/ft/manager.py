@@ -290,14 +290,15 @@ class FTManager:
         self._purpose = purpose
         self._timeout_s = self.quorum_timeout_s if timeout_s is None else timeout_s
         self._timeout_field = timeout_field
-        # A peer healing in this quorum reads the state written by the kernels queued so far.
-        self.note_state_written()
         start = time.monotonic()
-        self._healed.clear()
-        self._kept_own.clear()
-        self.watchdog.begin()
         rounds = QuorumRounds(self, needed, start + self._timeout_s)
         try:
+            # A peer healing in this quorum reads the state written by the kernels queued so
+            # far.
+            self.note_state_written()
+            self._healed.clear()
+            self._kept_own.clear()
+            self.watchdog.begin()
             try:
                 yield rounds
             except BaseException:
@@ -334,6 +335,16 @@ class FTManager:
         )
 
     def _too_few_groups(self, size: int) -> str:
+        if size >= self._needed:  # its members did not use it (the caller's check failed)
+            purpose = self._purpose
+            needs = f" ({purpose.needs})" if purpose is not None and purpose.needs else ""
+            return (
+                f"replica group {self.replica_id}: waited {self._timeout_s:g}s "
+                f"({self._timeout_field}) for a quorum its members use{needs}; the last one "
+                f"had {size} groups but was not used (the lines above say why: a group it "
+                f"waits for, or groups that do not agree); raise {self._timeout_field} if "
+                "they need longer."
+            )
         if self.manager.current_step() <= 0 and self._needed >= self.group_size:
             fix = (
                 "a new job starts only with all fault_tolerance.group_size groups: start the "

@@ -259,7 +259,7 @@ class HealExchange:
         and replayed one by one; then what the answer left out is filled with this group's own
         state. ``started``: when the request left (``time.perf_counter``), for the receipt.
         Runs on torchft's quorum thread while the main thread waits for the quorum
-        (``FTManager.join_quorum``), so nothing else touches the model or the method's state."""
+        (``QuorumRounds.form``), so nothing else touches the model or the method's state."""
         nbytes = tree_nbytes(state)
         value = state["user"].get(HEAL_KEY, {})
         syncs, why = 0, value.get("why", "")

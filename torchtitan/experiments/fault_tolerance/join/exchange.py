@@ -131,7 +131,7 @@ class QuorumExchange:
     #: The groups' torch versions last said to differ (each mix is said once).
     _versions_told: tuple[str, ...] = dataclasses.field(default=(), init=False)
 
-    def announce(self, step: int) -> None:
+    def set_manager_step(self, step: int) -> None:
         """Give torchft ``step`` as this group's: below the others', it heals from them."""
         manager = self.ft.manager
         manager.load_state_dict({"step": step, "batches_committed": manager.batches_committed()})
@@ -225,7 +225,7 @@ class QuorumExchange:
             # there if torchft healed this group from one of them here (mid-period).
             if start_up is not None and start_up.healed_from_running:
                 start_up.peer = None
-                self.announce(manager.current_step() - 1)
+                self.set_manager_step(manager.current_step() - 1)
             return False
         if self.speeds is not None:
             self.speeds.plan(found.planned_steps, members, mine)
@@ -244,7 +244,7 @@ class QuorumExchange:
             manager.report_error(RuntimeError("a starting group is ahead of the running job"))
             if start_up is not None and not mine.joined:
                 events.CHECKPOINT_AHEAD.emit(step=self.train_state.step)
-                self.announce(manager.current_step() - 1)
+                self.set_manager_step(manager.current_step() - 1)
             # Its global parameters are not the running job's, and nothing is committed: no
             # disagreement to act on (with two groups that would stop the job).
             return True
@@ -311,7 +311,7 @@ class QuorumExchange:
                 f"a new job's groups start from one initial model, replica group "
                 f"{source.replica}'s, and this group's differed"
             )
-            self.announce(manager.current_step() - 1)
+            self.set_manager_step(manager.current_step() - 1)
 
     def _tell_torch_versions(self, members: list[Member]) -> None:
         """Say once per mix when the quorum's groups run different torch minor versions."""
@@ -345,7 +345,7 @@ class QuorumExchange:
         manager.report_error(RuntimeError("global parameters disagree"))
         if minority:
             events.DIFFERS_FROM_MAJORITY.emit(sync=sync, digests=distinct, groups=holders)
-            self.announce(manager.current_step() - 1)
+            self.set_manager_step(manager.current_step() - 1)
         else:
             events.MINORITY_ELSEWHERE.emit(sync=sync, digests=distinct, groups=holders)
 

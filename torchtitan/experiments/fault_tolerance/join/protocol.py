@@ -75,7 +75,7 @@ class QuorumProtocol:
         restarted = true_step > 0 or self.train_state.step > 0 or bool(heal_in_full)
         role = RESUMED if restarted else FRESH
         self.algorithm.note_joined()
-        self.exchange.announce(true_step - 1)
+        self.exchange.set_manager_step(true_step - 1)
         start_up = self.start_up = StartUp(role)
         purpose = QuorumPurpose(
             "start-up",
@@ -108,7 +108,7 @@ class QuorumProtocol:
                 if start_up.healed_from_running:
                     # The running groups go on from where it copied them: heal at their next sync.
                     start_up.peer = None
-                    self.exchange.announce(manager.current_step() - 1)
+                    self.exchange.set_manager_step(manager.current_step() - 1)
         finally:
             self.start_up = None
         self.sync.begin_sync()  # a group joining at a sync point takes part in it now
@@ -133,7 +133,7 @@ class QuorumProtocol:
             joined = JoinAtSync(peer["local_step"], peer["replica_id"], time.perf_counter() - start)
             self.sync.joined_sync(joined.waited_s)
             return joined
-        self.exchange.announce(manager.current_step() + 1)
+        self.exchange.set_manager_step(manager.current_step() + 1)
         if peer is not None:  # healed from a starting group, whose step was announced low
             self.algorithm.set_local_step(peer["local_step"])
             events.HEALED.emit(

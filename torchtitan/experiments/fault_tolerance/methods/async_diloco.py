@@ -27,7 +27,7 @@ in the same order, so all live groups hold identical global copies after a commi
 
 Its state:
 
-* :class:`FragmentState`, one per fragment: its global copy, outer optimizer, where this
+* :class:`AsyncOuterState`, one per fragment: its global copy, outer optimizer, where this
   group's local period started, and the outer step and copies between the model and that state.
 * :class:`InFlightSync`: one fragment's all-reduce of ``[tokens x pseudo-gradient, tokens]``
   (a token-weighted average, arXiv 2401.09135) from one sync point to its verdict at the next.
@@ -58,9 +58,9 @@ from torchtitan.experiments.fault_tolerance.heal.history import HealHistory
 from torchtitan.experiments.fault_tolerance.job_config import ASYNC_UPDATES
 from torchtitan.experiments.fault_tolerance.methods.dylu import DyLUPeriods, PeriodPlan
 from torchtitan.experiments.fault_tolerance.methods.global_copy import (
-    Fragment,
     GlobalCopyMethod,
     MakeOuter,
+    OuterState,
     state_tensor,
 )
 from torchtitan.experiments.fault_tolerance.methods.host_passes import (
@@ -82,8 +82,8 @@ if TYPE_CHECKING:
     from torchtitan.experiments.fault_tolerance.transport.collective import Delivered
 
 
-class FragmentState(Fragment):
-    """One fragment's outer state (:class:`~.global_copy.Fragment`) and where this group's local
+class AsyncOuterState(OuterState):
+    """One fragment's outer state (:class:`~.global_copy.OuterState`) and where this group's local
     period started."""
 
     def __init__(
@@ -371,7 +371,7 @@ class InFlightSync:
         )
 
 
-def checkpoint_arrived(kept: InFlightSync | None, states: list[FragmentState]) -> dict[str, Any]:
+def checkpoint_arrived(kept: InFlightSync | None, states: list[AsyncOuterState]) -> dict[str, Any]:
     """The checkpoint entry of an arrived sync (``kept``; None: none). Every parameter has an
     entry (zeros outside the kept fragment): the keys do not depend on which fragment was in
     flight, and a fresh process offers DCP the same tensors to load into."""
@@ -395,7 +395,7 @@ def checkpoint_arrived(kept: InFlightSync | None, states: list[FragmentState]) -
     }
 
 
-def load_arrived(saved: dict[str, Any], states: list[FragmentState]) -> InFlightSync | None:
+def load_arrived(saved: dict[str, Any], states: list[AsyncOuterState]) -> InFlightSync | None:
     """The arrived sync of a :func:`checkpoint_arrived` entry (None: it held none)."""
     fragment = int(saved["fragment"])
     if fragment < 0:
@@ -423,7 +423,7 @@ class Decided(NamedTuple):
     buffer: torch.Tensor
 
 
-class AsyncDiLoCo(DyLUPeriods, GlobalCopyMethod[FragmentState]):
+class AsyncDiLoCo(DyLUPeriods, GlobalCopyMethod[AsyncOuterState]):
     """DiLoCo whose outer step is applied one sync point later, overlapped with compute."""
 
     method = "async_diloco"
@@ -455,7 +455,7 @@ class AsyncDiLoCo(DyLUPeriods, GlobalCopyMethod[FragmentState]):
         if update not in ASYNC_UPDATES:
             raise ValueError(f"update must be one of {ASYNC_UPDATES}, not {update!r}")
         make_outer = outer_optimizer(outer_lr, outer_momentum, outer_nesterov, outer_momentum_every)
-        states = [FragmentState(f, state_device, make_outer, host_threads) for f in fragments]
+        states = [AsyncOuterState(f, state_device, make_outer, host_threads) for f in fragments]
         super().__init__(
             sync, inner_optimizer, sync_steps // len(fragments), fragments, states, history
         )
@@ -482,7 +482,7 @@ class AsyncDiLoCo(DyLUPeriods, GlobalCopyMethod[FragmentState]):
             state.steps += 1
         self._plan_after_step(quorums)
 
-    def apply_sync(self) -> None:
+    def decide_sync(self) -> None:
         """Decide the sync in flight (step 1 of the module docstring); its average goes into
         the global copy in :meth:`start_sync`'s pass over the same fragment."""
         self.plan.end(self._local_step, self.clock())
@@ -520,7 +520,7 @@ class AsyncDiLoCo(DyLUPeriods, GlobalCopyMethod[FragmentState]):
             )
             self.plan.begin(self.clock())
 
-    def _buffer(self, state: FragmentState, reuse: torch.Tensor | None = None) -> torch.Tensor:
+    def _buffer(self, state: AsyncOuterState, reuse: torch.Tensor | None = None) -> torch.Tensor:
         """A buffer for ``state``'s sync on the model's device: ``reuse`` if it fits (its sums
         are read, piece by piece, before the pseudo-gradient overwrites them), else a new one."""
         device = state.model_device

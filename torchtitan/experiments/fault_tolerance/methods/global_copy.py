@@ -1,5 +1,5 @@
 """What the methods with global copies share (DiLoCo, Streaming DiLoCo, async DiLoCo):
-:class:`Fragment`, a fragment's global copy and outer optimizer with the one outer step of
+:class:`OuterState`, a fragment's global copy and outer optimizer with the one outer step of
 training and replay alike, and :class:`GlobalCopyMethod`, an :class:`~.outer_loop.OuterLoop`
 over them (healing state, heal history, digests, replay of missed syncs).
 """
@@ -39,7 +39,7 @@ def state_tensor(like: torch.Tensor, device: torch.device | None) -> torch.Tenso
     return torch.empty(like.shape, dtype=torch.float32, device=device)
 
 
-class Fragment:
+class OuterState:
     """One fragment's outer state: the model's parameters, the global copy (this rank's shards,
     on the parameters' device or ``device``), its outer optimizer, and blocking DiLoCo's
     in-flight pseudo-gradient all-reduce."""
@@ -127,12 +127,12 @@ class Fragment:
         self.outer.load_state_dict(saved["outer_optimizer"])
 
 
-F = TypeVar("F", bound=Fragment)
+F = TypeVar("F", bound=OuterState)
 
 
 class GlobalCopyMethod(OuterLoop, Generic[F]):
     """A method with a global copy of each fragment, stepped by an outer optimizer with the
-    averaged pseudo-gradient: a :class:`Fragment` each, healing state under :attr:`heal_key`,
+    averaged pseudo-gradient: a :class:`OuterState` each, healing state under :attr:`heal_key`,
     and the heal history, which a joiner replays (``heal.history``) with training's outer step
     instead of receiving the global copies."""
 

@@ -9,7 +9,7 @@ whole-fragment tensor operations on one thread that is 65 memcpy equivalents
 :class:`SyncPointPasses` instead visits each parameter in pieces (``piece_workers``), all of a
 sync point's operations on a piece while it is in cache, shared out over the rank's host cores.
 The outer step is ``OuterSGD``'s own on each piece (``outer_optimizer.sgd_step_``), and every
-other value goes through the operations of ``FragmentState``'s whole-fragment methods, all
+other value goes through the operations of ``AsyncOuterState``'s whole-fragment methods, all
 element-wise, so the results are the same bits; only the order of visits changes. With the
 model on an accelerator, values cross through one pinned staging buffer of the fragment's
 size.
@@ -92,7 +92,7 @@ class PlainSGD:
         tokens: float,
         worker: Worker,
     ) -> None:
-        """``FragmentState.start_period`` on the piece: start = global, moved by this step for
+        """``AsyncOuterState.start_period`` on the piece: start = global, moved by this step for
         ``share x pseudo`` on a copy of the momentum (``share`` None: not moved); then
         ``pseudo`` scaled by ``tokens``."""
         if share is None:
@@ -113,7 +113,7 @@ class PlainSGD:
 
 
 class SyncPointPasses:
-    """The passes over one fragment's outer state (``FragmentState``'s tensors):
+    """The passes over one fragment's outer state (``AsyncOuterState``'s tensors):
     :meth:`finish` (the outer step, then the local copy follows the global copy), :meth:`start`
     (the pseudo-gradient and the next period's start) or both (:meth:`finish_and_start`). The
     new global copy's digest is taken in the pass and kept while the copy is unchanged."""
@@ -161,7 +161,7 @@ class SyncPointPasses:
 
     def finish(self, average: torch.Tensor | None, divisor: float) -> None:
         """The outer step with ``average / divisor`` (flat, on any device; None: no step), then
-        the local copy follows the global copy (``FragmentState.follow_global``)."""
+        the local copy follows the global copy (``AsyncOuterState.follow_global``)."""
         step = self._outer_step(average, divisor)
         on_host = self.on_host
         pieces = self._cut(

@@ -114,7 +114,7 @@ class OuterLoop(ABC):
     """The engine: the model's ``fragments`` (one: the model itself) sync in turn, one every
     ``period`` inner steps, from the inner optimizer's hooks on the sync quorum. Every method
     runs the one schedule of :meth:`at_step`; they differ in what a sync sends and applies
-    (:meth:`start_sync`, :meth:`apply_sync`) and in when it is applied: ``delay`` steps after
+    (:meth:`start_sync`, :meth:`decide_sync`) and in when it is applied: ``delay`` steps after
     it starts, at the sync point (0: at once), or at the next sync point (``applies_next``).
     ``global_copy.GlobalCopyMethod`` adds global copies and an outer optimizer."""
 
@@ -169,7 +169,7 @@ class OuterLoop(ABC):
     def sync_point(self, quorums: Quorums) -> None:
         """The end of a period: apply the sync due, and start the next sync here if it is
         applied at the next sync point."""
-        self.apply_sync()
+        self.decide_sync()
         self._local_step = 0
         if self.applies_next:
             self.start_sync(quorums)
@@ -190,9 +190,10 @@ class OuterLoop(ABC):
         running groups' sync quorum starts: the quorum is behind it)."""
 
     @abstractmethod
-    def apply_sync(self) -> None:
-        """At a sync point: wait for the sync due and decide it; committed, apply its average
-        (dropped alike in every group otherwise)."""
+    def decide_sync(self) -> None:
+        """At a sync point: wait for the sync due and decide it (``SyncQuorum.decide``);
+        committed, its average is applied, here or by the pass that starts the next period
+        (async DiLoCo); dropped alike in every group otherwise."""
 
     def local_step(self) -> int:
         """Inner steps since the last sync point."""
@@ -208,7 +209,7 @@ class OuterLoop(ABC):
         self.start_transfer()
         if self.delay or self.applies_next:
             return False
-        self.apply_sync()
+        self.decide_sync()
         self._local_step = 0
         return True
 
@@ -297,9 +298,9 @@ class OuterLoop(ABC):
     def forget_global(self) -> None:  # noqa: B027 (a no-op by default)
         """This group healed from a peer: what it knew of the global parameters is void."""
 
-    def decide(self, fragment: int) -> SyncDecision:
-        """Decide the sync of ``fragment`` in progress (``SyncQuorum.decide``); its outcome is
-        kept for :meth:`last_outcome`."""
+    def take_verdict(self, fragment: int) -> SyncDecision:
+        """The verdict on the sync of ``fragment`` in progress (``SyncQuorum.decide``); its
+        outcome is kept for :meth:`last_outcome`."""
         decision = self.sync.decide()
         self._outcome = SyncOutcome.of(decision, fragment)
         return decision

@@ -31,9 +31,9 @@ from torch import nn
 from torchtitan.distributed.tensors import local_tensor
 from torchtitan.experiments.fault_tolerance.heal.history import HealHistory
 from torchtitan.experiments.fault_tolerance.methods.global_copy import (
-    Fragment,
     GlobalCopyMethod,
     MakeOuter,
+    OuterState,
 )
 from torchtitan.experiments.fault_tolerance.methods.outer_loop import Ending, OuterLoop, Quorums
 from torchtitan.tools.digest import device_digest
@@ -72,12 +72,12 @@ class LocalSGD(OuterLoop):
         self._works = [(mean, self.sync.allreduce(mean)) for mean in means]
 
     @torch.no_grad()
-    def apply_sync(self) -> None:
+    def decide_sync(self) -> None:
         """The model takes the mean if the sync commits; the next period starts either way."""
         works, self._works = self._works, []
         for _, work in works:
             work.wait()
-        if self.decide(0).committed:
+        if self.take_verdict(0).committed:
             for p, (mean, _) in zip(self.fragments[0].parameters(), works, strict=True):
                 local_tensor(p.data).copy_(mean)
 
@@ -102,7 +102,7 @@ class LocalSGD(OuterLoop):
         return Ending(bool(steps_since), steps_since, None)
 
 
-class DiLoCo(GlobalCopyMethod[Fragment]):
+class DiLoCo(GlobalCopyMethod[OuterState]):
     """DiLoCo over ``fragments`` (Streaming DiLoCo with more than one), one fragment synced
     every ``period`` inner steps (see the module docstring)."""
 
@@ -129,7 +129,7 @@ class DiLoCo(GlobalCopyMethod[Fragment]):
             raise ValueError(f"delay must be in [0, period={period}), not {delay}")
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], not {alpha}")
-        states = [Fragment(f, make_outer) for f in fragments]
+        states = [OuterState(f, make_outer) for f in fragments]
         super().__init__(sync, inner_optimizer, period, fragments, states, history)
         self.delay = delay
         self.alpha = alpha
@@ -149,14 +149,14 @@ class DiLoCo(GlobalCopyMethod[Fragment]):
         state.works = [self.sync.allreduce(grad) for grad in state.grads.values()]
 
     @torch.no_grad()
-    def apply_sync(self) -> None:
+    def decide_sync(self) -> None:
         """Wait for the current fragment's all-reduce; committed, the outer step, and the model
         takes the new global copy (and ``alpha`` of its own); else the old global copy."""
         index = self.current_fragment()
         state = self._states[index]
         grads = state.settle()
         own = {n: t.clone() for n, t in state.locals().items()} if self.alpha > 0 else None
-        decision = self.decide(index)
+        decision = self.take_verdict(index)
         if decision.committed:
             self._keep(index, decision.delivered)
             state.outer_step(grads)

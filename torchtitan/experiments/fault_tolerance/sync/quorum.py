@@ -1,8 +1,8 @@
 """The sync quorum of semi-synchronous training: :class:`SyncQuorum`, what the methods sync
-through (torchft's Manager, gated), and the few numbers the groups of a quorum exchange
+through (torchft's Manager, bounded), and the few numbers the groups of a quorum exchange
 (:func:`exchange`).
 
-A sync's quorum is the core's bounded quorum wait (``FTManager.join_quorum``): at least
+A sync's quorum is the core's bounded quorum wait (``FTManager.quorum_rounds``): at least
 ``min_replica_size`` groups (a survivor left with fewer waits and says so, rather than train
 alone), and ``sync_quorum_timeout_s``, which ends in one error line naming the field.
 """
@@ -243,7 +243,8 @@ class SyncDecision:
     #: Bytes this rank sent and, compressed, its seconds (de)compressing (None: uncompressed).
     bytes_sent: int
     compression_s: float | None
-    #: The sum of squares of the sync's result, this rank's (None: a transfer has none).
+    #: The sum of squares of the sync's result, this rank's (None: a transfer has none; 0.0:
+    #: no transfer carried it here, e.g. a sync loaded from a checkpoint).
     squares: float | None
     #: Committed, with ``keep_delivered``: the results as every group received them, in order.
     delivered: list[Delivered]
