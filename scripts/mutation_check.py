@@ -42,7 +42,7 @@ TESTS = [
     "tests/unit_tests/test_peer_watch.py",
     "tests/unit_tests/test_replica_timeouts.py",
     "tests/unit_tests/test_ft_manager.py",
-    "tests/unit_tests/test_host_passes.py",
+    "tests/unit_tests/test_outer_passes.py",
     "tests/unit_tests/test_exact_division.py",
     "tests/unit_tests/test_step_clock.py",
     "tests/unit_tests/test_torchft_oracle.py",
@@ -156,9 +156,9 @@ MUTANTS = [
     ),
     Mutant(
         "engine: a replayed average is read from the start for every tensor",
-        f"{PACKAGE}/methods/global_copy.py",
-        "views[name] = flat[offset : offset + t.numel()].view_as(t)",
-        "views[name] = flat[: t.numel()].view_as(t)",
+        f"{PACKAGE}/methods/outer_passes.py",
+        "views[name] = flat[offset : offset + numel]",
+        "views[name] = flat[:numel]",
         tests=(*TESTS, "tests/unit_tests/test_heal_history.py"),
     ),
     Mutant(
@@ -170,8 +170,12 @@ MUTANTS = [
     Mutant(
         "engine: the heal history's basis is the global copy after the outer step",
         f"{PACKAGE}/methods/periodic.py",
-        "            self._keep(index, decision.delivered)\n            state.outer_step(grads)",
-        "            state.outer_step(grads)\n            self._keep(index, decision.delivered)",
+        "            self._keep(index, decision.delivered)\n"
+        "            self.measure_outer_step(grads.values())\n"
+        "            state.passes.step(grads)",
+        "            state.passes.step(grads)\n"
+        "            self._keep(index, decision.delivered)\n"
+        "            self.measure_outer_step(grads.values())",
         tests=(*TESTS, "tests/unit_tests/test_heal_history.py"),
     ),
     Mutant(
@@ -220,16 +224,16 @@ MUTANTS = [
     ),
     Mutant(
         "async DiLoCo: the local copy follows the global one with the wrong sign",
-        f"{PACKAGE}/methods/async_diloco.py",
-        "shift = self.global_copy[name] - self.period_start[name]",
-        "shift = self.period_start[name] - self.global_copy[name]",
+        f"{PACKAGE}/methods/outer_passes.py",
+        "followed = torch.add(local, torch.sub(glob, piece.start, out=scratch.t1),",
+        "followed = torch.add(local, torch.sub(piece.start, glob, out=scratch.t1),",
     ),
     Mutant(
-        "async DiLoCo: the period's start does not move with the global copy",
+        "async DiLoCo: a restart leaves the period's start where it was",
         f"{PACKAGE}/methods/async_diloco.py",
         "            self.period_start[name].copy_(self.global_copy[name])\n"
-        "        wait_for_copies(self.model_device)  # the shifts",
-        "            pass\n        wait_for_copies(self.model_device)  # the shifts",
+        "            local_tensor(p.data).copy_(",
+        "            local_tensor(p.data).copy_(",
     ),
     Mutant(
         "agreement: a tie counts as a majority",
@@ -352,27 +356,27 @@ MUTANTS = [
         "scales.div_(self.qmax)",
     ),
     Mutant(
-        "async state: the tokens' total divides as a Python number",
-        f"{PACKAGE}/methods/async_diloco.py",
-        "self.outer_step(self.views(divide_(sums, total)))",
-        "self.outer_step(self.views(sums.div_(total)))",
+        "passes: the token-weighted sums are not divided by the tokens' total",
+        f"{PACKAGE}/methods/outer_passes.py",
+        "        if divisor == 1:\n            return None",
+        "        if divisor >= 1:\n            return None",
     ),
     Mutant(
         "passes: the local start is not moved to the global copy after the outer step",
-        f"{PACKAGE}/methods/host_passes.py",
+        f"{PACKAGE}/methods/outer_passes.py",
         "                torch.sub(piece.glob, piece.start, out=piece.out)\n"
         "            piece.start.copy_(piece.glob)\n",
         "                torch.sub(piece.glob, piece.start, out=piece.out)\n",
     ),
     Mutant(
         "passes: the global copy's digest is kept after the copy changed",
-        f"{PACKAGE}/methods/host_passes.py",
+        f"{PACKAGE}/methods/outer_passes.py",
         "if self._hashes is None or self._hashes[0] != self._versions():",
         "if self._hashes is None:",
     ),
     Mutant(
         "passes: the eager start steps the optimizer's own momentum, not a copy",
-        f"{PACKAGE}/methods/host_passes.py",
+        f"{PACKAGE}/methods/outer_passes.py",
         "out=piece.start, momentum_out=scratch.t1,",
         "out=piece.start, momentum_out=None,",
     ),
@@ -504,9 +508,9 @@ MUTANTS = [
     ),
     Mutant(
         "outer step: the token-weighted sums divided by multiplying with the reciprocal",
-        f"{PACKAGE}/methods/host_passes.py",
-        "            torch.div(grad, divide_by, out=grad)",
-        "            grad.mul_(1.0 / divide_by)",
+        f"{PACKAGE}/methods/outer_passes.py",
+        "            torch.div(piece.source, divide_by, out=piece.source)",
+        "            piece.source.mul_(1.0 / divide_by)",
         HOST_ARITHMETIC,
     ),
     Mutant(
@@ -622,7 +626,7 @@ MUTANTS = [
         "torchtitan/tools/digest.py",
         "        index = first // _CHUNK",
         "        index = start // _CHUNK",
-        ("tests/unit_tests/test_semi_sync.py", "tests/unit_tests/test_host_passes.py"),
+        ("tests/unit_tests/test_semi_sync.py", "tests/unit_tests/test_outer_passes.py"),
     ),
     Mutant(
         "replay: the average divided by a Python number (a reciprocal on CUDA)",
@@ -689,16 +693,16 @@ MUTANTS = [
     ),
     Mutant(
         "passes: eager_share scales the pseudo-gradient to be sent in place",
-        f"{PACKAGE}/methods/host_passes.py",
+        f"{PACKAGE}/methods/outer_passes.py",
         "grad = pseudo if share == 1.0 else torch.mul(pseudo, share, out=scratch.grad)",
         "grad = pseudo if share == 1.0 else pseudo.mul_(share)",
         FRESH_REVIEW_TESTS,
     ),
     Mutant(
-        "eager estimate: the (host) pseudo-gradient scaled in place by its share",
-        f"{PACKAGE}/methods/async_diloco.py",
-        "grad = grads[name] if scale == 1.0 else grads[name] * scale",
-        "grad = grads[name] if scale == 1.0 else grads[name].mul_(scale)",
+        "Delayed Nesterov: the eager estimate after a step takes that step's window position",
+        f"{PACKAGE}/methods/outer_passes.py",
+        "piece.start, step=self.number + self.stepping,",
+        "piece.start, step=self.number,",
         FRESH_REVIEW_TESTS,
     ),
     Mutant(
@@ -1011,17 +1015,15 @@ MUTANTS = [
     Mutant(
         "piece_workers: a piece's t1 temporary shares the grad scratch buffer",
         f"{PACKAGE}/methods/piece_workers.py",
-        't1=get("t1", numel, torch.float32),',
-        't1=get("grad", numel, torch.float32),',
+        't1=get("t1", numel, dtype),',
+        't1=get("grad", numel, dtype),',
     ),
     Mutant(
-        "global copy: a replay's last outer step is reported as the next sync's norm",
+        "global copy: a replay's outer step is measured as a sync's norm",
         f"{PACKAGE}/methods/global_copy.py",
-        (
-            "        self._stepped_squares = None  # a replay's outer steps are no sync's: "
-            "none is reported\n"
-        ),
-        "",
+        "        state.passes.step(state.views(average))",
+        "        self.measure_outer_step(state.views(average).values())\n"
+        "        state.passes.step(state.views(average))",
         ("tests/unit_tests/test_heal_history.py",),
     ),
     Mutant(
@@ -1113,6 +1115,48 @@ MUTANTS = [
         f"{PACKAGE}/join/protocol.py",
         "        self._peer_loaded = True\n",
         "",
+    ),
+    Mutant(
+        "passes: a pass that does not step keeps hashes it never took as the digest",
+        f"{PACKAGE}/methods/outer_passes.py",
+        "            self._run(pieces, body, steps=False)",
+        "            self._run(pieces, body)",
+        ("tests/unit_tests/test_outer_passes.py",),
+    ),
+    Mutant(
+        "Delayed Nesterov on pieces: the step count does not move",
+        f"{PACKAGE}/methods/outer_passes.py",
+        '            self.group["step"] = self.number + 1',
+        "            pass",
+        ("tests/unit_tests/test_outer_passes.py",),
+    ),
+    Mutant(
+        "passes: the eager estimate after a first step takes the gradient as momentum",
+        f"{PACKAGE}/methods/outer_passes.py",
+        "first=piece.name in self.first and not self.stepping,",
+        "first=piece.name in self.first,",
+        ("tests/unit_tests/test_outer_passes.py",),
+    ),
+    Mutant(
+        "Delayed Nesterov on pieces: the estimate after a window's first end reads no momentum",
+        f"{PACKAGE}/methods/outer_passes.py",
+        "            no_momentum = no_momentum and not self.last\n",
+        "",
+        ("tests/unit_tests/test_outer_passes.py",),
+    ),
+    Mutant(
+        "piece_workers: a bf16 state's step temporary is fp32",
+        f"{PACKAGE}/methods/piece_workers.py",
+        'step=get("step", numel, dtype),',
+        'step=get("step", numel, torch.float32),',
+        ("tests/unit_tests/test_outer_passes.py",),
+    ),
+    Mutant(
+        "piece_workers: an accelerator's pass is cut in the host's small pieces",
+        f"{PACKAGE}/methods/piece_workers.py",
+        'return PASS_PIECE_VALUES if device.type == "cpu" else DEVICE_PIECE_VALUES',
+        "return PASS_PIECE_VALUES",
+        ("tests/unit_tests/test_outer_passes.py",),
     ),
 ]
 

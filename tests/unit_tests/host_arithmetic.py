@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tests.unit_tests.outer_reference import WholeFragment
 from torchtitan.experiments.fault_tolerance.heal.history import HistoryEntry
 from torchtitan.experiments.fault_tolerance.methods.async_diloco import AsyncOuterState
 from torchtitan.experiments.fault_tolerance.methods.outer_optimizer import (
@@ -110,8 +111,7 @@ def _sync_point(update: str, threads: int, passes: bool) -> Callable:
         with torch.no_grad():
             state.global_copy["weight"].copy_(inputs["param"])
             state.period_start["weight"].copy_(inputs["param"])
-        if not passes:
-            state.passes.usable = lambda: False  # type: ignore[method-assign]
+        runner = state if passes else WholeFragment(state)
         out = torch.empty(NUMEL)
         for k in range(2):
             sums = sum(
@@ -119,7 +119,7 @@ def _sync_point(update: str, threads: int, passes: bool) -> Callable:
                 torch.zeros(NUMEL),
             )
             sums.add_(inputs["grads"][k])
-            state.finish_and_start(sums, float(sum(TOKENS)), out, share, float(TOKENS[0]))
+            runner.finish_and_start(sums, float(sum(TOKENS)), out, share, float(TOKENS[0]))
         momentum = state.outer.state[state.global_copy["weight"]]["momentum_buffer"]
         return _digest(
             [*state.global_copy.values(), *state.period_start.values(), model.weight, out, momentum]

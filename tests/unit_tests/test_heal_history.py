@@ -391,7 +391,9 @@ def test_a_peer_sends_only_the_missed_averages_and_the_joiner_replays_them() -> 
         assert len(answer.payloads) == 2 and not torch.equal(*answer.payloads)
         taken: list[int] = []
         steps: list[int] = []
-        hook = joiner.outer_optimizer(0).register_step_post_hook(lambda *_: steps.append(1))
+        state = joiner._states[0]
+        outer_step = state.passes.step
+        state.passes.step = lambda *args: (outer_step(*args), steps.append(1))
 
         def arriving(payloads: list[torch.Tensor]) -> Any:
             for i, payload in enumerate(payloads):
@@ -401,7 +403,7 @@ def test_a_peer_sends_only_the_missed_averages_and_the_joiner_replays_them() -> 
                 yield payload.clone()
 
         received = joiner_side.received(copy.deepcopy(answer.state), arriving(answer.payloads))
-        hook.remove()
+        del state.passes.step
         assert taken == [0, 1] and len(steps) == 2
         assert received["user"]["model"] is KEEP_OWN and received["user"]["optimizer"] is KEEP_OWN
         assert received["user"]["StreamingDiLoCoFragment_0"] is own_fragment
@@ -527,16 +529,16 @@ def test_a_replay_failure_the_group_agreed_on_is_told_once_and_the_next_heal_is_
 
 
 def test_a_replays_outer_steps_are_no_syncs_norm() -> None:
-    """The outer steps a joiner replays are measured like training's (the same optimizer
-    pre-hook) but are no sync of its own: none of them is reported as the next sync's
-    pseudo-gradient norm."""
+    """The outer steps a joiner replays are training's, but no sync of its own: none of them
+    is reported as the next sync's pseudo-gradient norm; a sync's own measure is."""
     loop, sync = _diloco_loop()
     try:
         numel = sum(t.numel() for t in loop.global_parameters(0).values())
         average = torch.full((numel,), 0.5)
         loop.replay_outer_step(0, average.clone())  # one step, as training takes it
-        assert loop.take_stepped_squares() is not None
         loop.replay_outer_steps([(0, average.clone()), (0, average.clone())])
         assert loop.take_stepped_squares() is None
+        loop.measure_outer_step(loop.global_parameters(0).values())
+        assert loop.take_stepped_squares() is not None
     finally:
         sync.transport.shutdown()

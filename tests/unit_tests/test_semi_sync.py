@@ -34,6 +34,7 @@ from torchtitan.experiments.fault_tolerance.join.protocol import QuorumProtocol
 from torchtitan.experiments.fault_tolerance.method_state import SemiSyncState
 from torchtitan.experiments.fault_tolerance.methods.fragments import build_model_fragments
 from torchtitan.experiments.fault_tolerance.methods.global_copy import GlobalCopyMethod
+from torchtitan.experiments.fault_tolerance.methods.outer_optimizer import OuterSGD
 from torchtitan.experiments.fault_tolerance.methods.periodic import DiLoCo, LocalSGD
 from torchtitan.experiments.fault_tolerance.report.sync_reporter import SyncReporter
 from torchtitan.experiments.fault_tolerance.sync.lineage import Lineage
@@ -141,7 +142,7 @@ def diloco(model: nn.Module, fragments: int, delay: int = 0) -> tuple[DiLoCo, Fa
     job = config(f"--fault_tolerance.num_fragments={fragments}")
     parts = build_model_fragments(model, job)
     manager = FakeManager()
-    outer = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+    outer = functools.partial(OuterSGD, lr=0.7, momentum=0.9, nesterov=True)
     inner = torch.optim.AdamW(model.parameters())
     loop = DiLoCo(cast(Any, manager), parts, inner, outer, period=4 // fragments, delay=delay)
     return loop, manager
@@ -425,10 +426,9 @@ def test_exchange_gathers_every_member_in_quorum_order() -> None:
 
 
 def test_pseudo_gradient_norm_is_the_norm_of_the_outer_gradients() -> None:
-    a, b = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2, 2))
-    a.grad, b.grad = torch.tensor([3.0, 0.0, 0.0]), torch.tensor([[0.0, 4.0], [0.0, 0.0]])
+    averages = [torch.tensor([3.0, 0.0, 0.0]), torch.tensor([[0.0, 4.0], [0.0, 0.0]])]
     method = SimpleNamespace(_states=[SimpleNamespace(model_device=torch.device("cpu"))])
-    GlobalCopyMethod._measure_outer_step(method, torch.optim.SGD([a, b], lr=1.0))  # type: ignore[arg-type]
+    GlobalCopyMethod.measure_outer_step(method, averages)  # type: ignore[arg-type]
     squares = GlobalCopyMethod.take_stepped_squares(method)  # type: ignore[arg-type]
     assert GlobalCopyMethod.take_stepped_squares(method) is None  # type: ignore[arg-type]  # taken once
     stub = SimpleNamespace(device=torch.device("cpu"), group_ranks=1)
@@ -939,7 +939,7 @@ def test_diloco_hands_the_transport_its_own_tensors_never_the_models(delay: int)
     model = small_model()
     manager = RecordingManager()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    outer = functools.partial(torch.optim.SGD, lr=0.7)
+    outer = functools.partial(OuterSGD, lr=0.7)
     loop = DiLoCo(cast(Any, manager), [model], inner, outer, period=2, delay=delay)
     start = [p.detach().clone() for p in model.parameters()]
     with loop.hooks(OpenQuorums(manager)):

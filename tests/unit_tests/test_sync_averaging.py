@@ -111,7 +111,7 @@ def train_and_record(
 
         def spy_both(
             state: AsyncOuterState, sums: Any, total: float, out: torch.Tensor, *args: Any
-        ) -> None:  # the one pass, as its two halves (test_host_passes: the same bits)
+        ) -> None:  # the one pass, as its two halves (test_outer_passes: the same bits)
             spy_finish(state, sums, total)
             spy_start(state, out, *args)
 

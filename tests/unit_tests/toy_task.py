@@ -16,6 +16,7 @@ from torch import nn
 from torchtitan.experiments.fault_tolerance.heal.history import HealHistory
 from torchtitan.experiments.fault_tolerance.methods.async_diloco import AsyncDiLoCo
 from torchtitan.experiments.fault_tolerance.methods.fragments import ModelFragment
+from torchtitan.experiments.fault_tolerance.methods.outer_optimizer import OuterSGD
 from torchtitan.experiments.fault_tolerance.methods.periodic import DiLoCo, LocalSGD
 
 BUCKET = 300
@@ -101,9 +102,7 @@ def build_method(
         )
     count = fragment_count(method)
     delay = 1 if method == "streaming_diloco_delayed" else 0
-    outer = functools.partial(
-        torch.optim.SGD, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov
-    )
+    outer = functools.partial(OuterSGD, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
     return DiLoCo(
         sync,
         fragments_of(model, count),

@@ -63,19 +63,13 @@ from torchtitan.experiments.fault_tolerance.methods.global_copy import (
     OuterState,
     state_tensor,
 )
-from torchtitan.experiments.fault_tolerance.methods.host_passes import (
-    SyncPointPasses,
-    wait_for_copies,
-)
 from torchtitan.experiments.fault_tolerance.methods.outer_loop import Ending, Quorums, SyncOutcome
 from torchtitan.experiments.fault_tolerance.methods.outer_optimizer import (
     DelayedNesterov,
     outer_optimizer,
-    sgd_step_,
 )
+from torchtitan.experiments.fault_tolerance.methods.outer_passes import wait_for_copies
 from torchtitan.experiments.fault_tolerance.methods.step_clock import StepClock
-from torchtitan.tools.digest import chunk_hashes
-from torchtitan.tools.exact_division import divide_
 
 if TYPE_CHECKING:
     from torchtitan.experiments.fault_tolerance.sync.quorum import SyncQuorum
@@ -84,7 +78,7 @@ if TYPE_CHECKING:
 
 class AsyncOuterState(OuterState):
     """One fragment's outer state (:class:`~.global_copy.OuterState`) and where this group's local
-    period started."""
+    period started; a sync point's work on them is the passes' (``outer_passes``)."""
 
     def __init__(
         self,
@@ -95,40 +89,26 @@ class AsyncOuterState(OuterState):
     ) -> None:
         """``device``: where the outer state lives; ``host_threads``: for a sync point's host
         work (0: this rank's share of the host's cores)."""
-        super().__init__(module, make_outer, device)
+        super().__init__(module, make_outer, device, host_threads)
         self.period_start = {
             n: state_tensor(local_tensor(p), device) for n, p in self.params.items()
         }
         #: Inner steps this group took since the fragment's last sync point.
         self.steps = 0
-        #: A sync point's host work in passes, where they apply (``passes.usable()``).
-        self.passes = SyncPointPasses(
-            self.params, self.global_copy, self.period_start, self.outer, self.model_device,
-            host_threads,
-        )  # fmt: skip
 
     # ---- a sync point --------------------------------------------------------------------------
 
     def finish(self, sums: torch.Tensor | None, total: float) -> None:
         """The outer step with the average ``sums / total`` (None: the sync is dropped, no
-        step), then the local copy follows the global copy (:meth:`follow_global`)."""
-        if self.passes.usable():
-            self.passes.finish(sums, total)
-            return
-        if sums is not None:
-            self.outer_step(self.views(divide_(sums, total)))
-        self.follow_global()
+        step), then the local copy follows the global copy: it moves by how far the global
+        copy moved from the period's start, where the next period starts."""
+        self.passes.finish(self.period_start, sums, total)
 
     def start(self, out: torch.Tensor, share: float | None, tokens: float = 1.0) -> None:
-        """This group's pseudo-gradient into ``out``, the next local period (:meth:`start_period`
-        with ``share x out``; ``share`` None: none), then ``out`` scaled by ``tokens``."""
-        if self.passes.usable():
-            self.passes.start(out, share, tokens)
-            return
-        self.pseudo_gradient(out)
-        self.start_period(None if share is None else out, 1.0 if share is None else share)
-        if tokens != 1.0:
-            out.mul_(tokens)
+        """This group's pseudo-gradient (start - model) into ``out``; the next local period
+        starts at the global copy, moved by the outer step for ``share x out`` (``share`` None:
+        not moved); then ``out`` scaled by ``tokens``."""
+        self.passes.start(self.period_start, out, share, tokens)
 
     def finish_and_start(
         self,
@@ -139,19 +119,7 @@ class AsyncOuterState(OuterState):
         tokens: float = 1.0,
     ) -> None:
         """:meth:`finish` then :meth:`start`, in one pass where the passes allow."""
-        if self.passes.usable():
-            self.passes.finish_and_start(sums, total, out, share, tokens)
-            return
-        self.finish(sums, total)
-        self.start(out, share, tokens)
-
-    def global_chunk_hashes(self) -> list[int]:
-        """The global copy's chunk hashes (``tools.digest``), taken once per change."""
-        if self.passes.usable():
-            return self.passes.global_chunk_hashes()
-        return [h for t in self.global_copy.values() for h in chunk_hashes(t)]
-
-    # ---- whole-fragment operations (other outer optimizers, heals); the passes' reference ----
+        self.passes.finish_and_start(self.period_start, sums, total, out, share, tokens)
 
     @torch.no_grad()
     def take_model(self) -> None:
@@ -161,65 +129,13 @@ class AsyncOuterState(OuterState):
             self.period_start[name].copy_(self.global_copy[name])
 
     @torch.no_grad()
-    def pseudo_gradient(self, out: torch.Tensor) -> None:
-        """start - model (the progress since the local period started, as a gradient) into the
-        flat ``out``."""
-        views = self.views(out)
-        for name, local in self.locals().items():
-            views[name].copy_(self.period_start[name], non_blocking=self.non_blocking)
-            views[name].sub_(local)
-        wait_for_copies(self.model_device)  # the host rewrites ``start`` next
-
-    @torch.no_grad()
-    def follow_global(self) -> None:
-        """Shift the local copy by global copy - local start and start the period there: the
-        inner progress is kept, what the period assumed of the global copy is replaced."""
+    def restart(self) -> None:
+        """The local period starts at the global copy, and the model takes it (a heal, the
+        job's end)."""
         for name, p in self.params.items():
-            local = local_tensor(p.data)
-            shift = self.global_copy[name] - self.period_start[name]
-            # ``shift`` is a fresh tensor nobody writes to: it may still be in flight below.
-            local.add_(shift.to(local.device, non_blocking=self.non_blocking))
             self.period_start[name].copy_(self.global_copy[name])
-        wait_for_copies(self.model_device)  # the shifts are freed on return
-
-    @torch.no_grad()
-    def start_period(self, estimate: torch.Tensor | None, scale: float = 1.0) -> None:
-        """Start the next local period at the global copy, moved by the outer step ``scale x
-        estimate`` (a flat pseudo-gradient) would make when given (``eager``)."""
-        lr = self.outer.param_groups[0]["lr"]
-        if estimate is not None:  # from the device to the host, all queued, waited for once
-            grads = {
-                name: view.to(self.period_start[name].device, non_blocking=self.non_blocking)
-                for name, view in self.views(estimate).items()
-            }
-            wait_for_copies(estimate.device)
-        for name, p in self.params.items():
-            target = self.period_start[name]
-            if estimate is None:
-                target.copy_(self.global_copy[name])
-            else:
-                grad = grads[name] if scale == 1.0 else grads[name] * scale
-                self._outer_step_into(target, name, grad, lr)
-            local_tensor(p.data).copy_(target, non_blocking=self.non_blocking)
+            local_tensor(p.data).copy_(self.period_start[name], non_blocking=self.non_blocking)
         wait_for_copies(self.model_device)  # ``start`` is rewritten at the next sync point
-
-    def _outer_step_into(
-        self, target: torch.Tensor, name: str, grad: torch.Tensor, lr: float
-    ) -> None:
-        """Write into ``target`` global copy ``name`` moved as the outer step for ``grad`` would
-        move it, the optimizer's state unchanged (its own step, the momentum updated into a
-        temporary: ``eager`` lands exactly where the outer step would)."""
-        copy = self.global_copy[name]
-        if isinstance(self.outer, DelayedNesterov):
-            torch.sub(copy, self.outer.direction(copy, grad).mul_(lr), out=target)
-            return
-        group = self.outer.param_groups[0]
-        momentum = self.outer.state.get(copy, {}).get("momentum_buffer")
-        first = momentum is None and group["momentum"] != 0
-        sgd_step_(
-            copy, grad, momentum, lr=lr, momentum=group["momentum"], nesterov=group["nesterov"],
-            first=first, out=target, momentum_out=torch.empty_like(grad),
-        )  # fmt: skip
 
     def checkpoint(self) -> dict[str, Any]:
         """A checkpoint's entry besides the global copy and momentum: the local start (laid out
@@ -538,8 +454,7 @@ class AsyncDiLoCo(DyLUPeriods, GlobalCopyMethod[AsyncOuterState]):
         self._outcome, delivered, sums, total = flight.decide(self.sync)
         if self._outcome.committed:  # ``total``: the buffer's token count, read once
             self._keep(flight.fragment, delivered, total)
-        # An average the passes step with (``optimizer.step()``'s pre-hooks see the others).
-        if flight.average_squares is not None and self._states[flight.fragment].passes.usable():
+        if flight.average_squares is not None:
             self.note_stepped_squares(flight.average_squares)
         return Decided(flight.fragment, sums, total, flight.buffer)
 
@@ -568,7 +483,7 @@ class AsyncDiLoCo(DyLUPeriods, GlobalCopyMethod[AsyncOuterState]):
         all-reduce it starts, of its fragment, with weight 0."""
         self.sync.reset_error_feedback()
         for state in self._states:
-            state.start_period(None)
+            state.restart()
             state.steps = 0
         self._local_step = 0
         index = self.current_fragment()
@@ -578,9 +493,6 @@ class AsyncDiLoCo(DyLUPeriods, GlobalCopyMethod[AsyncOuterState]):
         self.plan.begin(self.clock())
 
     # ---- what the trainer asks -----------------------------------------------------------------
-
-    def global_chunk_hashes(self, index: int) -> list[int]:
-        return self._states[index].global_chunk_hashes()
 
     def in_flight(self, index: int) -> bool:
         flight = self._in_flight
@@ -625,7 +537,7 @@ class AsyncDiLoCo(DyLUPeriods, GlobalCopyMethod[AsyncOuterState]):
             self._in_flight = None
 
     def restore_global_copies(self, index: int) -> None:
-        self._states[index].start_period(None)
+        self._states[index].restart()
 
     def finish(self, quorums: Quorums) -> Ending:
         """Finish the sync in flight (the job's last average counts), then every fragment's

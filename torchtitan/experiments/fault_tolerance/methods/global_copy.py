@@ -1,7 +1,8 @@
 """What the methods with global copies share (DiLoCo, Streaming DiLoCo, async DiLoCo):
-:class:`OuterState`, a fragment's global copy and outer optimizer with the one outer step of
-training and replay alike, and :class:`GlobalCopyMethod`, an :class:`~.outer_loop.OuterLoop`
-over them (healing state, heal history, digests, replay of missed syncs).
+:class:`OuterState`, a fragment's global copy and outer optimizer, stepped by its passes
+(``outer_passes``: the one outer step, in training and replay alike), and
+:class:`GlobalCopyMethod`, an :class:`~.outer_loop.OuterLoop` over them (healing state, heal
+history, digests, replay of missed syncs).
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.distributed.tensors import as_param_layout, local_tensor
 from torchtitan.experiments.fault_tolerance.heal.history import HealHistory, HistoryEntry
-from torchtitan.experiments.fault_tolerance.methods.host_passes import wait_for_copies
 from torchtitan.experiments.fault_tolerance.methods.outer_loop import OuterLoop
+from torchtitan.experiments.fault_tolerance.methods.outer_passes import OuterPasses, wait_for_copies
 from torchtitan.experiments.fault_tolerance.transport.collective import Delivered
-from torchtitan.tools.digest import chunk_hashes, fold_digest
+from torchtitan.tools.digest import fold_digest
 from torchtitan.tools.pinned import host_tensor
 
 if TYPE_CHECKING:
@@ -41,23 +42,31 @@ def state_tensor(like: torch.Tensor, device: torch.device | None) -> torch.Tenso
 
 class OuterState:
     """One fragment's outer state: the model's parameters, the global copy (this rank's shards,
-    on the parameters' device or ``device``), its outer optimizer, and blocking DiLoCo's
-    in-flight pseudo-gradient all-reduce."""
+    on the parameters' device or ``device``), its outer optimizer and the passes over them
+    (:class:`~.outer_passes.OuterPasses`), and blocking DiLoCo's in-flight pseudo-gradient
+    all-reduce."""
 
     #: Cross-device copies (model <-> global copy) don't block the host; they are waited for
     #: where needed (``wait_for_copies``). False: each blocks (the CUDA tests' reference).
     non_blocking = True
 
     def __init__(
-        self, module: nn.Module, make_outer: MakeOuter, device: torch.device | None = None
+        self,
+        module: nn.Module,
+        make_outer: MakeOuter,
+        device: torch.device | None = None,
+        threads: int = 0,
     ) -> None:
+        """``threads``: for the passes over host memory (0: this rank's share of the host's
+        cores)."""
         self.params: dict[str, nn.Parameter] = dict(module.named_parameters())
         self.global_copy = {
             name: state_tensor(local_tensor(p.data), device) for name, p in self.params.items()
         }
         self.outer: torch.optim.Optimizer = make_outer(list(self.global_copy.values()))
+        self.passes = OuterPasses(self.params, self.global_copy, self.outer, threads)
         #: Where the model's shards live (a sync's buffers and averages are there too).
-        self.model_device = local_tensor(next(iter(self.params.values()))).device
+        self.model_device = self.passes.model_device
         #: The all-reduced pseudo-gradients (once the works are done) and their works.
         self.grads: dict[str, torch.Tensor] = {}
         self.works: list[Any] = []
@@ -96,25 +105,12 @@ class OuterState:
             wait_for_copies(state)
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``flat`` (the fragment's values, in parameter order) cut into each parameter's."""
-        views: dict[str, torch.Tensor] = {}
-        offset = 0
-        for name, t in self.global_copy.items():
-            views[name] = flat[offset : offset + t.numel()].view_as(t)
-            offset += t.numel()
-        if offset != flat.numel():
-            raise ValueError(f"{flat.numel()} values for a fragment of {offset} parameters")
-        return views
-
-    @torch.no_grad()
-    def outer_step(self, averages: dict[str, torch.Tensor]) -> None:
-        """Step the global copy with ``averages`` (by name, any device; the step may change
-        them) as gradient: every method's outer step, in training and replay alike."""
-        for name, t in self.global_copy.items():
-            t.grad = averages[name].to(t.device, non_blocking=self.non_blocking)
-        self._wait_if_crossed(next(iter(averages.values())).device)  # the step reads them
-        self.outer.step()  # in place: the versions move (``host_passes``' digest cache)
-        self.outer.zero_grad()
+        """``flat`` (the fragment's values, in parameter order) cut into each parameter's, in
+        its shape."""
+        return {
+            name: view.view_as(self.global_copy[name])
+            for name, view in self.passes.views(flat).items()
+        }
 
     def heal_state(self) -> dict[str, Any]:
         """What a peer healing from this group takes, as torchft's DiLoCo lays it out."""
@@ -157,7 +153,6 @@ class GlobalCopyMethod(OuterLoop, Generic[F]):
         #: See :meth:`take_stepped_squares`.
         self._stepped_squares: torch.Tensor | None = None
         for index, state in enumerate(states):
-            state.outer.register_step_pre_hook(self._measure_outer_step)
             state.take_model()
             sync.register_state_dict_fn(
                 self.heal_key.format(index), state.load_heal_state, state.heal_state
@@ -245,26 +240,19 @@ class GlobalCopyMethod(OuterLoop, Generic[F]):
                 )
 
     @torch.no_grad()
-    def _measure_outer_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        """Outer-optimizer pre-hook: this rank's shard's sum of squares of the averaged
-        pseudo-gradients. No collective here: the hook also runs in a heal's replay on
-        torchft's quorum thread, where ranks may replay different numbers of outer steps, so a
-        collective could pair with another one; the reporter, reached by every rank at the
-        same syncs, sums the shares."""
-        grads = [
-            local_tensor(p.grad)
-            for group in optimizer.param_groups
-            for p in group["params"]
-            if p.grad is not None
-        ]
+    def measure_outer_step(self, averages: Iterable[torch.Tensor]) -> None:
+        """Before a sync's outer step with ``averages`` (this rank's shards): their sum of
+        squares, for the sync's line. No collective here: the reporter, reached by every rank at
+        the same syncs, sums the shares."""
+        grads = [local_tensor(t) for t in averages]
         squares = torch.zeros((), dtype=torch.float64, device=self._states[0].model_device)
         if grads:  # one fused norm (its time counts in the sync's): not a loop of reductions
             squares += torch.nn.utils.get_total_norm(grads).double().square()
         self._stepped_squares = squares
 
     def note_stepped_squares(self, squares: float) -> None:
-        """What :meth:`_measure_outer_step` would have found, for an outer step taken without
-        the optimizer's ``step`` (async DiLoCo's passes over the host)."""
+        """What :meth:`measure_outer_step` would have found, known already (async DiLoCo's
+        transport took it where the sums arrived)."""
         self._stepped_squares = torch.tensor(
             squares, dtype=torch.float64, device=self._states[0].model_device
         )
@@ -288,7 +276,7 @@ class GlobalCopyMethod(OuterLoop, Generic[F]):
         its flat averaged pseudo-gradient as delivered (may be overwritten). Leaves the model's
         parameters undefined: the caller puts the global copies back."""
         state = self._states[index]
-        state.outer_step(state.views(average))
+        state.passes.step(state.views(average))
 
     def state_bytes(self) -> dict[str, int]:
         """The global copies, outer optimizer state and the largest fragment's pseudo-gradient
@@ -319,7 +307,7 @@ class GlobalCopyMethod(OuterLoop, Generic[F]):
 
     def global_chunk_hashes(self, index: int) -> list[int]:
         """Chunk hashes of fragment ``index``'s global copy (this rank's shards)."""
-        return [h for t in self.global_parameters(index).values() for h in chunk_hashes(t)]
+        return self._states[index].passes.global_chunk_hashes()
 
     def global_digest(self, index: int) -> int:
         """A digest of fragment ``index``'s global copy (this rank's shards)."""
@@ -335,4 +323,3 @@ class GlobalCopyMethod(OuterLoop, Generic[F]):
         method may skip work between steps, never change their results)."""
         for index, average in steps:
             self.replay_outer_step(index, average)
-        self._stepped_squares = None  # a replay's outer steps are no sync's: none is reported

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any, overload
+from typing import Any, NamedTuple, overload
 
 import torch
 from torch.optim.optimizer import ParamsT
@@ -55,6 +55,10 @@ from torchtitan.tools.exact_division import divided
 
 __all__ = [
     "DelayedNesterov",
+    "DelayedNesterovBuffers",
+    "delayed_nesterov_buffers",
+    "delayed_nesterov_estimate",
+    "delayed_nesterov_step_",
     "OuterSGD",
     "delayed_nesterov_direction",
     "outer_optimizer",
@@ -349,44 +353,108 @@ class DelayedNesterov(_CheckedStep):
 
     def _step_group(self, group: dict[str, Any]) -> None:
         step, delay = group["step"], group["delay"]
-        position = step % delay
-        if position == delay - 1:
+        last = step % delay == delay - 1
+        if last:
             for p in group["params"]:
                 stale = self.state.get(p, {}).get("grad_sum") if p.grad is None else None
                 if stale is not None:
                     stale.zero_()
         for p in _with_grad(group["params"]):
-            grad = p.grad
-            assert grad is not None
-            state = self.state[p]
-            direction, new_momentum = _direction_and_momentum(
-                grad,
-                state.get("momentum_buffer"),
-                state.get("grad_sum"),
-                step,
-                group["momentum"],
-                delay,
-                group["c"],
-            )
-            grad_sum = state.get("grad_sum")
-            if new_momentum is not None:
-                buffer = state.get("momentum_buffer")
-                # Into the existing buffer so that its memory (pinned, say) stays.
-                if buffer is None:
-                    state["momentum_buffer"] = new_momentum
-                else:
-                    buffer.copy_(new_momentum)
-                if grad_sum is not None:
-                    grad_sum.zero_()
-            elif grad_sum is None:
-                state["grad_sum"] = grad.clone()
-            elif position == 0:
-                grad_sum.copy_(grad)
-            else:
-                # The same addition _next_momentum makes out of place.
-                grad_sum.add_(grad)
-            p.sub_(direction.mul_(group["lr"]))
+            assert p.grad is not None
+            buffers = delayed_nesterov_buffers(self.state[p], p.grad, last)
+            delayed_nesterov_step_(
+                p, p.grad, *buffers, step=step, lr=group["lr"], momentum=group["momentum"],
+                delay=delay, c=group["c"],
+            )  # fmt: skip
         group["step"] = step + 1
+
+
+class DelayedNesterovBuffers(NamedTuple):
+    """Where a Delayed Nesterov step reads and writes a parameter's momentum and window sum
+    (None: the step needs none), and whether each holds nothing yet (allocated for this
+    step: not read)."""
+
+    momentum: torch.Tensor | None
+    grad_sum: torch.Tensor | None
+    fresh_momentum: bool
+    fresh_sum: bool
+
+
+def delayed_nesterov_buffers(
+    state: dict[str, Any], like: torch.Tensor, last: bool
+) -> DelayedNesterovBuffers:
+    """A parameter's buffers for its next step (``last``: a window's last), allocated in its
+    optimizer ``state`` where the step writes them for the first time: the momentum at a
+    window's end, the sum inside a window."""
+    momentum, grad_sum = state.get("momentum_buffer"), state.get("grad_sum")
+    fresh_momentum, fresh_sum = momentum is None, grad_sum is None
+    if last and momentum is None:
+        momentum = state["momentum_buffer"] = torch.empty_like(like)
+    if not last and grad_sum is None:
+        grad_sum = state["grad_sum"] = torch.empty_like(like)
+    return DelayedNesterovBuffers(momentum, grad_sum, fresh_momentum, fresh_sum)
+
+
+def delayed_nesterov_step_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    momentum_buffer: torch.Tensor | None,
+    grad_sum: torch.Tensor | None,
+    fresh_momentum: bool,
+    fresh_sum: bool,
+    *,
+    step: int,
+    lr: float,
+    momentum: float,
+    delay: int,
+    c: float,
+) -> None:
+    """Delayed Nesterov's outer step ``step`` on ``param`` (a tensor or any piece of one: every
+    operation is element-wise) for ``grad``, with the buffers of
+    :func:`delayed_nesterov_buffers` (or pieces of them), written in place."""
+    direction, new_momentum = _direction_and_momentum(
+        grad,
+        None if fresh_momentum else momentum_buffer,
+        None if fresh_sum else grad_sum,
+        step,
+        momentum,
+        delay,
+        c,
+    )
+    if new_momentum is not None:
+        assert momentum_buffer is not None
+        momentum_buffer.copy_(new_momentum)  # into the buffer: its memory (pinned, say) stays
+        if not fresh_sum:
+            assert grad_sum is not None
+            grad_sum.zero_()
+    else:
+        assert grad_sum is not None
+        if fresh_sum or step % delay == 0:
+            grad_sum.copy_(grad)
+        else:
+            grad_sum.add_(grad)  # the same addition _next_momentum makes out of place
+    param.sub_(direction.mul_(lr))
+
+
+def delayed_nesterov_estimate(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    momentum_buffer: torch.Tensor | None,
+    grad_sum: torch.Tensor | None,
+    out: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    momentum: float,
+    delay: int,
+    c: float,
+) -> None:
+    """Where outer step ``step`` for ``grad`` would take ``param`` (a tensor or a piece), into
+    ``out``; the buffers (None: none yet) are read, never written."""
+    direction, _ = _direction_and_momentum(
+        grad, momentum_buffer, grad_sum, step, momentum, delay, c
+    )
+    torch.sub(param, direction.mul_(lr), out=out)
 
 
 def _with_grad(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:

@@ -159,7 +159,8 @@ class DiLoCo(GlobalCopyMethod[OuterState]):
         decision = self.take_verdict(index)
         if decision.committed:
             self._keep(index, decision.delivered)
-            state.outer_step(grads)
+            self.measure_outer_step(grads.values())
+            state.passes.step(grads)
         state.restore()
         if decision.committed and own is not None:
             for name, local in state.locals().items():

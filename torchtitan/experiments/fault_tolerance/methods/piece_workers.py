@@ -1,8 +1,8 @@
-"""A pass over a fragment's tensors in pieces of :data:`PASS_PIECE_VALUES` values, shared out
-over the host cores this rank may use (``host_passes``' sync point host work).
-
-Each piece's operations run while it is in a core's cache, into scratch buffers of a piece's
-size; each thread takes every n-th piece, each op on one core.
+"""A pass over a fragment's tensors in pieces (``outer_passes``): on the host, pieces of
+:data:`PASS_PIECE_VALUES` values shared out over the cores this rank may use, each piece's
+operations run while it is in a core's cache, into scratch buffers of a piece's size, each
+thread taking every n-th piece with each op on one core; on an accelerator, pieces of
+:data:`DEVICE_PIECE_VALUES` values queued by the caller's thread.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -22,6 +22,15 @@ from torchtitan.tools.scratch import Scratch
 #: Values per piece: 1 MiB of fp32 per array, so that a piece's arrays and scratch stay in a
 #: core's cache; a divisor of the digest's chunk (2^20).
 PASS_PIECE_VALUES = 1 << 18
+#: Values per piece on an accelerator: 16 MiB of fp32 per array, few enough launches and a
+#: bounded scratch.
+DEVICE_PIECE_VALUES = 1 << 22
+HOST = torch.device("cpu")
+
+
+def piece_values(device: torch.device) -> int:
+    """The values of a piece of a pass over tensors on ``device``."""
+    return PASS_PIECE_VALUES if device.type == "cpu" else DEVICE_PIECE_VALUES
 
 
 def cores_per_rank() -> int:
@@ -33,41 +42,40 @@ def cores_per_rank() -> int:
 
 
 class Piece(NamedTuple):
-    """``PASS_PIECE_VALUES`` values (fewer at a parameter's end) of one parameter from element
-    ``a``: its global copy, local start, and what the pass also needs there (None: not in this
-    pass)."""
+    """A piece's values (fewer at a parameter's end) of one parameter from element ``a``: its
+    global copy and what the pass also needs there (None: not in this pass): the local start,
+    the model's values, the pass's output, the gradient of the outer step, and the outer
+    optimizer's momentum and (Delayed Nesterov) sum of the window's gradients."""
 
     name: str
     a: int
     glob: torch.Tensor
-    start: torch.Tensor
+    start: torch.Tensor | None
     local: torch.Tensor | None
     out: torch.Tensor | None
     source: torch.Tensor | None
     momentum: torch.Tensor | None
+    grad_sum: torch.Tensor | None
 
 
 def cut(
-    numel: dict[str, int], columns: list[Mapping[str, torch.Tensor | None] | None]
+    numel: dict[str, int],
+    columns: Sequence[Mapping[str, torch.Tensor | None] | None],
+    values: int = PASS_PIECE_VALUES,
 ) -> list[Piece]:
-    """Each non-empty parameter's pieces, from its tensor in each column (the fields of
-    :class:`Piece` after ``a``; None: not in this pass). One ``split`` per tensor: slicing
-    each piece in Python costs more than a small piece's ops."""
+    """Each non-empty parameter's pieces of ``values`` values, from its tensor in each column
+    (the fields of :class:`Piece` after ``a``; None: not in this pass). One ``split`` per
+    tensor: slicing each piece in Python costs more than a small piece's ops."""
     pieces = []
     for name, n in numel.items():
         if n == 0:  # e.g. a rank's empty FSDP shard of a small parameter
             continue
         tensors = [None if c is None else c[name] for c in columns]
         split = [
-            (None,) * -(-n // PASS_PIECE_VALUES)
-            if t is None
-            else t.view(-1).split(PASS_PIECE_VALUES)
-            for t in tensors
+            (None,) * -(-n // values) if t is None else t.view(-1).split(values) for t in tensors
         ]
-        pieces += [
-            Piece(name, k * PASS_PIECE_VALUES, *parts)
-            for k, parts in enumerate(zip(*split, strict=True))
-        ]
+        parts = enumerate(zip(*split, strict=True))
+        pieces += [Piece(name, k * values, *row) for k, row in parts]
     return pieces
 
 
@@ -83,19 +91,22 @@ class PieceBuffers(NamedTuple):
 
 
 class Worker:
-    """One thread's scratch buffers and the chunk hashes of the pieces it took."""
+    """One thread's scratch buffers on ``device`` and the chunk hashes of the pieces it took."""
 
-    def __init__(self) -> None:
-        self._buffers = Scratch(torch.device("cpu"))
+    def __init__(self, device: torch.device) -> None:
+        self._buffers = Scratch(device)
         self.hashes: dict[str, PieceHashes] = {}
-        self.scratch(PASS_PIECE_VALUES)  # allocated once, at a piece's size
+        if device.type == "cpu":
+            self.scratch(PASS_PIECE_VALUES)  # allocated once, at a piece's size
 
-    def scratch(self, numel: int) -> PieceBuffers:
+    def scratch(self, numel: int, dtype: torch.dtype = torch.float32) -> PieceBuffers:
+        """Temporaries for a piece of ``numel`` values of ``dtype`` (the state's: a temporary
+        of another dtype would round otherwise than the whole-tensor operation)."""
         get = self._buffers.get
         return PieceBuffers(
-            grad=get("grad", numel, torch.float32),
-            t1=get("t1", numel, torch.float32),
-            step=get("step", numel, torch.float32),
+            grad=get("grad", numel, dtype),
+            t1=get("t1", numel, dtype),
+            step=get("step", numel, dtype),
             products=get("products", numel, torch.int64),
         )
 
@@ -105,11 +116,15 @@ def run_pieces(
     body: Callable[[Piece, Worker], None],
     threads: int = 0,
     hashed: dict[str, int] | None = None,
+    device: torch.device = HOST,
 ) -> dict[str, list[int]]:
-    """``body(piece, worker)`` for every piece, on ``threads`` threads (0: :func:`cores_per_rank`)
-    with torch's intra-op threads set to one meanwhile (splitting a piece's ops would pay a fork
-    and join per op); with ``hashed`` (each parameter's numel), the chunk hashes the bodies took,
-    by parameter."""
+    """``body(piece, worker)`` for every piece of tensors on ``device``. On the host, on
+    ``threads`` threads (0: :func:`cores_per_rank`) with torch's intra-op threads set to one
+    meanwhile (splitting a piece's ops would pay a fork and join per op); on an accelerator,
+    queued by the caller's thread. With ``hashed`` (each parameter's numel), the chunk hashes
+    the bodies took, by parameter."""
+    if device.type != "cpu":
+        return _workers(1, device).run(pieces, body, hashed)
     before = torch.get_num_threads()
     if before != 1:
         torch.set_num_threads(1)
@@ -121,17 +136,18 @@ def run_pieces(
 
 
 @functools.cache
-def _workers(count: int) -> _Workers:
-    """The process's workers, shared by its passes."""
-    return _Workers(count)
+def _workers(count: int, device: torch.device = HOST) -> _Workers:
+    """The process's workers on ``device``, shared by its passes."""
+    return _Workers(count, device)
 
 
 class _Workers:
     """The caller's thread and ``count - 1`` more, each taking every ``count``-th piece (torch's
     ops release the GIL)."""
 
-    def __init__(self, count: int) -> None:
-        self.workers = [Worker() for _ in range(count)]
+    def __init__(self, count: int, device: torch.device) -> None:
+        self.device = device
+        self.workers = [Worker(device) for _ in range(count)]
         self._lock = threading.Lock()  # one pass at a time (tests run several groups)
         self._pool = (
             ThreadPoolExecutor(count - 1, thread_name_prefix="sync-point-pass")
@@ -149,8 +165,7 @@ class _Workers:
         with self._lock:
             for worker in self.workers:
                 worker.hashes = {
-                    name: PieceHashes(n, 4, torch.device("cpu"))
-                    for name, n in (hashed or {}).items()
+                    name: PieceHashes(n, 4, self.device) for name, n in (hashed or {}).items()
                 }
             count = len(self.workers)
 

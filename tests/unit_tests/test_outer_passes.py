@@ -1,6 +1,6 @@
-"""An async DiLoCo sync point's host work in passes (``host_passes``): the same bits as the
-whole-fragment operations, no temporaries of a fragment's size, the host's cores, exact pinned
-memory, and the global copy's digest taken once."""
+"""The passes over the outer state (``outer_passes``): the same bits as the whole-fragment
+operations (``outer_reference``) for both outer optimizers, no temporaries of a fragment's size,
+the host's cores, exact pinned memory, and the global copy's digest taken once."""
 
 from __future__ import annotations
 
@@ -12,11 +12,15 @@ import pytest
 import torch
 from torch import nn
 
-from torchtitan.experiments.fault_tolerance.methods import host_passes, piece_workers
+from tests.unit_tests.outer_reference import WholeFragment
+from torchtitan.experiments.fault_tolerance.methods import outer_passes, piece_workers
 from torchtitan.experiments.fault_tolerance.methods.async_diloco import AsyncOuterState
-from torchtitan.experiments.fault_tolerance.methods.host_passes import SyncPointPasses
+from torchtitan.experiments.fault_tolerance.methods.global_copy import OuterState
 from torchtitan.experiments.fault_tolerance.methods.outer_optimizer import outer_optimizer
-from torchtitan.experiments.fault_tolerance.methods.piece_workers import PASS_PIECE_VALUES
+from torchtitan.experiments.fault_tolerance.methods.piece_workers import (
+    DEVICE_PIECE_VALUES,
+    PASS_PIECE_VALUES,
+)
 from torchtitan.tools import pinned
 from torchtitan.tools.digest import chunk_hashes, device_digest, fold_digest
 
@@ -32,61 +36,72 @@ def _model() -> nn.Module:
     return model
 
 
-def _state(passes: bool, momentum: float, nesterov: bool) -> tuple[nn.Module, AsyncOuterState]:
+def _state(
+    passes: bool, momentum: float, nesterov: bool, every: int = 1
+) -> tuple[nn.Module, AsyncOuterState, AsyncOuterState | WholeFragment]:
+    """A model, its outer state, and what runs its sync points: the passes or the reference."""
     model = _model()
-    state = AsyncOuterState(model, torch.device("cpu"), outer_optimizer(0.7, momentum, nesterov, 1))
+    make = outer_optimizer(0.7, momentum, nesterov, every)
+    state = AsyncOuterState(model, torch.device("cpu"), make)
     state.take_model()
-    if not passes:
-        state.passes.usable = lambda: False  # type: ignore[method-assign]
-    return model, state
+    return model, state, state if passes else WholeFragment(state)
 
 
-def _snapshot(model: nn.Module, state: AsyncOuterState, out: torch.Tensor) -> list[torch.Tensor]:
-    momentum = [
-        state.outer.state.get(t, {}).get("momentum_buffer") for t in state.global_copy.values()
+def _snapshot(model: nn.Module, state: AsyncOuterState, out: torch.Tensor) -> list[Any]:
+    """Every tensor a sync point writes, and the outer optimizer's state."""
+    held = [
+        state.outer.state.get(t, {}).get(key)
+        for t in state.global_copy.values()
+        for key in ("momentum_buffer", "grad_sum")
     ]
     return [
         *(p.detach().clone() for p in model.parameters()),
         *(t.clone() for t in state.global_copy.values()),
         *(t.clone() for t in state.period_start.values()),
-        *(torch.zeros(0) if m is None else m.clone() for m in momentum),
+        *(torch.zeros(0) if m is None else m.clone() for m in held),
         out.clone(),
+        [{k: v for k, v in g.items() if k != "params"} for g in state.outer.param_groups],
     ]
 
 
 @pytest.mark.parametrize("update", ["eager", "eager_share", "delayed"])
-@pytest.mark.parametrize(("momentum", "nesterov"), [(0.9, True), (0.9, False), (0.0, False)])
+@pytest.mark.parametrize(
+    ("momentum", "nesterov", "every"),
+    [(0.9, True, 1), (0.9, False, 1), (0.0, False, 1), (0.9, True, 2), (0.9, True, 3)],
+)
 @pytest.mark.parametrize("one_call", [True, False])
 def test_the_passes_give_the_bits_of_the_whole_fragment_operations(
-    update: str, momentum: float, nesterov: bool, one_call: bool
+    update: str, momentum: float, nesterov: bool, every: int, one_call: bool
 ) -> None:
-    """Five sync points (a dropped one among them, the first with no momentum yet) through
-    the passes and through the whole-fragment methods: every tensor the same, bit for bit."""
+    """Seven sync points (a dropped one among them, the first with no momentum yet; Delayed
+    Nesterov (``every`` > 1) across window ends, its sums and momentum fresh) through the
+    passes and through the whole-fragment methods: every tensor the same, bit for bit."""
     share = None if update == "delayed" else (1.0 if update == "eager" else 1 / 3)
     runs = []
     for passes in (True, False):
-        model, state = _state(passes, momentum, nesterov)
+        model, state, runner = _state(passes, momentum, nesterov, every)
         data = torch.Generator().manual_seed(1)
         out = torch.empty(state.numel())
         seen = []
         sums: torch.Tensor | None = None
-        for sync in range(5):
+        for sync in range(7):
             with torch.no_grad():  # a period's inner steps
                 for p in model.parameters():
                     p.add_(torch.randn(p.shape, generator=data) * 0.01)
             arrived = None if sync == 0 or sync == 3 else sums  # sync 3 is dropped
             total = 30.0
             if one_call:  # finish_and_start: one pass over each piece
-                state.finish_and_start(arrived, total, out, share, 40.0)
+                runner.finish_and_start(arrived, total, out, share, 40.0)
             else:
-                state.finish(arrived, total)
-                state.start(out, share, 40.0)
+                runner.finish(arrived, total)
+                runner.start(out, share, 40.0)
             seen.append(_snapshot(model, state, out))
             # What the groups' all-reduce sums: this group's and another's pseudo-gradient.
             sums = out * 10 + torch.randn(out.shape, generator=data) * 0.01
         runs.append(seen)
     for sync, (a, b) in enumerate(zip(*runs, strict=True)):
-        for index, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert a[-1] == b[-1], f"sync {sync}: the optimizer's settings or step count differ"
+        for index, (x, y) in enumerate(zip(a[:-1], b[:-1], strict=True)):
             assert torch.equal(x, y), f"sync {sync}, tensor {index} differs"
 
 
@@ -94,7 +109,7 @@ def test_a_pass_allocates_nothing_of_a_fragments_size() -> None:
     """The sync point's temporaries are pieces (scratch of ``PASS_PIECE_VALUES`` values),
     whatever the fragment's size; the momentum buffers made at the first outer step are the
     state's own."""
-    model, state = _state(True, 0.9, True)
+    model, state, _ = _state(True, 0.9, True)
     out = torch.empty(state.numel())
     state.finish_and_start(None, 1.0, out, 1.0)  # the scratch exists from here on
     sums = torch.randn(state.numel())
@@ -120,7 +135,7 @@ def test_a_sync_point_runs_on_the_cores_of_its_rank_one_thread_per_op(monkeypatc
     assert piece_workers.cores_per_rank() == 1  # a cpuset of 3 cores for 4 ranks: at least one
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert piece_workers.cores_per_rank() == 3  # a cpuset of its own
-    model, state = _state(True, 0.9, True)  # 0 threads: cores_per_rank's
+    model, state, _ = _state(True, 0.9, True)  # 0 threads: cores_per_rank's
     threads: set[int] = set()
     workers: set[int] = set()  # each worker hashes into scratch of its own
     op_threads: set[int] = set()
@@ -147,19 +162,21 @@ def test_a_sync_point_runs_on_the_cores_of_its_rank_one_thread_per_op(monkeypatc
 def test_the_global_copys_digest_is_taken_in_the_pass_and_kept_until_it_changes(
     monkeypatch,
 ) -> None:
-    model, state = _state(True, 0.9, True)
+    model, state, _ = _state(True, 0.9, True)
     out = torch.empty(state.numel())
     state.finish_and_start(torch.randn(state.numel()), 3.0, out, 1.0)
     taken: list[Any] = []
-    original = host_passes.chunk_hashes
-    monkeypatch.setattr(host_passes, "chunk_hashes", lambda t: taken.append(t) or original(t))
+    original = outer_passes.chunk_hashes
+    monkeypatch.setattr(outer_passes, "chunk_hashes", lambda t: taken.append(t) or original(t))
     expected = device_digest(state.global_copy.values())
     for _ in range(3):  # the agreement check, the heal history's basis, a heal's answer
-        assert fold_digest(state.global_chunk_hashes()) == expected
+        assert fold_digest(state.passes.global_chunk_hashes()) == expected
     assert taken == []  # all from the pass
     with torch.no_grad():  # e.g. a checkpoint loaded into the global copy
         next(iter(state.global_copy.values()))[0] += 1
-    assert fold_digest(state.global_chunk_hashes()) == device_digest(state.global_copy.values())
+    assert fold_digest(state.passes.global_chunk_hashes()) == device_digest(
+        state.global_copy.values()
+    )
     assert len(taken) == len(state.global_copy)  # taken again, once
 
 
@@ -192,26 +209,15 @@ def test_the_outer_state_is_pinned_at_its_exact_size(monkeypatch) -> None:
     assert all(t.data_ptr() in {p for p, _ in registered} for t in state.global_copy.values())
 
 
-def test_passes_apply_only_to_plain_sgd_with_the_state_on_the_host() -> None:
-    model = _model()
-    delayed = AsyncOuterState(
-        model, torch.device("cpu"), outer_optimizer(0.7, 0.9, True, 2)
-    )  # Delayed Nesterov
-    assert not delayed.passes.usable()
-    plain = AsyncOuterState(model, torch.device("cpu"), outer_optimizer(0.7, 0.9, True, 1))
-    assert plain.passes.usable()
-    assert isinstance(delayed.passes, SyncPointPasses)
-
-
-def test_an_outer_step_the_passes_did_not_take_voids_the_digest_kept() -> None:
-    """A replayed outer step (``outer_step``: the optimizer's own ``step``) after a digest was
-    kept: the next digest is the new copy's."""
-    model, state = _state(True, 0.9, True)
+def test_a_replayed_outer_step_keeps_the_digest_of_the_new_copy() -> None:
+    """A replayed outer step (``outer_step``, a pass too) after a digest was kept: the digest
+    kept is the new copy's."""
+    model, state, _ = _state(True, 0.9, True)
     state.finish_and_start(torch.randn(state.numel()), 3.0, torch.empty(state.numel()), 1.0)
-    before = state.global_chunk_hashes()
-    state.outer_step(state.views(torch.randn(state.numel())))  # a heal's replay
+    before = state.passes.global_chunk_hashes()
+    state.passes.step(state.views(torch.randn(state.numel())))  # a heal's replay
     fresh = [h for t in state.global_copy.values() for h in chunk_hashes(t)]
-    assert fresh != before and state.global_chunk_hashes() == fresh
+    assert fresh != before and state.passes.global_chunk_hashes() == fresh
 
 
 def _odd_model(dtype: torch.dtype) -> nn.Module:
@@ -233,8 +239,7 @@ def test_empty_shards_and_a_bf16_model_give_the_bits_of_the_whole_fragment_opera
         model = _odd_model(dtype)
         state = AsyncOuterState(model, torch.device("cpu"), outer_optimizer(0.7, 0.9, True, 1))
         state.take_model()
-        if not passes:
-            state.passes.usable = lambda: False  # type: ignore[method-assign]
+        runner = state if passes else WholeFragment(state)
         out = torch.empty(state.numel())
         data = torch.Generator().manual_seed(3)
         seen = []
@@ -243,8 +248,95 @@ def test_empty_shards_and_a_bf16_model_give_the_bits_of_the_whole_fragment_opera
                 for p in model.parameters():
                     p.add_((torch.randn(p.shape, generator=data) * 0.01).to(dtype))
             sums = None if sync == 0 else out * 4 + 1
-            state.finish_and_start(sums, 8.0, out, 1.0, 4.0)
+            runner.finish_and_start(sums, 8.0, out, 1.0, 4.0)
             seen.append([*(p.detach().clone() for p in model.parameters()), out.clone()])
         runs.append(seen)
     for a, b in zip(*runs, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_a_pass_that_does_not_step_keeps_the_digest_of_the_copy() -> None:
+    """``start`` writes the local start and the model, never the global copy: the digest the
+    last step's pass took stays, and it is the copy's."""
+    model, state, _ = _state(True, 0.9, True)
+    out = torch.empty(state.numel())
+    state.finish(torch.randn(state.numel()), 3.0)
+    kept = state.passes.global_chunk_hashes()
+    state.start(out, 1.0, 2.0)
+    assert state.passes.global_chunk_hashes() == kept
+    assert kept == [h for t in state.global_copy.values() for h in chunk_hashes(t)]
+
+
+def test_diloco_steps_a_bf16_global_copy_in_pieces_as_the_optimizer_would() -> None:
+    """Blocking DiLoCo's global copy lives beside the parameters, in their dtype: the pass's
+    outer step (two fragments' worth of pieces) is ``OuterSGD.step``'s on the whole tensors,
+    and its digest, taken after the pass, the copy's."""
+    model = _odd_model(torch.bfloat16)
+    make = outer_optimizer(0.7, 0.9, True, 1)
+    state = OuterState(model, make)
+    reference = [t.clone().requires_grad_() for t in state.global_copy.values()]
+    optimizer = make(reference)
+    state.take_model()
+    for r, t in zip(reference, state.global_copy.values(), strict=True):
+        r.data.copy_(t)
+    data = torch.Generator().manual_seed(5)
+    for _ in range(3):  # the first step makes the momentum
+        averages = {
+            name: torch.randn(t.shape, generator=data).to(torch.bfloat16)
+            for name, t in state.global_copy.items()
+        }
+        for r, average in zip(reference, averages.values(), strict=True):
+            r.grad = average.clone()
+        optimizer.step()
+        state.passes.step(averages)
+    for r, t in zip(reference, state.global_copy.values(), strict=True):
+        assert torch.equal(r.detach(), t)
+    fresh = [h for t in state.global_copy.values() for h in chunk_hashes(t)]
+    assert state.passes.global_chunk_hashes() == fresh
+
+
+def test_state_on_an_accelerator_is_stepped_in_large_pieces_on_the_callers_thread(
+    monkeypatch,
+) -> None:
+    """The outer state beside a model on an accelerator (``outer_state_device=cuda``, or
+    DiLoCo's): the passes queue pieces of ``DEVICE_PIECE_VALUES`` from the caller's thread
+    with its scratch on the device, torch's host threads untouched, and take no digest in
+    the pass (that would wait for the device at every piece). Observed on the meta device."""
+    meta = torch.device("meta")
+    model = nn.Module()
+    model.register_parameter(
+        "w", nn.Parameter(torch.empty(2 * DEVICE_PIECE_VALUES + 3, device=meta))
+    )
+    model.register_parameter("b", nn.Parameter(torch.empty(5, device=meta)))
+    state = AsyncOuterState(model, meta, outer_optimizer(0.7, 0.9, True, 3))
+    seen: list[tuple[int, int, str, int]] = []
+    original = piece_workers._Workers.run
+
+    def run(self: Any, pieces: list, body: Any, hashed: Any) -> Any:
+        for piece in pieces:
+            seen.append((piece.a, piece.glob.numel(), str(self.device), threading.get_ident()))
+        assert hashed is None
+        return original(self, pieces, body, hashed)
+
+    monkeypatch.setattr(piece_workers._Workers, "run", run)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: pytest.fail("host threads set"))
+    out = torch.empty(state.numel(), device=meta)
+    state.finish_and_start(torch.empty(state.numel(), device=meta), 3.0, out, 1.0, 2.0)
+    state.passes.step(state.views(torch.empty(state.numel(), device=meta)))
+    sizes = [(a, n) for a, n, _, _ in seen]
+    assert sizes[:4] == [(0, DEVICE_PIECE_VALUES), (DEVICE_PIECE_VALUES, DEVICE_PIECE_VALUES),
+                         (2 * DEVICE_PIECE_VALUES, 3), (0, 5)]  # fmt: skip
+    assert {(d, t) for _, _, d, t in seen} == {("meta", threading.get_ident())}
+    assert state.outer.param_groups[0]["step"] == 2  # Delayed Nesterov counted both steps
+
+
+def test_the_passes_refuse_what_they_cannot_step_naming_it() -> None:
+    model = _model()
+    with pytest.raises(TypeError, match="OuterSGD or DelayedNesterov, not .*SGD"):
+        AsyncOuterState(model, torch.device("cpu"), lambda t: torch.optim.SGD(t, lr=0.1)).finish(
+            torch.zeros(sum(p.numel() for p in model.parameters())), 1.0
+        )
+    strided = nn.Module()
+    strided.register_parameter("w", nn.Parameter(torch.zeros(4, 6).t()))
+    with pytest.raises(ValueError, match="must be contiguous"):
+        OuterState(strided, outer_optimizer(0.7, 0.0, False, 1))
