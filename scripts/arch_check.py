@@ -72,7 +72,7 @@ TARGETS: dict[str, int] = {
 #: What CI allows today: the targets, or today's count where the code is not there yet (lower a
 #: limit as the code improves; never raise one).
 LIMITS: dict[str, int] = {
-    "upward_calls": 10,
+    "upward_calls": 2,
     "import_cycles": 0,
     "longest_chain": 11,
     "forwarding_methods": 3,
@@ -139,6 +139,11 @@ EXTERNAL_SINKS: tuple[str, ...] = (
     *("atexit.register", "signal.signal", "weakref.finalize", "*.callback"),  # ExitStack.callback
     *("torch.*", "concurrent.futures.*", "contextlib.*", "functools.*", "*tree_map"),
 )
+
+#: Our wrappers of a library's callback registration, counted as the library's: they only hold
+#: the callables until the library's object exists. torchft's healing state: its Manager calls
+#: the pair when a peer heals from this group or this group heals (FTManager, SyncQuorum).
+LIBRARY_CALLBACKS: tuple[str, ...] = ("register_state_dict_fn",)
 
 _FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
 FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
@@ -685,6 +690,8 @@ class _Upward(ast.NodeVisitor):
         chain = _chain(func)
         if chain is None:
             return not any(fnmatch.fnmatch(ast.unparse(func), p) for p in EXTERNAL_SINKS)
+        if chain[-1] in LIBRARY_CALLBACKS:
+            return False
         if chain[0] in ("self", "cls") and len(chain) == 2:
             return False  # the object's own method
         t = self._type_of(chain[:-1]) if len(chain) > 1 else None

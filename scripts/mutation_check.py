@@ -1015,8 +1015,8 @@ MUTANTS = [
     Mutant(
         "piece_workers: a piece's t1 temporary shares the grad scratch buffer",
         f"{PACKAGE}/methods/piece_workers.py",
-        't1=get("t1", numel, dtype),',
-        't1=get("grad", numel, dtype),',
+        't1=get(f"t1 {dtype}", numel, dtype),',
+        't1=get(f"grad {dtype}", numel, dtype),',
     ),
     Mutant(
         "global copy: a replay's outer step is measured as a sync's norm",
@@ -1147,8 +1147,8 @@ MUTANTS = [
     Mutant(
         "piece_workers: a bf16 state's step temporary is fp32",
         f"{PACKAGE}/methods/piece_workers.py",
-        'step=get("step", numel, dtype),',
-        'step=get("step", numel, torch.float32),',
+        'step=get(f"step {dtype}", numel, dtype),',
+        'step=get(f"step {dtype}", numel, torch.float32),',
         ("tests/unit_tests/test_outer_passes.py",),
     ),
     Mutant(
@@ -1157,6 +1157,82 @@ MUTANTS = [
         'return PASS_PIECE_VALUES if device.type == "cpu" else DEVICE_PIECE_VALUES',
         "return PASS_PIECE_VALUES",
         ("tests/unit_tests/test_outer_passes.py",),
+    ),
+    Mutant(
+        "passes: a first step's momentum buffer is the optimizer's before the pass succeeds",
+        f"{PACKAGE}/methods/outer_passes.py",
+        "                    buffer = torch.empty_like(glob)",
+        '                    buffer = outer.state[glob]["momentum_buffer"] = '
+        "torch.empty_like(glob)",
+        ("tests/unit_tests/test_outer_passes.py",),
+    ),
+    Mutant(
+        "passes: an outer optimizer they cannot step is refused only at the first step",
+        f"{PACKAGE}/methods/outer_passes.py",
+        "        check_outer(outer)\n",
+        "",
+        ("tests/unit_tests/test_outer_passes.py",),
+    ),
+    Mutant(
+        "passes: an average of another size is cut as if it fitted",
+        f"{PACKAGE}/methods/outer_passes.py",
+        "            if values[name].numel() != numel:",
+        "            if values[name].numel() > numel:",
+        ("tests/unit_tests/test_outer_passes.py",),
+    ),
+    Mutant(
+        "Delayed Nesterov on pieces: the estimate after a window's end reads no momentum (c > 0)",
+        f"{PACKAGE}/methods/outer_passes.py",
+        "no_momentum = no_momentum and not self.last",
+        "no_momentum = no_momentum and self.last",
+    ),
+    Mutant(
+        "passes: finish shifts the local copy by start - global (a reviewer's)",
+        f"{PACKAGE}/methods/outer_passes.py",
+        "piece.local.add_(torch.sub(piece.glob, piece.start, out=scratch.t1))",
+        "piece.local.add_(torch.sub(piece.start, piece.glob, out=scratch.t1))",
+    ),
+    Mutant(
+        "async DiLoCo: a restart gives the model the global copy, keeps the old start "
+        "(a reviewer's)",
+        f"{PACKAGE}/methods/async_diloco.py",
+        "            self.period_start[name].copy_(self.global_copy[name])\n"
+        "            local_tensor(p.data).copy_(self.period_start[name], "
+        "non_blocking=self.non_blocking)",
+        "            local_tensor(p.data).copy_(self.global_copy[name], "
+        "non_blocking=self.non_blocking)",
+    ),
+    Mutant(
+        "Delayed Nesterov: the momentum buffer is allocated before the first window end "
+        "(a reviewer's)",
+        f"{PACKAGE}/methods/outer_optimizer.py",
+        "if last and momentum is None:",
+        "if momentum is None:",
+    ),
+    Mutant(
+        "Delayed Nesterov on pieces: an estimate-only pass counts a step (a reviewer's)",
+        f"{PACKAGE}/methods/outer_passes.py",
+        "        if self.stepping:\n            for name, buffers in self.buffers.items():",
+        "        if True:\n            for name, buffers in self.buffers.items():",
+    ),
+    Mutant(
+        "runner: an abandoned lane's gate stays open, so its thread issues the next collective",
+        f"{PACKAGE}/transport/runner.py",
+        "            lane.gate.close()\n",
+        "",
+    ),
+    Mutant(
+        "collective: a gate is not held around the issue of an all-gather",
+        f"{PACKAGE}/transport/collective.py",
+        "    issuing = contextlib.nullcontext if gate is None else gate.issuing",
+        "    issuing = contextlib.nullcontext",
+    ),
+    Mutant(
+        "core: a committed step counts no tokens",
+        "torchtitan/trainer.py",
+        "        self.tokens_seen += tokens",
+        "        self.tokens_seen += 0",
+        ("tests/unit_tests/test_checkpoint.py",),
     ),
 ]
 

@@ -89,6 +89,11 @@ class TrainState:
         self.step = 0
         self.tokens_seen = 0
 
+    def count_step(self, tokens: int = 0) -> None:
+        """A step was taken (committed), on ``tokens`` tokens of this rank's."""
+        self.step += 1
+        self.tokens_seen += tokens
+
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "tokens_seen": self.tokens_seen}
 
@@ -409,8 +414,7 @@ class Trainer:
                         max_consecutive_failures=self.ft.max_consecutive_failures,
                     )
                     continue
-                self.train_state.step += 1
-                self.train_state.tokens_seen += inputs.numel()
+                self.train_state.count_step(inputs.numel())
                 self.after_step(result)
         self.metrics.close()
         if self.ft is not None:

@@ -224,6 +224,7 @@ def test_upward_calls(tmp_path: Path) -> None:
                         threading.Thread(target=self._run)
                         sorted([], key=lambda v: v)
                         self.reporter.go(self._cb)  # COUNTED
+                        self.reporter.register_state_dict_fn("k", self._cb, self._run)
 
                     def __getattr__(self, name):  # COUNTED
                         return getattr(self.reporter, name)

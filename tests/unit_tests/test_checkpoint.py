@@ -69,8 +69,7 @@ class Run:
             self.scheduler.step()
             self.data.position += 3
             self.data.leftover = list(range(self.data.position % 5))
-            self.train_state.step += 1
-            self.train_state.tokens_seen += 12
+            self.train_state.count_step(12)
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -592,3 +591,10 @@ def test_a_checkpoint_folder_may_be_an_absolute_path_per_replica_group(tmp_path:
     config.fault_tolerance.enable = True
     config.fault_tolerance.replica_id = 3
     assert checkpoint_folder(config) == tmp_path / "region_a" / "replica_3"
+
+
+def test_a_counted_step_moves_the_step_and_the_tokens_seen() -> None:
+    state = TrainState()
+    state.count_step(12)
+    state.count_step()  # a step on no tokens of this rank's (a group joining at a sync point)
+    assert state.state_dict() == {"step": 2, "tokens_seen": 12}

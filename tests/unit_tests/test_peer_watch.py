@@ -249,3 +249,45 @@ def test_a_collective_taken_up_as_its_sync_is_abandoned_still_completes(
     assert work.wait_for(2.0) and work.abandoned
     assert issued == []
     runner.shutdown(timeout=5)
+
+
+def test_an_all_reduce_abandoned_between_its_collectives_issues_no_more() -> None:
+    """A compressed all-reduce is two collectives (an all-to-all, then an all-gather). Its sync
+    abandoned while the first is in flight (a peer gone), the second is not issued: it could
+    pair with a collective of the next quorum."""
+    from torchtitan.experiments.fault_tolerance.transport.collective import (
+        Abandoned,
+        IssueGate,
+        compressed_all_reduce,
+    )
+
+    gate = IssueGate(threading.Lock())
+    issued: list[str] = []
+
+    class Abandoning:  # the all-to-all's work: the runner abandons the sync while it runs
+        def wait(self, *args: Any) -> bool:
+            with gate.lock:
+                gate.close()
+            return True
+
+        def is_completed(self) -> bool:
+            return True
+
+    def alltoall_base(out: torch.Tensor, given: torch.Tensor, *args: Any) -> Abandoning:
+        issued.append("all-to-all")
+        out.copy_(given)
+        return Abandoning()
+
+    def allgather(*args: Any) -> None:
+        issued.append("all-gather")
+
+    pg = SimpleNamespace(size=lambda: 2, alltoall_base=alltoall_base, allgather=allgather)
+    with pytest.raises(Abandoned, match="abandoned"):
+        compressed_all_reduce(
+            pg,
+            torch.ones(8192),
+            "int8",
+            gate=gate,
+            timeout=timedelta(seconds=5),  # type: ignore[arg-type]
+        )
+    assert issued == ["all-to-all"]

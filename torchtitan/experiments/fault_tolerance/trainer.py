@@ -260,7 +260,7 @@ class SemiSyncTrainer(Trainer):
         # The running groups are inside this step's optimizer.step(); finish it as they will.
         self._advance_schedule()
         last = self._last_step_taken(self.train_state.step + 1)
-        self.train_state.step += 1
+        self.train_state.count_step()
         if performed:
             self.reporter.report(self.train_state.step)
         if last:

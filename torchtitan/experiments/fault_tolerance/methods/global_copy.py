@@ -64,7 +64,9 @@ class OuterState:
             name: state_tensor(local_tensor(p.data), device) for name, p in self.params.items()
         }
         self.outer: torch.optim.Optimizer = make_outer(list(self.global_copy.values()))
-        self.passes = OuterPasses(self.params, self.global_copy, self.outer, threads)
+        self.passes = OuterPasses(
+            self.params, self.global_copy, self.outer, threads, self.non_blocking
+        )
         #: Where the model's shards live (a sync's buffers and averages are there too).
         self.model_device = self.passes.model_device
         #: The all-reduced pseudo-gradients (once the works are done) and their works.

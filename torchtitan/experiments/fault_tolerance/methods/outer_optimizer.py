@@ -366,6 +366,7 @@ class DelayedNesterov(_CheckedStep):
                 p, p.grad, *buffers, step=step, lr=group["lr"], momentum=group["momentum"],
                 delay=delay, c=group["c"],
             )  # fmt: skip
+            buffers.keep(self.state[p])
         group["step"] = step + 1
 
 
@@ -379,19 +380,27 @@ class DelayedNesterovBuffers(NamedTuple):
     fresh_momentum: bool
     fresh_sum: bool
 
+    def keep(self, state: dict[str, Any]) -> None:
+        """Put the buffers the step wrote for the first time into the optimizer's ``state``
+        (after the step: a step that fails keeps none)."""
+        if self.fresh_momentum and self.momentum is not None:
+            state["momentum_buffer"] = self.momentum
+        if self.fresh_sum and self.grad_sum is not None:
+            state["grad_sum"] = self.grad_sum
+
 
 def delayed_nesterov_buffers(
     state: dict[str, Any], like: torch.Tensor, last: bool
 ) -> DelayedNesterovBuffers:
-    """A parameter's buffers for its next step (``last``: a window's last), allocated in its
-    optimizer ``state`` where the step writes them for the first time: the momentum at a
-    window's end, the sum inside a window."""
+    """A parameter's buffers for its next step (``last``: a window's last), read from its
+    optimizer ``state``, new (``like``'s) where the step writes them for the first time: the
+    momentum at a window's end, the sum inside a window. The state is not changed."""
     momentum, grad_sum = state.get("momentum_buffer"), state.get("grad_sum")
     fresh_momentum, fresh_sum = momentum is None, grad_sum is None
     if last and momentum is None:
-        momentum = state["momentum_buffer"] = torch.empty_like(like)
+        momentum = torch.empty_like(like)
     if not last and grad_sum is None:
-        grad_sum = state["grad_sum"] = torch.empty_like(like)
+        grad_sum = torch.empty_like(like)
     return DelayedNesterovBuffers(momentum, grad_sum, fresh_momentum, fresh_sum)
 
 

@@ -76,7 +76,8 @@ class PieceRule(Protocol):
         ...
 
     def close(self) -> None:
-        """The pass is over (Delayed Nesterov counts its step)."""
+        """The pass is over: the buffers its step wrote first go into the optimizer's state,
+        and Delayed Nesterov counts its step (a pass that fails before changes none)."""
         ...
 
 
@@ -96,6 +97,7 @@ class _SGDRule:
     def __init__(self, outer: OuterSGD, global_copy: Tensors, stepping: bool) -> None:
         group = _one_group(outer)
         outer._check_group(group)
+        self.outer, self.global_copy = outer, global_copy
         self.lr, self.momentum = float(group["lr"]), group["momentum"]
         self.nesterov, self.stepping = group["nesterov"], stepping
         self.first: set[str] = set()
@@ -105,7 +107,7 @@ class _SGDRule:
             if self.momentum != 0 and buffer is None:
                 self.first.add(name)
                 if stepping:
-                    buffer = outer.state[glob]["momentum_buffer"] = torch.empty_like(glob)
+                    buffer = torch.empty_like(glob)
             self.buffers[name] = buffer
 
     def columns(self) -> tuple[dict[str, torch.Tensor | None], dict[str, torch.Tensor | None]]:
@@ -126,7 +128,9 @@ class _SGDRule:
         )  # fmt: skip
 
     def close(self) -> None:
-        pass
+        if self.stepping:
+            for name in self.first:
+                self.outer.state[self.global_copy[name]]["momentum_buffer"] = self.buffers[name]
 
 
 class _DelayedNesterovRule:
@@ -136,14 +140,15 @@ class _DelayedNesterovRule:
     def __init__(self, outer: DelayedNesterov, global_copy: Tensors, stepping: bool) -> None:
         self.group = _one_group(outer)
         outer._check_group(self.group)
+        self.outer, self.global_copy = outer, global_copy
         self.number, self.stepping = self.group["step"], stepping
         self.last = self.number % self.group["delay"] == self.group["delay"] - 1
         self.buffers: dict[str, DelayedNesterovBuffers] = {}
         for name, glob in global_copy.items():
+            state = outer.state.get(glob, {})
             if stepping:
-                self.buffers[name] = delayed_nesterov_buffers(outer.state[glob], glob, self.last)
+                self.buffers[name] = delayed_nesterov_buffers(state, glob, self.last)
             else:
-                state = outer.state.get(glob, {})
                 momentum, grad_sum = state.get("momentum_buffer"), state.get("grad_sum")
                 self.buffers[name] = DelayedNesterovBuffers(
                     momentum, grad_sum, momentum is None, grad_sum is None
@@ -178,6 +183,8 @@ class _DelayedNesterovRule:
 
     def close(self) -> None:
         if self.stepping:
+            for name, buffers in self.buffers.items():
+                buffers.keep(self.outer.state[self.global_copy[name]])
             self.group["step"] = self.number + 1
 
 
@@ -189,6 +196,15 @@ def piece_rule(outer: torch.optim.Optimizer, global_copy: Tensors, stepping: boo
     if type(outer) is DelayedNesterov:
         return _DelayedNesterovRule(outer, global_copy, stepping)
     raise TypeError(f"the outer optimizer must be OuterSGD or DelayedNesterov, not {type(outer)}")
+
+
+def check_outer(outer: torch.optim.Optimizer) -> None:
+    """Raise now what a pass would raise at the first outer step over ``outer``: a type the
+    passes cannot step, more than one group, a tensor learning rate, a setting out of range."""
+    if not isinstance(outer, (OuterSGD, DelayedNesterov)):
+        piece_rule(outer, {}, stepping=False)  # raises, naming the type
+        return
+    outer._check_group(_one_group(outer))
 
 
 class OuterPasses:
@@ -204,9 +220,15 @@ class OuterPasses:
         global_copy: Tensors,
         outer: torch.optim.Optimizer,
         threads: int = 0,
+        non_blocking: bool = True,
     ) -> None:
-        """``threads``: for the host's passes (0: ``piece_workers.cores_per_rank``)."""
+        """``threads``: for the host's passes (0: ``piece_workers.cores_per_rank``);
+        ``non_blocking``: copies between the model's device and the state's are queued, and
+        waited for where the host reads or rewrites them (False: each blocks, the reference
+        of the CUDA tests)."""
+        check_outer(outer)
         self.params = params
+        self.non_blocking = non_blocking
         self.global_copy = global_copy
         self.outer = outer
         self.threads = threads
@@ -235,14 +257,14 @@ class OuterPasses:
     def step(self, averages: Tensors, divisor: float = 1.0) -> None:
         """The outer step with ``averages / divisor`` (by parameter, any device; they may be
         overwritten) as gradient."""
-        rule = piece_rule(self.outer, self.global_copy, stepping=True)
         source = self._to_state(averages)
         divide_by = self._divide_by(divisor)
+        rule = piece_rule(self.outer, self.global_copy, stepping=True)
 
         def body(piece: Piece, worker: Worker) -> None:
             scratch = worker.scratch(piece.glob.numel(), piece.glob.dtype)
             self._step_piece(rule, piece, divide_by, scratch)
-            self._hash(piece, worker, scratch)
+            self._hash(piece, worker)
 
         self._run(self._cut(rule, source=source), body)
         rule.close()
@@ -251,9 +273,9 @@ class OuterPasses:
         """The outer step with ``average / divisor`` (flat, on any device; None: no step), then
         the local copy follows the global copy: it moves by global copy - local ``start``, and
         the period starts at the global copy."""
-        rule = piece_rule(self.outer, self.global_copy, stepping=average is not None)
         source = None if average is None else self._to_state(self.views(average))
         divide_by = self._divide_by(divisor)
+        rule = piece_rule(self.outer, self.global_copy, stepping=average is not None)
         in_place = self.in_place
         pieces = self._cut(
             rule,
@@ -273,14 +295,14 @@ class OuterPasses:
             else:
                 torch.sub(piece.glob, piece.start, out=piece.out)
             piece.start.copy_(piece.glob)
-            self._hash(piece, worker, scratch)
+            self._hash(piece, worker)
 
         self._run(pieces, body)
         rule.close()
         if not in_place:
             local, staged = self._local(), self.views(self._staging_buffer())
             for name in self.params:
-                local[name].add_(staged[name].to(self.model_device, non_blocking=True))
+                local[name].add_(staged[name].to(self.model_device, non_blocking=self.non_blocking))
             wait_for_copies(self.model_device)  # the host rewrites the staging next
 
     def start(self, start: Tensors, out: torch.Tensor, share: float | None, tokens: float) -> None:
@@ -302,7 +324,7 @@ class OuterPasses:
             return
         local, views = self._local(), self.views(out)
         for name in self.params:  # the pseudo-gradient, on the device
-            views[name].copy_(start[name].view(-1), non_blocking=True)
+            views[name].copy_(start[name].view(-1), non_blocking=self.non_blocking)
             views[name].sub_(local[name])
         if share is None:
             wait_for_copies(self.model_device)  # the host rewrites ``start`` next
@@ -315,7 +337,7 @@ class OuterPasses:
 
         self._run(self._cut(rule, start=start, out=staged), host_body, steps=False)
         for name in self.params:
-            local[name].copy_(start[name].view(-1), non_blocking=True)
+            local[name].copy_(start[name].view(-1), non_blocking=self.non_blocking)
         out.mul_(tokens)
         wait_for_copies(self.model_device)  # ``start`` is rewritten at the next sync point
 
@@ -336,9 +358,9 @@ class OuterPasses:
             self.finish(start, average, divisor)
             self.start(start, out, share, tokens)
             return
-        rule = piece_rule(self.outer, self.global_copy, stepping=average is not None)
         source = None if average is None else self._to_state(self.views(average))
         divide_by = self._divide_by(divisor)
+        rule = piece_rule(self.outer, self.global_copy, stepping=average is not None)
         pieces = self._cut(
             rule, start=start, local=self._local(), out=self.views(out), source=source
         )
@@ -353,7 +375,7 @@ class OuterPasses:
             # below; its start (= global) is read as global.
             followed = torch.add(local, torch.sub(glob, piece.start, out=scratch.t1),
                                  out=scratch.t1)  # fmt: skip
-            self._hash(piece, worker, scratch)
+            self._hash(piece, worker)
             torch.sub(glob, followed, out=pseudo)  # the pseudo-gradient
             self._start_period(rule, piece, pseudo, share, tokens, worker)
             local.copy_(piece.start)
@@ -416,9 +438,9 @@ class OuterPasses:
             assert pseudo is not None
             pseudo.mul_(tokens)
 
-    def _hash(self, piece: Piece, worker: Worker, scratch: PieceBuffers) -> None:
-        if self._hashed:
-            worker.hashes[piece.name].add(piece.a, piece.glob, scratch.products)
+    def _hash(self, piece: Piece, worker: Worker) -> None:
+        if self._hashed:  # on the host: an integer dot product, no temporary
+            worker.hashes[piece.name].add(piece.a, piece.glob)
 
     def _divide_by(self, divisor: float) -> torch.Tensor | None:
         if divisor == 1:
@@ -456,6 +478,11 @@ class OuterPasses:
     def _to_state(self, values: Tensors) -> Tensors:
         """``values`` (by parameter) flat where the state lives: as they are if there, else
         through the staging buffer (an accelerator's, for host state) or copied."""
+        for name, numel in self.numel.items():
+            if values[name].numel() != numel:
+                raise ValueError(
+                    f"{values[name].numel()} values for {name}, a parameter of {numel} values"
+                )
         device = next(iter(values.values())).device
         if device == self.state_device:
             return {name: values[name].view(-1) for name in self.numel}
@@ -463,7 +490,7 @@ class OuterPasses:
             return {name: values[name].reshape(-1).to(self.state_device) for name in self.numel}
         staging = self.views(self._staging_buffer())
         for name in self.numel:
-            staging[name].copy_(values[name].view(-1), non_blocking=True)
+            staging[name].copy_(values[name].view(-1), non_blocking=self.non_blocking)
         wait_for_copies(device)
         return staging
 

@@ -87,7 +87,6 @@ class PieceBuffers(NamedTuple):
     t1: torch.Tensor
     #: The outer step's temporary.
     step: torch.Tensor
-    products: torch.Tensor  # int64: the digest's
 
 
 class Worker:
@@ -101,13 +100,13 @@ class Worker:
 
     def scratch(self, numel: int, dtype: torch.dtype = torch.float32) -> PieceBuffers:
         """Temporaries for a piece of ``numel`` values of ``dtype`` (the state's: a temporary
-        of another dtype would round otherwise than the whole-tensor operation)."""
+        of another dtype would round otherwise than the whole-tensor operation), kept per
+        dtype."""
         get = self._buffers.get
         return PieceBuffers(
-            grad=get("grad", numel, dtype),
-            t1=get("t1", numel, dtype),
-            step=get("step", numel, dtype),
-            products=get("products", numel, torch.int64),
+            grad=get(f"grad {dtype}", numel, dtype),
+            t1=get(f"t1 {dtype}", numel, dtype),
+            step=get(f"step {dtype}", numel, dtype),
         )
 
 

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -126,6 +127,32 @@ def _wait(work: dist.Work, pg: dist.ProcessGroup, timeout: timedelta | None) -> 
     wait_delivered(work, pg, timeout)
 
 
+class Abandoned(Exception):
+    """Raised instead of issuing a collective through a closed :class:`IssueGate`."""
+
+
+class IssueGate:
+    """Held around the issue of each collective of an all-reduce (not its wait): once closed,
+    none is issued any more (:class:`Abandoned` is raised instead). Its runner closes it,
+    holding ``lock``, when the sync is abandoned: a collective of it could pair with the next
+    quorum's."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self.lock = lock
+        self.closed = False
+
+    @contextlib.contextmanager
+    def issuing(self) -> Iterator[None]:
+        with self.lock:
+            if self.closed:
+                raise Abandoned("the sync was abandoned")
+            yield
+
+    def close(self) -> None:
+        """No collective is issued from now on (the caller holds :attr:`lock`)."""
+        self.closed = True
+
+
 def _options(options: _Options, timeout: timedelta | None) -> _Options:
     if timeout is not None:
         options.timeout = timeout
@@ -164,7 +191,7 @@ def compressed_all_reduce(
     timeout: timedelta | None = None,
     keep_delivered: bool = False,
     stage: bool = True,
-    issuing: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
+    gate: IssueGate | None = None,
 ) -> CompressionStats:
     """SUM all-reduce of the 1-D fp32 ``tensor`` in place over ``pg``, ``dtype`` on the wire.
 
@@ -176,9 +203,10 @@ def compressed_all_reduce(
     ``scratch`` (of ``tensor``'s device) keeps the buffers for the thread's next call.
     ``timeout``: the longest each collective may take (default: the process group's).
     ``keep_delivered``: keep the bytes the result was decoded from in ``stats.delivered``.
-    ``issuing()``: entered around the issue of each collective (not its wait); it may raise to
-    stop the all-reduce. Raises what the collectives raise; ``tensor`` is then undefined.
+    ``gate``: held around the issue of each collective (not its wait); a closed one stops
+    the all-reduce. Raises what the collectives raise; ``tensor`` is then undefined.
     """
+    issuing = contextlib.nullcontext if gate is None else gate.issuing
     codec = get_codec(dtype)
     check_flat_fp32(tensor)
     # No ``pg.rank()``: the collectives place each rank's part by rank themselves, and torchft's

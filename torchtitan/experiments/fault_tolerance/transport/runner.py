@@ -17,12 +17,11 @@ which belongs to the abandoned sync alone.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import NamedTuple
@@ -38,6 +37,7 @@ from torchtitan.experiments.fault_tolerance.transport.codecs import (
 from torchtitan.experiments.fault_tolerance.transport.collective import (
     CompressionStats,
     Delivered,
+    IssueGate,
     compressed_all_reduce,
     is_finite,
 )
@@ -152,10 +152,6 @@ class _Job(NamedTuple):
     keep_delivered: bool
 
 
-class Abandoned(Exception):
-    """Raised in an abandoned lane's thread before it would issue another collective."""
-
-
 class _Lane:
     """One thread issuing collectives from its queue, with its own buffers and streams (an
     abandoned lane's collective may still use them)."""
@@ -167,20 +163,12 @@ class _Lane:
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
         #: Held while a finished collective's results are handed over, and to abandon the lane.
         self.lock = threading.Lock()
-        self.abandoned = False
+        #: Closed when the lane is abandoned: no collective of it is issued any more.
+        self.gate = IssueGate(self.lock)
         self.current: _Job | None = None
         # A daemon thread, so that a collective hung on a dead peer cannot block process exit.
         self.thread = threading.Thread(target=run, args=(self,), name=name, daemon=True)
         self.thread.start()
-
-    @contextlib.contextmanager
-    def issuing(self) -> Iterator[None]:
-        """Around the issue of a collective: none is issued once the lane is abandoned (a
-        collective of the abandoned sync could pair with the next quorum's)."""
-        with self.lock:
-            if self.abandoned:
-                raise Abandoned("the sync was abandoned")
-            yield
 
 
 class AsyncCompressedAllReduce:
@@ -250,7 +238,7 @@ class AsyncCompressedAllReduce:
         # Its collective may stay blocked until its timeout: the process exits past it.
         lane.thread.name = given_up.thread_name(self._name)
         with lane.lock:
-            lane.abandoned = True
+            lane.gate.close()
             jobs = [lane.current] if lane.current is not None else []
             while True:
                 try:
@@ -280,7 +268,7 @@ class AsyncCompressedAllReduce:
             if job is None:
                 return
             with lane.lock:
-                taken_too_late = lane.abandoned  # abandon() did not see it: taken meanwhile
+                taken_too_late = lane.gate.closed  # abandon() did not see it: taken meanwhile
                 if not taken_too_late:
                     lane.current = job
             if taken_too_late:
@@ -322,7 +310,7 @@ class AsyncCompressedAllReduce:
             why = "the collective ended past its timeout" if error is None else error
             error = TimeoutError(f"timed out after {elapsed:.1f}s: {why}")
         with lane.lock:
-            if lane.abandoned:  # the sync ended without this collective: touch nothing shared
+            if lane.gate.closed:  # the sync ended without this collective: touch nothing shared
                 return
             stats = job.work.stats
             if error is None and stats is not None and stats.residual is not None:
@@ -371,7 +359,7 @@ class AsyncCompressedAllReduce:
             timeout=job.timeout,
             keep_delivered=job.keep_delivered,
             stage=False,  # staged by _execute, unless the sync was abandoned meanwhile
-            issuing=lane.issuing,
+            gate=lane.gate,
         )
         if job.check_finite and job.work.non_finite is None and not is_finite(job.tensor):
             job.work.non_finite = "received"
