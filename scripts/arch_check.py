@@ -72,7 +72,7 @@ TARGETS: dict[str, int] = {
 #: What CI allows today: the targets, or today's count where the code is not there yet (lower a
 #: limit as the code improves; never raise one).
 LIMITS: dict[str, int] = {
-    "upward_calls": 2,
+    "upward_calls": 0,
     "import_cycles": 0,
     "longest_chain": 11,
     "forwarding_methods": 3,

@@ -316,7 +316,7 @@ MUTANTS = [
     Mutant(
         "runner: an abandoned collective still reports and stages when it returns",
         f"{PACKAGE}/transport/runner.py",
-        "if lane.abandoned:  # the sync ended without this collective: touch nothing shared",
+        "if lane.gate.closed:  # the sync ended without this collective: touch nothing shared",
         "if False:",
     ),
     Mutant(
@@ -1233,6 +1233,30 @@ MUTANTS = [
         "        self.tokens_seen += tokens",
         "        self.tokens_seen += 0",
         ("tests/unit_tests/test_checkpoint.py",),
+    ),
+    Mutant(
+        "transport: a failed transfer is not reported before the next bucket is sent",
+        f"{PACKAGE}/transport/sync_transport.py",
+        "        self._report_failures()\n        if self._manager.errored() is not None:",
+        "        if self._manager.errored() is not None:",
+    ),
+    Mutant(
+        "transport: a failed transfer is not reported when it is waited for",
+        f"{PACKAGE}/transport/sync_transport.py",
+        "                    self._abandon(gone)\n        self._report_failures()",
+        "                    self._abandon(gone)",
+    ),
+    Mutant(
+        "transport: a transfer past its timeout is reported without naming the field",
+        f"{PACKAGE}/transport/sync_transport.py",
+        "            if _timed_out(error):\n                sent_as",
+        "            if False:\n                sent_as",
+    ),
+    Mutant(
+        "transport: a failure is reported twice",
+        f"{PACKAGE}/transport/sync_transport.py",
+        "            self._reported += 1\n",
+        "",
     ),
 ]
 

@@ -307,8 +307,8 @@ class StallingTrainer(StepFaults, SemiSyncTrainer):
         """Once the torchft Manager exists, sleep before each tensor its heal transport sends."""
         build = self.ft._build_manager  # type: ignore[union-attr]
 
-        def build_paced() -> Any:
-            manager = build()
+        def build_paced(transport: Any) -> Any:
+            manager = build(transport)
             group = manager._checkpoint_transport._pg  # the heal's PiecewiseGroup
             send = group.send
 

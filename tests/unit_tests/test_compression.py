@@ -286,9 +286,10 @@ def test_wait_returns_after_the_callbacks_chained_on_the_future() -> None:
 
     try:
         for done in range(3):
-            work = runner.submit(pg, torch.ones(256), "int8", on_error=pytest.fail)
+            work = runner.submit(pg, torch.ones(256), "int8")
             work.get_future().then(copy_back)
             work.wait()
+            assert work.error is None
             assert len(copied) == done + 1
     finally:
         runner.shutdown(timeout=10)
@@ -335,10 +336,8 @@ def test_a_bucket_holds_its_buffer_only_while_its_own_collective_runs() -> None:
                        release if i == 0 else None)
         for i in range(4)
     ]  # fmt: skip
-    errors: list[Exception] = []
     try:
-        works = [runner.submit(pg, b, "float32", divide_by=2, on_error=errors.append)
-                 for b in buckets]  # fmt: skip
+        works = [runner.submit(pg, b, "float32", divide_by=2) for b in buckets]
         assert buckets[0].entered.wait(30)
         assert not any(b.entered.is_set() for b in buckets[1:])  # queued, not packed
         assert all(torch.equal(t, torch.full((3, 5), float(i))) for i, t in enumerate(tensors))
@@ -348,7 +347,7 @@ def test_a_bucket_holds_its_buffer_only_while_its_own_collective_runs() -> None:
     finally:
         release.set()
         runner.shutdown(timeout=10)
-    assert errors == [] and watch["most"] == 1 and watch["live"] == 0
+    assert all(w.error is None for w in works) and watch["most"] == 1 and watch["live"] == 0
     for i, tensor in enumerate(tensors):  # the result is back in every tensor
         assert torch.equal(tensor, torch.full((3, 5), i / 2))
     # The works hold no buffer (nor does anything else), and still say what they carried.
@@ -367,17 +366,16 @@ def test_a_bucket_that_cannot_be_packed_stops_this_rank_s_collectives() -> None:
     one: the later jobs fail without a collective, and the runner says why."""
     runner = AsyncCompressedAllReduce()
     pg: Any = _OneRank()
-    errors: list[Exception] = []
     tensor = torch.ones(4)
     try:
         first = runner.submit(pg, _UnpackablePacked([(tensor, 0)], 4, torch.device("cpu")),
-                              "float32", on_error=errors.append)  # fmt: skip
-        later = runner.submit(pg, torch.ones(8), "int8", on_error=errors.append)
+                              "float32")  # fmt: skip
+        later = runner.submit(pg, torch.ones(8), "int8")
         assert first._done.wait(30) and later._done.wait(30)
     finally:
         runner.shutdown(timeout=10)
-    assert len(errors) == 2 and "could not be packed" in str(errors[0])
-    assert str(errors[1]).startswith("not sent: a bucket of 4 fp32 values could not be packed")
+    assert "could not be packed" in str(first.error)
+    assert str(later.error).startswith("not sent: a bucket of 4 fp32 values could not be packed")
     assert runner.broken is not None and torch.equal(tensor, torch.ones(4))
 
 
@@ -391,28 +389,20 @@ class _BrokenPair:
         raise RuntimeError("peer gone")
 
 
-def test_async_failures_go_to_on_error_and_a_raising_handler_reaches_the_future() -> None:
+def test_an_async_failure_is_in_its_work_which_completes_normally() -> None:
     runner = AsyncCompressedAllReduce()
     broken: Any = _BrokenPair()
-    errors: list[Exception] = []
     tensor = torch.ones(300)
-    work = runner.submit(broken, tensor, "int8", on_error=errors.append)
+    work = runner.submit(broken, tensor, "int8")
     assert work.wait() is True
     assert work.get_future().value() is tensor and work.stats is None
-    assert [str(e) for e in errors] == ["peer gone"]
-
-    def refuse(e: Exception) -> None:
-        raise KeyError("handler broke")
-
-    work = runner.submit(broken, torch.ones(300), "int4", on_error=refuse)
-    with pytest.raises(KeyError, match="handler broke"):
-        work.get_future().wait()
+    assert str(work.error) == "peer gone"
     runner.shutdown(timeout=10)
     with pytest.raises(RuntimeError, match="shut down"):
-        runner.submit(broken, torch.ones(3), "int8", on_error=errors.append)
+        runner.submit(broken, torch.ones(3), "int8")
     other = AsyncCompressedAllReduce()
     with pytest.raises(ValueError, match="fp8"):
-        other.submit(broken, torch.ones(3), "fp8", on_error=errors.append)
+        other.submit(broken, torch.ones(3), "fp8")
     other.shutdown(timeout=10)
 
 
@@ -489,18 +479,15 @@ def _collectives_worker(rank: int, world_size: int, store_path: str, out_dir: st
         out["sparse.residual"] = feedback.residual("frag1")
 
         runner = AsyncCompressedAllReduce()
-        errors: list[Exception] = []
-        first = runner.submit(pg, x.clone(), "int8", divide_by=world_size, on_error=errors.append)
-        second = runner.submit(
-            pg, x.clone(), "bfloat16", divide_by=world_size, on_error=errors.append
-        )
+        first = runner.submit(pg, x.clone(), "int8", divide_by=world_size)
+        second = runner.submit(pg, x.clone(), "bfloat16", divide_by=world_size)
         assert second.wait() is True
         out["async.first_done_before_second"] = first.get_future().done()
         first.wait()
         out["async.int8"] = first.get_future().value()
         out["async.bfloat16"] = second.get_future().value()
         out["async.stats"] = (first.stats is not None, second.stats is not None)
-        out["async.errors"] = [repr(e) for e in errors]
+        out["async.errors"] = [repr(w.error) for w in (first, second) if w.error is not None]
         runner.shutdown(timeout=10)
     finally:
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -508,8 +495,8 @@ def _collectives_worker(rank: int, world_size: int, store_path: str, out_dir: st
 
 
 def _dead_peer_worker(rank: int, world_size: int, store_path: str, out_dir: str) -> None:
-    """Rank 1 leaves right after the group has formed; rank 0's collective must fail into
-    on_error."""
+    """Rank 1 leaves right after the group has formed; rank 0's collective must fail, its
+    error in its work."""
     pg = _init(rank, world_size, store_path, timeout_s=5)
     # Both ranks are connected before rank 1 goes (leaving during gloo's connection setup
     # would fail rank 0's init instead of its collective, on a loaded machine).
@@ -517,19 +504,17 @@ def _dead_peer_worker(rank: int, world_size: int, store_path: str, out_dir: str)
     if rank == 1:
         os._exit(0)  # gone before taking part in the compressed collective
     runner = AsyncCompressedAllReduce()
-    errors: list[Exception] = []
     feedback = ErrorFeedback()
     out: dict[str, Any] = {}
     tensor = _rank_tensor(rank)
     start = time.monotonic()
     try:
-        work = runner.submit(
-            pg, tensor, "int8", error_feedback=feedback, key="frag", on_error=errors.append
-        )
+        work = runner.submit(pg, tensor, "int8", error_feedback=feedback, key="frag")
         out["wait"] = work.wait()
         out["seconds"] = time.monotonic() - start
         out["done"] = work.get_future().done()
         out["value_is_tensor"] = work.get_future().value() is tensor
+        errors = [] if work.error is None else [work.error]
         out["errors"] = [repr(e) for e in errors]
         # From the collective (gloo raises RuntimeError subclasses), not from a bug of ours.
         out["errors_are_runtime"] = all(isinstance(e, RuntimeError) for e in errors)
@@ -639,7 +624,7 @@ def test_gloo_all_reduce_is_identical_on_every_rank_and_close_to_the_sum(
         assert torch.equal(results[r]["async.bfloat16"], results[0]["bfloat16"] / world_size)
 
 
-def test_a_dead_peer_goes_to_on_error_and_the_work_still_completes(tmp_path: Path) -> None:
+def test_a_dead_peer_s_error_is_in_the_work_which_still_completes(tmp_path: Path) -> None:
     rank0 = _spawn(_dead_peer_worker, 2, tmp_path)[0]
     assert rank0["wait"] is True
     assert rank0["done"] and rank0["value_is_tensor"]

@@ -140,10 +140,10 @@ def test_a_transfer_and_a_kept_result_divide_by_the_groups_as_the_cpu_does(
                     x,
                     dtype,
                     divide_by=3,
-                    on_error=pytest.fail,
                     keep_delivered=True,
                 )
                 work.wait()
+                assert work.error is None
                 delivered = work.delivered
                 assert delivered is not None
                 Delivered(delivered.dtype, delivered.numel, 1, 3, delivered.payload).values()
@@ -155,8 +155,8 @@ def test_a_transfer_and_a_kept_result_divide_by_the_groups_as_the_cpu_does(
 @pytest.mark.parametrize("momentum_every", [1, 2])
 def test_async_diloco_divides_the_sums_by_the_tokens_as_the_cpu_does(momentum_every: int) -> None:
     """Three groups, eight syncs (the token sums 30 and 60 are no powers of two): the same
-    global parameters with CUDA's scalar division as without; through the sync point's passes
-    (SGD) and through the whole-fragment operations (Delayed Nesterov)."""
+    global parameters with CUDA's scalar division as without, through the sync point's passes
+    (SGD and Delayed Nesterov)."""
 
     def globals_after(mode: CudaScalarDivision | None) -> list[torch.Tensor]:
         cluster = Cluster()

@@ -67,7 +67,7 @@ def make_ft(
     ft.enable, ft.group_size, ft.replica_id = True, groups, 0
     ft.min_replica_size, ft.quorum_timeout_s = min_replica_size, quorum_timeout_s
     ft.lighthouse = "http://127.0.0.1:1"
-    ft_manager = FTManager(config, lambda: manager, poll_s=0.01)
+    ft_manager = FTManager(config, lambda transport: manager, poll_s=0.01)
     ft_manager.start()
     return ft_manager
 
@@ -373,7 +373,7 @@ def test_a_run_that_committed_nothing_fails():
 def test_the_manager_starts_only_when_asked_and_gets_what_was_registered_before():
     built: list[Registry] = []
 
-    def build() -> Registry:
+    def build(transport: object) -> Registry:
         built.append(Registry())
         return built[-1]
 

@@ -115,14 +115,13 @@ def test_a_collective_that_fails_on_nccl_fails_the_sync_instead_of_landing_half(
     def group(rank: int, pg: dist.ProcessGroup) -> tuple[list[Exception], torch.Tensor]:
         nccl = NcclLikeGroup(pg)
         runner = AsyncCompressedAllReduce()
-        errors: list[Exception] = []
         tensor = values[rank].clone()
         if rank == 1:  # its last collective: float32 has one, int8 an all-to-all and a gather
             nccl.fail_next(after=0 if dtype == "float32" else 1)
-        work = runner.submit(nccl, tensor, dtype, on_error=errors.append)  # type: ignore[arg-type]
+        work = runner.submit(nccl, tensor, dtype)  # type: ignore[arg-type]
         work.wait()
         runner.shutdown()
-        return errors, tensor
+        return ([] if work.error is None else [work.error]), tensor
 
     (errors_0, sum_0), (errors_1, _) = run_groups(2, group, timeout_s=60)
     assert errors_0 == [] and torch.allclose(sum_0, torch.full((numel,), 3.0), atol=0.05)
@@ -343,7 +342,7 @@ def test_a_sender_answers_several_joiners_at_once() -> None:
             request = ReplayBasis(sync=rank).to_tensor(CPU)
             pg.send([request], 0, 0).wait()
             return
-        transport = build_history_transport(lambda: exchange)(pg, timedelta(seconds=30), CPU)
+        transport = build_history_transport(exchange)(pg, timedelta(seconds=30), CPU)
 
         def send_answer(answer: HealAnswer, dsts: list[int], *args: Any) -> None:
             start = time.monotonic()
@@ -377,7 +376,7 @@ def test_a_steps_gradients_are_averaged_once_they_arrived_or_not_committed(plant
         manager = _TorchftLikeManager(nccl, rank, 2)  # type: ignore[arg-type]
         config = JobConfig()
         config.fault_tolerance.lighthouse = "http://127.0.0.1:1"  # never reached: no quorum
-        ft = FTManager(config, lambda: manager)
+        ft = FTManager(config, lambda transport: manager)
         ft.start()
         model = torch.nn.Linear(40, 30)
         for p in model.parameters():

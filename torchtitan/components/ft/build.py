@@ -198,7 +198,6 @@ def build_ft_manager(
     use_async_quorum: bool = False,
     init_sync: bool = True,
     quorum_timeout_s: float | None = None,
-    checkpoint_transport: Callable[..., Any] | None = None,
     collective_timeout_s: float | None = None,
 ) -> FTManager | None:
     """This rank's FTManager, from ``[fault_tolerance]``; None when it is off. The torchft
@@ -208,13 +207,10 @@ def build_ft_manager(
     The quorum is synchronous by default: ``start_step`` waits for it anyway (to skip a quorum
     that is too small), and healing then happens before the forward pass, on the main thread,
     so a joiner trains in its first step instead of sending zeros, and no state is read by
-    torchft's quorum thread while the model runs (FSDP swaps parameters during forward). A
-    ``checkpoint_transport`` may work on the state as it receives it, on that thread, while the
-    main thread waits for the quorum (the semi-sync replay of missed syncs does).
-    ``quorum_timeout_s``: the longest quorum wait the trainer will ask for (default
-    ``fault_tolerance.quorum_timeout_s``), the Manager's default timeout for the quorums that
-    torchft's own algorithms start. ``checkpoint_transport(pg, timeout, device)``: how healing
-    state travels (default torchft's ``PGTransport`` over the replicate process group).
+    torchft's quorum thread while the model runs (FSDP swaps parameters during forward); how
+    healing state travels is :meth:`FTManager.start`'s. ``quorum_timeout_s``: the longest
+    quorum wait the trainer will ask for (default ``fault_tolerance.quorum_timeout_s``), the
+    Manager's default timeout for the quorums that torchft's own algorithms start.
     ``collective_timeout_s``: the longest one collective across groups may take (semi-sync's
     ``sync_collective_timeout_s``; default ``process_group_timeout_ms``): with ``timeout_s`` it
     sizes every timeout of the replicate process group (``timeouts.ReplicaTimeouts``).
@@ -232,7 +228,7 @@ def build_ft_manager(
     address = lighthouse_address(job_config)
     longest_quorum_s = max(ft.quorum_timeout_s, quorum_timeout_s or 0.0)
 
-    def build_manager() -> Any:
+    def build_manager(checkpoint_transport: Callable[..., Any] | None) -> Any:
         from torchft import Manager
         from torchft.checkpointing.pg_transport import PGTransport
 

@@ -101,7 +101,7 @@ class FTManager:
     def __init__(
         self,
         job_config: JobConfig,
-        build_manager: Callable[[], Any],
+        build_manager: Callable[[Callable[..., Any] | None], Any],
         mesh: DeviceMesh | None = None,
         poll_s: float = 1.0,
     ) -> None:
@@ -151,12 +151,16 @@ class FTManager:
             raise RuntimeError("FTManager.start() has not been called: no torchft Manager yet")
         return self._manager
 
-    def start(self) -> None:
+    def start(self, checkpoint_transport: Callable[..., Any] | None = None) -> None:
         """Build the torchft Manager (heartbeats to the lighthouse start now), give it the
-        state registered so far and the step loaded from a checkpoint."""
+        state registered so far and the step loaded from a checkpoint.
+        ``checkpoint_transport(pg, timeout, device)``: how healing state travels (default
+        torchft's ``PGTransport`` over the replicate process group); it may work on the state
+        as it receives it, on the quorum's thread, while the main thread waits for the quorum
+        (the semi-sync replay of missed syncs does)."""
         if self._manager is not None:
             return
-        self._manager = self._build_manager()
+        self._manager = self._build_manager(checkpoint_transport)
         if self._pending_step is not None:
             self._manager.load_state_dict(self._pending_step)
         for key, load, save in self._pending:

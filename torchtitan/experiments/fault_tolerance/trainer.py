@@ -156,7 +156,6 @@ class SemiSyncTrainer(Trainer):
             use_async_quorum=False,
             init_sync=False,
             quorum_timeout_s=semi_sync_config(self.job_config).sync_quorum_timeout_s,
-            checkpoint_transport=build_history_transport(lambda: self.heal),
             collective_timeout_s=semi_sync_config(self.job_config).sync_collective_timeout_s,
         )
 
@@ -183,7 +182,7 @@ class SemiSyncTrainer(Trainer):
             if self.train_state.step > 0 or (cfg.enable and cfg.initial_load_path):
                 events.GLOBAL_FROM_LOADED_MODEL.emit(step=self.train_state.step)
         assert self.ft is not None
-        self.ft.start()
+        self.ft.start(build_history_transport(self.heal))
         # A group resumed from its own checkpoint offers it as the basis of a replay.
         own = self.state.loaded and not self._checkpoint_rejected
         self.heal.set_basis(self.ft.manager.current_step() if own else None)

@@ -62,15 +62,15 @@ def all_at_once(jobs: list[Callable[[], None]], device: torch.device) -> None:
         raise errors[0]
 
 
-def build_history_transport(exchange_of: Callable[[], HealExchange]) -> Callable[..., Any]:
-    """The factory ``build_ft_manager`` takes; ``exchange_of()`` gives this rank's
-    :class:`HealExchange` (asked at each heal: the Manager is built before the method)."""
+def build_history_transport(exchange: HealExchange) -> Callable[..., Any]:
+    """The factory ``FTManager.start`` takes: heals answered and received through this rank's
+    ``exchange``."""
     from torchft.checkpointing.pg_transport import PGTransport
 
     class HistoryTransport(PGTransport):
         def metadata(self) -> str:
             """What torchft hands a joiner before it heals from this rank: its shape."""
-            shape = exchange_of().shape
+            shape = exchange.shape
             return super().metadata() if shape is None else shape.to_text()
 
         def send_checkpoint(
@@ -88,7 +88,7 @@ def build_history_transport(exchange_of: Callable[[], HealExchange]) -> Callable
                     if int(request[0]) == _REFUSED:  # its collectives cannot pair with ours
                         continue
                     basis = ReplayBasis.from_tensor(request)
-                    answer = exchange_of().answer(basis, step, state_dict)
+                    answer = exchange.answer(basis, step, state_dict)
                     answers.setdefault(repr(answer.key), (answer, []))[1].append(dst)
                 all_at_once(
                     [functools.partial(self._send_answer, answer, dsts, step, timeout)
@@ -121,7 +121,6 @@ def build_history_transport(exchange_of: Callable[[], HealExchange]) -> Callable
         ) -> Any:
             with self._pg.heal():
                 started = time.perf_counter()
-                exchange = exchange_of()
                 refused = exchange.refusal(metadata)
                 if refused:  # tell the peer (it waits for a request), take nothing
                     request = torch.zeros(BASIS_SLOTS, dtype=torch.int64, device=self._device)

@@ -2,16 +2,16 @@
 
 Every rank submits the same collectives in the same order, so one thread issuing them from a
 FIFO queue issues them in the same order on every rank; the caller computes meanwhile. Failure
-semantics follow torchft's ``Manager.allreduce``: a collective that fails calls ``on_error``
-(the Manager's ``report_error``, so that the sync is not committed) and completes its work
-normally; ``wait`` never raises.
+semantics follow torchft's ``Manager.allreduce``: a collective that fails completes its work
+normally, with the error in ``work.error`` for its caller to report (the Manager's
+``report_error``, so that the sync is not committed); ``wait`` never raises.
 
 A collective can also be *abandoned* (:meth:`AsyncCompressedAllReduce.abandon`): a peer of the
 sync is gone, so the collective under way and those queued behind it will never deliver. Their
 works complete at once, without result, and later submissions go to a new thread with buffers
 of its own. The old thread stays blocked in its collective until that returns (its process
 group is torn down at the next quorum, or the collective times out), then touches nothing
-shared: no ``on_error``, no work, no residual. It may still write the tensor it was given,
+shared: no work, no residual. It may still write the tensor it was given,
 which belongs to the abandoned sync alone.
 """
 
@@ -74,7 +74,7 @@ class CompressedWork:
     """A submitted :meth:`AsyncCompressedAllReduce.submit`: wait for it or chain on its future.
 
     The future completes with the tensor once the all-reduce (and the division) is done, or
-    after a failure went to ``on_error``; it never carries the collective's error. A
+    after a failure (in :attr:`error`); it never carries the collective's error. A
     :class:`Packed` submission completes with an empty tensor (its values are back in the
     tensors it packs); an abandoned one completes without result.
     """
@@ -84,6 +84,8 @@ class CompressedWork:
         #: fp32 values carried (a packed bucket's, whose ``tensor`` is an empty stand-in).
         self.numel = tensor.numel() if numel is None else numel
         self.stats: CompressionStats | None = None
+        #: Why the collective failed (or ended past its timeout), once done; None: it did not.
+        self.error: Exception | None = None
         #: With ``check_finite``: ``"sent"`` when this rank's own input held an inf or NaN (it
         #: sent NaNs), ``"received"`` when only the result did; None when all was finite.
         self.non_finite: str | None = None
@@ -100,7 +102,7 @@ class CompressedWork:
     def wait(self) -> bool:
         """Block until done, callbacks chained on the future included (torchft's DiLoCo copies
         a bucket back in one; a future's ``wait`` returns before its callbacks have run).
-        True, as torchft's works return (a failure went to ``on_error``)."""
+        True, as torchft's works return (a failure is in :attr:`error`)."""
         self._done.wait()
         return True
 
@@ -143,7 +145,6 @@ class _Job(NamedTuple):
     divide_by: float
     error_feedback: ErrorFeedback | None
     key: str
-    on_error: Callable[[Exception], None]
     ready: torch.cuda.Event | None
     work: CompressedWork
     timeout: timedelta | None
@@ -194,7 +195,6 @@ class AsyncCompressedAllReduce:
         divide_by: float = 1,
         error_feedback: ErrorFeedback | None = None,
         key: str = "",
-        on_error: Callable[[Exception], None],
         timeout: timedelta | None = None,
         check_finite: bool = False,
         keep_delivered: bool = False,
@@ -202,8 +202,8 @@ class AsyncCompressedAllReduce:
         """Queue a SUM all-reduce of ``tensor`` (then divided by ``divide_by``) in place; do
         not touch ``tensor`` (a :class:`Packed`'s tensors) until the returned work is done.
 
-        If the collective fails, ``on_error(e)`` is called and the work still completes; the
-        tensor is then undefined. ``timeout``: the longest each collective may take (default:
+        If the collective fails, the work still completes, with the error in ``work.error``;
+        the tensor is then undefined. ``timeout``: the longest each collective may take (default:
         the process group's). ``check_finite``: check the input before it is sent and the
         result after it arrived and say what was found in ``work.non_finite``; an input that
         is not finite is sent as NaNs (and leaves no residual), so that every rank drops the
@@ -220,7 +220,7 @@ class AsyncCompressedAllReduce:
         ready = torch.cuda.current_stream(tensor.device).record_event() if tensor.is_cuda else None
         work = CompressedWork(tensor, None if packed is None else packed.numel)
         job = _Job(
-            pg, tensor, dtype, divide_by, error_feedback, key, on_error, ready, work, timeout,
+            pg, tensor, dtype, divide_by, error_feedback, key, ready, work, timeout,
             check_finite, packed, keep_delivered,
         )  # fmt: skip
         with self._lock:
@@ -231,7 +231,7 @@ class AsyncCompressedAllReduce:
 
     def abandon(self) -> int:
         """End the collective under way and every queued one now: their works complete without
-        result (marked ``abandoned``) and without ``on_error`` (the caller reports why).
+        result (marked ``abandoned``) and without an error (the caller reports why).
         Later submissions run on a new thread. Returns how many works were abandoned."""
         with self._lock:
             lane, self._lane = self._lane, _Lane(self._run, self._name)
@@ -317,13 +317,7 @@ class AsyncCompressedAllReduce:
                 assert job.error_feedback is not None
                 job.error_feedback.stage(job.key, stats.residual)
                 stats.residual = None
-            if error is not None:
-                try:
-                    job.on_error(error)
-                except Exception as handler_error:
-                    # Nobody else would see it: hand it to the waiter rather than hang or drop.
-                    job.work.complete(handler_error)
-                    return
+            job.work.error = error
             job.work.complete()
 
     def _reduce(self, lane: _Lane, job: _Job) -> None:

@@ -189,6 +189,8 @@ class SyncTransport:
         #: This sync's transfers of pseudo-gradients or parameters (not the exact ones).
         self.works: list[CompressedWork] = []
         self._all: list[CompressedWork] = []
+        #: How many of ``_all``, in order, were looked at for a failure to report.
+        self._reported = 0
         #: The error of this sync's first collective that failed or ended past the timeout.
         self.timed_out: CollectiveTimeout | None = None
         #: Why this sync's transfers were abandoned (a group of its quorum is gone), if so.
@@ -247,6 +249,7 @@ class SyncTransport:
             return
         packed = Packed(bucket.members, bucket.numel, bucket.device, bucket.ready)
         assert self._manager is not None  # set by the allreduce that filled the bucket
+        self._report_failures()
         if self._manager.errored() is not None:
             bucket.work = CompressedWork(torch.empty(0, device=bucket.device), bucket.numel)
             bucket.work.complete()
@@ -270,19 +273,6 @@ class SyncTransport:
                 manager.report_error(e)
         if self._sent_at is None:
             self._sent_at = time.monotonic()
-
-        def on_error(error: Exception) -> None:
-            if _timed_out(error):
-                error = CollectiveTimeout(
-                    f"a transfer of fragment {self.fragment}'s sync ({numel * 4 / 2**20:.1f} MiB "
-                    f"of fp32 values, sent as {'float32' if exact else self.dtype}) did not "
-                    f"finish within {TIMEOUT_FIELD}={self.timeout.total_seconds():g}s: raise it "
-                    f"if every group is alive ({str(error).splitlines()[0]})"
-                )
-                if self.timed_out is None:
-                    self.timed_out = error
-            manager.report_error(error)
-
         work = self._runner.submit(
             tft.replica_process_group(manager),
             flat,
@@ -290,7 +280,6 @@ class SyncTransport:
             divide_by=divide_by,
             error_feedback=None if exact or self.residuals is None else self.residuals.feedback,
             key=key,
-            on_error=on_error,
             timeout=self.timeout,
             check_finite=True,
             keep_delivered=self.keep_delivered and not exact,
@@ -343,18 +332,44 @@ class SyncTransport:
 
     def await_transfer(self, work: CompressedWork) -> None:
         """Wait until ``work`` is done; every peer-watch interval meanwhile, ask the lighthouse
-        whether a group of this sync's quorum is gone: if so, :meth:`_abandon` the sync."""
+        whether a group of this sync's quorum is gone: if so, :meth:`_abandon` the sync. A
+        transfer that failed is reported to the Manager (:meth:`_report_failures`)."""
         peers = self.peers
         if peers is None or len(self._participants) < 2:
             work.wait()
-            return
-        while not work.wait_for(peers.every_s):
-            if self.peer_gone is not None:  # abandoned already: this one never delivers
-                work.abandon()
-                return
-            gone = peers.gone(self._participants, self._own)
-            if gone is not None:
-                self._abandon(gone)
+        else:
+            while not work.wait_for(peers.every_s):
+                if self.peer_gone is not None:  # abandoned already: this one never delivers
+                    work.abandon()
+                    break
+                gone = peers.gone(self._participants, self._own)
+                if gone is not None:
+                    self._abandon(gone)
+        self._report_failures()
+
+    def _report_failures(self) -> None:
+        """Report each of this sync's finished transfers that failed to the Manager, once (the
+        sync is then not committed, and no later transfer of it is sent); one that ran past
+        the timeout as a :class:`CollectiveTimeout` naming the field."""
+        manager = self._manager
+        for work in self._all[self._reported :]:
+            if not work.done():
+                break
+            self._reported += 1
+            error = work.error
+            if error is None or manager is None:
+                continue
+            if _timed_out(error):
+                sent_as = self.dtype if work in self.works else "float32"
+                error = CollectiveTimeout(
+                    f"a transfer of fragment {self.fragment}'s sync ({work.numel * 4 / 2**20:.1f} "
+                    f"MiB of fp32 values, sent as {sent_as}) did not finish within "
+                    f"{TIMEOUT_FIELD}={self.timeout.total_seconds():g}s: raise it if every group "
+                    f"is alive ({str(error).splitlines()[0]})"
+                )
+                if self.timed_out is None:
+                    self.timed_out = error
+            manager.report_error(error)
 
     def _abandon(self, gone: Gone) -> None:
         """Fail this sync because ``gone`` left its quorum: report it to the Manager (the sync
