@@ -1253,10 +1253,41 @@ MUTANTS = [
         "            if False:\n                sent_as",
     ),
     Mutant(
-        "transport: a failure is reported twice",
+        "transport: a timeout is not kept as the sync's (a reviewer's)",
         f"{PACKAGE}/transport/sync_transport.py",
-        "            self._reported += 1\n",
-        "",
+        "                if self.timed_out is None:",
+        "                if self.timed_out is not None:",
+    ),
+    Mutant(
+        "transport: failures are reported only when peers are watched (a reviewer's)",
+        f"{PACKAGE}/transport/sync_transport.py",
+        "                    self._abandon(gone)\n        self._report_failures()",
+        "                    self._abandon(gone)\n            self._report_failures()",
+    ),
+    Mutant(
+        "runner: an abandoned collective that returns whole still stages (a reviewer's)",
+        f"{PACKAGE}/transport/runner.py",
+        "            if lane.gate.closed:  # the sync ended",
+        "            if lane.gate.closed and error is not None:  # the sync ended",
+    ),
+    Mutant(
+        "runner: abandon() leaves the collective under way (a reviewer's)",
+        f"{PACKAGE}/transport/runner.py",
+        "            jobs = [lane.current] if lane.current is not None else []",
+        "            jobs = []",
+    ),
+    Mutant(
+        "collective: a float32 all-reduce is issued through a closed gate (a reviewer's)",
+        f"{PACKAGE}/transport/collective.py",
+        "            with issuing():\n                work = pg.allreduce([tensor], opts)",
+        "            work = pg.allreduce([tensor], opts)",
+    ),
+    Mutant(
+        "FTManager: start() ignores the heal transport it is given (a reviewer's)",
+        "torchtitan/components/ft/manager.py",
+        "        self._manager = self._build_manager(checkpoint_transport)",
+        "        self._manager = self._build_manager(None)",
+        ("tests/unit_tests/test_ft_manager.py",),
     ),
 ]
 

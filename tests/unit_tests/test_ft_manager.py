@@ -371,9 +371,13 @@ def test_a_run_that_committed_nothing_fails():
 
 
 def test_the_manager_starts_only_when_asked_and_gets_what_was_registered_before():
+    """...and with the heal transport given at the start (the semi-sync trainer's, built with
+    the heal exchange after the FTManager)."""
     built: list[Registry] = []
+    transports: list[object] = []
 
     def build(transport: object) -> Registry:
+        transports.append(transport)
         built.append(Registry())
         return built[-1]
 
@@ -385,8 +389,10 @@ def test_the_manager_starts_only_when_asked_and_gets_what_was_registered_before(
     ft.load_state_dict({"step": 12, "batches_committed": 24})  # from a checkpoint
     assert ft.state_dict() == {"step": 12, "batches_committed": 24}
     assert not built and not ft.started  # not heartbeating yet
-    ft.start()
-    assert len(built) == 1 and set(built[0].fns) == {"extra"}
+    transport = object()  # torchft's transport factory
+    ft.start(transport)  # type: ignore[arg-type]  # any factory: passed on, not called here
+    ft.start()  # started already: nothing more is built
+    assert len(built) == 1 and set(built[0].fns) == {"extra"} and transports == [transport]
     assert built[0].loaded == {"step": 12, "batches_committed": 24}
     ft.shutdown()
 

@@ -291,3 +291,77 @@ def test_an_all_reduce_abandoned_between_its_collectives_issues_no_more() -> Non
             timeout=timedelta(seconds=5),  # type: ignore[arg-type]
         )
     assert issued == ["all-to-all"]
+
+
+def test_an_abandoned_collective_that_returns_after_the_verdict_stages_nothing() -> None:
+    """The sync was abandoned while its last collective (the all-gather, issued before) was in
+    flight, then decided (its staged residuals dropped). When that collective returns, even
+    whole, its thread touches nothing shared: no residual is staged for the next sync to owe,
+    and its work, abandoned, carries no error."""
+    from torchtitan.experiments.fault_tolerance.transport.error_feedback import ErrorFeedback
+    from torchtitan.experiments.fault_tolerance.transport.runner import AsyncCompressedAllReduce
+
+    issued, release, returned = threading.Event(), threading.Event(), threading.Event()
+
+    class Done:
+        def wait(self, *args: Any) -> bool:
+            return True
+
+        def is_completed(self) -> bool:
+            return True
+
+    class Late(Done):  # the all-gather: whole, but only once released
+        def __init__(self, outs: list[torch.Tensor], mine: torch.Tensor) -> None:
+            self.outs, self.mine = outs, mine
+
+        def wait(self, *args: Any) -> bool:
+            release.wait(10)
+            for out in self.outs:
+                out.copy_(self.mine)
+            returned.set()
+            return True
+
+    def alltoall_base(out: torch.Tensor, given: torch.Tensor, *args: Any) -> Done:
+        out.copy_(given)
+        return Done()
+
+    def allgather(outs: list[list[torch.Tensor]], mine: list[torch.Tensor], *args: Any) -> Late:
+        issued.set()
+        return Late(outs[0], mine[0])
+
+    pg = SimpleNamespace(size=lambda: 2, alltoall_base=alltoall_base, allgather=allgather)
+    runner = AsyncCompressedAllReduce()
+    feedback = ErrorFeedback()
+    work = runner.submit(pg, torch.linspace(-1, 1, 8192), "int8", error_feedback=feedback, key="k")  # type: ignore[arg-type]
+    assert issued.wait(10)
+    assert runner.abandon() == 1 and work.abandoned
+    feedback.discard()  # the sync's verdict: not committed
+    release.set()
+    assert returned.wait(10)
+    time.sleep(0.5)  # the old thread hands over (or, rightly, does not)
+    assert feedback.owed(staged=True) == {} and work.error is None
+    runner.shutdown(timeout=5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_a_closed_gate_issues_no_collective(dtype: str) -> None:
+    """A lane abandoned after its thread took a job up, before the job's first collective: the
+    all-reduce (one collective for float32, two compressed) issues none."""
+    from torchtitan.experiments.fault_tolerance.transport.collective import (
+        Abandoned,
+        IssueGate,
+        compressed_all_reduce,
+    )
+
+    issued: list[str] = []
+    pg = SimpleNamespace(
+        size=lambda: 2,
+        allreduce=lambda *a: issued.append("all-reduce"),
+        alltoall_base=lambda *a: issued.append("all-to-all"),
+        allgather=lambda *a: issued.append("all-gather"),
+    )
+    gate = IssueGate(threading.Lock())
+    gate.close()
+    with pytest.raises(Abandoned):
+        compressed_all_reduce(pg, torch.ones(4096), dtype, gate=gate)  # type: ignore[arg-type]
+    assert issued == []

@@ -318,6 +318,32 @@ def test_after_an_error_the_rest_of_a_sync_sends_nothing() -> None:
     assert run_groups(2, group) == [(True, 0, True)] * 2
 
 
+def test_a_transfer_that_failed_unwaited_stops_the_next_bucket() -> None:
+    """Group 1 never joins: group 0's first transfer fails at the 0.5 s timeout while nobody
+    waits for it. The next bucket is not sent (its collective would only time out too), and
+    the failure is the Manager's (the sync is not committed), named as a timeout."""
+
+    def group(rank: int, pg: Any) -> tuple[int, str]:
+        manager = LoopbackManager(pg, rank, 2)
+        sync = sync_manager(manager, "int8", bucket_numel=300, timeout_s=0.5)
+        try:
+            if rank == 1:
+                time.sleep(3.0)  # absent from the collective, then gone
+                return 0, ""
+            open_quorum(sync)
+            sync.allreduce(torch.ones(100))
+            sync.transport.flush()
+            time.sleep(2.0)  # the transfer failed meanwhile, unwaited
+            sync.allreduce(torch.ones(100))
+            sync.transport.flush()
+            return len(sync.transport.works), type(manager.errored()).__name__
+        finally:
+            sync.transport.shutdown()
+
+    first, _ = run_groups(2, group, timeout_s=60)
+    assert first == (1, "CollectiveTimeout")
+
+
 def test_a_fragments_residuals_checkpoint_as_one_flat_tensor_and_continue_exactly() -> None:
     """A fragment synced in two buckets (300 + 200 values): its residuals go into a checkpoint
     as one flat tensor of the fragment's 500 values; fresh residuals loaded from it
