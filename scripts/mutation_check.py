@@ -406,16 +406,105 @@ MUTANTS = [
         "return not bool(torch.isnan(torch.linalg.vector_norm(t, ord=math.inf)))",
     ),
     Mutant(
-        "restart: a loaded residual's offset advances by its own size only (3+ transfers)",
+        "restart: every transfer reads a loaded residual from its start (3+ transfers)",
         f"{PACKAGE}/transport/residuals.py",
-        "self._loaded[fragment] = (flat, offset + numel)",
-        "self._loaded[fragment] = (flat, numel)",
+        "return loaded[key.offset : key.offset + numel]",
+        "return loaded[:numel]",
     ),
     Mutant(
-        "restart: a checkpointed residual's offset advances by its own size only (3+ transfers)",
+        "restart: a checkpoint puts every transfer's residual at the fragment's start",
         f"{PACKAGE}/transport/residuals.py",
-        "            offset += residual.numel()",
-        "            offset = residual.numel()",
+        "out[start : start + residual.numel()] = residual.reshape(-1).cpu()",
+        "out[: residual.numel()] = residual.reshape(-1).cpu()",
+    ),
+    Mutant(
+        "residuals: a quorum's start drops what a checkpoint staged for its undecided sync",
+        f"{PACKAGE}/transport/residuals.py",
+        "            if loaded or fragment not in self._staged_by_checkpoint:",
+        "            if True:",
+    ),
+    Mutant(
+        "residuals: a newer sync's residuals merge into a checkpoint's staged ones",
+        f"{PACKAGE}/transport/residuals.py",
+        "        if key.fragment in self._staged_by_checkpoint:  # that sync is void: a newer one",
+        "        if False:  # that sync is void: a newer one",
+    ),
+    Mutant(
+        "residuals: a spare of another size is reused as a transfer's residual buffer",
+        f"{PACKAGE}/transport/residuals.py",
+        "            and spare.shape == like.shape\n",
+        "",
+    ),
+    Mutant(
+        "residuals: a commit recycles the residuals it just made owed",
+        f"{PACKAGE}/transport/residuals.py",
+        "            self._retire(fragment, self._owed.get(fragment, {}))\n            self._owed",
+        "            self._retire(fragment, staged)\n            self._owed",
+    ),
+    # Ten bugs in the one residual store, by a reviewer who had not seen the tests.
+    Mutant(
+        "residuals: a transfer takes a residual of another size left at its offset",
+        f"{PACKAGE}/transport/residuals.py",
+        "        if own is not None and own.numel() == numel:",
+        "        if own is not None:",
+    ),
+    Mutant(
+        "residuals: a transfer ending where a loaded residual ends is not covered",
+        f"{PACKAGE}/transport/residuals.py",
+        "key.offset + numel <= loaded.numel()",
+        "key.offset + numel < loaded.numel()",
+    ),
+    Mutant(
+        "residuals: a sync's stage keeps only its last transfer's residual",
+        f"{PACKAGE}/transport/residuals.py",
+        "self._staged.setdefault(key.fragment, {})[key.offset] = residual",
+        "self._staged[key.fragment] = {key.offset: residual}",
+    ),
+    Mutant(
+        "residuals: a failed sync keeps what a checkpoint staged for it",
+        f"{PACKAGE}/transport/residuals.py",
+        "if loaded or fragment not in self._staged_by_checkpoint:",
+        "if fragment not in self._staged_by_checkpoint:",
+    ),
+    Mutant(
+        "residuals: a loaded residual is the caller's tensor, later a buffer the store writes",
+        f"{PACKAGE}/transport/residuals.py",
+        "segments = {0: flat.detach().reshape(-1).clone()}",
+        "segments = {0: flat.detach().reshape(-1)}",
+    ),
+    Mutant(
+        "residuals: a checkpoint saves the owed residuals as the staged ones",
+        f"{PACKAGE}/transport/residuals.py",
+        "for start, residual in self.segments(fragment, staged).items():",
+        "for start, residual in self.segments(fragment).items():",
+    ),
+    Mutant(
+        "residuals: a decay below 1 is ignored (the whole residual is added)",
+        f"{PACKAGE}/transport/residuals.py",
+        "if self.decay == 1:\n            return x.add_(residual)",
+        "if self.decay:\n            return x.add_(residual)",
+        SPARSE_TESTS,
+    ),
+    Mutant(
+        "transport: an exact transfer takes a place among the fragment's values",
+        f"{PACKAGE}/transport/sync_transport.py",
+        (
+            "        if exact:\n            feedback = None\n        else:\n"
+            "            self._offset += numel\n"
+        ),
+        "        if exact:\n            feedback = None\n        self._offset += numel\n",
+    ),
+    Mutant(
+        "transport: a failed sync keeps what a checkpoint staged for it (end_sync)",
+        f"{PACKAGE}/transport/sync_transport.py",
+        "            else:\n                self.residuals.discard()",
+        "            else:\n                self.residuals.discard(loaded=False)",
+    ),
+    Mutant(
+        "transport: a transfer whose checkpointed residual does not fit still corrects with it",
+        f"{PACKAGE}/transport/sync_transport.py",
+        "                manager.report_error(e)\n                feedback = None\n",
+        "                manager.report_error(e)\n",
     ),
     Mutant(
         "sparse: a decode that adds to a sum overwrites the kept positions instead",
@@ -461,7 +550,7 @@ MUTANTS = [
     ),
     Mutant(
         "error feedback: the residual's decay is not applied",
-        f"{PACKAGE}/transport/error_feedback.py",
+        f"{PACKAGE}/transport/residuals.py",
         "return x.add_(residual * self.decay)",
         "return x.add_(residual)",
         SPARSE_TESTS,
@@ -939,19 +1028,16 @@ MUTANTS = [
     # Ten bugs written for the layers refactor by a reviewer who had not seen the tests, and
     # two more for what review found.
     Mutant(
-        "residuals: a claimed slice starts at the fragment's offset 0 again",
-        f"{PACKAGE}/transport/residuals.py",
-        "return flat[offset : offset + numel]",
-        "return flat[:numel]",
+        "transport: a transfer's offset is the size of the one before, not the sum (3+)",
+        f"{PACKAGE}/transport/sync_transport.py",
+        "            self._offset += numel",
+        "            self._offset = numel",
     ),
     Mutant(
-        (
-            "error_feedback: holds looks at the staged residuals, so a retried sync claims "
-            "the next loaded slice over the one its key already owes"
-        ),
-        f"{PACKAGE}/transport/error_feedback.py",
-        "return key in self._residuals",
-        "return key in self._staged",
+        "residuals: a transfer adds what the undecided sync staged, not what is owed",
+        f"{PACKAGE}/transport/residuals.py",
+        "        segments = self._owed.get(key.fragment)",
+        "        segments = self._staged.get(key.fragment)",
     ),
     Mutant(
         (

@@ -22,14 +22,13 @@ from torchtitan.experiments.fault_tolerance.transport.codecs import (
     BLOCK,
     SMALLEST_SCALE,
     BlockQuantCodec,
+    Codec,
     get_codec,
 )
 from torchtitan.experiments.fault_tolerance.transport.collective import (
     compressed_all_reduce,
 )
-from torchtitan.experiments.fault_tolerance.transport.error_feedback import (
-    ErrorFeedback,
-)
+from torchtitan.experiments.fault_tolerance.transport.residuals import ResidualKey, Residuals
 from torchtitan.experiments.fault_tolerance.transport.runner import (
     AsyncCompressedAllReduce,
     Packed,
@@ -212,41 +211,61 @@ def test_wire_ratios_for_a_million_elements() -> None:
 # Error feedback
 
 
+def encode_staged(
+    residuals: Residuals, key: ResidualKey, x: torch.Tensor, codec: Codec
+) -> torch.Tensor:
+    """``x``'s encoding with what ``residuals`` owe at ``key`` added first, and what it drops
+    staged there (as one transfer of a sync does)."""
+    corrected = residuals.correct_(key, x.clone())
+    packed = torch.empty(codec.wire_bytes(x.numel()), dtype=torch.uint8)
+    residual = residuals.buffer(key, corrected)
+    codec.encode_into(corrected, packed, x.numel(), residual=residual)
+    residuals.stage(key, residual)
+    return packed
+
+
 @pytest.mark.parametrize("dtype", QUANTIZED)
 def test_error_feedback_makes_the_running_mean_converge(dtype: str) -> None:
     codec = get_codec(dtype)
     x = _varied(1000, seed=4)
     rounds = 20
     plain = codec.decode(codec.encode(x), x.numel())  # the same every round
-    feedback = ErrorFeedback()
+    residuals, key = Residuals(), ResidualKey(0, 0)
     total = torch.zeros_like(x)
     for _ in range(rounds):
-        total += codec.decode(feedback.encode("w", x, codec), x.numel())
+        total += codec.decode(encode_staged(residuals, key, x, codec), x.numel())
+        residuals.commit()
     err_plain = (plain - x).norm()
     err_feedback = (total / rounds - x).norm()
     assert err_plain > 0
     assert err_feedback < err_plain / 5
     # What is still owed is at most half a step of the last (corrected) input.
-    residual = feedback.residual("w")
+    residual = residuals.owed(key, 1000)
     assert residual is not None
     assert torch.allclose(total + residual, rounds * x, rtol=0, atol=1e-3)
 
 
-def test_error_feedback_state_round_trips_and_keys_are_separate() -> None:
+def test_residuals_round_trip_through_a_flat_tensor_and_fragments_are_separate() -> None:
     codec = get_codec("int4")
     x, y = _varied(300, seed=5), _varied(300, seed=6)
-    first = ErrorFeedback()
-    first.encode("a", x, codec)
-    first.encode("b", y, codec)
-    assert set(first.state_dict()) == {"a", "b"}
-    assert torch.equal(first.state_dict()["a"], x - codec.decode(codec.encode(x), 300))
-    second = ErrorFeedback()
-    second.load_state_dict(first.state_dict())
-    assert torch.equal(second.encode("a", x, codec), first.encode("a", x, codec))
-    first.reset("a")
-    assert first.residual("a") is None and first.residual("b") is not None
-    with pytest.raises(ValueError):
-        first.correct("b", torch.zeros(7))
+    first = Residuals()
+    encode_staged(first, ResidualKey(0, 0), x, codec)
+    encode_staged(first, ResidualKey(1, 0), y, codec)
+    first.commit()
+    assert torch.equal(first.flat(0, 300), x - codec.decode(codec.encode(x), 300))
+    second, saved = Residuals(), first.flat(0, 300)
+    second.load(0, saved)
+    assert second.owed(ResidualKey(1, 0), 300) is None
+    again = encode_staged(first, ResidualKey(0, 0), x, codec)
+    assert torch.equal(encode_staged(second, ResidualKey(0, 0), x, codec), again)
+    first.discard()  # not committed: the first sync's residuals stay owed
+    assert torch.equal(first.flat(0, 300), second.flat(0, 300))
+    for _ in range(2):  # the store computes in buffers of its own, never in the one it loaded
+        second.commit()
+        encode_staged(second, ResidualKey(0, 0), y, codec)
+    assert torch.equal(saved, first.flat(0, 300))
+    with pytest.raises(ValueError, match="none covering the 7 values at offset 300"):
+        first.correct_(ResidualKey(1, 300), torch.zeros(7))
 
 
 class _OneRank:
@@ -261,15 +280,14 @@ def test_a_single_rank_gets_its_own_round_trip(dtype: str) -> None:
     codec = get_codec(dtype)
     x = _varied(500, seed=7)
     tensor = x.clone()
-    feedback = ErrorFeedback()
+    residuals, key = Residuals(), ResidualKey(2, 0)
     pg: Any = _OneRank()
-    stats = compressed_all_reduce(pg, tensor, dtype, error_feedback=feedback, key="k")
+    stats = compressed_all_reduce(pg, tensor, dtype, error_feedback=residuals, key=key)
     assert torch.equal(tensor, codec.decode(codec.encode(x), 500))
     assert stats.bytes_sent == 0 and stats.world_size == 1
-    assert feedback.residual("k") is None  # staged: owed only once the sync commits
-    feedback.commit()
-    if dtype != "float32":
-        assert torch.equal(feedback.state_dict()["k"], x - tensor)
+    assert residuals.owed(key, 500) is None  # staged: owed only once the sync commits
+    residuals.commit()
+    assert torch.equal(residuals.flat(2, 500), x - tensor)
 
 
 def test_wait_returns_after_the_callbacks_chained_on_the_future() -> None:
@@ -466,17 +484,18 @@ def _collectives_worker(rank: int, world_size: int, store_path: str, out_dir: st
         dist.all_reduce(reference)
         out["torch_all_reduce"] = reference
 
-        feedback = ErrorFeedback()
+        residuals = Residuals()
         tensor = x.clone()
-        compressed_all_reduce(pg, tensor, "int4", error_feedback=feedback, key="frag0")
+        int4, sparse = ResidualKey(0, 0), ResidualKey(1, 0)
+        compressed_all_reduce(pg, tensor, "int4", error_feedback=residuals, key=int4)
         out["int4.feedback"] = tensor
-        out["int4.residual_before_commit"] = feedback.residual("frag0")
-        feedback.commit()
-        out["int4.residual"] = feedback.residual("frag0")
+        out["int4.residual_before_commit"] = residuals.owed(int4, NUMEL)
+        residuals.commit()
+        out["int4.residual"] = residuals.owed(int4, NUMEL)
         tensor = x.clone()
-        compressed_all_reduce(pg, tensor, "sparse", error_feedback=feedback, key="frag1")
-        feedback.commit()
-        out["sparse.residual"] = feedback.residual("frag1")
+        compressed_all_reduce(pg, tensor, "sparse", error_feedback=residuals, key=sparse)
+        residuals.commit()
+        out["sparse.residual"] = residuals.owed(sparse, NUMEL)
 
         runner = AsyncCompressedAllReduce()
         first = runner.submit(pg, x.clone(), "int8", divide_by=world_size)
@@ -504,12 +523,12 @@ def _dead_peer_worker(rank: int, world_size: int, store_path: str, out_dir: str)
     if rank == 1:
         os._exit(0)  # gone before taking part in the compressed collective
     runner = AsyncCompressedAllReduce()
-    feedback = ErrorFeedback()
+    residuals = Residuals()
     out: dict[str, Any] = {}
     tensor = _rank_tensor(rank)
     start = time.monotonic()
     try:
-        work = runner.submit(pg, tensor, "int8", error_feedback=feedback, key="frag")
+        work = runner.submit(pg, tensor, "int8", error_feedback=residuals)
         out["wait"] = work.wait()
         out["seconds"] = time.monotonic() - start
         out["done"] = work.get_future().done()
@@ -518,7 +537,8 @@ def _dead_peer_worker(rank: int, world_size: int, store_path: str, out_dir: str)
         out["errors"] = [repr(e) for e in errors]
         # From the collective (gloo raises RuntimeError subclasses), not from a bug of ours.
         out["errors_are_runtime"] = all(isinstance(e, RuntimeError) for e in errors)
-        out["residual"] = feedback.residual("frag")
+        residuals.commit()  # a failed collective staged nothing
+        out["residual"] = residuals.owed(ResidualKey(0, 0), NUMEL)
         runner.shutdown(timeout=10)
     finally:
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))

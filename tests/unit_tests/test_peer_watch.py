@@ -136,7 +136,7 @@ def test_a_peer_the_lighthouse_dropped_ends_the_sync_in_seconds(peer: str, caplo
                 "committed": committed,
                 "gone": sync.transport.peer_gone,
                 "x": x,
-                "feedback": sync.transport.residuals.feedback,
+                "residuals": sync.transport.residuals,
                 "manager": manager,
             }
         finally:
@@ -161,10 +161,10 @@ def test_a_peer_the_lighthouse_dropped_ends_the_sync_in_seconds(peer: str, caplo
     # The abandoned collective returns at its own timeout (gloo waits for the part group 1
     # never sent): it must neither stage what its encode dropped nor owe anything new.
     _wait_until_none_blocked()
-    assert first["feedback"].owed(staged=True) == {}
+    assert not first["residuals"].has_staged(0)
     # ... nor report an error into whatever sync the Manager holds by then.
     assert first["manager"].errored() is gone
-    assert first["feedback"].owed() == {}
+    assert first["residuals"].segments(0) == {}
 
 
 def _wait_until_none_blocked(timeout_s: float = 30.0) -> None:
@@ -298,7 +298,7 @@ def test_an_abandoned_collective_that_returns_after_the_verdict_stages_nothing()
     flight, then decided (its staged residuals dropped). When that collective returns, even
     whole, its thread touches nothing shared: no residual is staged for the next sync to owe,
     and its work, abandoned, carries no error."""
-    from torchtitan.experiments.fault_tolerance.transport.error_feedback import ErrorFeedback
+    from torchtitan.experiments.fault_tolerance.transport.residuals import Residuals
     from torchtitan.experiments.fault_tolerance.transport.runner import AsyncCompressedAllReduce
 
     issued, release, returned = threading.Event(), threading.Event(), threading.Event()
@@ -331,15 +331,15 @@ def test_an_abandoned_collective_that_returns_after_the_verdict_stages_nothing()
 
     pg = SimpleNamespace(size=lambda: 2, alltoall_base=alltoall_base, allgather=allgather)
     runner = AsyncCompressedAllReduce()
-    feedback = ErrorFeedback()
-    work = runner.submit(pg, torch.linspace(-1, 1, 8192), "int8", error_feedback=feedback, key="k")  # type: ignore[arg-type]
+    residuals = Residuals()
+    work = runner.submit(pg, torch.linspace(-1, 1, 8192), "int8", error_feedback=residuals)  # type: ignore[arg-type]
     assert issued.wait(10)
     assert runner.abandon() == 1 and work.abandoned
-    feedback.discard()  # the sync's verdict: not committed
+    residuals.discard()  # the sync's verdict: not committed
     release.set()
     assert returned.wait(10)
     time.sleep(0.5)  # the old thread hands over (or, rightly, does not)
-    assert feedback.owed(staged=True) == {} and work.error is None
+    assert not residuals.has_staged(0) and work.error is None
     runner.shutdown(timeout=5)
 
 

@@ -201,11 +201,11 @@ def test_semi_sync_state_round_trips_through_dcp_into_a_fresh_process(tmp_path: 
 def test_error_feedback_residuals_come_back_with_a_restart(tmp_path: Path) -> None:
     """What each rank's compression still owed is in the checkpoint and owed again after a
     restart, per fragment, committed and staged alike."""
-    from torchtitan.experiments.fault_tolerance.transport.residuals import FragmentResiduals
+    from torchtitan.experiments.fault_tolerance.transport.residuals import Residuals
 
     loop, _ = diloco(small_model(), fragments=2)
     numels = [sum(p.numel() for p in f.parameters()) for f in loop.fragments]
-    owed = FragmentResiduals()
+    owed = Residuals()
     for i, numel in enumerate(numels):
         owed.load(i, torch.arange(numel, dtype=torch.float32) + 100 * i)
     owed.load(1, torch.full((numels[1],), 0.5), staged=True)
@@ -215,7 +215,7 @@ def test_error_feedback_residuals_come_back_with_a_restart(tmp_path: Path) -> No
 
     fresh, _ = diloco(small_model(), fragments=2)
     restarted = as_trainer(fresh)
-    restarted.sync.residuals = FragmentResiduals()
+    restarted.sync.residuals = Residuals()
     dcp.load({"semi_sync": SemiSyncState(*parts(restarted))}, checkpoint_id=tmp_path)
     again = restarted.sync.residuals
     for i, numel in enumerate(numels):

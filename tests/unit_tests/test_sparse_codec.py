@@ -11,15 +11,14 @@ import math
 import pytest
 import torch
 
+from tests.unit_tests.test_compression import encode_staged
 from torchtitan.experiments.fault_tolerance.transport.codecs import (
     SparseCodec,
     get_codec,
     parse_sparse_name,
     sparse_name,
 )
-from torchtitan.experiments.fault_tolerance.transport.error_feedback import (
-    ErrorFeedback,
-)
+from torchtitan.experiments.fault_tolerance.transport.residuals import ResidualKey, Residuals
 
 
 def _values(numel: int, seed: int = 0) -> torch.Tensor:
@@ -146,13 +145,14 @@ def test_error_feedback_delivers_every_value_eventually() -> None:
     """With the residual added back, the running sum of what was sent tracks the sum of the
     inputs: the gap is the residual, which stays bounded instead of growing."""
     codec = get_codec("sparse")
-    feedback = ErrorFeedback()
+    residuals = Residuals()
     numel = 3 * 4096
     target = _values(numel, seed=1)
     sent = torch.zeros(numel)
     gaps = []
     for round_ in range(200):
-        packed = feedback.encode("k", target, codec)
+        packed = encode_staged(residuals, ResidualKey(0, 0), target, codec)
+        residuals.commit()
         sent += codec.decode(packed, numel)
         gaps.append(float((sent - (round_ + 1) * target).abs().max()))
     # After R rounds the gap is one residual, not R times what a round drops.
@@ -191,15 +191,15 @@ def test_a_decayed_residual_is_added_back_scaled_and_the_new_one_is_all_not_sent
     """SparseLoCo's beta: the owed residual fades by ``decay`` before it is added, and what the
     next encode does not send is owed in full."""
     codec = get_codec("sparse")
-    feedback = ErrorFeedback(decay=0.9)
+    residuals, key = Residuals(decay=0.9), ResidualKey(0, 0)
     numel = 5000
     first, second = _values(numel, seed=3), _values(numel, seed=4)
-    feedback.encode("k", first, codec)
-    owed = feedback.residual("k")
-    assert owed is not None
-    owed = owed.clone()
-    packed = feedback.encode("k", second, codec)
+    encode_staged(residuals, key, first, codec)
+    residuals.commit()
+    owed = residuals.flat(0, numel)
+    packed = encode_staged(residuals, key, second, codec)
+    residuals.commit()
     corrected = second + owed * 0.9
-    assert torch.equal(feedback.residual("k"), corrected - codec.decode(packed, numel))
+    assert torch.equal(residuals.flat(0, numel), corrected - codec.decode(packed, numel))
     with pytest.raises(ValueError, match="decay"):
-        ErrorFeedback(decay=0.0)
+        Residuals(decay=0.0)

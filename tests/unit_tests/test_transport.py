@@ -14,14 +14,15 @@ import torch
 from torch.distributed import ReduceOp
 
 from tests.unit_tests.gloo_groups import LoopbackManager, open_quorum, run_groups, sync_manager
-from tests.unit_tests.test_compression import _varied
+from tests.unit_tests.test_compression import _varied, encode_staged
 from torchtitan.components.ft import FaultToleranceError, torchft_adapter
 from torchtitan.experiments.fault_tolerance import events
 from torchtitan.experiments.fault_tolerance.job_config import PSEUDO_GRAD_DTYPES
 from torchtitan.experiments.fault_tolerance.transport.codecs import get_codec
-from torchtitan.experiments.fault_tolerance.transport.residuals import FragmentResiduals
+from torchtitan.experiments.fault_tolerance.transport.residuals import ResidualKey, Residuals
 from torchtitan.experiments.fault_tolerance.transport.sync_transport import (
     CollectiveTimeout,
+    SyncTransport,
     bucket_numel,
 )
 from torchtitan.tools.events import event_of
@@ -119,16 +120,16 @@ def test_a_residual_changes_only_when_its_sync_commits() -> None:
     def group(rank: int, pg: Any) -> list[torch.Tensor | None]:
         manager = LoopbackManager(pg, rank, 2)
         sync = sync_manager(manager, "int8", error_feedback=True, bucket_numel=300)
-        feedback = sync.transport.residuals.feedback if sync.transport.residuals else None
-        assert feedback is not None
+        residuals = sync.transport.residuals
+        assert residuals is not None
         seen: list[torch.Tensor | None] = []
         try:
             for number, seed in enumerate((1, 2, 3)):
                 x = torch.randn(750, generator=torch.Generator().manual_seed(seed + 10 * rank))
                 committed = _sync_once(sync, manager, x, fail=rank == 0 and number == 1)
                 assert committed == (rank != 0 or number != 1)
-                seen.append(torch.cat([r.reshape(-1) for r in feedback.state_dict().values()]))
-                assert len(feedback.state_dict()) == 3  # three transfers of 300, 300, 150
+                seen.append(residuals.flat(0, 750))
+                assert list(residuals.segments(0)) == [0, 300, 600]  # transfers of 300, 300, 150
         finally:
             sync.transport.shutdown()
         return seen
@@ -190,8 +191,8 @@ def test_a_non_finite_pseudo_gradient_fails_the_sync_on_every_group(
     def group(rank: int, pg: Any) -> dict[str, Any]:
         manager = LoopbackManager(pg, rank, 2)
         sync = sync_manager(manager, dtype, error_feedback=compressed, bucket_numel=300)
-        feedback = sync.transport.residuals.feedback if sync.transport.residuals else None
-        assert (feedback is not None) == compressed
+        residuals = sync.transport.residuals
+        assert (residuals is not None) == compressed
         out: dict[str, Any] = {"committed": [], "residuals": [], "results": []}
         try:
             for number in range(3):
@@ -199,8 +200,8 @@ def test_a_non_finite_pseudo_gradient_fails_the_sync_on_every_group(
                 if rank == 1 and number == 1:
                     x[137] = value
                 out["committed"].append(_sync_once(sync, manager, x))
-                if feedback is not None:
-                    out["residuals"].append(feedback.residual("fragment_0/0").clone())
+                if residuals is not None:
+                    out["residuals"].append(residuals.flat(0, 280))
                 out["results"].append(x)
         finally:
             sync.transport.shutdown()
@@ -346,56 +347,83 @@ def test_a_transfer_that_failed_unwaited_stops_the_next_bucket() -> None:
 
 def test_a_fragments_residuals_checkpoint_as_one_flat_tensor_and_continue_exactly() -> None:
     """A fragment synced in two buckets (300 + 200 values): its residuals go into a checkpoint
-    as one flat tensor of the fragment's 500 values; fresh residuals loaded from it
-    encodes the next syncs bit for bit as the one that never stopped, and hands the loaded
-    values out in bucket order."""
+    as one flat tensor of the fragment's 500 values; fresh residuals loaded from it encode
+    the next syncs bit for bit as the ones that never stopped, reading the loaded tensor at
+    each transfer's offset."""
     codec = get_codec("int4")
-    key = FragmentResiduals.key
+    first, second = ResidualKey(0, 0), ResidualKey(0, 300)
 
-    def sync(residuals: FragmentResiduals, seed: int) -> list[torch.Tensor]:
-        feedback = residuals.feedback
-        residuals.claim(key(0, 0), 300)  # as the transport does before each transfer
-        residuals.claim(key(0, 1), 200)
-        return [
-            feedback.encode(key(0, 0), _varied(300, seed), codec),
-            feedback.encode(key(0, 1), _varied(200, seed + 100), codec),
+    def sync(residuals: Residuals, seed: int) -> list[torch.Tensor]:
+        sent = [
+            encode_staged(residuals, first, _varied(300, seed), codec),
+            encode_staged(residuals, second, _varied(200, seed + 100), codec),
         ]
+        residuals.commit()
+        return sent
 
-    running = FragmentResiduals()
+    running = Residuals()
     assert torch.equal(running.flat(0, 500), torch.zeros(500))  # owes nothing yet
     sync(running, seed=1)
-    running.feedback.encode(key(1, 0), _varied(50, 9), codec)  # another fragment stays apart
+    encode_staged(running, ResidualKey(1, 0), _varied(50, 9), codec)  # another fragment
+    running.commit()
     flat = running.flat(0, 500)
-    assert torch.equal(flat[:300], running.feedback.residual(key(0, 0)))
-    assert torch.equal(flat[300:], running.feedback.residual(key(0, 1)))
+    assert torch.equal(flat[:300], running.segments(0)[0])
+    assert torch.equal(flat[300:], running.segments(0)[300])
 
-    restarted = FragmentResiduals()
+    restarted = Residuals()
     restarted.load(0, flat)
     assert torch.equal(restarted.flat(0, 500), flat)  # checkpointed again as is
     for seed in (2, 3):
         expected, got = sync(running, seed), sync(restarted, seed)
         assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)), seed
-    assert restarted.feedback.residual(key(1, 0)) is None
+    assert restarted.segments(1) == {}
     with pytest.raises(ValueError, match="more than its 400"):
         running.flat(0, 400)
-    # A loaded residual taken by a sync whose collective then fails is still owed.
-    failed = FragmentResiduals()
+    # A loaded residual read by a sync that then fails is still owed, all of it.
+    failed = Residuals()
     failed.load(0, flat)
     x = _varied(300, seed=5)
-    failed.claim(key(0, 0), 300)
-    assert torch.equal(failed.feedback.correct_(key(0, 0), x.clone()), x + flat[:300])
+    encode_staged(failed, first, x, codec)
+    failed.discard()
     assert torch.equal(failed.flat(0, 500), flat)
-    # Its retry claims again: the key keeps what it owes, the next slice stays for the next key.
-    failed.claim(key(0, 0), 300)
-    failed.claim(key(0, 1), 200)
-    assert torch.equal(failed.feedback.correct_(key(0, 0), x.clone()), x + flat[:300])
-    assert torch.equal(failed.feedback.correct_(key(0, 1), x[:200].clone()), x[:200] + flat[300:])
-    short = FragmentResiduals()
+    assert torch.equal(failed.correct_(first, x.clone()), x + flat[:300])
+    assert torch.equal(failed.correct_(second, x[:200].clone()), x[:200] + flat[300:])
+    short = Residuals()
     short.load(0, flat[:250])
-    with pytest.raises(ValueError, match="has 250 values, 0 taken; this tensor needs 300"):
+    with pytest.raises(ValueError, match="of 250 values, none covering the 300 values at offset 0"):
         sync(short, seed=4)
     short.reset()
     assert short.flat(0, 500).count_nonzero() == 0  # a heal drops the loaded too
+
+
+def test_residuals_a_checkpoint_staged_wait_for_the_verdict_of_their_sync() -> None:
+    """A checkpoint saved while a sync was undecided (async DiLoCo) holds what it staged
+    apart. After a restart they survive the next quorum's start (``discard(loaded=False)``)
+    and are owed only if that sync commits; a newer sync of the fragment that stages voids
+    them."""
+    owed, staged = torch.full((500,), 1.0), torch.full((500,), 2.0)
+
+    def restarted() -> Residuals:
+        residuals = Residuals()
+        residuals.load(0, owed)
+        residuals.load(0, staged, staged=True)
+        residuals.discard(loaded=False)  # the next sync's quorum begins
+        assert residuals.has_staged(0) and not residuals.has_staged(1)
+        assert torch.equal(residuals.flat(0, 500, staged=True), staged)
+        return residuals
+
+    committed = restarted()
+    committed.commit()
+    assert torch.equal(committed.flat(0, 500), staged) and not committed.has_staged(0)
+    failed = restarted()
+    failed.discard()
+    assert torch.equal(failed.flat(0, 500), owed) and not failed.has_staged(0)
+    newer = restarted()
+    x = _varied(200, seed=7)
+    encode_staged(newer, ResidualKey(0, 300), x, get_codec("int8"))
+    assert list(newer.segments(0, staged=True)) == [300]
+    newer.commit()
+    assert newer.flat(0, 500)[:300].count_nonzero() == 0
 
 
 def test_a_fragment_sent_in_three_transfers_gets_each_residual_back_at_its_offset() -> None:
@@ -404,7 +432,7 @@ def test_a_fragment_sent_in_three_transfers_gets_each_residual_back_at_its_offse
     their residuals (one flat tensor of the fragment's size, as the checkpoint holds it): the
     next two syncs deliver bit for bit what groups that never stopped deliver, and leave the
     same residual under each transfer's key."""
-    numel, key = 700, FragmentResiduals.key
+    numel = 700
 
     def group(rank: int, pg: Any, restart: bool) -> tuple[list[torch.Tensor], list[Any]]:
         manager = LoopbackManager(pg, rank, 2)
@@ -425,9 +453,8 @@ def test_a_fragment_sent_in_three_transfers_gets_each_residual_back_at_its_offse
                 assert [w.numel for w in sync.transport.works] == [300, 300, 100]
                 results.append(x)
             assert sync.transport.residuals is not None
-            return results, [
-                sync.transport.residuals.feedback.residual(key(0, n)) for n in range(3)
-            ]
+            owed = sync.transport.residuals.segments(0)
+            return results, [owed.get(offset) for offset in (0, 300, 600)]
         finally:
             sync.transport.shutdown()
 
@@ -546,20 +573,70 @@ def test_a_sync_waits_without_synchronizing_the_device_and_still_times_out(
 
 def test_a_checkpoints_residual_of_another_size_fails_the_sync_not_the_training() -> None:
     """Residuals loaded from a checkpoint that does not cover the fragment (written with other
-    shards): the transfer that claims them fails the sync, as a failed collective does, and
-    says why; the training thread goes on (the next syncs, uncommitted, stop the run)."""
+    shards), on group 0 only: its transfers fail its sync, as a failed collective does, and
+    say why; they still take part in the collectives, so group 1's arrive whole (its verdict
+    here is its own), well before the collective timeout; the training thread goes on."""
 
-    def group(rank: int, pg: Any) -> tuple[bool, str]:
+    def group(rank: int, pg: Any) -> tuple[bool, str, float]:
         manager = LoopbackManager(pg, rank, 2)
-        sync = sync_manager(manager, "int4", error_feedback=True, bucket_numel=300)
+        sync = sync_manager(manager, "int4", error_feedback=True, bucket_numel=300, timeout_s=20)
         try:
             assert sync.transport.residuals is not None
-            sync.transport.residuals.load(0, torch.zeros(250))  # the fragment has 700 values
+            if rank == 0:
+                sync.transport.residuals.load(0, torch.zeros(250))  # the fragment has 700
+            start = time.monotonic()
             committed = _sync_once(sync, manager, _varied(700, seed=rank))
-            return committed, str(manager.errored())
+            return committed, str(manager.errored()), time.monotonic() - start
         finally:
             sync.transport.shutdown()
 
-    for committed, error in run_groups(2, group):
-        assert not committed
-        assert "has 250 values, 0 taken; this tensor needs 300" in error
+    (committed, error, _), (other, other_error, seconds) = run_groups(2, group)
+    assert not committed
+    assert "fragment 0 owes residuals of 250 values, none covering the" in error
+    assert other and other_error == "None" and seconds < 15
+
+
+def test_an_exact_transfer_takes_no_place_among_the_fragments_values() -> None:
+    """A token count sent exact before a fragment's pseudo-gradient (fp32, no error feedback)
+    leaves the fragment's transfers at their offsets: the residuals sit at 0, 300 and 600,
+    and the checkpoint's flat tensor holds the fragment's 700 values."""
+
+    def group(rank: int, pg: Any) -> list[int]:
+        manager = LoopbackManager(pg, rank, 2)
+        sync = sync_manager(manager, "int8", error_feedback=True, bucket_numel=300)
+        try:
+            open_quorum(sync)
+            tokens = torch.ones(1)
+            sync.allreduce(tokens, ReduceOp.SUM, exact=True).wait()
+            sync.allreduce(_varied(700, seed=rank)).wait()
+            assert sync.decide().committed and tokens.item() == 2
+            assert sync.transport.residuals is not None
+            assert sync.transport.residuals.flat(0, 700).count_nonzero() > 0
+            return list(sync.transport.residuals.segments(0))
+        finally:
+            sync.transport.shutdown()
+
+    for offsets in run_groups(2, group):
+        assert offsets == [0, 300, 600]
+
+
+@pytest.mark.parametrize("committed", [True, False])
+def test_the_verdict_of_a_restored_undecided_sync_decides_its_staged_residuals(
+    committed: bool,
+) -> None:
+    """Restarted from a checkpoint saved while async DiLoCo's sync was undecided: the
+    transport's verdict on that sync keeps what it staged, or drops it for good."""
+    transport = SyncTransport("int8", error_feedback=True, bucket_mb=1.0, timeout_s=5)
+    try:
+        residuals = transport.residuals
+        assert residuals is not None
+        owed, staged = torch.full((500,), 1.0), torch.full((500,), 2.0)
+        residuals.load(0, owed)
+        residuals.load(0, staged, staged=True)
+        transport.end_sync(committed)
+        assert not residuals.has_staged(0)
+        assert torch.equal(residuals.flat(0, 500), staged if committed else owed)
+        residuals.commit()  # a later sync that staged nothing of fragment 0 commits
+        assert torch.equal(residuals.flat(0, 500), staged if committed else owed)
+    finally:
+        transport.shutdown()

@@ -26,17 +26,14 @@ from torch.distributed import ReduceOp
 
 from torchtitan.components.ft import FaultToleranceError, FTManager, QuorumPurpose
 from torchtitan.components.ft import torchft_adapter as tft
-from torchtitan.components.ft.delivery import all_reduce_across_groups
+from torchtitan.components.ft.delivery import AllWorks, all_reduce_across_groups
 from torchtitan.components.ft.manager import QuorumRounds
 from torchtitan.components.ft.timeouts import WATCHDOG_MARGIN
 from torchtitan.experiments.fault_tolerance import events
 from torchtitan.experiments.fault_tolerance.transport.collective import Delivered
 from torchtitan.experiments.fault_tolerance.transport.peer_watch import heartbeat_key
 from torchtitan.experiments.fault_tolerance.transport.shapes import CollectiveShape
-from torchtitan.experiments.fault_tolerance.transport.sync_transport import (
-    SyncTransport,
-    TransferWork,
-)
+from torchtitan.experiments.fault_tolerance.transport.sync_transport import SyncTransport
 
 if TYPE_CHECKING:
     from torchft.manager import Manager
@@ -309,7 +306,7 @@ class SyncQuorum:
         reduce_op: ReduceOp.RedOpType = ReduceOp.AVG,
         *,
         exact: bool = False,
-    ) -> TransferWork:
+    ) -> AllWorks:
         """Through the sync's transport; ``exact``: as fp32 without error feedback (e.g. token
         counts), in order with the rest."""
         return self.transport.allreduce(

@@ -41,7 +41,11 @@ from torchtitan.experiments.fault_tolerance.transport.codecs import (
     check_flat_fp32,
     get_codec,
 )
-from torchtitan.experiments.fault_tolerance.transport.error_feedback import ErrorFeedback
+from torchtitan.experiments.fault_tolerance.transport.residuals import (
+    FIRST,
+    ResidualKey,
+    Residuals,
+)
 from torchtitan.tools.digest import chunk_hashes
 from torchtitan.tools.exact_division import divide_
 from torchtitan.tools.scratch import Scratch
@@ -185,8 +189,8 @@ def compressed_all_reduce(
     tensor: torch.Tensor,
     dtype: str,
     *,
-    error_feedback: ErrorFeedback | None = None,
-    key: str = "",
+    error_feedback: Residuals | None = None,
+    key: ResidualKey = FIRST,
     scratch: Scratch | None = None,
     timeout: timedelta | None = None,
     keep_delivered: bool = False,
@@ -197,8 +201,8 @@ def compressed_all_reduce(
 
     Every rank must call it with the same ``dtype`` and ``tensor.numel()``, in the same order.
     Blocks until the result is in ``tensor`` (bit-identical on every rank). With
-    ``error_feedback``, this rank's residual under ``key`` is added first, and the new one is
-    staged once the collectives succeed (``ErrorFeedback.stage``: owed only if the sync then
+    ``error_feedback``, this rank's residual at ``key`` is added first, and the new one is
+    staged once the collectives succeed (``Residuals.stage``: owed only if the sync then
     commits); ``stage=False`` leaves it in ``stats.residual`` for the caller to stage.
     ``scratch`` (of ``tensor``'s device) keeps the buffers for the thread's next call.
     ``timeout``: the longest each collective may take (default: the process group's).
@@ -240,7 +244,7 @@ def compressed_all_reduce(
     # it owed stays in ``error_feedback`` until the collectives have succeeded.
     corrected = tensor if error_feedback is None else error_feedback.correct_(key, tensor)
     # What this rank's own encoding drops, filled in by the encode itself.
-    residual = None if error_feedback is None else error_feedback.residual_buffer(key, tensor)
+    residual = None if error_feedback is None else error_feedback.buffer(key, tensor)
 
     if n == 1:
         # Nobody to talk to: the result is what the encoding keeps of the tensor.
@@ -286,7 +290,7 @@ def compressed_all_reduce(
         stats.delivered = torch.cat(gathered)
     if error_feedback is not None and residual is not None:
         # Only now: had a collective failed, nothing was delivered and the old residual is
-        # still owed. Even now only staged: the sync's verdict decides (ErrorFeedback.commit).
+        # still owed. Even now only staged: the sync's verdict decides (Residuals.commit).
         _stage(error_feedback, key, residual, stats, stage)
     stats.total_s = time.perf_counter() - start
     return stats
@@ -356,7 +360,11 @@ def _reduce_chunk(
 
 
 def _stage(
-    feedback: ErrorFeedback, key: str, residual: torch.Tensor, stats: CompressionStats, now: bool
+    feedback: Residuals,
+    key: ResidualKey,
+    residual: torch.Tensor,
+    stats: CompressionStats,
+    now: bool,
 ) -> None:
     if now:
         feedback.stage(key, residual)

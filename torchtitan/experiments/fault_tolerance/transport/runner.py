@@ -41,7 +41,11 @@ from torchtitan.experiments.fault_tolerance.transport.collective import (
     compressed_all_reduce,
     is_finite,
 )
-from torchtitan.experiments.fault_tolerance.transport.error_feedback import ErrorFeedback
+from torchtitan.experiments.fault_tolerance.transport.residuals import (
+    FIRST,
+    ResidualKey,
+    Residuals,
+)
 from torchtitan.tools.exact_division import divide_
 from torchtitan.tools.scratch import Scratch
 
@@ -143,8 +147,8 @@ class _Job(NamedTuple):
     tensor: torch.Tensor
     dtype: str
     divide_by: float
-    error_feedback: ErrorFeedback | None
-    key: str
+    error_feedback: Residuals | None
+    key: ResidualKey
     ready: torch.cuda.Event | None
     work: CompressedWork
     timeout: timedelta | None
@@ -193,8 +197,8 @@ class AsyncCompressedAllReduce:
         dtype: str,
         *,
         divide_by: float = 1,
-        error_feedback: ErrorFeedback | None = None,
-        key: str = "",
+        error_feedback: Residuals | None = None,
+        key: ResidualKey = FIRST,
         timeout: timedelta | None = None,
         check_finite: bool = False,
         keep_delivered: bool = False,

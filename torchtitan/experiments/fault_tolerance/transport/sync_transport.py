@@ -20,7 +20,7 @@ pseudo-gradient), async DiLoCo one flat tensor per fragment plus its token count
   sends NaNs, so every group's result is not finite and every group fails the sync alike
   (:meth:`SyncTransport.non_finite`); the residuals stay as they were.
 * **An error-feedback residual changes only when its sync commits.** The collective stages the
-  residual of transfer ``n`` of fragment ``f`` (``FragmentResiduals.key``), and
+  residual of each transfer at its offset in its fragment (``residuals.ResidualKey``), and
   :meth:`SyncTransport.end_sync` keeps it or drops it with the sync's verdict.
 * **A timeout sized for transfers of minutes.** Each collective may take up to
   ``fault_tolerance.sync_collective_timeout_s`` (not the per-step ``process_group_timeout_ms``;
@@ -50,9 +50,10 @@ import torch
 
 from torchtitan.components.ft import torchft_adapter as tft
 from torchtitan.components.ft.build import end_collectives_in_flight
+from torchtitan.components.ft.delivery import AllWorks
 from torchtitan.experiments.fault_tolerance.transport.collective import Delivered
 from torchtitan.experiments.fault_tolerance.transport.peer_watch import Gone, PeerWatch
-from torchtitan.experiments.fault_tolerance.transport.residuals import FragmentResiduals
+from torchtitan.experiments.fault_tolerance.transport.residuals import ResidualKey, Residuals
 from torchtitan.experiments.fault_tolerance.transport.runner import (
     AsyncCompressedAllReduce,
     CompressedWork,
@@ -84,23 +85,6 @@ def _timed_out(error: BaseException) -> bool:
     return isinstance(error, TimeoutError) or "timed out" in text or "timeout" in text
 
 
-class SplitWork:
-    """The works of a tensor sent in bucket-sized pieces (an exact one: in one; none when the
-    Manager had already failed this sync)."""
-
-    def __init__(
-        self, transport: SyncTransport, tensor: torch.Tensor, works: list[CompressedWork]
-    ) -> None:
-        self._transport = transport
-        self.tensor = tensor
-        self.works = works
-
-    def wait(self) -> bool:
-        for work in self.works:
-            self._transport.await_transfer(work)
-        return True
-
-
 @dataclass
 class _Bucket:
     """Tensors packed into one transfer, in call order."""
@@ -129,25 +113,22 @@ class _Bucket:
             self.ready.append(torch.cuda.current_stream(tensor.device).record_event())
 
 
-class BucketedWork:
-    """The work of one tensor packed into a bucket: waiting sends the bucket if it is still
-    pending, and returns once the tensor holds its result (torchft's ``Work.wait``)."""
+class Transfer:
+    """A tensor's share of one transfer, as torchft's ``Work``: waiting sends its bucket if
+    that is still pending, and returns once the result is in the tensor. The transfer's own
+    timeout (``sync_collective_timeout_s``) bounds the wait; a ``timeout`` given is not used.
+    """
 
-    def __init__(self, transport: SyncTransport, bucket: _Bucket, tensor: torch.Tensor) -> None:
+    def __init__(self, transport: SyncTransport, bucket: _Bucket) -> None:
         self._transport = transport
         self._bucket = bucket
-        self.tensor = tensor
 
-    def wait(self) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
         if self._bucket.work is None:
             self._transport.flush()
         assert self._bucket.work is not None
         self._transport.await_transfer(self._bucket.work)
         return True
-
-
-#: What :meth:`SyncTransport.allreduce` returns: each waits until its tensor holds the result.
-TransferWork = SplitWork | BucketedWork
 
 
 class SyncTransport:
@@ -168,12 +149,12 @@ class SyncTransport:
     ) -> None:
         """``keep_delivered``: keep each transfer's result (CPU memory) for :meth:`delivered`.
         ``peers``: asked during a wait whether a group of the quorum is gone (None: only the
-        timeout ends a transfer). ``residual_decay``: ``ErrorFeedback``'s ``decay``."""
+        timeout ends a transfer). ``residual_decay``: ``Residuals``' ``decay``."""
         self.dtype = dtype
         self.keep_delivered = keep_delivered
         #: The error-feedback residuals (None: no error feedback).
         self.residuals = (
-            FragmentResiduals(residual_decay) if error_feedback and dtype != "float32" else None
+            Residuals(residual_decay) if error_feedback and dtype != "float32" else None
         )
         self.bucket_numel = bucket_numel(bucket_mb)
         self.timeout = timedelta(seconds=timeout_s)
@@ -184,7 +165,8 @@ class SyncTransport:
 
     def _start(self, fragment: int, participants: Sequence[int], own: int) -> None:
         self.fragment = fragment
-        self._transfers = 0
+        #: Where the next transfer's values start among the fragment's (``ResidualKey``).
+        self._offset = 0
         self._pending: _Bucket | None = None
         #: This sync's transfers of pseudo-gradients or parameters (not the exact ones).
         self.works: list[CompressedWork] = []
@@ -217,30 +199,39 @@ class SyncTransport:
 
     def allreduce(
         self, manager: Manager, tensor: torch.Tensor, *, average: bool, exact: bool = False
-    ) -> TransferWork:
+    ) -> AllWorks:
         """All-reduce (SUM, or the mean over the quorum with ``average``) ``tensor`` in place;
-        returns a work to ``wait`` for. ``exact``: sent as fp32 without error feedback (e.g. a
-        token count), after any pending bucket."""
+        returns its transfers, to ``wait`` for as one. ``exact``: sent as fp32 without error
+        feedback (e.g. a token count), after any pending bucket."""
         self._manager = manager
         if manager.errored() is not None:  # torchft: after an error, the rest are no-ops
-            return SplitWork(self, tensor, [])
+            return AllWorks([])
         if not manager.is_participating():
             tensor.zero_()  # a healing group sends nothing
         divide_by = manager.num_participants() if average else 1
         if exact:
             self.flush()
-            return SplitWork(self, tensor, [self._submit(tensor.view(-1), divide_by, exact=True)])
+            work = self._submit(tensor.view(-1), divide_by, exact=True)
+            return self._sent([work], tensor, divide_by)
         if tensor.numel() >= self.bucket_numel and tensor.is_contiguous():
             self.flush()
             flat, step = tensor.view(-1), self.bucket_numel
             pieces = [flat[i : i + step] for i in range(0, flat.numel(), step)]
-            return SplitWork(self, tensor, [self._submit(piece, divide_by) for piece in pieces])
+            works = [self._submit(piece, divide_by) for piece in pieces]
+            return self._sent(works, tensor, divide_by)
         bucket = self._pending
         if bucket is None or not bucket.takes(tensor, divide_by, self.bucket_numel):
             self.flush()
             bucket = self._pending = _Bucket(divide_by, tensor.device)
         bucket.add(tensor)
-        return BucketedWork(self, bucket, tensor)
+        return AllWorks([Transfer(self, bucket)])
+
+    def _sent(
+        self, works: list[CompressedWork], tensor: torch.Tensor, divide_by: float
+    ) -> AllWorks:
+        """The transfers of ``tensor``, each a bucket of its own already sent, as one work."""
+        device = tensor.device
+        return AllWorks([Transfer(self, _Bucket(divide_by, device, work=w)) for w in works])
 
     def flush(self) -> None:
         """Send the pending bucket, if any."""
@@ -261,16 +252,18 @@ class SyncTransport:
     ) -> CompressedWork:
         manager = self._manager
         assert manager is not None  # set by allreduce, the only caller (flush too)
-        key = ""
-        if not exact:
-            key = FragmentResiduals.key(self.fragment, self._transfers)
-            self._transfers += 1
         numel = flat.numel if isinstance(flat, Packed) else flat.numel()
-        if key and self.residuals is not None:
+        key, feedback = ResidualKey(self.fragment, self._offset), self.residuals
+        if exact:
+            feedback = None
+        else:
+            self._offset += numel
+        if feedback is not None:
             try:
-                self.residuals.claim(key, numel)
+                feedback.owed(key, numel)
             except ValueError as e:  # a checkpoint's residuals of another size: the sync fails
                 manager.report_error(e)
+                feedback = None
         if self._sent_at is None:
             self._sent_at = time.monotonic()
         work = self._runner.submit(
@@ -278,7 +271,7 @@ class SyncTransport:
             flat,
             "float32" if exact else self.dtype,
             divide_by=divide_by,
-            error_feedback=None if exact or self.residuals is None else self.residuals.feedback,
+            error_feedback=feedback,
             key=key,
             timeout=self.timeout,
             check_finite=True,
