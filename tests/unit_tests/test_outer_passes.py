@@ -288,10 +288,23 @@ def test_diloco_steps_a_bf16_global_copy_in_pieces_as_the_optimizer_would() -> N
     state.take_model()
     for r, t in zip(reference, state.global_copy.values(), strict=True):
         r.data.copy_(t)
+    _steps_as_the_optimizer(state, reference, optimizer, 3, torch.bfloat16)  # 1st: momentum
+
+
+def _steps_as_the_optimizer(
+    state: OuterState,
+    reference: list[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    dtype: torch.dtype,
+    device: str = "cpu",
+) -> None:
+    """``steps`` outer steps of random averages, by the passes and by ``optimizer`` on the
+    whole ``reference`` tensors: the same bits, and the global copy's digest taken after."""
     data = torch.Generator().manual_seed(5)
-    for _ in range(3):  # the first step makes the momentum
+    for _ in range(steps):
         averages = {
-            name: torch.randn(t.shape, generator=data).to(torch.bfloat16)
+            name: torch.randn(t.shape, generator=data).to(dtype).to(device)
             for name, t in state.global_copy.items()
         }
         for r, average in zip(reference, averages.values(), strict=True):
@@ -395,21 +408,7 @@ def test_on_cuda_the_state_beside_the_model_steps_as_the_optimizer_would(
     state.take_model()
     reference = [t.clone().requires_grad_() for t in state.global_copy.values()]
     optimizer = make(reference)
-    data = torch.Generator().manual_seed(5)
-    for _ in range(4):
-        averages = {
-            name: torch.randn(t.shape, generator=data).to(dtype).cuda()
-            for name, t in state.global_copy.items()
-        }
-        for r, average in zip(reference, averages.values(), strict=True):
-            r.grad = average.clone()
-        optimizer.step()
-        state.passes.step(averages)
-    for r, t in zip(reference, state.global_copy.values(), strict=True):
-        assert torch.equal(r.detach(), t)
-    assert state.passes.global_chunk_hashes() == [
-        h for t in state.global_copy.values() for h in chunk_hashes(t)
-    ]
+    _steps_as_the_optimizer(state, reference, optimizer, 4, dtype, "cuda")
 
 
 def test_a_restart_starts_the_period_and_the_model_at_the_global_copy() -> None:
