@@ -128,6 +128,9 @@ class OneGroup:
     def delivered(self) -> list[Any]:
         return self.kept
 
+    def site_tokens(self, tokens: int) -> int:
+        return tokens  # every group is a site
+
     def num_participants(self) -> int:
         return 1
 

@@ -189,6 +189,8 @@ class Trainer:
             # The Manager's own step must survive a whole-job restart (checkpoints only: a
             # joiner gets it from torchft itself when healing).
             self.register_state("ft_manager", self.ft, heal=False)
+        #: What averages gradients across replica groups every step (None: nothing does).
+        self.step_ft: FTManager | None = self.build_step_ft()
         self.checkpointer = CheckpointManager(job_config, self.states)
 
         tb_folder = None
@@ -229,6 +231,11 @@ class Trainer:
         across replica groups every step.
         """
         return build_ft_manager(self.job_config, self.parallel_dims, self.states)
+
+    def build_step_ft(self) -> FTManager | None:
+        """Extension point: the fault tolerance that averages gradients every step (default
+        :attr:`ft`; semi-sync: none, or its site's groups)."""
+        return self.ft
 
     def register_state(self, name: str, state: Stateful, *, heal: bool = True) -> None:
         """Extension point: add state that checkpoints save and (with ``heal``) that a live
@@ -315,18 +322,23 @@ class Trainer:
         replica groups and is applied only if every group agrees (``should_commit``); an
         uncommitted step leaves parameters and optimizer untouched.
         """
+        ft = self.step_ft
         self.optimizer.zero_grad()
-        if self.ft is not None:
-            self.ft.start_step()
+        if ft is not None:
+            ft.start_step()
         loss = self.forward_backward(inputs, labels)
-        if self.ft is not None:
-            self.ft.allreduce_gradients(self.model)
+        if ft is not None:
+            ft.allreduce_gradients(self.model)
         grad_norm = self.clip_gradients()
-        if self.ft is not None and not self.ft.should_commit():
+        if ft is not None and not ft.should_commit():
             return StepResult(self._mean_over_job(loss), grad_norm.item(), committed=False)
         self.optimizer.step()
-        self.lr_scheduler.step()
+        self.advance_schedule()
         return StepResult(self._mean_over_job(loss), grad_norm.item())
+
+    def advance_schedule(self) -> None:
+        """Extension point: after a committed step, the learning-rate schedule's step."""
+        self.lr_scheduler.step()
 
     def _mean_over_job(self, value: torch.Tensor) -> float:
         if self.parallel_dims.world_size > 1:
@@ -407,11 +419,11 @@ class Trainer:
                 self.metrics.count(inputs.numel())
                 result = self.train_step(inputs, labels)
                 if not result.committed:
-                    assert self.ft is not None
+                    assert self.step_ft is not None
                     STEP_NOT_COMMITTED.emit(
                         step=self.train_state.step + 1,
-                        uncommitted_in_a_row=self.ft.uncommitted_in_a_row,
-                        max_consecutive_failures=self.ft.max_consecutive_failures,
+                        uncommitted_in_a_row=self.step_ft.uncommitted_in_a_row,
+                        max_consecutive_failures=self.step_ft.max_consecutive_failures,
                     )
                     continue
                 self.train_state.count_step(inputs.numel())
@@ -433,7 +445,7 @@ class Trainer:
         last = self.training_done()
         if step == 1 or step % cfg.metrics.log_freq == 0 or last:
             # Groups in the last quorum (semi-sync: the last sync; none before the first).
-            groups = self.ft.manager.num_participants() if self.ft else None
+            groups = self.ft.manager.num_participants() if self.ft and self.ft.started else None
             self.metrics.log_step(step, result.loss, result.grad_norm, groups)
         start = time.perf_counter()
         if cfg.metrics.log_param_digest and self.ft is not None and self.params_agree_every_step:
@@ -454,8 +466,8 @@ class Trainer:
 
     def close(self) -> None:
         """Release the process groups, the torchft Manager and the event file."""
-        if self.ft is not None:
-            self.ft.shutdown()
+        for ft in {id(f): f for f in (getattr(self, "step_ft", None), self.ft) if f}.values():
+            ft.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
         if self.event_file is not None:

@@ -240,10 +240,9 @@ class StallingTrainer(StepFaults, SemiSyncTrainer):
         decide = self.sync.decide
 
         def decide_with_faults() -> Any:
-            manager = self.ft.manager  # type: ignore[union-attr]
             first = self.faults.fail_syncs_from
-            if first and manager.current_step() + 1 >= first:
-                manager.report_error(RuntimeError("injected sync failure"))
+            if first and self.sync.current_step() + 1 >= first:
+                self.ft.manager.report_error(RuntimeError("injected sync failure"))
             return decide()
 
         self.sync.decide = decide_with_faults  # type: ignore[method-assign]
@@ -251,7 +250,7 @@ class StallingTrainer(StepFaults, SemiSyncTrainer):
         poisoned: set[int] = set()
 
         def allreduce_with_faults(tensor: Any, *args: Any, **kwargs: Any) -> Any:
-            sync = self.ft.manager.current_step() + 1  # type: ignore[union-attr]
+            sync = self.sync.current_step() + 1  # a follower of its site: its leader's
             if sync == self.faults.nan_in_sync and sync not in poisoned and not kwargs.get("exact"):
                 poisoned.add(sync)
                 tensor.view(-1)[0] = float("nan")
@@ -322,7 +321,7 @@ class StallingTrainer(StepFaults, SemiSyncTrainer):
         self.ft._build_manager = build_paced  # type: ignore[union-attr]
 
     def _corrupt_after_report(self) -> None:
-        sync = self.ft.manager.current_step()  # type: ignore[union-attr]
+        sync = self.sync.current_step()
         # Once: a group that steps back after the agreement check is at sync K again.
         corrupt = sync == self.faults.corrupt_global_after_sync and not self._corrupted
         if corrupt and self.method == "diloco":

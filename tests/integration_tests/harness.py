@@ -70,9 +70,11 @@ class FTJob(LocalJob):
         dump_folder: Path | None = None,
         warm: bool = True,
         group_env: dict[int, dict[str, str]] | None = None,
+        groups_per_site: int = 1,
     ) -> None:
         """``group_env``: variables for every start of a group (by replica id), e.g. another
-        CPU's kernels (``tests/kernel_sets.py``)."""
+        CPU's kernels (``tests/kernel_sets.py``); ``groups_per_site`` > 1: sites of groups, each
+        with its own lighthouse (``start`` starts them)."""
         self.dump_folder = dump_folder or folder / "dump"
         super().__init__(
             folder,
@@ -86,6 +88,7 @@ class FTJob(LocalJob):
             ),
             launch_group=_warm_group if warm else _cold_group,
             group_env=group_env,
+            groups_per_site=groups_per_site,
         )
 
     def run_to_end(self, timeout: float = 240) -> FTJob:

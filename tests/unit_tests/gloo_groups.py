@@ -123,6 +123,7 @@ class OneGroupFT:
         self.manager = manager
         self.replica_id = manager.rank
         self.uncommitted_in_a_row = 0
+        self.started = True  # its Manager is built (a group that syncs, not a site's follower)
 
     @contextlib.contextmanager
     def quorum_rounds(self, *args: Any, **kwargs: Any) -> Iterator[Any]:

@@ -145,6 +145,9 @@ class FakeManager:
     def current_step(self) -> int:
         return self.step
 
+    def site_tokens(self, tokens: int) -> int:
+        return tokens  # every group is a site
+
     def num_participants(self) -> int:
         if self._quorum_size is None:  # the start-up quorum, of every group
             self._quorum_size = len(self.cluster.members)

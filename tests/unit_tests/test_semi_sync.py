@@ -295,6 +295,7 @@ def test_healing_state_is_read_when_sent_not_at_start_up() -> None:
 def _stub(local_step: int, starting: bool = False) -> SimpleNamespace:
     resets: list[int] = []
     forgot: list[int] = []
+    healed: list[int] = []
     return SimpleNamespace(
         algorithm=SimpleNamespace(
             local_step=lambda: local_step, forget_global=lambda: forgot.append(1), forgot=forgot
@@ -303,7 +304,13 @@ def _stub(local_step: int, starting: bool = False) -> SimpleNamespace:
         train_state=SimpleNamespace(step=30),
         period=4,
         start_up=StartUp(FRESH) if starting else None,
-        sync=SimpleNamespace(reset_error_feedback=lambda: resets.append(1), resets=resets),
+        sync=SimpleNamespace(
+            reset_error_feedback=lambda: resets.append(1),
+            resets=resets,
+            healed=healed,
+            note_healed=lambda: healed.append(1),
+            site=None,
+        ),
         lineage=Lineage(),
         heal=SimpleNamespace(
             event_fields=lambda: {"transfer": "full", "bytes_received": 2**20, "full_because": None}
@@ -340,6 +347,7 @@ def test_a_running_group_heals_at_its_peer_s_position(caplog: pytest.LogCaptureF
     assert (healed[0]["inner_step"], healed[0]["case"]) == (4, "running")
     assert stub.algorithm.forgot == [1]  # the digest of parameters it no longer holds
     assert stub.sync.resets == [1]  # what its compression owed was for state it no longer has
+    assert stub.sync.healed == [1]  # the sync's decision says so (its site heals from it)
     # Its model is the peer's from now on, and so is its lineage.
     assert stub.lineage == Lineage(last_shared_sync=6, solo_syncs=2, solo_since=1234.5)
 
@@ -709,7 +717,7 @@ def test_dylu_moves_the_learning_rate_to_the_jobs_progress_not_the_groups_steps(
     the job's period is at job step 4 + 2 = 6 of the schedule: the LR of 6 steps taken, not
     of the one step its own counter would give."""
     group = _DyLUGroup(local_step=1, done=False)
-    SemiSyncTrainer._advance_schedule(cast(Any, group))
+    SemiSyncTrainer.advance_schedule(cast(Any, group))
     assert group.lr_scheduler.get_last_lr() == [7.0]  # lambda(6) = 7: six steps taken
 
 

@@ -18,7 +18,7 @@ from torchtitan.components.ft import given_up, torchft_adapter
 from torchtitan.components.ft.errors import FaultToleranceError
 from torchtitan.components.ft.healing import NOT_HEALED
 from torchtitan.components.ft.manager import FTManager
-from torchtitan.components.ft.network import bind_ip, lighthouse_address
+from torchtitan.components.ft.network import bind_ip, group_store, lighthouse_address
 from torchtitan.components.ft.timeouts import ReplicaTimeouts
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed import ParallelDims
@@ -199,6 +199,7 @@ def build_ft_manager(
     init_sync: bool = True,
     quorum_timeout_s: float | None = None,
     collective_timeout_s: float | None = None,
+    own_store: bool = False,
 ) -> FTManager | None:
     """This rank's FTManager, from ``[fault_tolerance]``; None when it is off. The torchft
     Manager itself is built by ``FTManager.start()``. Fails at once (``TorchftVersionError``)
@@ -214,6 +215,8 @@ def build_ft_manager(
     ``collective_timeout_s``: the longest one collective across groups may take (semi-sync's
     ``sync_collective_timeout_s``; default ``process_group_timeout_ms``): with ``timeout_s`` it
     sizes every timeout of the replicate process group (``timeouts.ReplicaTimeouts``).
+    ``own_store``: the Manager keeps its keys in a TCP store of its own (``network.group_store``),
+    for a second Manager in the same process (torchft's keys have no prefix).
     """
     ft = job_config.fault_tolerance
     if not ft.enable:
@@ -226,6 +229,7 @@ def build_ft_manager(
     torchft_logs.show_python_loggers(list(logger.handlers))
     torchft_adapter.quiet_known_noise()
     address = lighthouse_address(job_config)
+    store_addr, store_port = group_store(ft.hostname, parallel_dims) if own_store else (None, None)
     longest_quorum_s = max(ft.quorum_timeout_s, quorum_timeout_s or 0.0)
 
     def build_manager(checkpoint_transport: Callable[..., Any] | None) -> Any:
@@ -262,6 +266,8 @@ def build_ft_manager(
                     rank=parallel_dims.rank,
                     world_size=parallel_dims.world_size,
                     lighthouse_addr=address,
+                    store_addr=store_addr,
+                    store_port=store_port,
                     replica_id=f"replica_{ft.replica_id}",
                     hostname=ft.hostname,
                     checkpoint_transport=transport,

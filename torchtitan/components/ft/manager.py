@@ -117,7 +117,8 @@ class FTManager:
         self.lighthouse = lighthouse_address(job_config)
         self.mesh = mesh
         self.poll_s = poll_s
-        self._pending: list[tuple[str, Callable[[Any], None], Callable[[], Any]]] = []
+        #: Every state registered for healing, given to each Manager :meth:`start` builds.
+        self._registered: list[tuple[str, Callable[[Any], None], Callable[[], Any]]] = []
         self._pending_step: dict[str, int] | None = None
         self._quorum_ready = False
         self._last_quorum_size = 0
@@ -163,9 +164,17 @@ class FTManager:
         self._manager = self._build_manager(checkpoint_transport)
         if self._pending_step is not None:
             self._manager.load_state_dict(self._pending_step)
-        for key, load, save in self._pending:
+        for key, load, save in self._registered:
             self._manager.register_state_dict_fn(key, load, save)
-        self._pending.clear()
+
+    def step_down(self) -> None:
+        """Shut the torchft Manager down (the group leaves the lighthouse's quorums) and keep
+        its step, for a later :meth:`start` (which registers the same state again)."""
+        if self._manager is None:
+            return
+        self._pending_step = {k: int(v) for k, v in self._manager.state_dict().items()}
+        self._manager.shutdown(wait=False)
+        self._manager = None
 
     # ---- state -----------------------------------------------------------------------------
 
@@ -177,9 +186,8 @@ class FTManager:
         self, key: str, load: Callable[[Any], None], save: Callable[[], Any]
     ) -> None:
         """torchft's ``Manager.register_state_dict_fn``, also before :meth:`start`."""
-        if self._manager is None:
-            self._pending.append((key, load, save))
-        else:
+        self._registered.append((key, load, save))
+        if self._manager is not None:
             self._manager.register_state_dict_fn(key, load, save)
 
     def note_state_written(self) -> None:

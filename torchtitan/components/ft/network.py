@@ -91,6 +91,34 @@ def confine_to_host(job_config: JobConfig) -> None:
     confine_to_host.store = store  # type: ignore[attr-defined]  # keep it alive
 
 
+def group_store(hostname: str, parallel_dims: Any) -> tuple[str, int]:
+    """A TCP store of the replica group's own besides torchrun's (``MASTER_ADDR``): where a
+    second torchft Manager of each rank keeps its keys. Rank 0 listens on ``hostname``'s
+    address; the others learn the port through the default process group's store (collective
+    over the group's ranks: all call it, in the same order)."""
+    ip = bind_ip(hostname)
+    if parallel_dims.world_size == 1:
+        store = listen_store(ip)
+        _KEPT_STORES.append(store)
+        return ip, store.port
+    import torch.distributed as dist
+
+    default = dist.distributed_c10d._get_default_store()
+    key = f"torchtitan/group_store/{len(_KEPT_STORES)}"
+    if parallel_dims.rank == 0:
+        store = listen_store(ip)
+        _KEPT_STORES.append(store)
+        default.set(key, f"{ip} {store.port}")
+    else:
+        _KEPT_STORES.append(None)
+    host, port = default.get(key).decode().split()
+    return host, int(port)
+
+
+#: The stores :func:`group_store` started (they live as long as the process).
+_KEPT_STORES: list[Any] = []
+
+
 def listen_store(ip: str) -> Any:
     """A TCPStore server listening on ``ip`` only, on a free port. (``TCPStore(host, ...)``
     alone binds every interface; a socket bound here and handed over does not.)"""

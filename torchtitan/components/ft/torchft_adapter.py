@@ -232,6 +232,36 @@ def heartbeat_id(manager: Manager) -> str:
     return bytes(manager._store.get(torchft_manager.REPLICA_ID_KEY)).decode()
 
 
+class _QuorumRecorder:
+    """Stands in for a Manager's client (torchft's Rust ``ManagerClient``): the same in every
+    call, and keeps the replica ids of the last quorum it returned."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.replica_ids: list[str] = []
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        quorum = self._client._quorum(*args, **kwargs)
+        self.replica_ids = list(quorum.replica_ids)
+        return quorum
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def record_quorum_members(manager: Manager) -> None:
+    """From now on, :func:`quorum_members` knows the members of ``manager``'s last quorum."""
+    manager._client = _QuorumRecorder(manager._client)
+
+
+def quorum_members(manager: Manager) -> list[int]:
+    """The ``replica_id`` (``replica_<R>``: R) of each member of the Manager's last quorum, in
+    the lighthouse's order, alike for every member (:func:`record_quorum_members` first)."""
+    recorder = manager._client
+    assert isinstance(recorder, _QuorumRecorder), "record_quorum_members was not called"
+    return [int(re.findall(r"\d+", rid.split(":")[0])[-1]) for rid in recorder.replica_ids]
+
+
 # ---- the lighthouse's status page ----------------------------------------------------------
 
 

@@ -319,3 +319,22 @@ OWN_CHECKPOINT_REJECTED = EventKind(
     "without one and heals in full from a peer",
     logging.WARNING,
 )
+
+#: Sites of groups: ``leader`` (a group's number in site ``site``) carries the site's syncs from
+#: this sync point on, since ``previous`` is not in the site's last step quorum (``groups``).
+SITE_LEADER = EventKind(
+    "semi_sync.site_leader",
+    "[semi-sync] site {site}: group {leader} carries the site's syncs now (group {previous} "
+    "is gone; {groups} group(s) in the site)",
+    logging.WARNING,
+)
+
+#: A group of site ``site`` lacks the result of the site's last sync (its leader's share did
+#: not arrive, or the leader healed from another site): it heals from a group of its site at the
+#: next step (its site Manager's step lowered from ``site_step``).
+SITE_FELL_BEHIND = EventKind(
+    "semi_sync.site_fell_behind",
+    "[semi-sync] site {site}: group {group} lacks the site's last sync and heals from its site "
+    "at the next step",
+    logging.WARNING,
+)

@@ -192,6 +192,32 @@ class FaultTolerance(CoreFaultTolerance):
     as sent: 4 per parameter in float32, ~1 in int8, ~0.5 in int4, ~0.03 per group in sparse.
     0: always heal in full."""
 
+    groups_per_site: int = 1
+    """Replica groups per site (a datacenter: one DiLoCo worker). > 1: ``replica_id`` counts
+    groups across the job (site = replica_id // groups_per_site), ``group_size`` is sites x
+    groups_per_site, and ``min_replica_size`` counts sites. A site's groups average gradients
+    every step through ``site_lighthouse`` (a dead one costs the site a share, not a restart);
+    one of them carries the site's sync over the job's lighthouse. 1: every group is a site."""
+
+    site_lighthouse: str = ""
+    """With ``groups_per_site`` > 1: the lighthouse of this group's site, e.g.
+    ``http://10.0.0.1:29611`` (one per site, on the site's fast network); the job's lighthouse
+    (``lighthouse``) hears one group per site."""
+
+    site_min_groups: int = 1
+    """With ``groups_per_site`` > 1: live groups a site needs to take a step, in [1,
+    groups_per_site] (a new job starts with all of them)."""
+
+    @property
+    def sites(self) -> int:
+        """Sites in the job (replica groups when every group is a site)."""
+        return max(1, self.group_size // self.groups_per_site)
+
+    @property
+    def site(self) -> int:
+        """This group's site."""
+        return self.replica_id // self.groups_per_site
+
     @property
     def method(self) -> str | None:
         """``semi_sync_method`` with its aliases resolved (``local_sgd`` -> ``localsgd``)."""
@@ -274,6 +300,67 @@ class FaultTolerance(CoreFaultTolerance):
                 "fault_tolerance.outer_momentum", self.outer_momentum, "must be in [0, 1)"
             )
         self._validate_compression()
+        self._validate_sites()
+
+    def _validate_sites(self) -> None:
+        groups = self.groups_per_site
+        if groups < 1:
+            raise ConfigError("fault_tolerance.groups_per_site", groups, "must be >= 1")
+        if groups == 1:
+            for name in self._changed(SITE_FIELDS[1:]):
+                raise ConfigError(
+                    f"fault_tolerance.{name}",
+                    getattr(self, name),
+                    "only applies to sites of several groups: set fault_tolerance."
+                    "groups_per_site > 1, or drop this field",
+                )
+            return
+        if self.group_size % groups:
+            raise ConfigError(
+                "fault_tolerance.group_size",
+                self.group_size,
+                f"must be a multiple of fault_tolerance.groups_per_site ({groups}): sites x "
+                "groups per site",
+            )
+        if self.min_replica_size > self.sites:
+            raise ConfigError(
+                "fault_tolerance.min_replica_size",
+                self.min_replica_size,
+                f"counts sites with groups_per_site > 1: must be in [1, {self.sites}]",
+            )
+        if not self.site_lighthouse:
+            raise ConfigError(
+                "fault_tolerance.site_lighthouse",
+                "",
+                "groups_per_site > 1 needs the site's lighthouse, e.g. "
+                "--fault_tolerance.site_lighthouse=http://127.0.0.1:29611 (one per site)",
+            )
+        if self.site_lighthouse == self.lighthouse:
+            raise ConfigError(
+                "fault_tolerance.site_lighthouse",
+                self.site_lighthouse,
+                "must differ from fault_tolerance.lighthouse (the job's): each site has its own",
+            )
+        if not 1 <= self.site_min_groups <= groups:
+            raise ConfigError(
+                "fault_tolerance.site_min_groups",
+                self.site_min_groups,
+                f"must be in [1, groups_per_site] = [1, {groups}]",
+            )
+        if self.fragment_sync_delay:
+            raise ConfigError(
+                "fault_tolerance.fragment_sync_delay",
+                self.fragment_sync_delay,
+                "must be 0 with groups_per_site > 1: a group healing from its site mid-delay "
+                "could not take the leader's result of the sync in flight",
+            )
+        if self.dynamic_local_steps:
+            raise ConfigError(
+                "fault_tolerance.dynamic_local_steps",
+                True,
+                "not with groups_per_site > 1: a site's groups take every step together, so "
+                "DyLU's per-group plan does not apply; plan per site instead (not supported)",
+            )
 
     def _validate_compression(self) -> None:
         compressed = self.pseudo_grad_dtype != "float32"
@@ -500,6 +587,8 @@ ASYNC_FIELDS = (
     "dynamic_local_steps",
     "dylu_probe_steps",
 )
+#: Fields of sites of replica groups (the first one turns them on).
+SITE_FIELDS = ("groups_per_site", "site_lighthouse", "site_min_groups")
 SEMI_SYNC_FIELDS = (
     "sync_steps",
     "sync_quorum_timeout_s",
@@ -512,7 +601,33 @@ SEMI_SYNC_FIELDS = (
     "fragment_sync_delay",
     "fragment_update_alpha",
     *ASYNC_FIELDS,
+    *SITE_FIELDS,
 )
+
+
+def site_step_config(config: CoreJobConfig) -> CoreJobConfig:
+    """``config`` as a site's own fault tolerance sees it (the groups of this group's site,
+    syncing every step through ``site_lighthouse``): replica ``replica_id mod
+    groups_per_site`` of ``groups_per_site``, needing ``site_min_groups``."""
+    ft = semi_sync_config(config)
+    site = dataclasses.replace(
+        ft,
+        replica_id=ft.replica_id % ft.groups_per_site,
+        group_size=ft.groups_per_site,
+        min_replica_size=ft.site_min_groups,
+        lighthouse=ft.site_lighthouse,
+    )
+    return dataclasses.replace(config, fault_tolerance=site)
+
+
+def job_level_config(config: CoreJobConfig) -> CoreJobConfig:
+    """``config`` as the job's lighthouse sees it: each site one replica group (the one that
+    carries its syncs). Unchanged when every group is a site."""
+    ft = semi_sync_config(config)
+    if ft.groups_per_site == 1:
+        return config
+    job = dataclasses.replace(ft, replica_id=ft.site, group_size=ft.sites)
+    return dataclasses.replace(config, fault_tolerance=job)
 
 
 def _how_to_run(method: str) -> str:

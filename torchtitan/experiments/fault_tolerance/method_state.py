@@ -95,6 +95,48 @@ class SemiSyncState:
         self.loaded = True
 
 
+class SiteHealState:
+    """What a group healing from a live group of its own site takes of the method (besides the
+    core state, which the site's Manager sends too): the position in the period, the lineage,
+    each fragment's global copy and outer momentum, the method's extra state, and which sync
+    is in flight (the healed group takes the site leader's result of it at the sync point).
+
+    Unlike :class:`SemiSyncState` it never waits for a sync in flight (the site's step would
+    wait for the slow link) and carries no residuals: a follower of its site compresses
+    nothing, and a group that becomes the leader starts them at zero."""
+
+    def __init__(self, loop: OuterLoop, lineage: Lineage) -> None:
+        self.loop = loop
+        self.lineage = lineage
+
+    def state_dict(self) -> dict[str, Any]:
+        loop = self.loop
+        in_flight = [i for i in range(len(loop.fragments)) if loop.in_flight(i)]
+        state: dict[str, Any] = {
+            "local_step": loop.local_step(),
+            "in_flight_fragment": in_flight[0] if in_flight else -1,
+            "lineage": self.lineage.state_dict(),
+            "extra": loop.extra_state(wait=False),
+        }
+        for i in range(len(loop.fragments)):
+            state[f"fragment_{i}"] = loop.fragment_state(i)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        loop = self.loop
+        loop.set_local_step(int(state["local_step"]))
+        self.lineage.load_state_dict(state["lineage"])
+        for i in range(len(loop.fragments)):
+            if state.get(f"fragment_{i}"):
+                loop.load_fragment_state(i, state[f"fragment_{i}"])
+        if state.get("extra"):
+            loop.load_extra_state(state["extra"])
+        in_flight = int(state["in_flight_fragment"])
+        arrived = [i for i in range(len(loop.fragments)) if loop.has_arrived(i)]
+        if in_flight >= 0 or arrived:
+            loop.await_share(in_flight if in_flight >= 0 else arrived[0])
+
+
 def _group_rank() -> int:
     """This process's rank in its replica group."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -14,6 +14,9 @@
   ``agreement_check_every`` syncs a digest of the global parameters): the run proves that the
   groups agree, instead of trusting it.
 * The last step leaves every group with the global parameters (the final model is the job's).
+* Sites of groups (``groups_per_site`` > 1): ``step_ft`` is the site's Manager, which averages
+  gradients every step among the site's groups; the job's Manager runs in the site's leader
+  only (``sync.site_link``).
 
 Failure semantics (what a sync commits, what a dead, hung or restarted group and a lighthouse
 restart do, what a heal carries) are written once, in docs/fault_tolerance.md ("Semi-synchronous
@@ -41,11 +44,16 @@ from torchtitan.experiments.fault_tolerance.heal.exchange import (
     job_fingerprint_parts,
 )
 from torchtitan.experiments.fault_tolerance.heal.history import job_fingerprint
-from torchtitan.experiments.fault_tolerance.job_config import SEMI_SYNC_METHODS, semi_sync_config
+from torchtitan.experiments.fault_tolerance.job_config import (
+    SEMI_SYNC_METHODS,
+    job_level_config,
+    semi_sync_config,
+    site_step_config,
+)
 from torchtitan.experiments.fault_tolerance.join.exchange import QuorumExchange
 from torchtitan.experiments.fault_tolerance.join.protocol import JoinAtSync, QuorumProtocol
 from torchtitan.experiments.fault_tolerance.join.speeds import build_speed_exchange
-from torchtitan.experiments.fault_tolerance.method_state import SemiSyncState
+from torchtitan.experiments.fault_tolerance.method_state import SemiSyncState, SiteHealState
 from torchtitan.experiments.fault_tolerance.methods.build import (
     build_method,
     build_sync_quorum,
@@ -58,6 +66,7 @@ from torchtitan.experiments.fault_tolerance.methods.outer_loop import OuterLoop
 from torchtitan.experiments.fault_tolerance.report.sync_reporter import SyncReporter
 from torchtitan.experiments.fault_tolerance.sync.lineage import Lineage
 from torchtitan.experiments.fault_tolerance.sync.quorum import RankInGroup, in_group_wait
+from torchtitan.experiments.fault_tolerance.sync.site_link import SiteLink
 from torchtitan.experiments.fault_tolerance.transport.shapes import CollectiveShape
 from torchtitan.tools import host_memory
 from torchtitan.tools.digest import tensor_digest
@@ -94,7 +103,8 @@ class SemiSyncTrainer(Trainer):
         wait = in_group_wait(ft.sync_quorum_timeout_s, ft.timeout_s, ft.sync_collective_timeout_s)
         rank = RankInGroup.build(self.device, ranks, wait)
         history = heal_history(ft)
-        self.sync = build_sync_quorum(ft, self.ft, history, rank)
+        self.site = self._site_link(ft)
+        self.sync = build_sync_quorum(ft, self.ft, history, rank, self.site)
         self.algorithm: OuterLoop = build_method(
             job_config, self.sync, self.model, self.optimizer, self.device,
             group_ranks=ranks, history=history,
@@ -117,14 +127,24 @@ class SemiSyncTrainer(Trainer):
         #: Why every checkpoint of this group failed its checksums ("": none did).
         self._checkpoint_rejected = ""
         self.register_state("semi_sync", self.state, heal=False)
-        speeds = build_speed_exchange(job_config, self.algorithm, self.ft, self.train_state, rank)
+        if self.site is not None:
+            # A group healing from its site takes the site's outer state and who leads (the
+            # core state is registered with the site's Manager already).
+            assert self.step_ft is not None
+            self.step_ft.register_state("semi_sync", SiteHealState(self.algorithm, self.lineage))
+            site = self.site
+            self.step_ft.register_state_dict_fn("site", site.load_state_dict, site.state_dict)
+            self.register_state("site", site, heal=False)
+            self.register_state("site_ft_manager", self.step_ft, heal=False)
+        # What the job's lighthouse and the other groups (with sites: sites) see of this one.
+        job = job_level_config(job_config)
+        speeds = build_speed_exchange(job, self.algorithm, self.ft, self.train_state, rank)
         exchange = QuorumExchange(
-            job_config, self.ft, self.sync, self.algorithm, self.train_state, rank, self.heal,
+            job, self.ft, self.sync, self.algorithm, self.train_state, rank, self.heal,
             shape, speeds,
         )  # fmt: skip
         self.reporter = SyncReporter(
-            job_config, self.algorithm, self.sync, self.ft, self.metrics, self.lineage, rank,
-            exchange,
+            job, self.algorithm, self.sync, self.ft, self.metrics, self.lineage, rank, exchange,
         )  # fmt: skip
         self.protocol = QuorumProtocol(exchange, self.lineage)
         # Healing state besides the checkpointed one: where in its period the sending group
@@ -150,13 +170,44 @@ class SemiSyncTrainer(Trainer):
         # Every group initialises the model from the same seed, so the step-0 weight sync
         # (init_sync) is not needed; the first quorum's digest exchange checks it.
         return build_ft_manager(
-            self.job_config,
+            job_level_config(self.job_config),
             self.parallel_dims,
             self.states,
             use_async_quorum=False,
             init_sync=False,
             quorum_timeout_s=semi_sync_config(self.job_config).sync_quorum_timeout_s,
             collective_timeout_s=semi_sync_config(self.job_config).sync_collective_timeout_s,
+        )
+
+    def build_step_ft(self) -> FTManager | None:
+        """With sites of groups: the site's Manager, through ``site_lighthouse``, which
+        averages gradients among the site's groups every step. A follower waits in the
+        site's process group while its leader syncs, up to the sync's quorum and transfers
+        (``sync_quorum_timeout_s`` + ``sync_collective_timeout_s``); the site's groups
+        start from the same seed (no step-0 weight sync). None without sites."""
+        ft = semi_sync_config(self.job_config)
+        if ft.groups_per_site == 1:
+            return None
+        return build_ft_manager(
+            site_step_config(self.job_config),
+            self.parallel_dims,
+            self.states,
+            init_sync=False,
+            collective_timeout_s=_site_wait_s(ft),
+            own_store=True,
+        )
+
+    def _site_link(self, ft: Any) -> SiteLink | None:
+        if self.step_ft is None:
+            return None
+        return SiteLink(
+            self.step_ft,
+            self.ft,
+            index=ft.replica_id % ft.groups_per_site,
+            groups=ft.groups_per_site,
+            site=ft.site,
+            device=self.device,
+            timeout_s=_site_wait_s(ft),
         )
 
     def load_checkpoint(self) -> None:
@@ -181,6 +232,9 @@ class SemiSyncTrainer(Trainer):
             cfg = self.job_config.checkpoint
             if self.train_state.step > 0 or (cfg.enable and cfg.initial_load_path):
                 events.GLOBAL_FROM_LOADED_MODEL.emit(step=self.train_state.step)
+        if self.site is not None:
+            self._join_site()
+            return
         assert self.ft is not None
         self.ft.start(build_history_transport(self.heal))
         # A group resumed from its own checkpoint offers it as the basis of a replay.
@@ -193,6 +247,16 @@ class SemiSyncTrainer(Trainer):
         if joined is not None:
             self._join_sync(joined)
 
+    def _join_site(self) -> None:
+        """With sites: join the site's step quorum (a new job's needs every group of the site;
+        a group behind its site heals from a live one of it, leader and outer state included).
+        The job's Manager starts in the site's leader at its first sync point."""
+        assert self.step_ft is not None
+        self.step_ft.start()
+        tft.record_quorum_members(self.step_ft.manager)
+        self.algorithm.note_joined()
+        self.step_ft.wait_for_full_quorum()
+
     def train_context(self) -> contextlib.AbstractContextManager:
         stack = contextlib.ExitStack()
         # Post-hooks run in registration order: ours before the method's starts the clock of a
@@ -204,14 +268,12 @@ class SemiSyncTrainer(Trainer):
         return stack
 
     def train_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> StepResult:
-        self.optimizer.zero_grad()
-        loss = self.forward_backward(inputs, labels)
-        grad_norm = self.clip_gradients()
-        self.optimizer.step()  # the method's hook syncs here at the end of each sync period
-        self._advance_schedule()
-        if self._last_step_taken(self.train_state.step + 1):
+        # The core's step (with sites: gradients averaged in the site); the method's hook syncs
+        # inside optimizer.step() at the end of each sync period.
+        result = super().train_step(inputs, labels)
+        if result.committed and self._last_step_taken(self.train_state.step + 1):
             self._finish()
-        return StepResult(self._mean_over_job(loss), grad_norm.item())
+        return result
 
     def training_done(self) -> bool:
         if self.dynamic:
@@ -224,7 +286,7 @@ class SemiSyncTrainer(Trainer):
             return self.training_done() and self.algorithm.local_step() == 0
         return step == self.job_config.training.steps
 
-    def _advance_schedule(self) -> None:
+    def advance_schedule(self) -> None:
         """After an inner step: one step along the learning-rate schedule, or with DyLU to the
         job's progress, counted in the steps of a group that takes whole periods."""
         if not self.dynamic:
@@ -257,7 +319,7 @@ class SemiSyncTrainer(Trainer):
         self.sync.transport.flush()  # the running groups flushed theirs after the same hook
         self.reporter.took(time.perf_counter() - start)
         # The running groups are inside this step's optimizer.step(); finish it as they will.
-        self._advance_schedule()
+        self.advance_schedule()
         last = self._last_step_taken(self.train_state.step + 1)
         self.train_state.count_step()
         if performed:
@@ -308,3 +370,9 @@ class SemiSyncTrainer(Trainer):
     def _after_method(self, *_: Any) -> None:
         host_memory.heap_large()  # the next inner step's gradients reuse the heap
         self.reporter.after_inner_step(self.train_state.step + 1)
+
+
+def _site_wait_s(ft: Any) -> float:
+    """The longest a collective of a site's groups may take: a follower waits in it while its
+    leader's sync waits for its quorum and transfers."""
+    return float(ft.sync_quorum_timeout_s + ft.sync_collective_timeout_s)

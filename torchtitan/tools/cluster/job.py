@@ -14,6 +14,7 @@ Nothing else is ever signalled, and every signal goes to one PID.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
@@ -107,6 +108,7 @@ class LocalJob:
         job_id: str | None = None,
         group_devices: Sequence[str] | None = None,
         group_env: Mapping[int, Mapping[str, str]] | None = None,
+        groups_per_site: int = 1,
     ) -> None:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -133,6 +135,11 @@ class LocalJob:
         self.lighthouse_port: int | None = None
         #: What the groups are given as ``TORCHFT_LIGHTHOUSE`` (set by start_lighthouse).
         self.lighthouse_address = ""
+        #: Groups per site (``fault_tolerance.groups_per_site``; 1: every group is a site).
+        self.groups_per_site = groups_per_site
+        #: Each site's lighthouse (with ``groups_per_site`` > 1), by site.
+        self.site_lighthouses: dict[int, Process] = {}
+        self.site_addresses: dict[int, str] = {}
 
     def __enter__(self) -> LocalJob:
         return self
@@ -183,6 +190,20 @@ class LocalJob:
         self.lighthouse_address = settings.address(port)
         wait_until_listening(lighthouse, settings, port)
         return self.lighthouse_address
+
+    def start_site_lighthouse(self, site: int) -> str:
+        """Start site ``site``'s lighthouse (a quorum of one group is enough: the groups'
+        ``site_min_groups`` says how many they need) on a free port; returns its address."""
+        settings = dataclasses.replace(self.lighthouse_settings, min_replicas=1)
+        port = free_port(settings.host)
+        env = {torchft_logs.VARIABLE: torchft_logs.lighthouse_setting()}
+        lighthouse = self.start_process(
+            f"site{site}_lighthouse", settings.command(port), env, launch=self.launch_lighthouse
+        )
+        self.site_lighthouses[site] = lighthouse
+        self.site_addresses[site] = settings.address(port)
+        wait_until_listening(lighthouse, settings, port)
+        return self.site_addresses[site]
 
     def kill_lighthouse(self) -> int:
         """SIGKILL the lighthouse; returns its port (for :meth:`restart_lighthouse`)."""
@@ -236,11 +257,19 @@ class LocalJob:
         """Start (or restart) replica group ``replica_id``; ``extra_args`` go to this start
         only, after the job's ``train_args``, and so do the variables of ``env``."""
         starts = self.starts.setdefault(replica_id, [])
+        site_args = []
+        if self.groups_per_site > 1:
+            site_args = [
+                f"--fault_tolerance.groups_per_site={self.groups_per_site}",
+                "--fault_tolerance.site_lighthouse="
+                + self.site_addresses[replica_id // self.groups_per_site],
+            ]
         argv = [
             *self.entry,
             "--fault_tolerance.enable",
             f"--fault_tolerance.replica_id={replica_id}",
             f"--fault_tolerance.group_size={self.groups}",
+            *site_args,
             *self.train_args,
             *extra_args,
         ]
@@ -255,8 +284,11 @@ class LocalJob:
         return group
 
     def start(self) -> LocalJob:
-        """The lighthouse, then every group."""
+        """The lighthouse (and each site's), then every group."""
         self.start_lighthouse()
+        if self.groups_per_site > 1:
+            for site in range(self.groups // self.groups_per_site):
+                self.start_site_lighthouse(site)
         for replica_id in range(self.groups):
             self.start_group(replica_id)
         return self

@@ -14,6 +14,7 @@ from typing import Any
 
 from torchtitan.components.ft import FaultToleranceError, QuorumPurpose
 from torchtitan.experiments.fault_tolerance import events
+from torchtitan.experiments.fault_tolerance.heal.checkpoint_transport import build_history_transport
 from torchtitan.experiments.fault_tolerance.job_config import semi_sync_config
 from torchtitan.experiments.fault_tolerance.join.exchange import QuorumExchange, StartUp
 from torchtitan.experiments.fault_tolerance.join.speeds import ProbeInFlight
@@ -159,8 +160,21 @@ class QuorumProtocol:
 
     def sync_quorum(self) -> bool:
         """A sync's quorum, settled by the exchange (``outer_loop.Quorums``): whether this group
-        healed in it (torchft loaded a peer's state, :meth:`load_peer` among it)."""
+        healed in it (torchft loaded a peer's state, :meth:`load_peer` among it).
+
+        With sites, only the site's leader (elected here, :meth:`~.site_link.SiteLink.elect`)
+        joins it: a group that leads from now on starts its job Manager, at the step its
+        site's syncs made (a site behind the others heals from one in this quorum); one that
+        does not lead (any more) leaves the job's lighthouse."""
         self._peer_loaded = False
+        site = self.sync.site
+        if site is not None:
+            site.elect()
+            if not site.leads():
+                self.ft.step_down()
+                return False
+            if not self.ft.started:
+                self.ft.start(build_history_transport(self.heal))
         with self.sync.sync_rounds() as rounds:
             self.exchange.settle(rounds)
         return self._peer_loaded
@@ -189,6 +203,7 @@ class QuorumProtocol:
         the same inner step as its peer, or the sync that follows would pair different
         operations (a hang, or a wrong average): stop loudly instead."""
         self._peer_loaded = True
+        self.sync.note_healed()
         self.algorithm.forget_global()  # a digest of parameters this group no longer holds
         self.sync.reset_error_feedback()  # owed for state this group no longer has
         self.lineage.load_state_dict(

@@ -2,6 +2,10 @@
 
     ./run_launcher.sh --groups 2 -- --training.steps=100
 
+Sites of groups: ``./run_launcher.sh --sites 2 --groups-per-site 2 -- ARGS`` starts the job's
+lighthouse, one lighthouse per site and 4 groups (group R is group R mod 2 of site R // 2);
+``--kill 0:1@10`` addresses group 1 of site 0.
+
 (``run_launcher.sh`` runs this module with the project's ``.venv``) starts
 ``torchft_lighthouse`` on 127.0.0.1 (a free port), then N replica groups, each a
 ``run_train.sh`` (``--ngpu`` ranks) with its own manager port and ``--fault_tolerance.replica_id``.
@@ -41,7 +45,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         epilog="Arguments after `--` go to every group's run_train.sh (e.g. "
         "--job.custom_args_module=... --fault_tolerance.semi_sync_method=diloco).",
     )
-    parser.add_argument("--groups", type=int, default=2, help="replica groups (default 2)")
+    parser.add_argument(
+        "--groups",
+        type=int,
+        default=None,
+        help="replica groups (default 2; with --sites: sites x groups per site)",
+    )
+    parser.add_argument(
+        "--sites",
+        type=int,
+        default=None,
+        help="sites of replica groups (each "
+        "with its own lighthouse; default: every group is a site)",
+    )
+    parser.add_argument("--groups-per-site", type=int, default=1, metavar="G",
+                        help="replica groups per site, which average gradients every step "
+                        "(default 1)")  # fmt: skip
     parser.add_argument("--ngpu", type=int, default=1, help="ranks per group (NGPU; default 1)")
     parser.add_argument(
         "--gpus-per-group",
@@ -78,7 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="R@S",
-        help="SIGKILL group R once it logs step S (repeatable)",
+        help="SIGKILL group R once it logs step S (repeatable); with sites, SITE:G@S is group "
+        "G of site SITE",
     )
     parser.add_argument(
         "--kill-every",
@@ -102,8 +122,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.train_args and args.train_args[0] == "--":
         args.train_args = args.train_args[1:]
+    if args.groups_per_site < 1:
+        parser.error(f"--groups-per-site: {args.groups_per_site} is not allowed; use 1 or more")
+    if args.sites is not None:
+        if args.sites < 1:
+            parser.error(f"--sites: {args.sites} is not allowed; use 1 or more")
+        groups = args.sites * args.groups_per_site
+        if args.groups is not None and args.groups != groups:
+            parser.error(f"--groups: {args.groups} is not --sites x --groups-per-site = {groups}")
+        args.groups = groups
+    elif args.groups_per_site > 1:
+        parser.error("--groups-per-site needs --sites (how many sites)")
+    if args.groups is None:
+        args.groups = 2
     if args.groups < 1:
         parser.error(f"--groups: {args.groups} is not allowed; use 1 or more")
+    try:
+        args.kill = [(_replica(where, args.groups_per_site), step) for where, step in args.kill]
+    except ValueError as e:
+        parser.error(f"--kill: {e}")
     if args.ngpu < 1:
         parser.error(f"--ngpu: {args.ngpu} is not allowed; use 1 or more")
     if not 1 <= args.min_replicas <= args.groups:
@@ -140,11 +177,23 @@ def _group_devices(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         parser.error(f"--gpus-per-group: {per_group} is not allowed; {e}")
 
 
-def _kill_spec(text: str) -> tuple[int, int]:
-    replica, sep, step = text.partition("@")
-    if not sep or not replica.isdigit() or not step.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r}: expected R@S, e.g. 1@10")
-    return int(replica), int(step)
+def _kill_spec(text: str) -> tuple[str, int]:
+    where, sep, step = text.partition("@")
+    site, colon, group = where.partition(":")
+    numbers = [site, group] if colon else [where]
+    if not sep or not all(n.isdigit() for n in numbers) or not step.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected R@S or SITE:G@S, e.g. 1@10")
+    return where, int(step)
+
+
+def _replica(where: str, groups_per_site: int) -> int:
+    """The replica id of ``R`` or ``SITE:G`` (group G of site SITE)."""
+    site, colon, group = where.partition(":")
+    if not colon:
+        return int(where)
+    if int(group) >= groups_per_site:
+        raise ValueError(f"{where}: a site has groups 0..{groups_per_site - 1}")
+    return int(site) * groups_per_site + int(group)
 
 
 def command_for_one_group(train_args: list[str]) -> list[str] | None:

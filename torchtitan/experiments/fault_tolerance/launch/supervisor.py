@@ -88,6 +88,7 @@ class Supervisor:
             ),
             job_id=os.environ.get(JOB_ENV),
             group_devices=args.group_devices,
+            groups_per_site=getattr(args, "groups_per_site", 1),
         )
         self.dump_folder = groups_dump_folder(args.train_args)
         self.step_kills = StepKills(args.kill)
@@ -100,6 +101,12 @@ class Supervisor:
         lighthouse = self.job.lighthouse
         assert lighthouse is not None
         say("[launcher]", f"lighthouse at {address} (pid {lighthouse.pid})")
+        per_site = self.job.groups_per_site
+        for site in range(self.args.groups // per_site if per_site > 1 else 0):
+            found = self.job.start_site_lighthouse(site)
+            first = site * per_site
+            say("[launcher]", f"site {site} (groups {first}..{first + per_site - 1}): "
+                f"lighthouse at {found}")  # fmt: skip
         if self.args.show_lighthouse:
             threading.Thread(target=self._show_lighthouse, args=(lighthouse,), daemon=True).start()
 

@@ -421,7 +421,7 @@ class AsyncDiLoCo(DyLUPeriods, GlobalCopyMethod[AsyncOuterState]):
             share = 1.0 if self.update == "eager" else 1 / max(1, self.sync.num_participants())
         # Steps 1-3 in one pass when one fragment is finished and started.
         steps, state.steps = state.steps, 0
-        tokens = steps * self.tokens_per_step
+        tokens = self.sync.site_tokens(steps * self.tokens_per_step)
         if decided is not None and decided.fragment == index:
             state.finish_and_start(decided.sums, decided.total, buffer[:-1], share, tokens)
         else:
@@ -498,6 +498,10 @@ class AsyncDiLoCo(DyLUPeriods, GlobalCopyMethod[AsyncOuterState]):
         flight = self._in_flight
         return flight is not None and flight.fragment == index and not flight.arrived
 
+    def has_arrived(self, index: int) -> bool:
+        flight = self._in_flight
+        return flight is not None and flight.fragment == index and flight.arrived
+
     def state_bytes(self) -> dict[str, int]:
         held = super().state_bytes()
         starts = sum(t.nbytes for s in self._states for t in s.period_start.values())
@@ -508,13 +512,14 @@ class AsyncDiLoCo(DyLUPeriods, GlobalCopyMethod[AsyncOuterState]):
         largest = max(s.numel() + 1 for s in self._states) * 4
         return largest + sum(s.passes.staging_bytes() for s in self._states)
 
-    def extra_state(self) -> dict[str, Any]:
+    def extra_state(self, wait: bool = True) -> dict[str, Any]:
         """Per fragment its period's start and inner steps, and the sync in flight, waited for:
         its sums are kept, so a job restarted from the checkpoint applies it at its next sync
         point as the uninterrupted job does. If its all-reduce failed nothing is kept and the
-        restarted job drops that sync (``in_flight`` stays true)."""
+        restarted job drops that sync (``in_flight`` stays true). ``wait=False``: kept only if
+        it arrived already (a heal within a site, which must not hold the site up)."""
         flight = self._in_flight
-        if flight is not None:
+        if flight is not None and wait:
             flight.wait_for_checkpoint(self.sync, self.agree_in_group)
         state: dict[str, Any] = {"sync_points": self.sync_points}
         for index, fragment_state in enumerate(self._states):
@@ -529,6 +534,16 @@ class AsyncDiLoCo(DyLUPeriods, GlobalCopyMethod[AsyncOuterState]):
         for index, fragment_state in enumerate(self._states):
             fragment_state.load_checkpoint(state[f"fragment_{index}"])
         self._in_flight = load_arrived(state["arrived"], self._states)
+
+    def await_share(self, index: int) -> None:
+        """Healed from a group of its site with fragment ``index``'s sync in flight: this group
+        takes the site leader's result of it at the next sync point, into a sync of its own
+        that sends nothing (an arrived one loaded from the peer, or a placeholder)."""
+        flight = self._in_flight
+        if flight is None or flight.fragment != index:
+            buffer = self._buffer(self._states[index])
+            flight = self._in_flight = InFlightSync.start(self.sync, index, buffer, 0, 0)
+        self.sync.expect([flight.buffer[:-1], flight.buffer[-1:]])
 
     def drop_in_flight(self, index: int) -> None:
         if self.in_flight(index):

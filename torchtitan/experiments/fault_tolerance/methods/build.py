@@ -17,6 +17,7 @@ from torchtitan.experiments.fault_tolerance.methods.outer_loop import OuterLoop
 from torchtitan.experiments.fault_tolerance.methods.outer_optimizer import outer_optimizer
 from torchtitan.experiments.fault_tolerance.methods.periodic import DiLoCo, LocalSGD
 from torchtitan.experiments.fault_tolerance.sync.quorum import RankInGroup, SyncQuorum
+from torchtitan.experiments.fault_tolerance.sync.site_link import SiteLink
 from torchtitan.experiments.fault_tolerance.transport.codecs import sparse_name
 from torchtitan.experiments.fault_tolerance.transport.peer_watch import PeerWatch
 from torchtitan.experiments.fault_tolerance.transport.sync_transport import SyncTransport
@@ -76,6 +77,7 @@ def build_sync_quorum(
     ft_manager: FTManager,
     history: HealHistory,
     rank: RankInGroup,
+    site: SiteLink | None = None,
 ) -> SyncQuorum:
     """The sync quorum and its transport; ``history`` keeps what committed syncs delivered
     (if its capacity is not 0)."""
@@ -95,6 +97,7 @@ def build_sync_quorum(
         transport=transport,
         fragments=ft.fragment_count(),
         rank=rank,
+        site=site,
     )
 
 

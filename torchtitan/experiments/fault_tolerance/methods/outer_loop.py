@@ -270,6 +270,11 @@ class OuterLoop(ABC):
         cannot hold it). A method that syncs at once: never."""
         return False
 
+    def has_arrived(self, index: int) -> bool:
+        """Whether fragment ``index``'s sync is here, not yet applied (async DiLoCo's, loaded
+        from a checkpoint or a peer). A method that applies a sync at once: never."""
+        return False
+
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for the method besides model and inner optimizer, by kind
         (``events.OUTER_STATE_KINDS``; kinds it has not left out). Here: the most a running
@@ -280,11 +285,18 @@ class OuterLoop(ABC):
         """Bytes of fragment ``index``'s parameters on this rank (its shards)."""
         return sum(local_tensor(p.data).nbytes for p in self.fragments[index].parameters())
 
-    def extra_state(self) -> dict[str, Any]:
+    def extra_state(self, wait: bool = True) -> dict[str, Any]:
         """What else a checkpoint needs to resume exactly (tensors laid out like the
         parameters), with the same keys in every process so a fresh one offers DCP something
-        to load into. Most methods: nothing."""
+        to load into. Most methods: nothing. ``wait=False``: without waiting for a sync in
+        flight (a heal within a site)."""
         return {}
+
+    def await_share(self, index: int) -> None:
+        """Healed from a group of its site while fragment ``index``'s sync was in flight: take
+        the site leader's result of it at its sync point. Only async DiLoCo has a sync in
+        flight between steps with sites (``fragment_sync_delay`` is refused with them)."""
+        raise NotImplementedError(f"{self.method}: no sync is in flight between steps")
 
     def load_extra_state(self, state: dict[str, Any]) -> None:  # noqa: B027 (a no-op by default)
         """Take back what :meth:`extra_state` gave, as loaded."""

@@ -112,7 +112,8 @@ class SyncReporter:
         if outcome is None:  # async DiLoCo's first sync point: it only started a sync
             return
         committed, number = outcome.committed, outcome.number
-        quorum_id = tft.quorum_id(self.ft.manager)
+        # A follower of its site is in no quorum of the job (its leader is).
+        quorum_id = tft.quorum_id(self.ft.manager) if self.ft.started else None
         if committed:  # alike in every rank of the group: each takes part in the sum
             self.pseudo_grad_norm = self._pseudo_grad_norm(outcome.pseudo_grad_squares)
         norm = self.pseudo_grad_norm if committed else None
@@ -145,8 +146,9 @@ class SyncReporter:
             "sync/groups": float(outcome.groups),
             "sync/committed": float(committed),
             "sync/fragment": float(outcome.fragment),
-            "sync/quorum_id": float(quorum_id),
         }
+        if quorum_id is not None:
+            scalars["sync/quorum_id"] = float(quorum_id)
         if norm is not None:
             scalars["sync/pseudo_grad_norm"] = norm
         if outcome.compression_s is not None:
@@ -182,12 +184,11 @@ class SyncReporter:
 
     def report_final(self, step: int, ending: Ending, digest: str) -> None:
         """The final model (``digest``: of this rank's parameters) and the lineage behind it."""
-        manager = self.ft.manager
         lineage = self.lineage
         shared = lineage.last_shared_sync if lineage.last_shared_sync >= 0 else None
         events.FINAL_MODEL.emit(
             step=step,
-            sync=manager.current_step(),
+            sync=self.sync.current_step(),
             method=self.loop.method,
             closing_sync_steps=ending.closing_sync_steps,
             dropped_inner_steps=ending.dropped_inner_steps,
@@ -198,7 +199,7 @@ class SyncReporter:
         )
         if lineage.solo_syncs and self.job_config.fault_tolerance.group_size > 1:
             events.FINISHED_ALONE.emit(
-                step=step, sync=manager.current_step(), last_shared_sync=shared,
+                step=step, sync=self.sync.current_step(), last_shared_sync=shared,
                 solo_syncs=lineage.solo_syncs,
             )  # fmt: skip
         if self.job_config.metrics.log_param_digest:

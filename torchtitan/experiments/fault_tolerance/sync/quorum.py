@@ -30,6 +30,7 @@ from torchtitan.components.ft.delivery import AllWorks, all_reduce_across_groups
 from torchtitan.components.ft.manager import QuorumRounds
 from torchtitan.components.ft.timeouts import WATCHDOG_MARGIN
 from torchtitan.experiments.fault_tolerance import events
+from torchtitan.experiments.fault_tolerance.sync.site_link import SiteHeader, SiteLink
 from torchtitan.experiments.fault_tolerance.transport.collective import Delivered
 from torchtitan.experiments.fault_tolerance.transport.peer_watch import heartbeat_key
 from torchtitan.experiments.fault_tolerance.transport.shapes import CollectiveShape
@@ -257,7 +258,12 @@ class SyncQuorum:
     forms another otherwise). A sync is for fragment
     ``step mod fragments`` (the Manager's step after its quorum: a heal in it moves this group
     to its peer's sync). ``rank``: this rank in its group, whose ranks decide alike (None: a
-    group of one)."""
+    group of one).
+
+    With sites of groups (``site``): only the site's leader runs the job's Manager and the
+    sync's transfers; it then shares the decision and the results with the site's other groups
+    (:class:`~.site_link.SiteLink`), whose ``allreduce`` only marks what the leader's results
+    go into and whose ``decide`` takes them."""
 
     def __init__(
         self,
@@ -268,8 +274,15 @@ class SyncQuorum:
         transport: SyncTransport,
         fragments: int = 1,
         rank: RankInGroup | None = None,
+        site: SiteLink | None = None,
     ) -> None:
         self.ft = ft
+        self.site = site
+        #: The tensors of the sync in progress, in the order they were given to ``allreduce``.
+        self._sent: list[torch.Tensor] = []
+        #: This group healed from another group in the sync's quorum (its site's other groups
+        #: heal from it in turn).
+        self._healed = False
         self.min_groups = min_groups
         self.timeout_s = timeout_s
         self.transport = transport
@@ -284,6 +297,24 @@ class SyncQuorum:
         self.rank = rank
         self._members: tuple[int, ...] = ()
         self._heartbeat: int | None = None
+
+    def leads(self) -> bool:
+        """Whether this group carries the syncs (with sites: its site's leader; else always)."""
+        return self.site is None or self.site.leads()
+
+    def expect(self, tensors: list[torch.Tensor]) -> None:
+        """The tensors the sync in progress delivers into (a group healed while it was in
+        flight, which did not start it): what a follower takes its leader's results into."""
+        self._sent = list(tensors)
+
+    def note_healed(self) -> None:
+        """This group took another group's state in the sync's quorum."""
+        self._healed = True
+
+    def site_tokens(self, tokens: int) -> int:
+        """The tokens of this group's site for ``tokens`` per group: every group of the site
+        trained the same steps (``tokens`` without sites)."""
+        return tokens if self.site is None else tokens * self.site.site_groups()
 
     def agree_in_group(self, value: int) -> int:
         """The most of this group's ranks' ``value`` (one MAX all-reduce in the group)."""
@@ -308,13 +339,20 @@ class SyncQuorum:
         exact: bool = False,
     ) -> AllWorks:
         """Through the sync's transport; ``exact``: as fp32 without error feedback (e.g. token
-        counts), in order with the rest."""
+        counts), in order with the rest. A follower of its site sends nothing: its leader's
+        results go into ``tensor`` in :meth:`decide`."""
+        self._sent.append(tensor)
+        if not self.leads():
+            return AllWorks([])
         return self.transport.allreduce(
             self.ft.manager, tensor, average=reduce_op == ReduceOp.AVG, exact=exact
         )
 
     def sync_failed(self) -> bool:
-        """Whether the sync in progress is known to fail: an error, or a non-finite value."""
+        """Whether the sync in progress is known to fail: an error, or a non-finite value. A
+        follower of its site: always, as nothing of it is here before :meth:`decide`."""
+        if not self.leads():
+            return True
         return self.ft.manager.errored() is not None or self.transport.non_finite() is not None
 
     def reset_error_feedback(self) -> None:
@@ -324,6 +362,7 @@ class SyncQuorum:
 
     def discard_undecided(self) -> None:
         """A sync never to be decided (dropped at the end of training): what it staged is void."""
+        self._sent = []
         self.transport.end_sync(False)
 
     @contextlib.contextmanager
@@ -349,8 +388,16 @@ class SyncQuorum:
         return self._rounds(QuorumPurpose("DyLU's speed probe"))
 
     def _rounds(self, purpose: QuorumPurpose) -> contextlib.AbstractContextManager[QuorumRounds]:
+        needed = self.min_groups
+        if self.site is not None and self.current_step() == 0:
+            # Sites join the job at their first sync point: a new job's first sync waits for
+            # every site (as a new job's start-up waits for every group without sites).
+            needed = self.ft.group_size
+            purpose = dataclasses.replace(
+                purpose, needs=f"all {needed} sites of a new job", reason="group_size"
+            )
         return self.ft.quorum_rounds(
-            needed=self.min_groups,
+            needed=needed,
             timeout_s=self.timeout_s,
             timeout_field="fault_tolerance.sync_quorum_timeout_s",
             purpose=purpose,
@@ -377,7 +424,38 @@ class SyncQuorum:
         that carried a value that is not finite fails on every group; a collective that failed
         or ended past ``sync_collective_timeout_s`` is said in an error line, and stops the run
         the second time in a row with every group still in the quorum (the timeout is too
-        small, not a peer gone). The group's ranks agree on the latter first."""
+        small, not a peer gone). The group's ranks agree on the latter first.
+
+        With sites, the leader sends its site what it decided and received; a follower takes
+        it (not committed when it did not arrive)."""
+        sent, self._sent = self._sent, []
+        healed, self._healed = self._healed, False
+        if not self.leads():
+            return self._follow(sent)
+        decision = self._decide()
+        if self.site is not None:
+            header = SiteHeader(
+                decision.committed, decision.number, decision.groups, decision.bytes_sent,
+                decision.squares, healed, len(sent),
+            )  # fmt: skip
+            self.site.send(header, sent)
+        return decision
+
+    def _follow(self, sent: list[torch.Tensor]) -> SyncDecision:
+        assert self.site is not None
+        header = self.site.receive(sent)
+        if header is None or not header.committed:
+            groups = 0 if header is None else header.groups
+            return SyncDecision(False, self.current_step() + 1, groups, 0, None, None, [])
+        if header.committed:
+            self.ft.load_state_dict(
+                {"step": header.number, "batches_committed": int(self.ft.state_dict().get(
+                    "batches_committed", 0)) + header.groups}
+            )  # fmt: skip
+        squares = header.squares if header.committed else None
+        return SyncDecision(header.committed, header.number, header.groups, 0, None, squares, [])
+
+    def _decide(self) -> SyncDecision:
         groups = self.num_participants()
         committed = self._verdict()
         transport = self.transport
@@ -442,16 +520,24 @@ class SyncQuorum:
         self.ft.register_state_dict_fn(key, load, save)
 
     def current_step(self) -> int:
+        """The job Manager's step (a follower of its site: the one its leader's syncs made)."""
+        if not self.ft.started:
+            return int(self.ft.state_dict()["step"])
         return int(self.ft.manager.current_step())
 
     def num_participants(self) -> int:
+        """Groups (with sites: sites) in the last sync's quorum."""
+        if not self.ft.started:
+            return self.site.job_groups if self.site is not None else 0
         return int(self.ft.manager.num_participants())
 
     def allow_state_dict_read(self) -> None:
         """Peers may read this group's state for a heal again: a heal sends what the kernels
         queued so far write (``FTManager``'s write point)."""
         self.ft.note_state_written()
-        self.ft.manager.allow_state_dict_read()
+        if self.ft.started:
+            self.ft.manager.allow_state_dict_read()
 
     def disallow_state_dict_read(self) -> None:
-        self.ft.manager.disallow_state_dict_read()
+        if self.ft.started:
+            self.ft.manager.disallow_state_dict_read()
