@@ -75,6 +75,18 @@ class Cluster:
         self.done.add(round_)
 
 
+def test_a_site_weighs_its_pseudo_gradient_by_the_tokens_of_all_its_groups() -> None:
+    """Sites of groups: the groups of a site trained the same steps, each on its own batches;
+    the site's sync counts them all (3 groups x 4 steps x 8 tokens)."""
+    group = Group(Cluster(), 1, tokens_per_step=8)
+    group.manager.site_groups = 3
+    with training([group]):
+        for _ in range(4):
+            group.step()
+    flight = group.loop._in_flight
+    assert flight is not None and flight.tokens == 96 and float(flight.buffer[-1]) == 96.0
+
+
 class FakeManager:
     """What AsyncDiLoCo asks of the sync quorum, for one group in a quorum of every group of
     its cluster: ``num_participants`` is the size of the last quorum (every group of the
@@ -145,8 +157,11 @@ class FakeManager:
     def current_step(self) -> int:
         return self.step
 
+    #: The groups of this group's site (sites of groups: the site's tokens are all of theirs).
+    site_groups = 1
+
     def site_tokens(self, tokens: int) -> int:
-        return tokens  # every group is a site
+        return tokens * self.site_groups
 
     def num_participants(self) -> int:
         if self._quorum_size is None:  # the start-up quorum, of every group

@@ -40,6 +40,48 @@ def test_parse_args_rejects_bad_values(argv, capsys):
     assert argv[0].lstrip("-").split("-")[0] in capsys.readouterr().err
 
 
+def test_sites_give_the_groups_and_a_kill_names_a_group_of_a_site() -> None:
+    args = launcher.parse_args(["--sites", "2", "--groups-per-site", "3", "--kill", "1:2@10",
+                                "--kill", "4@3", "--", "--training.steps=40"])  # fmt: skip
+    assert (args.groups, args.groups_per_site) == (6, 3)
+    assert args.kill == [(5, 10), (4, 3)]  # group 2 of site 1 is replica 5
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--sites", "2", "--groups-per-site", "2", "--kill", "0:2@5"], "--kill"),
+        (["--sites", "2", "--groups-per-site", "2", "--kill", "2:0@5"], "--kill"),
+        (["--sites", "2", "--groups-per-site", "2", "--groups", "3"], "--groups"),
+        (["--groups-per-site", "2"], "--groups-per-site needs --sites"),
+        (["--sites", "0"], "--sites"),
+        (["--sites", "2", "--groups-per-site", "0"], "--groups-per-site"),
+    ],
+)
+def test_bad_sites_are_refused_naming_the_flag(argv: list[str], says: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        launcher.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_a_group_of_a_site_is_started_with_its_site_and_its_sites_lighthouse(
+    tmp_path: Path,
+) -> None:
+    from torchtitan.tools.cluster import LocalJob
+
+    job = LocalJob(tmp_path, groups=4, groups_per_site=2, entry=["true"])
+    job.lighthouse_address = "http://127.0.0.1:1"
+    job.site_addresses = {0: "http://127.0.0.1:2", 1: "http://127.0.0.1:3"}
+    try:
+        argv = list(job.start_group(3).popen.args)
+    finally:
+        job.close()
+    assert "--fault_tolerance.groups_per_site=2" in argv
+    assert "--fault_tolerance.site_lighthouse=http://127.0.0.1:3" in argv
+    assert "--fault_tolerance.group_size=4" in argv and "--fault_tolerance.replica_id=3" in argv
+
+
 def test_the_groups_dump_folder_is_the_one_their_trainer_takes(tmp_path: Path) -> None:
     folder = supervisor.groups_dump_folder
     assert folder(["--job.dump_folder=/a", "--job.dump-folder", "/b"], env={}) == Path("/b")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import socket
 import time
+from typing import Any
 
 import pytest
 
@@ -514,3 +515,52 @@ def test_a_heal_reads_the_state_only_after_the_compute_that_writes_it(
     assert step < recorded[-1] < waited[-1] < read, log
     assert log[waited[-1]] == f"wait {event} on recovery", log
     assert "SYNCHRONIZE" not in log
+
+
+class StatefulManager(ScriptedManager):
+    """A Manager whose step and registered states can be read back (``state_dict``)."""
+
+    def __init__(self, step: int = 0) -> None:
+        super().__init__([(1, step)], step)
+        self.fns: dict[str, Any] = {}
+        self.down = False
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "batches_committed": 2 * self.step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step = state["step"]
+
+    def register_state_dict_fn(self, key: str, load: Any, save: Any) -> None:
+        self.fns[key] = (load, save)
+
+    def shutdown(self, wait: bool = True) -> None:
+        self.down = True
+
+
+def test_a_manager_that_steps_down_keeps_its_step_and_state_for_the_next_start() -> None:
+    """A site's leader that no longer leads shuts its job Manager down; the step it reached
+    and every state registered for healing (before and after the first start) go to the
+    Manager a later start builds, and its step is answered meanwhile."""
+    built: list[StatefulManager] = [StatefulManager(), StatefulManager()]
+    config = JobConfig()
+    ft = config.fault_tolerance
+    ft.enable, ft.group_size, ft.lighthouse = True, 2, "http://127.0.0.1:1"
+    ft_manager = FTManager(config, lambda transport: built[len(made)], poll_s=0.01)
+    made: list[Any] = []
+
+    def save() -> int:
+        return 1
+
+    ft_manager.register_state_dict_fn("before", lambda _: None, save)
+    ft_manager.start()
+    made.append(built[0])
+    ft_manager.register_state_dict_fn("after", lambda _: None, save)
+    built[0].step = 7
+    ft_manager.step_down()
+    assert built[0].down and not ft_manager.started
+    assert ft_manager.state_dict() == {"step": 7, "batches_committed": 14}
+    ft_manager.step_down()  # nothing to shut down: no-op
+    ft_manager.start()
+    assert ft_manager.manager is built[1] and built[1].step == 7
+    assert set(built[1].fns) == {"before", "after"}

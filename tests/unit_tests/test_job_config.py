@@ -1215,3 +1215,107 @@ def test_torchfts_fp8_all_reduce_is_gone(capsys: pytest.CaptureFixture[str]) -> 
             *FT_ON, "--fault_tolerance.semi_sync_method=diloco", "--fault_tolerance.should_quantize"
         )
     assert "Unrecognized options: --fault_tolerance.should_quantize" in capsys.readouterr().err
+
+
+# ---- sites of replica groups -------------------------------------------------------------------
+
+SITES_ON = (
+    "--fault_tolerance.enable",
+    "--fault_tolerance.group_size=4",
+    "--fault_tolerance.semi_sync_method=diloco",
+    "--fault_tolerance.groups_per_site=2",
+    "--fault_tolerance.lighthouse=http://10.0.0.5:29610",
+    "--fault_tolerance.site_lighthouse=http://10.1.0.5:29611",
+)
+
+
+@pytest.mark.parametrize(
+    ("argv", "field", "says"),
+    [
+        (  # a site field without sites
+            [*FT_ON, "--fault_tolerance.semi_sync_method=diloco",
+             "--fault_tolerance.site_lighthouse=http://10.1.0.5:29611"],
+            "fault_tolerance.site_lighthouse", "groups_per_site > 1",
+        ),
+        (
+            [*FT_ON, "--fault_tolerance.semi_sync_method=diloco",
+             "--fault_tolerance.site_min_groups=2"],
+            "fault_tolerance.site_min_groups", "groups_per_site > 1",
+        ),
+        (
+            [*SITES_ON, "--fault_tolerance.groups_per_site=0"],
+            "fault_tolerance.groups_per_site", ">= 1",
+        ),
+        (
+            [*SITES_ON, "--fault_tolerance.groups_per_site=3"],
+            "fault_tolerance.group_size", "multiple",
+        ),
+        (
+            [*SITES_ON, "--fault_tolerance.site_lighthouse="],
+            "fault_tolerance.site_lighthouse", "site's lighthouse",
+        ),
+        (
+            [*SITES_ON, "--fault_tolerance.site_lighthouse=http://10.0.0.5:29610"],
+            "fault_tolerance.site_lighthouse", "must differ",
+        ),
+        (
+            [*SITES_ON, "--fault_tolerance.min_replica_size=3"],
+            "fault_tolerance.min_replica_size", "counts sites",
+        ),
+        (
+            [*SITES_ON, "--fault_tolerance.site_min_groups=0"],
+            "fault_tolerance.site_min_groups", "[1, 2]",
+        ),
+        (
+            [*SITES_ON, "--fault_tolerance.site_min_groups=3"],
+            "fault_tolerance.site_min_groups", "[1, 2]",
+        ),
+        (
+            [*SITES_ON, "--fault_tolerance.num_fragments=2", "--fault_tolerance.sync_steps=6",
+             "--fault_tolerance.fragment_sync_delay=1"],
+            "fault_tolerance.fragment_sync_delay", "groups_per_site > 1",
+        ),
+        (
+            [*SITES_ON, "--fault_tolerance.semi_sync_method=async_diloco",
+             "--fault_tolerance.dynamic_local_steps"],
+            "fault_tolerance.dynamic_local_steps", "groups_per_site > 1",
+        ),
+    ],
+)  # fmt: skip
+def test_a_bad_site_setting_names_its_field(argv: list[str], field: str, says: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_semi_sync(*argv)
+    assert info.value.field == field
+    assert says in str(info.value)
+
+
+def test_a_group_of_a_site_sees_its_site_and_the_job_sees_sites() -> None:
+    """Group 3 of 2 sites x 2 groups is group 1 of site 1: its site's Manager is replica 1 of 2
+    at the site's lighthouse needing site_min_groups; the job's is replica 1 (the site) of 2
+    sites needing min_replica_size sites; without sites the config is the job's as it is."""
+    from torchtitan.experiments.fault_tolerance.job_config import (
+        job_level_config,
+        semi_sync_config,
+        site_step_config,
+    )
+
+    config = parse_semi_sync(
+        *SITES_ON,
+        "--fault_tolerance.replica_id=3",
+        "--fault_tolerance.min_replica_size=2",
+        "--fault_tolerance.site_min_groups=2",
+    )
+    ft = semi_sync_config(config)
+    assert (ft.sites, ft.site) == (2, 1)
+    site = site_step_config(config).fault_tolerance
+    assert (site.replica_id, site.group_size, site.min_replica_size) == (1, 2, 2)
+    assert site.lighthouse == "http://10.1.0.5:29611"
+    job = job_level_config(config).fault_tolerance
+    assert (job.replica_id, job.group_size, job.min_replica_size) == (1, 2, 2)
+    assert job.lighthouse == "http://10.0.0.5:29610"
+    assert semi_sync_config(config).replica_id == 3  # the config itself is left as it is
+    first = parse_semi_sync(*SITES_ON, "--fault_tolerance.replica_id=2")  # group 0 of site 1
+    assert site_step_config(first).fault_tolerance.replica_id == 0
+    assert job_level_config(first).fault_tolerance.replica_id == 1
+    plain = parse_semi_sync(*FT_ON, "--fault_tolerance.semi_sync_method=diloco")
+    assert job_level_config(plain) is plain

@@ -295,7 +295,6 @@ def test_healing_state_is_read_when_sent_not_at_start_up() -> None:
 def _stub(local_step: int, starting: bool = False) -> SimpleNamespace:
     resets: list[int] = []
     forgot: list[int] = []
-    healed: list[int] = []
     return SimpleNamespace(
         algorithm=SimpleNamespace(
             local_step=lambda: local_step, forget_global=lambda: forgot.append(1), forgot=forgot
@@ -307,8 +306,6 @@ def _stub(local_step: int, starting: bool = False) -> SimpleNamespace:
         sync=SimpleNamespace(
             reset_error_feedback=lambda: resets.append(1),
             resets=resets,
-            healed=healed,
-            note_healed=lambda: healed.append(1),
             site=None,
         ),
         lineage=Lineage(),
@@ -347,7 +344,6 @@ def test_a_running_group_heals_at_its_peer_s_position(caplog: pytest.LogCaptureF
     assert (healed[0]["inner_step"], healed[0]["case"]) == (4, "running")
     assert stub.algorithm.forgot == [1]  # the digest of parameters it no longer holds
     assert stub.sync.resets == [1]  # what its compression owed was for state it no longer has
-    assert stub.sync.healed == [1]  # the sync's decision says so (its site heals from it)
     # Its model is the peer's from now on, and so is its lineage.
     assert stub.lineage == Lineage(last_shared_sync=6, solo_syncs=2, solo_since=1234.5)
 

@@ -215,8 +215,10 @@ def build_ft_manager(
     ``collective_timeout_s``: the longest one collective across groups may take (semi-sync's
     ``sync_collective_timeout_s``; default ``process_group_timeout_ms``): with ``timeout_s`` it
     sizes every timeout of the replicate process group (``timeouts.ReplicaTimeouts``).
-    ``own_store``: the Manager keeps its keys in a TCP store of its own (``network.group_store``),
-    for a second Manager in the same process (torchft's keys have no prefix).
+    ``own_store``: each Manager :meth:`FTManager.start` builds keeps its keys in a new TCP
+    store of its own (``network.group_store``; collective over the group's ranks), for a second
+    Manager in the same process or one started again (torchft's keys have no prefix), and
+    listens on a port the kernel picks (never ``TORCHFT_MANAGER_PORT``, the first Manager's).
     """
     ft = job_config.fault_tolerance
     if not ft.enable:
@@ -229,13 +231,15 @@ def build_ft_manager(
     torchft_logs.show_python_loggers(list(logger.handlers))
     torchft_adapter.quiet_known_noise()
     address = lighthouse_address(job_config)
-    store_addr, store_port = group_store(ft.hostname, parallel_dims) if own_store else (None, None)
     longest_quorum_s = max(ft.quorum_timeout_s, quorum_timeout_s or 0.0)
 
     def build_manager(checkpoint_transport: Callable[..., Any] | None) -> Any:
         from torchft import Manager
         from torchft.checkpointing.pg_transport import PGTransport
 
+        store_addr, store_port = (
+            group_store(ft.hostname, parallel_dims) if own_store else (None, None)
+        )
         backend = ft.process_group
         if backend == "auto":
             backend = "nccl" if parallel_dims.device.type == "cuda" else "gloo"
@@ -268,6 +272,7 @@ def build_ft_manager(
                     lighthouse_addr=address,
                     store_addr=store_addr,
                     store_port=store_port,
+                    port=0 if own_store else None,
                     replica_id=f"replica_{ft.replica_id}",
                     hostname=ft.hostname,
                     checkpoint_transport=transport,

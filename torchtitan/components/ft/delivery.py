@@ -93,7 +93,12 @@ def wait_delivered(work: Any, pg: Any = None, timeout: timedelta | None = None) 
 
 
 def all_reduce_across_groups(
-    manager: Manager, tensor: torch.Tensor, *, average: bool, timeout: timedelta | None = None
+    manager: Manager,
+    tensor: torch.Tensor,
+    *,
+    average: bool,
+    timeout: timedelta | None = None,
+    per_operation: bool = False,
 ) -> bool:
     """SUM (or, ``average``, the mean over the quorum's groups) of ``tensor`` in place over
     the Manager's replica process group: what torchft's ``Manager.allreduce(...).wait()``
@@ -101,7 +106,10 @@ def all_reduce_across_groups(
     reported to the Manager, so nothing is committed), except that it returns once the result
     is in ``tensor`` and sees a failure that only the work recorded (nccl's watchdog aborting
     the communicator on a peer's death, which torchft's ``errored`` does not report).
-    ``timeout``: as :func:`wait_delivered`'s. Returns whether the result is there."""
+    ``timeout``: as :func:`wait_delivered`'s; ``per_operation``: the collective itself gets it
+    too (c10d's own bound for this operation, gloo's included, in place of the group's), for
+    one that may wait longer than the group's other collectives. Returns whether the result is
+    there."""
     if manager.errored() is not None:
         return False
     manager.wait_quorum()
@@ -110,6 +118,8 @@ def all_reduce_across_groups(
     pg = tft.replica_process_group(manager)
     options = dist.AllreduceOptions()
     options.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
+    if per_operation and timeout is not None:
+        options.timeout = timeout
     try:
         wait_delivered(pg.allreduce([tensor], options), pg, timeout)
     except Exception as e:

@@ -254,12 +254,18 @@ def record_quorum_members(manager: Manager) -> None:
     manager._client = _QuorumRecorder(manager._client)
 
 
-def quorum_members(manager: Manager) -> list[int]:
-    """The ``replica_id`` (``replica_<R>``: R) of each member of the Manager's last quorum, in
-    the lighthouse's order, alike for every member (:func:`record_quorum_members` first)."""
+def quorum_members(manager: Manager) -> list[str]:
+    """The heartbeat id (``replica_<R>:<uuid>``, :func:`heartbeat_id`) of each member of the
+    Manager's last quorum, in the lighthouse's order, alike for every member
+    (:func:`record_quorum_members` first)."""
     recorder = manager._client
     assert isinstance(recorder, _QuorumRecorder), "record_quorum_members was not called"
-    return [int(re.findall(r"\d+", rid.split(":")[0])[-1]) for rid in recorder.replica_ids]
+    return list(recorder.replica_ids)
+
+
+def replica_number(heartbeat: str) -> int:
+    """R of a heartbeat id ``replica_<R>:<uuid>``."""
+    return int(re.findall(r"\d+", heartbeat.split(":")[0])[-1])
 
 
 # ---- the lighthouse's status page ----------------------------------------------------------

@@ -331,7 +331,7 @@ SITE_LEADER = EventKind(
 
 #: A group of site ``site`` lacks the result of the site's last sync (its leader's share did
 #: not arrive, or the leader healed from another site): it heals from a group of its site at the
-#: next step (its site Manager's step lowered from ``site_step``).
+#: next step (its site Manager's step stays at ``site_step``, the others' move one up).
 SITE_FELL_BEHIND = EventKind(
     "semi_sync.site_fell_behind",
     "[semi-sync] site {site}: group {group} lacks the site's last sync and heals from its site "

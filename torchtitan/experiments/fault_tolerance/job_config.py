@@ -608,7 +608,10 @@ SEMI_SYNC_FIELDS = (
 def site_step_config(config: CoreJobConfig) -> CoreJobConfig:
     """``config`` as a site's own fault tolerance sees it (the groups of this group's site,
     syncing every step through ``site_lighthouse``): replica ``replica_id mod
-    groups_per_site`` of ``groups_per_site``, needing ``site_min_groups``."""
+    groups_per_site`` of ``groups_per_site``, needing ``site_min_groups``. A step's quorum may
+    wait for the site's leader to finish a sync (a group joining the site meanwhile): up to
+    ``sync_quorum_timeout_s`` + ``sync_collective_timeout_s`` when that is longer than
+    ``quorum_timeout_s``."""
     ft = semi_sync_config(config)
     site = dataclasses.replace(
         ft,
@@ -616,6 +619,9 @@ def site_step_config(config: CoreJobConfig) -> CoreJobConfig:
         group_size=ft.groups_per_site,
         min_replica_size=ft.site_min_groups,
         lighthouse=ft.site_lighthouse,
+        quorum_timeout_s=max(
+            ft.quorum_timeout_s, ft.sync_quorum_timeout_s + ft.sync_collective_timeout_s
+        ),
     )
     return dataclasses.replace(config, fault_tolerance=site)
 

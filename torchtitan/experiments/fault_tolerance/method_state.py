@@ -101,13 +101,15 @@ class SiteHealState:
     each fragment's global copy and outer momentum, the method's extra state, and which sync
     is in flight (the healed group takes the site leader's result of it at the sync point).
 
-    Unlike :class:`SemiSyncState` it never waits for a sync in flight (the site's step would
-    wait for the slow link) and carries no residuals: a follower of its site compresses
-    nothing, and a group that becomes the leader starts them at zero."""
+    With error feedback it carries what this rank's compression owes, per fragment (every
+    group of a site owes what its leader owes: the leader shares it after each sync). Unlike
+    :class:`SemiSyncState` it never waits for a sync in flight: the site's step would wait for
+    the slow link."""
 
-    def __init__(self, loop: OuterLoop, lineage: Lineage) -> None:
+    def __init__(self, loop: OuterLoop, lineage: Lineage, transport: SyncTransport) -> None:
         self.loop = loop
         self.lineage = lineage
+        self.transport = transport
 
     def state_dict(self) -> dict[str, Any]:
         loop = self.loop
@@ -120,6 +122,10 @@ class SiteHealState:
         }
         for i in range(len(loop.fragments)):
             state[f"fragment_{i}"] = loop.fragment_state(i)
+        residuals = self.transport.residuals
+        if residuals is not None:
+            for i in range(len(loop.fragments)):
+                state[f"owed_{i}"] = residuals.flat(i, _local_numel(loop, i))
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -131,6 +137,12 @@ class SiteHealState:
                 loop.load_fragment_state(i, state[f"fragment_{i}"])
         if state.get("extra"):
             loop.load_extra_state(state["extra"])
+        residuals = self.transport.residuals
+        if residuals is not None:
+            residuals.reset()
+            for i in range(len(loop.fragments)):
+                if f"owed_{i}" in state:
+                    residuals.load(i, state[f"owed_{i}"])
         in_flight = int(state["in_flight_fragment"])
         arrived = [i for i in range(len(loop.fragments)) if loop.has_arrived(i)]
         if in_flight >= 0 or arrived:

@@ -131,10 +131,11 @@ class SemiSyncTrainer(Trainer):
             # A group healing from its site takes the site's outer state and who leads (the
             # core state is registered with the site's Manager already).
             assert self.step_ft is not None
-            self.step_ft.register_state("semi_sync", SiteHealState(self.algorithm, self.lineage))
+            # Who leads first: a heal of the method's state may ask.
             site = self.site
             self.step_ft.register_state_dict_fn("site", site.load_state_dict, site.state_dict)
-            self.register_state("site", site, heal=False)
+            site_heal = SiteHealState(self.algorithm, self.lineage, self.sync.transport)
+            self.step_ft.register_state("semi_sync", site_heal)
             self.register_state("site_ft_manager", self.step_ft, heal=False)
         # What the job's lighthouse and the other groups (with sites: sites) see of this one.
         job = job_level_config(job_config)
@@ -169,22 +170,26 @@ class SemiSyncTrainer(Trainer):
     def build_ft_manager(self) -> FTManager | None:
         # Every group initialises the model from the same seed, so the step-0 weight sync
         # (init_sync) is not needed; the first quorum's digest exchange checks it.
+        ft = semi_sync_config(self.job_config)
         return build_ft_manager(
             job_level_config(self.job_config),
             self.parallel_dims,
             self.states,
             use_async_quorum=False,
             init_sync=False,
-            quorum_timeout_s=semi_sync_config(self.job_config).sync_quorum_timeout_s,
-            collective_timeout_s=semi_sync_config(self.job_config).sync_collective_timeout_s,
+            quorum_timeout_s=ft.sync_quorum_timeout_s,
+            collective_timeout_s=ft.sync_collective_timeout_s,
+            # With sites it may start again (a group that comes to lead anew): a fresh store
+            # each time, so that its ranks never read the keys of the Manager before.
+            own_store=ft.groups_per_site > 1,
         )
 
     def build_step_ft(self) -> FTManager | None:
         """With sites of groups: the site's Manager, through ``site_lighthouse``, which
-        averages gradients among the site's groups every step. A follower waits in the
-        site's process group while its leader syncs, up to the sync's quorum and transfers
-        (``sync_quorum_timeout_s`` + ``sync_collective_timeout_s``); the site's groups
-        start from the same seed (no step-0 weight sync). None without sites."""
+        averages gradients among the site's groups every step, with the timeouts of
+        synchronous fault tolerance (a follower's long waits for its leader's sync are bounded
+        one by one: ``SiteLink``); the site's groups start from the same seed (no step-0 weight
+        sync). None without sites."""
         ft = semi_sync_config(self.job_config)
         if ft.groups_per_site == 1:
             return None
@@ -193,7 +198,6 @@ class SemiSyncTrainer(Trainer):
             self.parallel_dims,
             self.states,
             init_sync=False,
-            collective_timeout_s=_site_wait_s(ft),
             own_store=True,
         )
 

@@ -191,14 +191,29 @@ class LocalJob:
         wait_until_listening(lighthouse, settings, port)
         return self.lighthouse_address
 
-    def start_site_lighthouse(self, site: int) -> str:
+    def start_site_lighthouse(
+        self,
+        site: int,
+        host: str | None = None,
+        launch: Launch | None = None,
+        port: int | None = None,
+    ) -> str:
         """Start site ``site``'s lighthouse (a quorum of one group is enough: the groups'
-        ``site_min_groups`` says how many they need) on a free port; returns its address."""
-        settings = dataclasses.replace(self.lighthouse_settings, min_replicas=1)
-        port = free_port(settings.host)
+        ``site_min_groups`` says how many they need) on ``port`` (default a free one) of
+        ``host`` (default the job lighthouse's), started by ``launch`` (default the job
+        lighthouse's; e.g. in the site's network namespace); returns its address."""
+        settings = dataclasses.replace(
+            self.lighthouse_settings,
+            min_replicas=1,
+            host=host or self.lighthouse_settings.host,
+        )
+        port = port or free_port(settings.host)
         env = {torchft_logs.VARIABLE: torchft_logs.lighthouse_setting()}
         lighthouse = self.start_process(
-            f"site{site}_lighthouse", settings.command(port), env, launch=self.launch_lighthouse
+            f"site{site}_lighthouse",
+            settings.command(port),
+            env,
+            launch=launch or self.launch_lighthouse,
         )
         self.site_lighthouses[site] = lighthouse
         self.site_addresses[site] = settings.address(port)

@@ -172,11 +172,18 @@ class QuorumProtocol:
             site.elect()
             if not site.leads():
                 self.ft.step_down()
+                # A leader that healed from another site holds a state its site does not: the
+                # others heal from it at the next step, not a period later.
+                healed = site.hear_quorum()
+                site.settle(not self.sync.agree_in_group(int(healed is None or healed)))
                 return False
             if not self.ft.started:
                 self.ft.start(build_history_transport(self.heal))
         with self.sync.sync_rounds() as rounds:
             self.exchange.settle(rounds)
+        if site is not None:
+            site.share_quorum(self._peer_loaded)
+            site.settle(True)
         return self._peer_loaded
 
     def start_probe(self) -> ProbeInFlight:
@@ -203,7 +210,6 @@ class QuorumProtocol:
         the same inner step as its peer, or the sync that follows would pair different
         operations (a hang, or a wrong average): stop loudly instead."""
         self._peer_loaded = True
-        self.sync.note_healed()
         self.algorithm.forget_global()  # a digest of parameters this group no longer holds
         self.sync.reset_error_feedback()  # owed for state this group no longer has
         self.lineage.load_state_dict(

@@ -202,11 +202,14 @@ class InFlightSync:
     arrived: bool = False
     #: Once committed (:meth:`decide`): the average's sum of squares, this rank's shard's.
     average_squares: float | None = None
+    #: A follower of its site healed while the sync was in flight: the result comes from its
+    #: leader at the decision, as for one that started it.
+    followed: bool = False
 
     @property
     def loaded(self) -> bool:
         """The result came from a checkpoint or a peer, not from this process's transfers."""
-        return not self.work.works
+        return not self.work.works and not self.followed
 
     @classmethod
     def start(
@@ -542,8 +545,9 @@ class AsyncDiLoCo(DyLUPeriods, GlobalCopyMethod[AsyncOuterState]):
         flight = self._in_flight
         if flight is None or flight.fragment != index:
             buffer = self._buffer(self._states[index])
-            flight = self._in_flight = InFlightSync.start(self.sync, index, buffer, 0, 0)
-        self.sync.expect([flight.buffer[:-1], flight.buffer[-1:]])
+            flight = self._in_flight = InFlightSync(index, buffer, AllWorks([]), 0, 0)
+        flight.followed = True
+        self.sync.expect([(flight.buffer[:-1], False), (flight.buffer[-1:], True)])
 
     def drop_in_flight(self, index: int) -> None:
         if self.in_flight(index):

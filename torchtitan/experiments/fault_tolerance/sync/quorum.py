@@ -278,11 +278,10 @@ class SyncQuorum:
     ) -> None:
         self.ft = ft
         self.site = site
-        #: The tensors of the sync in progress, in the order they were given to ``allreduce``.
-        self._sent: list[torch.Tensor] = []
-        #: This group healed from another group in the sync's quorum (its site's other groups
-        #: heal from it in turn).
-        self._healed = False
+        #: The tensors of the sync in progress, in the order they were given to ``allreduce``,
+        #: and whether each went exact (uncompressed, no error feedback: e.g. token counts).
+        self._sent: list[tuple[torch.Tensor, bool]] = []
+
         self.min_groups = min_groups
         self.timeout_s = timeout_s
         self.transport = transport
@@ -296,20 +295,17 @@ class SyncQuorum:
         self._timeout_groups = 0
         self.rank = rank
         self._members: tuple[int, ...] = ()
-        self._heartbeat: int | None = None
+        self._heartbeat: tuple[Any, int] | None = None
 
     def leads(self) -> bool:
         """Whether this group carries the syncs (with sites: its site's leader; else always)."""
         return self.site is None or self.site.leads()
 
-    def expect(self, tensors: list[torch.Tensor]) -> None:
-        """The tensors the sync in progress delivers into (a group healed while it was in
-        flight, which did not start it): what a follower takes its leader's results into."""
+    def expect(self, tensors: list[tuple[torch.Tensor, bool]]) -> None:
+        """The tensors the sync in progress delivers into, and whether each goes exact (a
+        group healed while it was in flight, which did not start it): what a follower takes
+        its leader's results into."""
         self._sent = list(tensors)
-
-    def note_healed(self) -> None:
-        """This group took another group's state in the sync's quorum."""
-        self._healed = True
 
     def site_tokens(self, tokens: int) -> int:
         """The tokens of this group's site for ``tokens`` per group: every group of the site
@@ -323,9 +319,11 @@ class SyncQuorum:
     @property
     def heartbeat(self) -> int:
         """The key this group heartbeats to the lighthouse under (``peer_watch``)."""
-        if self._heartbeat is None:
-            self._heartbeat = heartbeat_key(tft.heartbeat_id(self.ft.manager))
-        return self._heartbeat
+        manager = self.ft.manager
+        if self._heartbeat is None or self._heartbeat[0] is not manager:
+            # A site's leader starts a new Manager when it leads again: a new id.
+            self._heartbeat = (manager, heartbeat_key(tft.heartbeat_id(manager)))
+        return self._heartbeat[1]
 
     def set_members(self, heartbeats: list[int]) -> None:
         """The heartbeat keys of the quorum just formed: the sync it starts watches them."""
@@ -341,7 +339,7 @@ class SyncQuorum:
         """Through the sync's transport; ``exact``: as fp32 without error feedback (e.g. token
         counts), in order with the rest. A follower of its site sends nothing: its leader's
         results go into ``tensor`` in :meth:`decide`."""
-        self._sent.append(tensor)
+        self._sent.append((tensor, exact))
         if not self.leads():
             return AllWorks([])
         return self.transport.allreduce(
@@ -388,14 +386,10 @@ class SyncQuorum:
         return self._rounds(QuorumPurpose("DyLU's speed probe"))
 
     def _rounds(self, purpose: QuorumPurpose) -> contextlib.AbstractContextManager[QuorumRounds]:
-        needed = self.min_groups
-        if self.site is not None and self.current_step() == 0:
-            # Sites join the job at their first sync point: a new job's first sync waits for
-            # every site (as a new job's start-up waits for every group without sites).
-            needed = self.ft.group_size
-            purpose = dataclasses.replace(
-                purpose, needs=f"all {needed} sites of a new job", reason="group_size"
-            )
+        # Sites join the job at their first sync point: a new job's first sync waits for every
+        # site, as a new job's start-up waits for every group without sites. The Manager's own
+        # rule (None) decides it once the quorum is formed, after a heal to a running job.
+        needed = None if self.site is not None else self.min_groups
         return self.ft.quorum_rounds(
             needed=needed,
             timeout_s=self.timeout_s,
@@ -429,31 +423,57 @@ class SyncQuorum:
         With sites, the leader sends its site what it decided and received; a follower takes
         it (not committed when it did not arrive)."""
         sent, self._sent = self._sent, []
-        healed, self._healed = self._healed, False
         if not self.leads():
             return self._follow(sent)
+        fragment = self.transport.fragment
         decision = self._decide()
         if self.site is not None:
+            tensors = [t for t, _ in sent]
+            residuals = self.transport.residuals
+            if decision.committed and residuals is not None:
+                # What the site's compression owes now, so that any group of it can carry the
+                # next sync (this rank's shards: its peer ranks' residuals are their own).
+                owed = residuals.flat(fragment, _compressed_numel(sent))
+                tensors.append(owed.to(sent[0][0].device))
             header = SiteHeader(
                 decision.committed, decision.number, decision.groups, decision.bytes_sent,
-                decision.squares, healed, len(sent),
+                decision.squares, len(tensors), fragment,
             )  # fmt: skip
-            self.site.send(header, sent)
+            self.site.send(header, tensors)
+            self.site.settle(True)
         return decision
 
-    def _follow(self, sent: list[torch.Tensor]) -> SyncDecision:
+    def _follow(self, sent: list[tuple[torch.Tensor, bool]]) -> SyncDecision:
+        """A follower's decision: its leader's, the results into ``sent`` (and what the
+        leader's compression owes into this group's residuals); kept for a heal history as
+        fp32, as they arrived."""
         assert self.site is not None
-        header = self.site.receive(sent)
-        if header is None or not header.committed:
+        tensors = [t for t, _ in sent]
+        residuals = self.transport.residuals
+        owed = None
+        if residuals is not None and sent:
+            owed = torch.zeros(_compressed_numel(sent), device=tensors[0].device)
+            tensors.append(owed)
+        header, holds = self.site.receive(tensors)
+        # Alike on every rank of the group: a rank whose share failed leaves its shards out of
+        # step with the others', so the whole group drops the sync and heals from its site.
+        holds = not self.agree_in_group(int(not holds))
+        self.site.settle(holds)
+        if header is None or not header.committed or not holds:
             groups = 0 if header is None else header.groups
             return SyncDecision(False, self.current_step() + 1, groups, 0, None, None, [])
-        if header.committed:
-            self.ft.load_state_dict(
-                {"step": header.number, "batches_committed": int(self.ft.state_dict().get(
-                    "batches_committed", 0)) + header.groups}
-            )  # fmt: skip
-        squares = header.squares if header.committed else None
-        return SyncDecision(header.committed, header.number, header.groups, 0, None, squares, [])
+        if residuals is not None and owed is not None:
+            residuals.load(header.fragment, owed.cpu())
+        batches = int(self.ft.state_dict().get("batches_committed", 0)) + header.groups
+        self.ft.load_state_dict({"step": header.number, "batches_committed": batches})
+        delivered = []
+        if self.transport.keep_delivered:
+            delivered = [
+                Delivered.kept("float32", t.numel(), 1, 1.0, t.detach().to("cpu", copy=True))
+                for t, exact in sent
+                if not exact
+            ]
+        return SyncDecision(True, header.number, header.groups, 0, None, header.squares, delivered)
 
     def _decide(self) -> SyncDecision:
         groups = self.num_participants()
@@ -541,3 +561,8 @@ class SyncQuorum:
     def disallow_state_dict_read(self) -> None:
         if self.ft.started:
             self.ft.manager.disallow_state_dict_read()
+
+
+def _compressed_numel(sent: list[tuple[torch.Tensor, bool]]) -> int:
+    """Values of a sync's tensors that travel compressed (what error feedback owes over)."""
+    return sum(t.numel() for t, exact in sent if not exact)

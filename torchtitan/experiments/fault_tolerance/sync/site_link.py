@@ -14,7 +14,13 @@ The leader is sticky: it stays while it is a member of the site's last step quor
 the lowest-numbered member leads from the next sync point on (:meth:`SiteLink.elect`). Every
 member of a quorum sees the same members and holds the same leader (a group that heals in it
 takes the leader from its peer, and electing twice changes nothing), so all agree without a
-collective. Failure semantics: docs/fault_tolerance.md ("Sites").
+collective. A leader is a process, not a group number: a group restarted leads only if elected.
+
+A group that misses a share (the leader died, its header or result did not arrive) or whose
+leader healed from another site in the sync's quorum (:meth:`SiteLink.share_quorum`) does not
+hold the site's state: every group that does moves
+its site Manager's step one up (:meth:`SiteLink.settle`), so at the next step the others heal
+from one of them. Failure semantics: docs/fault_tolerance.md ("Sites").
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from torchtitan.components.ft.delivery import all_reduce_across_groups
 from torchtitan.experiments.fault_tolerance import events
 
 #: What a leader's header says, in order (float64 each; ``squares`` NaN: none).
-HEADER = ("committed", "number", "groups", "bytes_sent", "squares", "healed", "tensors")
+HEADER = ("committed", "number", "groups", "bytes_sent", "squares", "tensors", "fragment")
 
 
 @dataclass(frozen=True)
@@ -47,29 +53,28 @@ class SiteHeader:
     #: Bytes the leader's rank sent over the slow link.
     bytes_sent: int
     squares: float | None
-    #: The leader healed from another site in this sync's quorum: its state is no longer the
-    #: site's, and the others heal from it at the next step.
-    healed: bool
     #: Tensors the results travel in (sizes first, then each).
     tensors: int = 0
+    #: The fragment the sync was for.
+    fragment: int = 0
 
     def as_tensor(self, device: torch.device) -> torch.Tensor:
         squares = math.nan if self.squares is None else self.squares
         values = [float(self.committed), self.number, self.groups, self.bytes_sent, squares]
-        values += [float(self.healed), self.tensors]
+        values += [self.tensors, self.fragment]
         return torch.tensor(values, dtype=torch.float64, device=device)
 
     @classmethod
     def of(cls, found: torch.Tensor) -> SiteHeader:
-        committed, number, groups, sent, squares, healed, tensors = found.tolist()
+        committed, number, groups, sent, squares, tensors, fragment = found.tolist()
         return cls(
             committed == 1.0,
             int(number),
             int(groups),
             int(sent),
             None if math.isnan(squares) else squares,
-            healed == 1.0,
             int(tensors),
+            int(fragment),
         )
 
 
@@ -77,7 +82,9 @@ class SiteLink:
     """One replica group's place in its site: who leads, and the sync results the leader
     shares. ``site_ft``: the site's FTManager (its torchft Manager started, with
     ``tft.record_quorum_members``); ``job_ft``: this group's job Manager, started only while it
-    leads (its step is followed otherwise); ``index``: this group's number in its site."""
+    leads (its step is followed otherwise); ``index``: this group's number in its site;
+    ``timeout_s``: the longest one share may wait for the leader (its sync's quorum, or its
+    transfers)."""
 
     def __init__(
         self,
@@ -96,24 +103,30 @@ class SiteLink:
         self.site = site
         self.device = device
         self.timeout_s = timeout_s
-        #: The group that carries the site's syncs (sticky; see the module docstring).
-        self.leader = 0
+        #: The process that carries the site's syncs, by the id it heartbeats to the site's
+        #: lighthouse under (``replica_<i>:<uuid>``: a restarted group is not its dead
+        #: predecessor); "" before the first election.
+        self.leader = ""
         #: Sites in the last sync's quorum, as the leader said (a follower's answer).
         self.job_groups = 0
 
     def leads(self) -> bool:
-        return self.leader == self.index
+        return bool(self.leader) and self.leader == tft.heartbeat_id(self.site_ft.manager)
 
     def elect(self) -> bool:
         """At a sync point: the leader stays if it is a member of the site's last step quorum,
-        else the lowest-numbered member leads. Returns whether the leader changed."""
+        else its lowest-numbered member leads. Returns whether the leader changed."""
         members = tft.quorum_members(self.site_ft.manager)
         if self.leader in members or not members:
             return False
-        previous, self.leader = self.leader, min(members)
-        events.SITE_LEADER.emit(
-            site=self.site, leader=self.leader, previous=previous, groups=len(members)
-        )
+        previous, self.leader = self.leader, min(members, key=tft.replica_number)
+        if previous:  # not the site's first election
+            events.SITE_LEADER.emit(
+                site=self.site,
+                leader=tft.replica_number(self.leader),
+                previous=tft.replica_number(previous),
+                groups=len(members),
+            )
         return True
 
     def site_groups(self) -> int:
@@ -121,7 +134,17 @@ class SiteLink:
         manager = self.site_ft.manager
         return max(1, int(manager.num_participants())) if self.site_ft.started else 1
 
-    # ---- the leader's result, shared ---------------------------------------------------------
+    # ---- what the leader shares -------------------------------------------------------------
+
+    def share_quorum(self, healed: bool) -> None:
+        """The leader, after its sync's quorum: whether it healed from another site in it."""
+        self._share(torch.tensor([float(healed)], dtype=torch.float64, device=self.device))
+
+    def hear_quorum(self) -> bool | None:
+        """A follower: whether its leader healed from another site in its sync's quorum (then
+        this group heals from its site at the next step); None when that did not arrive."""
+        found = torch.full((1,), -0.0, dtype=torch.float64, device=self.device)
+        return bool(found.item() == 1.0) if self._share(found) else None
 
     def send(self, header: SiteHeader, tensors: list[torch.Tensor]) -> None:
         """The leader: ``header``, then (committed) the sizes of ``tensors`` and the sync's
@@ -137,60 +160,63 @@ class SiteLink:
             if not self._share(tensor):
                 return
 
-    def receive(self, tensors: list[torch.Tensor]) -> SiteHeader | None:
-        """A follower: the leader's header, and (committed) its results into ``tensors``.
-        None when either did not arrive (the leader died, or a group of the site did): this
-        group then heals from a group of its site at the next step (:meth:`fall_behind`)."""
+    def receive(self, tensors: list[torch.Tensor]) -> tuple[SiteHeader | None, bool]:
+        """A follower: the leader's header (None: it did not arrive: the leader died, or a
+        group of the site did) and whether this group holds the sync's result now ((committed)
+        its results went into ``tensors``). A group that does not hold it heals from its site
+        (:meth:`settle`)."""
         found = torch.full((len(HEADER),), -0.0, dtype=torch.float64, device=self.device)
         if not self._share(found):
-            self.fall_behind()
-            return None
+            return None, False
         header = SiteHeader.of(found.cpu())
         self.job_groups = header.groups
-        if header.committed:
-            sizes = self._receive_sizes(header.tensors)
-            if sizes is None:
-                return None
-            mine = [t.numel() for t in tensors]
-            # This group's sync is not the leader's (it healed while one was in flight): take
-            # the results, pairing the collectives, and heal from the site instead.
-            into = tensors if sizes == mine else [torch.empty(n, device=self.device) for n in sizes]
-            for tensor in into:
-                tensor.fill_(-0.0)  # x + -0.0 is x, bit for bit (also -0.0)
-                if not self._share(tensor):
-                    self.fall_behind()
-                    return None
-            if into is not tensors:
-                self.fall_behind()
-                return None
-        if header.healed:
-            self.fall_behind()
-        return header
+        if not header.committed:
+            return header, True
+        sizes = self._receive_sizes(header.tensors)
+        if sizes is None:
+            return header, False
+        # This group's sync is not the leader's (it healed while one was in flight): take the
+        # results into buffers of the leader's sizes, pairing the collectives, and heal.
+        mine = [t.numel() for t in tensors]
+        into = tensors if sizes == mine else [torch.empty(n, device=self.device) for n in sizes]
+        for tensor in into:
+            tensor.fill_(-0.0)  # x + -0.0 is x, bit for bit (also -0.0)
+            if not self._share(tensor):
+                return header, False
+        return header, into is tensors
 
     def _receive_sizes(self, count: int) -> list[int] | None:
         """The sizes of the leader's ``count`` result tensors (None: they did not arrive)."""
         found = torch.full((count,), -0.0, dtype=torch.float64, device=self.device)
         if count and not self._share(found):
-            self.fall_behind()
             return None
         return [int(v) for v in found.tolist()]
 
     def _share(self, tensor: torch.Tensor) -> bool:
         """SUM over the site's groups: the leader's values, the others' -0.0 (one all-reduce
-        on the site's process group; False: it failed, recorded by the site's Manager)."""
-        manager = self.site_ft.manager
-        timeout = timedelta(seconds=self.timeout_s)
-        return all_reduce_across_groups(manager, tensor, average=False, timeout=timeout)
+        on the site's process group, bounded by ``timeout_s`` on its own: a follower waits in
+        it while its leader syncs; False: it failed, recorded by the site's Manager)."""
+        return all_reduce_across_groups(
+            self.site_ft.manager,
+            tensor,
+            average=False,
+            timeout=timedelta(seconds=self.timeout_s),
+            per_operation=True,
+        )
 
-    def fall_behind(self) -> None:
-        """This group's state is not the site's: at the next step quorum it heals from a group
-        of its site (its Manager's step one below theirs)."""
+    def settle(self, holds: bool) -> None:
+        """After a share, alike on every rank of the group: a group that holds the site's
+        state moves its site Manager's step one up; one that does not stays behind and heals
+        from a group of its site at the next step (steps only go up: no group that holds the
+        state can end up behind one that does not)."""
         manager = self.site_ft.manager
         step = int(manager.current_step())
+        if not holds:
+            events.SITE_FELL_BEHIND.emit(site=self.site, group=self.index, site_step=step)
+            return
         manager.load_state_dict(
-            {"step": max(0, step - 1), "batches_committed": manager.batches_committed()}
+            {"step": step + 1, "batches_committed": manager.batches_committed()}
         )
-        events.SITE_FELL_BEHIND.emit(site=self.site, group=self.index, site_step=step)
 
     # ---- what a group healing from its site takes -----------------------------------------------
 
@@ -200,7 +226,7 @@ class SiteLink:
             "batches_committed", 0), "job_groups": self.job_groups}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.leader = int(state["leader"])
+        self.leader = str(state["leader"])
         self.job_groups = int(state.get("job_groups", 0))
         self.job_ft.load_state_dict(
             {"step": int(state["job_step"]), "batches_committed": int(state["job_batches"])}
