@@ -345,3 +345,27 @@ def test_a_follower_owes_what_its_leader_owes_and_keeps_the_result_for_a_replay(
     assert owed.tolist() == list(range(10))
     assert [d.numel for d in decision.delivered] == [10]
     assert torch.equal(decision.delivered[0].values(), result)
+
+
+def test_a_follower_that_misses_the_result_drops_the_sync_and_stays_behind() -> None:
+    """The leader's result does not fit this follower's sync (it healed while another was in
+    flight): its decision is not committed, its job step stays, and its site step stays
+    behind the leader's, so it heals from its site at the next step."""
+
+    def group(rank: int, pg: dist.ProcessGroup) -> Any:
+        site = link(pg, rank, 2, job=JobFT(step=4))
+        if rank == 0:
+            site.send(SiteHeader(True, 5, 2, 40, 1.0, 1), [torch.full((10,), 7.0)])
+            site.settle(True)
+            return site.site_ft.manager.current_step()
+        transport = SyncTransport("float32", error_feedback=False, bucket_mb=1.0, timeout_s=30)
+        job: Any = site.job_ft
+        sync = SyncQuorum(job, 1, 60.0, transport=transport, site=site)
+        sync.allreduce(torch.zeros(6))
+        decision = sync.decide()
+        return decision, sync.current_step(), site.site_ft.manager.current_step()
+
+    leader_step, (decision, job_step, site_step) = run_groups(2, group)
+    assert not decision.committed and decision.delivered == []
+    assert job_step == 4
+    assert (leader_step, site_step) == (6, 5)
