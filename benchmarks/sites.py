@@ -4,6 +4,10 @@ site sends over the slow link per sync with 1, 2 and 3 groups.
     .venv/bin/python -m benchmarks.sites              # the headline's figures (~15 min)
     .venv/bin/python -m benchmarks.sites --smoke      # ~3 min; checks the plumbing
 
+Steps of the debug model that compute for most of their time (``--seq-len``, ``--batch``): a
+site's step quorum and its all-reduce cost tens of milliseconds here, as they do beside the
+seconds a GPU step takes.
+
 Topology (``benchmarks/netns.py``): each site is a network namespace with one link of
 ``--link-mbit`` to the hub (the slow link, shaped both ways); the site's groups and its
 lighthouse run inside it and reach each other on the site's own address (the kernel's local
@@ -11,14 +15,18 @@ route: the site's fast network); the job's lighthouse runs in the hub. So the si
 carries exactly what crosses sites: syncs, the job's quorums and heartbeats, heals between
 sites. Group i runs on core i mod 2. DiLoCo, ``sync_steps`` ``--sync-steps``.
 
-Part 1 (``--kills`` repeats): 2 sites x 2 groups. Once every group has committed 2 syncs,
-SIGKILL group 1 of site 0 and restart it ``--restart-after`` seconds later. Per repeat:
+Part 1 (``--kills`` repeats): 2 sites x 2 groups, ``--steps`` steps. Once group 1 of site 0
+has taken ``--kill-at-step`` steps, SIGKILL it and restart it ``--restart-after`` seconds
+later (the other groups train on meanwhile: the job is long enough for its return). Per
+repeat:
 
-* share: site 0's committed steps per second from the kill to the restarted group's first
-  step, over the same in the equally long window before the kill (group 0's ``train.step``
-  events);
-* the other site's wait share in that window: the time its leader spent in sync quorums
-  (``quorum_wait_s`` of its syncs in the window) over the window;
+* share: site 0's compute seconds (both its groups', ``benchmarks/timed_trainer.py``) from the
+  kill to the restarted group's first step, over the same in the equally long window before
+  the kill: about (G - 1) / G = 0.5 when the survivor trains on without waiting, 0 for a site
+  that stops until the group is back;
+* the other site's wait share in that window: 1 - its groups' mean compute seconds over the
+  window's wall seconds, and what the kill added to it (the same share in the window before,
+  less): here most of it is the 2 cores shared by 4 groups and each step's quorum;
 * restart -> the restarted group's first step (process start-up and its heal from its site);
 * whether every group ended with the same final model.
 
@@ -39,6 +47,7 @@ from typing import Any
 
 from benchmarks import ft_common as common
 from benchmarks import netns, provenance
+from benchmarks.timed_trainer import TIMING
 from benchmarks.wan import in_namespace
 from torchtitan.components.metrics import TRAIN_STEP
 from torchtitan.experiments.fault_tolerance.events import FINAL_MODEL, SYNC
@@ -60,25 +69,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--restart-after", type=float, default=5.0, help="seconds")
     parser.add_argument("--groups-per-site", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--sync-steps", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=60, help="part 1's steps per repeat")
+    parser.add_argument("--steps", type=int, default=150, help="part 1's steps per repeat")
+    parser.add_argument("--kill-at-step", type=int, default=60, help="part 1's kill")
     parser.add_argument("--bytes-steps", type=int, default=30, help="part 2's steps per run")
-    parser.add_argument("--flavor", default="debugmodel_small")
+    parser.add_argument("--flavor", default="debugmodel")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8, help="local batch size")
     parser.add_argument("--timeout", type=float, default=900.0)
     args = parser.parse_args(argv)
     if args.smoke:
-        args.kills, args.steps, args.bytes_steps = 1, 40, 10
+        args.kills, args.steps, args.kill_at_step, args.bytes_steps = 1, 80, 30, 10
+        args.flavor, args.seq_len, args.batch = "debugmodel_small", 64, 4
         args.groups_per_site = [1, 2]
     return args
 
 
 def train_args(folder: Path, args: argparse.Namespace, steps: int) -> list[str]:
     return [
-        common.SEMI_SYNC_MODULE,
+        common.TIMED_MODULE,
         "--fault_tolerance.semi_sync_method=diloco",
         f"--fault_tolerance.sync_steps={args.sync_steps}",
         f"--model.flavor={args.flavor}",
-        "--training.seq_len=64",
-        "--training.local_batch_size=4",
+        f"--training.seq_len={args.seq_len}",
+        f"--training.local_batch_size={args.batch}",
         f"--training.steps={steps}",
         "--validation.enable=false",
         "--metrics.log_freq=1",
@@ -99,7 +112,8 @@ def site_job(folder: Path, wan: netns.Wan, groups_per_site: int, train: list[str
         site = index // per_site
         spec = common.pin_to_core(index % 2, spec)
         argv = [*spec.argv, f"--fault_tolerance.hostname={netns.group_ip(site)}"]
-        return in_namespace(wan, wan.group_ns(site))(ProcessSpec(argv, spec.env))
+        env = {**spec.env, "GLOO_SOCKET_IFNAME": netns.GROUP_IFACE}
+        return in_namespace(wan, wan.group_ns(site))(ProcessSpec(argv, env))
 
     return LocalJob(
         folder,
@@ -142,6 +156,8 @@ def wait_for(job: LocalJob, replica: int, kind: Any, count: int, timeout: float,
             return found
         if job.latest(replica).poll() not in (None, 0):
             raise RuntimeError(f"group {replica} failed:\n{job.latest(replica).tail()}")
+        if all(job.latest(r).poll() is not None for r in range(job.groups) if r != replica):
+            raise RuntimeError(f"the other groups finished before group {replica}: raise --steps")
         time.sleep(0.2)
     raise RuntimeError(f"group {replica}: no {count}x {kind} in {timeout:.0f}s")
 
@@ -158,36 +174,61 @@ def wait_done(job: LocalJob, timeout: float) -> None:
     common.wait_all([job.latest(r) for r in range(job.groups)], timeout)
 
 
+def compute_seconds(found: list[Event], start: float, end: float) -> float:
+    """Seconds a group computed within [start, end] (``time.monotonic()``), from its timing
+    events (``compute_s`` summed so far by each process, at each step's end ``t``): the growth
+    of each process's sum over its steps that ended in the window."""
+    total = 0.0
+    for pid in {e.pid for e in found}:
+        mine = [e for e in found if e.pid == pid]
+        inside = [e for e in mine if start <= e["t"] <= end]
+        before = [e for e in mine if e["t"] < start]
+        if inside:
+            first = before[-1]["compute_s"] if before else 0.0  # a process sums from 0
+            total += float(inside[-1]["compute_s"] - first)
+    return total
+
+
 def kill_repeat(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
-    victim, survivor, other_leader = 1, 0, 2
+    """One kill of group 1 of site 0 (see the module docstring). The share and the wait are
+    compute seconds over wall seconds (``timed_trainer``): on this machine's 2 cores the
+    groups' steps speed up when one dies, which a steps-per-second ratio would count."""
+    victim = 1
+    site_groups, other_groups = (0, 1), (2, 3)
     with netns.Wan(SITES, args.link_mbit) as wan:
         with site_job(folder, wan, 2, train_args(folder, args, args.steps)) as job:
             start_job(job, wan)
-            for replica in range(job.groups):
-                wait_for(job, replica, SYNC, 2, args.timeout)
+            wait_for(job, victim, TRAIN_STEP, args.kill_at_step, args.timeout)
             job.kill_group(victim)
-            killed = time.time()
+            killed = time.monotonic()
             time.sleep(args.restart_after)
             restarted: Process = job.start_group(victim)
-            first = wait_for(job, victim, TRAIN_STEP, 1, args.timeout, restarted.started_at)[0]
+            started = time.monotonic()
+            first = wait_for(job, victim, TIMING, 1, args.timeout, restarted.started_at)[0]
             wait_done(job, args.timeout)
             digests = final_digests(job)
-        back = first.time
+        back = float(first["t"])
         window = back - killed
-        steps = [e.time for e in events(job, survivor, TRAIN_STEP)]
-        during = sum(killed <= t < back for t in steps)
-        before = sum(killed - window <= t < killed for t in steps)
-        waited = sum(
-            e["quorum_wait_s"] for e in events(job, other_leader, SYNC) if killed <= e.time < back
-        )
+        timing = {r: events(job, r, TIMING) for r in range(job.groups)}
+        during = sum(compute_seconds(timing[r], killed, back) for r in site_groups)
+        before = sum(compute_seconds(timing[r], killed - window, killed) for r in site_groups)
+        other = [compute_seconds(timing[r], killed, back) / window for r in other_groups]
+        other_before = [
+            compute_seconds(timing[r], killed - window, killed) / window for r in other_groups
+        ]
     return {
         "window_s": round(window, 2),
-        "steps_during": during,
-        "steps_before": before,
+        "site_compute_s_during": round(during, 3),
+        "site_compute_s_before": round(before, 3),
         "share": round(during / before, 4) if before else None,
-        "other_site_wait_s": round(waited, 3),
-        "other_site_wait_share": round(waited / window, 4),
-        "restart_to_first_step_s": round(back - restarted.started_at, 2),
+        "other_site_utilisation": [round(u, 4) for u in other],
+        "other_site_utilisation_before": [round(u, 4) for u in other_before],
+        "other_site_wait_share": round(1 - statistics.mean(other), 4),
+        # What the kill added to it: the same groups' wait share in the window before.
+        "other_site_extra_wait_share": round(
+            statistics.mean(other_before) - statistics.mean(other), 4
+        ),
+        "restart_to_first_step_s": round(back - started, 2),
         "digests": digests,
         "digests_equal": len(set(digests)) == 1,
     }
@@ -223,6 +264,7 @@ def bytes_run(folder: Path, args: argparse.Namespace, groups_per_site: int) -> d
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    common.stop_cleanly_on_sigterm()  # a SIGTERM still ends the job's processes and namespaces
     why = netns.unavailable()
     if why is not None:
         print(f"[sites] cannot emulate links here: {why}", file=sys.stderr)
