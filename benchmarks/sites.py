@@ -78,7 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=900.0)
     args = parser.parse_args(argv)
     if args.smoke:
-        args.kills, args.steps, args.kill_at_step, args.bytes_steps = 1, 80, 30, 10
+        # Steps of milliseconds: enough of them left after the kill for the group's return.
+        args.kills, args.steps, args.kill_at_step, args.bytes_steps = 1, 300, 40, 10
+        args.restart_after = 1.0
         args.flavor, args.seq_len, args.batch = "debugmodel_small", 64, 4
         args.groups_per_site = [1, 2]
     return args

@@ -470,3 +470,22 @@ def test_convergence_over_a_link_records_loss_against_wall_clock_per_config(
         curve = data["curves"][config]["0"]["curve"]
         assert curve and all(float(t) > 0 for t in curve), config
         assert data["summary"][config]["final_s_per_seed"]["0"] == max(map(float, curve))
+
+
+def test_sites_smoke_kills_a_group_of_a_site_and_counts_each_sites_bytes(tmp_path: Path) -> None:
+    """benchmarks/sites.py: one kill of a group of site 0 and the bytes runs with 1 and 2
+    groups per site, on emulated links; the figures' plumbing, not their values."""
+    netns = _module("netns")
+    why = netns.unavailable()
+    if why is not None:
+        pytest.skip(f"no network namespaces here: {why}")
+    out = tmp_path / "sites.json"
+    assert _module("sites").main(["--smoke", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    (kill,) = result["kills"]
+    assert kill["digests_equal"] and kill["share"] is not None and kill["window_s"] > 0
+    assert [r["groups_per_site"] for r in result["bytes"]] == [1, 2]
+    for run in result["bytes"]:
+        assert run["digests_equal"] and run["syncs"] >= 1
+        assert run["payload_bytes_per_sync"][0] == result["bytes"][0]["payload_bytes_per_sync"][0]
+    assert not netns.leftover_namespaces("ttwan")
