@@ -13,7 +13,7 @@ Topology (``benchmarks/netns.py``): each site is a network namespace with one li
 lighthouse run inside it and reach each other on the site's own address (the kernel's local
 route: the site's fast network); the job's lighthouse runs in the hub. So the site's link
 carries exactly what crosses sites: syncs, the job's quorums and heartbeats, heals between
-sites. Group i runs on core i mod 2. DiLoCo, ``sync_steps`` ``--sync-steps``.
+sites. Site s's groups share core s mod 2. DiLoCo, ``sync_steps`` ``--sync-steps``.
 
 Part 1 (``--kills`` repeats): 2 sites x 2 groups, ``--steps`` steps. Once group 1 of site 0
 has taken ``--kill-at-step`` steps, SIGKILL it and restart it ``--restart-after`` seconds
@@ -69,12 +69,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--restart-after", type=float, default=5.0, help="seconds")
     parser.add_argument("--groups-per-site", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--sync-steps", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=150, help="part 1's steps per repeat")
-    parser.add_argument("--kill-at-step", type=int, default=60, help="part 1's kill")
+    parser.add_argument("--steps", type=int, default=100, help="part 1's steps per repeat")
+    parser.add_argument("--kill-at-step", type=int, default=40, help="part 1's kill")
     parser.add_argument("--bytes-steps", type=int, default=30, help="part 2's steps per run")
     parser.add_argument("--flavor", default="debugmodel")
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=8, help="local batch size")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=4, help="local batch size")
     parser.add_argument("--timeout", type=float, default=900.0)
     args = parser.parse_args(argv)
     if args.smoke:
@@ -107,12 +107,14 @@ def train_args(folder: Path, args: argparse.Namespace, steps: int) -> list[str]:
 
 def site_job(folder: Path, wan: netns.Wan, groups_per_site: int, train: list[str]) -> LocalJob:
     """The job's lighthouse in the hub, each site's lighthouse and groups in the site's
-    namespace; group i on core i mod 2, telling its peers its site's address."""
+    namespace, site s's groups on core s mod 2 (a site computes on its own hardware: a
+    restarting group's start-up takes its own site's core, not the other site's), telling
+    their peers their site's address."""
     per_site = groups_per_site
 
     def launch_group(index: int, spec: ProcessSpec) -> ProcessSpec:
         site = index // per_site
-        spec = common.pin_to_core(index % 2, spec)
+        spec = common.pin_to_core(site % 2, spec)
         argv = [*spec.argv, f"--fault_tolerance.hostname={netns.group_ip(site)}"]
         env = {**spec.env, "GLOO_SOCKET_IFNAME": netns.GROUP_IFACE}
         return in_namespace(wan, wan.group_ns(site))(ProcessSpec(argv, env))
