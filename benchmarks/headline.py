@@ -302,6 +302,25 @@ def soak_goodput(r: Result) -> list[float]:
     return [r["soak"]["goodput_with_downtime"]]
 
 
+def site_bytes_vs_one_group(groups: int) -> Callable[[Result], list[float]]:
+    """Per site: its link's bytes per sync with ``groups`` groups per site over one group's
+    (``sites.py``, the kernel's counters)."""
+    return lambda r: [
+        ratio for run in r["bytes"] if run["groups_per_site"] == groups
+        for ratio in run["link_bytes_vs_one_group"]
+    ]  # fmt: skip
+
+
+def site_kills(key: str) -> Callable[[Result], list[float]]:
+    """Per kill of a group of a site (``sites.py``)."""
+    return lambda r: [float(k[key]) for k in r["kills"]]
+
+
+def sites_final_models_equal(r: Result) -> list[float]:
+    """Per run of ``sites.py``: 1 when every group ended with the same final model."""
+    return [float(run["digests_equal"]) for run in [*r["kills"], *r["bytes"]]]
+
+
 PCT = "{:.1%}"
 # fmt: off
 FIGURES = [
@@ -320,6 +339,10 @@ FIGURES = [
            bytes_vs_float32("sparse"), "bytes", fmt="{:.4f}"),
     Figure("heal replay bytes / full heal, sparse, 3 missed syncs", "heal_replay_sparse.json",
            heal_case(100.0, "sparse", "K=3", "bytes_vs_full"), "bytes", ("<=", 0.01), fmt=PCT),
+    Figure("site's link bytes per sync, 2 groups per site / 1 (per site)", "sites.json",
+           site_bytes_vs_one_group(2), "bytes", ("<=", 1.02)),
+    Figure("site's link bytes per sync, 3 groups per site / 1 (per site)", "sites.json",
+           site_bytes_vs_one_group(3), "bytes", ("<=", 1.02)),
     Figure("heal replay bytes / full heal, sparse, 10 missed syncs", "heal_replay_sparse.json",
            heal_case(100.0, "sparse", "K=10", "bytes_vs_full"), "bytes", ("<=", 0.03), fmt=PCT),
     Figure("DiLoCo peak RSS - no FT, in parameter bytes (`bench_1024x8`)", "memory.json",
@@ -352,6 +375,10 @@ FIGURES = [
            rejoin_wait_over_period, "wait", ("<=", HIDDEN_WAIT), fmt=PCT),
     Figure("survivor's kill -> next committed sync, in heartbeat timeouts", "recovery.json",
            kill_stall_in_heartbeats, "wait", ("<=", 2.0), fmt="{:.2f}"),
+    Figure("a site's compute while 1 of its 2 groups is down / before", "sites.json",
+           site_kills("share"), "wait", (">=", 0.45)),
+    Figure("the other site's wait share added while a group of a site is down", "sites.json",
+           site_kills("other_site_extra_wait_share"), "wait", ("<=", 0.05), fmt=PCT),
     Figure("async survivors' stall after a kill / collective timeout (per survivor and kill)",
            "recovery_async.json", async_stall_over_collective_timeout, "wait", ("<=", 0.05),
            fmt=PCT),
@@ -379,6 +406,8 @@ FIGURES = [
            soak("committed_over_attempted_steps"), "count", (">=", 0.80)),
     Figure("soak: syncs whose global parameters differ", "recovery_soak.json",
            soak("mismatched_syncs"), "count", ("==", 0.0), fmt="{:.0f}"),
+    Figure("sites: runs whose groups all end with one final model", "sites.json",
+           sites_final_models_equal, "count", ("==", 1.0), every=True, fmt="{:.0f}"),
     Figure("soak: survivor crashes", "recovery_soak.json", soak("crashes"), "count",
            ("==", 0.0), fmt="{:.0f}"),
     # reported, never judged: wall-clock between processes, or a figure the machine moves
@@ -418,6 +447,8 @@ FIGURES = [
     Figure("ours / upstream torchtitan 0.3.0 tokens/s (same attention)", "peer_throughput.json",
            peer_ratio),
     Figure("soak goodput, downtime counted / no FT", "recovery_soak.json", soak_goodput),
+    Figure("a site's restarted group: restart -> its first step, s (start-up + heal)",
+           "sites.json", site_kills("restart_to_first_step_s"), fmt="{:.1f}"),
     Figure("checkpoint save time with checksums / without, - 1", "checkpoint_checksums.json",
            checksum_overhead("save"), fmt=PCT),
     Figure("int4 encode + decode / sync time (100 Mbit/s)", "wan_compression_share.json",

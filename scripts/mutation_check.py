@@ -97,7 +97,86 @@ class Mutant:
     tests: tuple[str, ...] = tuple(TESTS)
 
 
+#: The unit tests a mutant of sites of groups must fail.
+SITE_TESTS = (
+    "tests/unit_tests/test_site_link.py",
+    "tests/unit_tests/test_job_config.py",
+    "tests/unit_tests/test_ft_manager.py",
+    "tests/unit_tests/test_async_diloco.py",
+    "tests/unit_tests/test_ft_launcher.py",
+)
+
 MUTANTS = [
+    Mutant(
+        "sites: the highest-numbered live group leads instead of the lowest",
+        f"{PACKAGE}/sync/site_link.py",
+        "previous, self.leader = self.leader, min(members, key=tft.replica_number)",
+        "previous, self.leader = self.leader, max(members, key=tft.replica_number)",
+        tests=SITE_TESTS,
+    ),
+    Mutant(
+        "sites: followers take the leader's result over +0.0 (a -0.0 comes back +0.0)",
+        f"{PACKAGE}/sync/site_link.py",
+        "tensor.fill_(-0.0)  # x + -0.0 is x, bit for bit (also -0.0)",
+        "tensor.fill_(0.0)  # x + -0.0 is x, bit for bit (also -0.0)",
+        tests=SITE_TESTS,
+    ),
+    Mutant(
+        "sites: the header's sync number and quorum size travel swapped",
+        f"{PACKAGE}/sync/site_link.py",
+        "values = [float(self.committed), self.number, self.groups, self.bytes_sent, squares]",
+        "values = [float(self.committed), self.groups, self.number, self.bytes_sent, squares]",
+        tests=SITE_TESTS,
+    ),
+    Mutant(
+        "sites: a leader that healed from another site does not tell its site",
+        f"{PACKAGE}/join/protocol.py",
+        "site.share_quorum(self._peer_loaded)",
+        "site.share_quorum(False)",
+        tests=("tests/unit_tests/test_site_link.py", "tests/integration_tests/test_sites.py"),
+    ),
+    Mutant(
+        "sites: a follower that missed the result settles as holding the site's state",
+        f"{PACKAGE}/sync/quorum.py",
+        "holds = not self.agree_in_group(int(not holds))",
+        "holds = True",
+        tests=SITE_TESTS,
+    ),
+    Mutant(
+        "sites: a group healed with fragment 0's sync in flight does not await it",
+        f"{PACKAGE}/method_state.py",
+        "if in_flight >= 0 or arrived:",
+        "if in_flight > 0 or arrived:",
+        tests=SITE_TESTS,
+    ),
+    Mutant(
+        "sites: async DiLoCo weighs a site by one group's tokens",
+        f"{PACKAGE}/methods/async_diloco.py",
+        "tokens = self.sync.site_tokens(steps * self.tokens_per_step)",
+        "tokens = steps * self.tokens_per_step",
+        tests=SITE_TESTS,
+    ),
+    Mutant(
+        "sites: a group's number in its site is its site's number",
+        f"{PACKAGE}/job_config.py",
+        "replica_id=ft.replica_id % ft.groups_per_site,",
+        "replica_id=ft.replica_id // ft.groups_per_site,",
+        tests=SITE_TESTS,
+    ),
+    Mutant(
+        "sites: the launcher's SITE:G names group SITE of site G",
+        f"{PACKAGE}/launch/launcher.py",
+        "return int(site) * groups_per_site + int(group)",
+        "return int(group) * groups_per_site + int(site)",
+        tests=SITE_TESTS,
+    ),
+    Mutant(
+        "ft: a Manager that steps down forgets its step",
+        "torchtitan/components/ft/manager.py",
+        "self._pending_step = {k: int(v) for k, v in self._manager.state_dict().items()}",
+        "self._pending_step = None",
+        tests=SITE_TESTS,
+    ),
     Mutant(
         "engine: DiLoCo's pseudo-gradient has the wrong sign",
         f"{PACKAGE}/methods/periodic.py",
@@ -1175,8 +1254,8 @@ MUTANTS = [
     Mutant(
         "protocol: a heal in an earlier sync quorum is reported for every later one",
         f"{PACKAGE}/join/protocol.py",
-        "        self._peer_loaded = False\n        with self.sync.sync_rounds() as rounds:\n",
-        "        with self.sync.sync_rounds() as rounds:\n",
+        "        self._peer_loaded = False\n        site = self.sync.site\n",
+        "        site = self.sync.site\n",
     ),
     Mutant(
         "speeds: the probe's quorum is formed as a sync's",

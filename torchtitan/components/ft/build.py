@@ -92,8 +92,11 @@ def fresh_rendezvous_process_group(backend: str, timeouts: ReplicaTimeouts) -> A
     if nccl:
         timeouts.apply_nccl_environment()  # before torchft's group reads it
         # Here, on the main thread before torchft's threads start (not around each build on
-        # its quorum thread: setenv beside another thread's getenv can crash the process).
-        os.environ.update(REPLICA_NCCL_ENVIRONMENT)
+        # its quorum thread: setenv beside another thread's getenv can crash the process). A
+        # second Manager (sites of groups) finds them set already and writes nothing.
+        for name, value in REPLICA_NCCL_ENVIRONMENT.items():
+            if os.environ.get(name) != value:
+                os.environ[name] = value
     base = torchft_adapter.reconfigurable_group_class(backend)
 
     class FreshRendezvous(base):  # type: ignore[valid-type,misc]  # a class chosen at run time
@@ -134,7 +137,11 @@ def fresh_rendezvous_process_group(backend: str, timeouts: ReplicaTimeouts) -> A
             def _wrap_work(self, work: Any, opts: object) -> Any:
                 if not self._use_abort:  # NCCL < 2.25: c10d's own timeouts, as torchft does
                     return work
-                return torchft_adapter.accelerator_timeout_work(self, work, timeouts.collective)
+                # An operation that names its own bound (a site's share: a follower waits in it
+                # while its leader syncs) is aborted after that, not the group's.
+                own = getattr(opts, "timeout", None)
+                bound = own if own is not None and own > timedelta(0) else timeouts.collective
+                return torchft_adapter.accelerator_timeout_work(self, work, bound)
 
             def _quorum_group_name(self) -> str | None:
                 quorum, rank, size = (

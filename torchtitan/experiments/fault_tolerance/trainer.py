@@ -193,6 +193,15 @@ class SemiSyncTrainer(Trainer):
         ft = semi_sync_config(self.job_config)
         if ft.groups_per_site == 1:
             return None
+        if self.ft is not None and self.ft.lighthouse == ft.site_lighthouse:
+            # The job's lighthouse may come from TORCHFT_LIGHTHOUSE, which the config's own
+            # check does not see.
+            raise ConfigError(
+                "fault_tolerance.site_lighthouse",
+                ft.site_lighthouse,
+                "is the job's lighthouse (fault_tolerance.lighthouse or TORCHFT_LIGHTHOUSE): "
+                "each site needs one of its own",
+            )
         return build_ft_manager(
             site_step_config(self.job_config),
             self.parallel_dims,
