@@ -79,8 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.smoke:
         # Steps of milliseconds: enough of them left after the kill for the group's return.
-        args.kills, args.steps, args.kill_at_step, args.bytes_steps = 1, 300, 40, 10
-        args.restart_after = 1.0
+        args.kills, args.steps, args.kill_at_step, args.bytes_steps = 1, 160, 30, 5
+        args.restart_after = 0.5
         args.flavor, args.seq_len, args.batch = "debugmodel_small", 64, 4
         args.groups_per_site = [1, 2]
     return args
