@@ -108,3 +108,25 @@ def test_the_sync_quorum_timeout_covers_a_period_and_a_float32_sync(
     assert expected == 4 * (10 + 320)
     assert f"sync_quorum_timeout_s >= {expected} " in out
     assert plan.sync_s("int8") < plan.sync_s("float32") / 3
+
+
+def test_sites_sync_among_sites_and_price_the_site_s_step_all_reduce(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """With sites the slow link carries one payload per site (a ring among sites, whatever
+    the groups per site), and each step's float32 gradient all-reduce among a site's groups
+    goes over the site's network, each rank its shard."""
+    sites = Plan(8e9, 2.0, 1000.0, 2, 33, ranks_per_group=8, groups_per_site=4)
+    alone = Plan(8e9, 2.0, 1000.0, 2, 33, ranks_per_group=8)
+    assert sites.sync_bytes("int8") == alone.sync_bytes("int8")
+    # 2 (4 - 1) / 4 x 8e9 x 4 bytes / 8 ranks at 100 Gbit/s each: 0.48 s
+    assert sites.step_allreduce_s() == pytest.approx(0.48)
+    argv = ["--params", "8B", "--step-s", "2", "--link-mbit", "1000", "--sites", "2",
+            "--groups-per-site", "4", "--ranks-per-group", "8"]  # fmt: skip
+    assert planner.main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the prose is wrapped
+    assert "2 sites of 4 replica groups" in out and "480 ms at 100 Gbit/s per rank" in out
+    for bad in (["--groups", "3"], []):
+        with pytest.raises(SystemExit):
+            planner.parse_args(["--params", "1B", "--step-s", "1", "--link-mbit", "10",
+                             "--groups-per-site", "2", *bad])  # fmt: skip

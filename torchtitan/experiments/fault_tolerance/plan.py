@@ -15,7 +15,11 @@ sync:
 * one bucket's transfer (what ``sync_collective_timeout_s`` bounds): all ranks of a group send at
   once, each with ``1 / --ranks-per-group`` of the link;
 * blocking idle share: ``sync / (period + sync)``; overlap hides a sync shorter than a period;
-* a full heal: model, AdamW's two moments, global copy, outer momentum: 5 x 4 bytes per param.
+* a full heal: model, AdamW's two moments, global copy, outer momentum: 5 x 4 bytes per param;
+* sites of groups (``--sites``, ``--groups-per-site``): the sync runs among the sites (one
+  payload per site, whatever its live groups), and each step a site's groups all-reduce their
+  float32 gradients over the site's network (``--site-gbit`` per rank): ``2 (G - 1) / G`` x 4
+  bytes per parameter per group, each rank sending its shard.
 
 It measures nothing: compute, codec time and real link throughput are the user's to check
 (``benchmarks/wan.py`` emulates a link on one machine).
@@ -63,6 +67,17 @@ class Plan:
     sync_steps: int
     #: Ranks of one group: each sends its own shard's buckets over the group's link at once.
     ranks_per_group: int = 1
+    #: Sites of groups: the groups of one site (1: every group is a site, ``groups`` sites).
+    groups_per_site: int = 1
+    #: Gbit/s of a site's network per rank (each rank sends its own shard).
+    site_gbit: float = 100.0
+
+    def step_allreduce_s(self) -> float:
+        """Seconds a site's per-step gradient all-reduce (float32, ring) takes, every rank of
+        a group sending its shard at once."""
+        g = self.groups_per_site
+        per_rank = 2 * (g - 1) / g * self.params * 4 / self.ranks_per_group
+        return per_rank * 8 / (self.site_gbit * 1e9)
 
     def sync_s(self, dtype: str) -> float:
         """Seconds one sync's all-reduce takes on the link."""
@@ -154,6 +169,27 @@ def report(plan: Plan, suggested: bool) -> str:
             f"{steps_to_hide(plan, dtype):>10} {steps_for_idle(plan, dtype):>14}"
         )
     slowest = plan.sync_s("float32")
+    if plan.groups_per_site > 1:
+        g = plan.groups_per_site
+        step_ar = plan.step_allreduce_s()
+        lines[0] = (
+            f"{plan.params:.3g} parameters, {plan.groups} sites of {g} replica groups of "
+            f"{plan.ranks_per_group} rank(s), {plan.link_mbit:g} Mbit/s from each site to the "
+            f"others (its carrying group's ranks share it), inner step {plan.step_s:g} s"
+        )
+        lines += [
+            "",
+            textwrap.fill(
+                f"Sites: each site sends one payload per sync (the table's), whatever its live "
+                f"groups. Every step its groups all-reduce their float32 gradients over the "
+                f"site's network: {_size(2 * (g - 1) / g * plan.params * 4)} per group, "
+                f"{_duration(step_ar)} at {plan.site_gbit:g} Gbit/s per rank "
+                f"({step_ar / plan.step_s:.1%} of a step unless overlapped). A dead group costs "
+                f"its site 1/{g} of its compute until it is back (it heals from its site, over "
+                "the site's network).",
+                width=96,
+            ),
+        ]
     prose = [
         "Blocking DiLoCo (diloco) idles while it syncs. Streaming DiLoCo (num_fragments > 1 and "
         "fragment_sync_delay) and async_diloco overlap the sync with inner steps: it is hidden "
@@ -202,7 +238,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Mbit/s one group can send to the others: its link between sites, shared by all "
         "its ranks",
     )
-    parser.add_argument("--groups", type=int, default=2, help="replica groups (default 2)")
+    parser.add_argument(
+        "--groups",
+        type=int,
+        default=None,
+        help="replica groups (default 2; with --sites, leave it out)",
+    )
+    parser.add_argument(
+        "--sites",
+        type=int,
+        default=None,
+        help="sites of --groups-per-site groups each: the sync runs among sites",
+    )
+    parser.add_argument(
+        "--groups-per-site", type=int, default=1, help="replica groups per site (default 1)"
+    )
+    parser.add_argument("--site-gbit", type=float, default=100.0,
+                        help="Gbit/s of a site's network per rank (default 100)")  # fmt: skip
     parser.add_argument(
         "--ranks-per-group",
         type=int,
@@ -213,11 +265,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sync-steps", type=int, default=None,
                         help="inner steps per sync to judge (default: suggest one)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.sites is not None:
+        if args.groups is not None:
+            parser.error("--groups: give --sites and --groups-per-site instead with sites")
+        args.groups = args.sites
+    elif args.groups_per_site > 1:
+        parser.error("--groups-per-site: needs --sites")
+    if args.groups is None:
+        args.groups = 2
+    if args.groups_per_site < 1:
+        parser.error("--groups-per-site: must be >= 1")
+    if args.site_gbit <= 0:
+        parser.error("--site-gbit: must be > 0")
     for name in ("params", "step_s", "link_mbit"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')}: must be > 0")
     if args.groups < 2:
-        parser.error("--groups: a sync needs at least 2 groups")
+        what = "--sites: a sync needs at least 2 sites" if args.sites else "--groups"
+        parser.error(f"{what}: a sync needs at least 2 groups" if what == "--groups" else what)
     if args.ranks_per_group < 1:
         parser.error("--ranks-per-group: must be >= 1")
     if args.sync_steps is not None and args.sync_steps < 1:
@@ -234,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
         args.groups,
         args.sync_steps or 1,
         args.ranks_per_group,
+        args.groups_per_site,
+        args.site_gbit,
     )
     suggested = args.sync_steps is None
     if suggested:
